@@ -1,0 +1,159 @@
+#include "common/config.h"
+
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/lr_schedule.h"
+#include "common/model_spec.h"
+#include "common/status_macros.h"
+
+namespace aloe {
+namespace {
+
+class CollectingErrors final : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    if (first_.empty()) first_ = absl::StrFormat("line %d column %d: %s", line + 1, column + 1, message);
+  }
+  void AddWarning(int, google::protobuf::io::ColumnNumber, const std::string&) override {}
+  const std::string& first() const { return first_; }
+
+ private:
+  std::string first_;
+};
+
+bool IsJsonPath(const std::string& path) { return absl::EndsWith(path, ".json"); }
+
+absl::Status CheckAddress(const std::string& field, const std::string& address) {
+  size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s must be host:port with port in [0, 65535], got \"%s\"", field, address));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Positive(const char* field, double v) {
+  if (!(v > 0) || !std::isfinite(v)) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s must be > 0, got %g", field, v));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
+                                                   const std::string& path_for_format) {
+  v1::ServerConfig config;
+  if (IsJsonPath(path_for_format)) {
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = false;
+    auto status = google::protobuf::util::JsonStringToMessage(text, &config, options);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path_for_format, ": ", std::string(status.message())));
+    }
+    return config;
+  }
+  google::protobuf::TextFormat::Parser parser;
+  CollectingErrors errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(text, &config)) {
+    return absl::InvalidArgumentError(absl::StrCat(path_for_format, ": ", errors.first()));
+  }
+  return config;
+}
+
+absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("config file ", path, ": cannot open"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, ParseServerConfig(buffer.str(), path));
+  FillServerDefaults(&config);
+  absl::Status status = ValidateServerConfig(config);
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat(path, ": ", status.message()));
+  }
+  return config;
+}
+
+void FillServerDefaults(v1::ServerConfig* c) {
+  if (c->listen_address().empty()) c->set_listen_address("127.0.0.1:7070");
+  if (c->metrics_address().empty()) c->set_metrics_address("127.0.0.1:9464");
+  FillTransformerDefaults(c->mutable_model());
+  FillInnerOptimizerDefaults(c->mutable_inner_optimizer());
+  auto* outer = c->mutable_outer_optimizer();
+  if (outer->type() == v1::OUTER_OPTIMIZER_UNSPECIFIED) outer->set_type(v1::OUTER_NESTEROV);
+  if (outer->lr() == 0) outer->set_lr(0.7f);
+  if (outer->momentum() == 0 && outer->type() == v1::OUTER_NESTEROV) outer->set_momentum(0.9f);
+  auto* agg = c->mutable_aggregation();
+  if (agg->mode() == v1::AGGREGATION_UNSPECIFIED) agg->set_mode(v1::AGGREGATION_SYNC);
+  if (agg->min_workers() == 0) agg->set_min_workers(1);
+  if (c->local_steps() == 0) c->set_local_steps(50);
+  if (c->seed() == 0) c->set_seed(1);
+  if (c->num_shards() == 0) c->set_num_shards(2);
+  if (c->apply_threads() == 0) c->set_apply_threads(c->num_shards());
+  if (c->lease_seconds() == 0) c->set_lease_seconds(10);
+  if (c->eval_every() == 0) c->set_eval_every(1);
+}
+
+absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
+  ALOE_RETURN_IF_ERROR(CheckAddress("listen_address", c.listen_address()));
+  if (c.metrics_address() != "off") {
+    ALOE_RETURN_IF_ERROR(CheckAddress("metrics_address", c.metrics_address()));
+  }
+  ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(c.model()));
+  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(c.inner_optimizer()));
+  const auto& outer = c.outer_optimizer();
+  if (!v1::OuterOptimizerType_IsValid(outer.type())) {
+    return absl::InvalidArgumentError("outer_optimizer.type is not a known optimizer");
+  }
+  ALOE_RETURN_IF_ERROR(Positive("outer_optimizer.lr", outer.lr()));
+  if (!(outer.momentum() >= 0 && outer.momentum() < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer_optimizer.momentum must be in [0, 1), got %g", outer.momentum()));
+  }
+  if (c.aggregation().mode() != v1::AGGREGATION_SYNC) {
+    return absl::InvalidArgumentError("aggregation.mode: only AGGREGATION_SYNC is supported");
+  }
+  if (c.aggregation().min_workers() > 4096) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "aggregation.min_workers must be <= 4096, got %d", c.aggregation().min_workers()));
+  }
+  if (c.local_steps() < 1 || c.local_steps() > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("local_steps must be in [1, 1000000], got %d", c.local_steps()));
+  }
+  if (c.corpus_dir().empty()) {
+    return absl::InvalidArgumentError("corpus_dir must name the prepared corpus directory");
+  }
+  if (c.num_shards() < 1 || c.num_shards() > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("num_shards must be in [1, 1024], got %d", c.num_shards()));
+  }
+  if (c.apply_threads() < 1 || c.apply_threads() > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("apply_threads must be in [1, 1024], got %d", c.apply_threads()));
+  }
+  ALOE_RETURN_IF_ERROR(Positive("lease_seconds", c.lease_seconds()));
+  if (!(c.max_seconds() >= 0) || !std::isfinite(c.max_seconds())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_seconds must be >= 0, got %g", c.max_seconds()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aloe

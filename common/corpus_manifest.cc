@@ -1,0 +1,196 @@
+#include "common/corpus_manifest.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string_view>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/status_macros.h"
+#include "common/token_shard.h"
+
+namespace aloe {
+namespace {
+
+constexpr std::string_view kTrain = "train";
+constexpr std::string_view kHeldout = "heldout";
+
+// Reads the whole file. kNotFound when it does not exist, kInternal on other failures.
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrFormat("%s: no such file", path));
+    return absl::InternalError(absl::StrFormat("%s: open failed: %s", path, std::strerror(errno)));
+  }
+  std::string contents;
+  char buf[1 << 16];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return absl::InternalError(absl::StrFormat("%s: read failed: %s", path, std::strerror(err)));
+    }
+    if (n == 0) break;
+    contents.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return contents;
+}
+
+// Checks the per-row rules shared by the reader and the writer. Returns an empty string when
+// the row is fine, otherwise what is wrong with it.
+std::string RowProblem(const CorpusShardInfo& shard) {
+  if (shard.name.empty()) return "empty shard name";
+  if (shard.file.empty()) return absl::StrFormat("shard %s has an empty file path", shard.name);
+  if (shard.file[0] == '/') {
+    return absl::StrFormat("shard %s: file \"%s\" must be relative to the corpus directory",
+                           shard.name, shard.file);
+  }
+  for (std::string_view part : absl::StrSplit(shard.file, '/')) {
+    if (part == "..") {
+      return absl::StrFormat("shard %s: file \"%s\" must stay inside the corpus directory",
+                             shard.name, shard.file);
+    }
+  }
+  if (shard.tokens == 0) return absl::StrFormat("shard %s has zero tokens", shard.name);
+  return "";
+}
+
+}  // namespace
+
+std::string CorpusManifestPath(const std::string& dir) {
+  return dir + "/" + kCorpusManifestFileName;
+}
+
+absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::string& dir) {
+  const std::string path = CorpusManifestPath(dir);
+  ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadWholeFile(path));
+  auto bad_line = [&path](int line_no, const std::string& problem) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: line %d: %s", path, line_no, problem));
+  };
+
+  std::vector<CorpusShardInfo> shards;
+  absl::flat_hash_map<std::string, int> line_of_name;
+  bool any_train = false;
+  int line_no = 0;
+  for (std::string_view line : absl::StrSplit(contents, '\n')) {
+    ++line_no;
+    if (absl::EndsWith(line, "\r")) line.remove_suffix(1);  // tolerate CRLF from editors
+    if (line_no == 1) {
+      if (line != kCorpusManifestHeader) {
+        return bad_line(1, absl::StrFormat("expected the header \"%s\" (tab-separated)",
+                                           absl::CEscape(kCorpusManifestHeader)));
+      }
+      continue;
+    }
+    if (line.empty()) continue;
+    std::vector<std::string_view> fields = absl::StrSplit(line, '\t');
+    if (fields.size() != 4) {
+      return bad_line(line_no, absl::StrFormat("expected 4 tab-separated fields "
+                                               "(name, file, tokens, split), found %d",
+                                               fields.size()));
+    }
+    CorpusShardInfo shard;
+    shard.name = std::string(fields[0]);
+    shard.file = std::string(fields[1]);
+    if (fields[2].empty() || fields[2].find_first_not_of("0123456789") != fields[2].npos ||
+        !absl::SimpleAtoi(fields[2], &shard.tokens)) {
+      return bad_line(line_no, absl::StrFormat("token count \"%s\" is not an unsigned 64-bit "
+                                               "integer",
+                                               absl::CEscape(fields[2])));
+    }
+    if (fields[3] == kTrain) {
+      shard.heldout = false;
+      any_train = true;
+    } else if (fields[3] == kHeldout) {
+      shard.heldout = true;
+    } else {
+      return bad_line(line_no, absl::StrFormat("unknown split \"%s\" (expected train or heldout)",
+                                               absl::CEscape(fields[3])));
+    }
+    if (std::string problem = RowProblem(shard); !problem.empty()) {
+      return bad_line(line_no, problem);
+    }
+    auto [it, inserted] = line_of_name.emplace(shard.name, line_no);
+    if (!inserted) {
+      return bad_line(line_no, absl::StrFormat("duplicate shard name %s (first on line %d)",
+                                               shard.name, it->second));
+    }
+    shards.push_back(std::move(shard));
+  }
+  if (!any_train) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: no train shard (a corpus needs at least one)", path));
+  }
+  return shards;
+}
+
+absl::Status WriteCorpusManifest(const std::string& dir,
+                                 const std::vector<CorpusShardInfo>& shards) {
+  const std::string path = CorpusManifestPath(dir);
+  std::string out = std::string(kCorpusManifestHeader) + "\n";
+  absl::flat_hash_map<std::string, size_t> index_of_name;
+  bool any_train = false;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const CorpusShardInfo& shard = shards[i];
+    std::string problem = RowProblem(shard);
+    if (problem.empty() && (shard.name.find_first_of("\t\r\n") != std::string::npos ||
+                            shard.file.find_first_of("\t\r\n") != std::string::npos)) {
+      problem = absl::StrFormat("shard \"%s\": name and file must not contain tabs or newlines",
+                                absl::CEscape(shard.name));
+    }
+    if (problem.empty() && !index_of_name.emplace(shard.name, i).second) {
+      problem = absl::StrFormat("duplicate shard name %s", shard.name);
+    }
+    if (!problem.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: not written: shard %d: %s", path, i, problem));
+    }
+    any_train |= !shard.heldout;
+    absl::StrAppendFormat(&out, "%s\t%s\t%d\t%s\n", shard.name, shard.file, shard.tokens,
+                          shard.heldout ? kHeldout : kTrain);
+  }
+  if (!any_train) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: not written: no train shard (a corpus needs at least one)", path));
+  }
+  return WriteFileAtomically(path, out);
+}
+
+absl::Status VerifyCorpusShards(const std::string& dir,
+                                const std::vector<CorpusShardInfo>& shards) {
+  uint32_t vocab_size = 0;
+  std::string vocab_file;
+  for (const CorpusShardInfo& info : shards) {
+    const std::string path = dir + "/" + info.file;
+    ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path));
+    if (shard->num_tokens() != info.tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: holds %d tokens but %s lists %d for shard %s", path,
+                          shard->num_tokens(), CorpusManifestPath(dir), info.tokens, info.name));
+    }
+    if (vocab_size == 0) {
+      vocab_size = shard->vocab_size();
+      vocab_file = path;
+    } else if (shard->vocab_size() != vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: vocab_size %d differs from %s (vocab_size %d); one corpus uses "
+                          "one tokenizer",
+                          path, shard->vocab_size(), vocab_file, vocab_size));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aloe

@@ -1,0 +1,70 @@
+// The corpus manifest: the index of a prepared corpus directory, read by workers to find their
+// token shards and by the evaluator to find the held-out split.
+//
+// A corpus directory holds token shards (common/token_shard.h) and `manifest.tsv`:
+//
+//   # name<TAB>file<TAB>tokens<TAB>split
+//   abraham_lincoln<TAB>shards/abraham_lincoln.tok<TAB>123456<TAB>train
+//   heldout<TAB>shards/heldout.tok<TAB>54321<TAB>heldout
+//
+// The first line is exactly that header. Each further non-empty line describes one shard:
+//   name   unique, non-empty identifier (for the SotU corpus: the speaker, "george_washington");
+//   file   path of the shard relative to the corpus directory (no leading '/', no "..");
+//   tokens the shard's token count, > 0 (the shard header is authoritative; see
+//          VerifyCorpusShards);
+//   split  "train" or "heldout".
+// A manifest has at least one train shard. Fields never contain tabs or newlines.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace aloe {
+
+inline constexpr char kCorpusManifestFileName[] = "manifest.tsv";
+inline constexpr char kCorpusManifestHeader[] = "# name\tfile\ttokens\tsplit";
+
+struct CorpusShardInfo {
+  std::string name;
+  std::string file;  // relative to the corpus directory
+  uint64_t tokens = 0;
+  bool heldout = false;  // split "heldout" when true, "train" otherwise
+
+  bool operator==(const CorpusShardInfo& other) const {
+    return name == other.name && file == other.file && tokens == other.tokens &&
+           heldout == other.heldout;
+  }
+};
+
+// Path of the manifest inside corpus directory `dir`.
+std::string CorpusManifestPath(const std::string& dir);
+
+// Reads and validates `dir`/manifest.tsv; returns the shards in file order. Errors (messages
+// name the manifest path):
+//   kNotFound        the manifest does not exist;
+//   kInvalidArgument wrong header line, a row without exactly 4 tab-separated fields, an empty
+//                    name or file, an absolute file path or one containing "..", a token count
+//                    that is not a positive integer, an unknown split, a duplicate name (these
+//                    name the 1-based line number), or no train shard at all;
+//   kInternal        the manifest exists but cannot be read.
+// Does not open the shards; see VerifyCorpusShards.
+absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::string& dir);
+
+// Writes `shards` as `dir`/manifest.tsv, atomically (temporary file, fsync, rename). `dir` must
+// exist. Returns kInvalidArgument, without writing, when `shards` would not load back (same rules
+// as LoadCorpusManifest; fields with tabs or newlines), kInternal on I/O failure.
+absl::Status WriteCorpusManifest(const std::string& dir,
+                                 const std::vector<CorpusShardInfo>& shards);
+
+// Opens every shard in `shards` (paths relative to `dir`) and checks that its token count
+// equals the manifest's and that all shards share one vocab_size (one corpus, one tokenizer).
+// Returns the first failure: TokenShard::Open's error (kNotFound for a missing shard), or
+// kInvalidArgument naming the shard file when a count or the vocab_size differs.
+absl::Status VerifyCorpusShards(const std::string& dir,
+                                const std::vector<CorpusShardInfo>& shards);
+
+}  // namespace aloe

@@ -1,0 +1,49 @@
+// The parameter layout of ALOE's decoder-only pre-LN transformer LM, shared by server and
+// worker without LibTorch. A layer is the unit of transfer and of (outer) optimizer state: one
+// flat float32 buffer holding its tensors concatenated in spec order, row-major. The worker's
+// LibTorch module (worker/transformer.h) must expose exactly these tensors, with the same names,
+// shapes and order; LocalTrainer::Create checks it.
+//
+// Layers, for L = num_layers, d = d_model, V = vocab_size, S = seq_len, f = ffn_mult * d:
+//   0      "embed":    tok_emb.weight [V,d], pos_emb.weight [S,d]
+//   1..L   "blocks.i": ln1.{weight [d], bias [d]}, attn.qkv.{weight [3d,d], bias [3d]},
+//                      attn.proj.{weight [d,d], bias [d]}, ln2.{weight, bias},
+//                      mlp.fc1.{weight [f,d], bias [f]}, mlp.fc2.{weight [d,f], bias [d]}
+//   L+1    "head":     ln_f.weight [d], ln_f.bias [d], head.weight [V,d] (no bias)
+// Initialisation (GPT-2 style): weights N(0, init_std^2), the residual output projections
+// (attn.proj, mlp.fc2) N(0, (init_std / sqrt(2L))^2), biases 0, LayerNorm gains 1.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "proto/aloe.pb.h"
+
+namespace aloe {
+
+// Sets every zero field of `c` to its default: vocab_size 256, seq_len 128, d_model 256,
+// num_layers 4, num_heads 4, ffn_mult 4, init_std 0.02.
+void FillTransformerDefaults(v1::TransformerConfig* c);
+
+// Returns kInvalidArgument, naming the field as "model.<field>", unless every size field is > 0,
+// init_std is finite and > 0, and num_heads divides d_model.
+absl::Status ValidateTransformerConfig(const v1::TransformerConfig& c);
+
+// Describes the parameters of the model configured by `c` (layout in the file comment), with
+// num_elements filled and each layer assigned to one of `num_shards` parameter shards (0 is
+// treated as 1) by greedy byte balancing: layers in decreasing size (ties: lower id first) each
+// go to the currently least-loaded shard (ties: lower shard index). Deterministic.
+// Precondition: ValidateTransformerConfig(c) is OK.
+v1::ModelSpec BuildTransformerSpec(const v1::TransformerConfig& c, uint32_t num_shards);
+
+// Sum of num_elements over the layers of `spec`.
+uint64_t TotalElements(const v1::ModelSpec& spec);
+
+// Initial parameters for `spec`: one flat buffer per layer, each tensor drawn according to its
+// InitKind (INIT_NORMAL: N(0, init_std^2); INIT_UNSPECIFIED is treated as zeros). Deterministic
+// for a given (spec, seed) and standard library: layer l draws from its own std::mt19937_64
+// seeded with a mix of (seed, l), so a layer's values do not depend on the other layers.
+std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed);
+
+}  // namespace aloe

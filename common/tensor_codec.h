@@ -1,0 +1,33 @@
+// Tensor (de)serialisation for the wire: flat float32 buffers as little-endian bytes, split in
+// chunks that keep every gRPC message under 1 MiB (gRPC's default limit is 4 MiB; a 4 MiB chunk
+// fails). Compact codecs (bf16, int8 blockwise) plug in here later.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace aloe {
+
+// Payload bytes per chunk: 1 MiB less room for the message's other fields.
+inline constexpr size_t kMaxChunkBytes = (1u << 20) - 1024;
+inline constexpr size_t kMaxChunkFloats = kMaxChunkBytes / sizeof(float);
+
+// Appends values as float32 little-endian bytes to out.
+void AppendFloats(absl::Span<const float> values, std::string* out);
+
+// Decodes float32 little-endian bytes into out, which must have exactly bytes.size()/4 elements.
+// kInvalidArgument when the byte count is not a multiple of 4 or does not match out.size(), or
+// when a decoded value is NaN or +-Inf (the message names the first bad element). out may have
+// been partly written on error; callers decode into staging memory.
+absl::Status DecodeFloats(std::string_view bytes, absl::Span<float> out);
+
+// [begin, end) element ranges covering n elements with at most max_elements each.
+std::vector<std::pair<size_t, size_t>> ChunkRanges(size_t n, size_t max_elements = kMaxChunkFloats);
+
+}  // namespace aloe

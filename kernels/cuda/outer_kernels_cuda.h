@@ -1,0 +1,35 @@
+// GPU twins of the fused outer-step kernels in kernels/cpu/outer_kernels.h, for a server (or a
+// worker) that keeps the model on a CUDA device. Same element-wise formulas and aliasing rules as
+// the CPU kernels; here the pointers are device pointers and each call is one kernel launch.
+//
+// Includable from plain C++ (no CUDA headers): a stream is passed as void* (a cudaStream_t;
+// nullptr = the legacy default stream). Built only when nvcc is found; users then see
+// ALOE_HAVE_CUDA=1 (kernels/CMakeLists.txt).
+//
+// Errors: every function returns an empty string on success and a human-readable error
+// otherwise. Launches are asynchronous on `stream`, so a returned empty string means the launch
+// was accepted; faults during execution surface at the caller's next synchronisation.
+// Thread-safety: as the CUDA runtime (calls on distinct streams may run concurrently).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace aloe::kernels {
+
+// Number of visible CUDA devices; 0 when the runtime reports an error (no driver, no device).
+int CudaDeviceCount();
+
+// theta_out[i] = theta_in[i] - lr * g[i]  (see SgdApply).
+std::string CudaSgdApply(const float* g, const float* theta_in, float* theta_out, size_t n,
+                         float lr, void* stream);
+
+// Paper 002 Eq. 4: m[i] = beta*m[i] + g[i]; theta_out[i] = theta_in[i] - lr*(beta*m[i] + g[i])
+// (see NesterovApply).
+std::string CudaNesterovApply(const float* g, float* m, const float* theta_in, float* theta_out,
+                              size_t n, float lr, float beta, void* stream);
+
+// acc[i] += w * x[i]  (see WeightedAccumulate).
+std::string CudaWeightedAccumulate(const float* x, float w, float* acc, size_t n, void* stream);
+
+}  // namespace aloe::kernels

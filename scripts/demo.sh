@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The ALOE demo cluster on loopback: aloe-server, an evaluator and two trainers (the second
+# slowed down to emulate weaker hardware) train a byte-level transformer on the State of the
+# Union corpus with sync DiLoCo, print progress, a final summary, and stop every process they
+# started (also on Ctrl-C).
+#
+# Usage: scripts/demo.sh [--seconds N] [--slowdown F] [--config FILE]
+#   --seconds N    training time (default 180)
+#   --slowdown F   the second worker runs F times slower (default 2)
+#   --config FILE  server config (default deploy/configs/demo.textproto)
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+
+SECONDS_TO_TRAIN=180
+SLOWDOWN=2
+CONFIG="$ALOE_ROOT/deploy/configs/demo.textproto"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seconds) SECONDS_TO_TRAIN="$2"; shift 2 ;;
+    --slowdown) SLOWDOWN="$2"; shift 2 ;;
+    --config) CONFIG="$2"; shift 2 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "demo.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+cd "$ALOE_ROOT"
+"$ALOE_ROOT/scripts/install-deps.sh"
+aloe_log "building aloe-server, aloe-worker, aloe-corpus"
+aloe_build aloe-server aloe-worker aloe-corpus
+"$ALOE_ROOT/scripts/prepare-corpus.sh" data/sotu
+aloe_blas_env
+
+RUN_DIR="$ALOE_ROOT/out/demo"
+rm -rf "$RUN_DIR" && mkdir -p "$RUN_DIR"
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  sleep 0.5
+  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'echo; aloe_log "interrupted: stopping the cluster"; exit 130' INT TERM
+
+"$ALOE_BIN_DIR/aloe-server" --config="$CONFIG" --max_seconds="$SECONDS_TO_TRAIN" \
+  --port_file="$RUN_DIR/ports" --summary_file="$RUN_DIR/summary" >"$RUN_DIR/server.log" 2>&1 &
+SERVER_PID=$!
+PIDS+=("$SERVER_PID")
+for _ in $(seq 1 300); do [ -s "$RUN_DIR/ports" ] && break; sleep 0.1; done
+if [ ! -s "$RUN_DIR/ports" ]; then
+  echo "demo.sh: the server did not start; its log:" >&2; cat "$RUN_DIR/server.log" >&2; exit 1
+fi
+GRPC_PORT=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$RUN_DIR/ports")
+METRICS_PORT=$(sed -n 's/.*metrics=\([0-9]*\).*/\1/p' "$RUN_DIR/ports")
+aloe_log "server on 127.0.0.1:$GRPC_PORT, metrics on http://127.0.0.1:$METRICS_PORT/metrics"
+
+WORKER=("$ALOE_BIN_DIR/aloe-worker" --server="127.0.0.1:$GRPC_PORT" --corpus_dir=data/sotu)
+"${WORKER[@]}" --role=evaluator --name=evaluator --eval_sequences=48 >"$RUN_DIR/evaluator.log" 2>&1 &
+PIDS+=($!)
+"${WORKER[@]}" --name=worker-fast >"$RUN_DIR/worker-fast.log" 2>&1 &
+PIDS+=($!)
+"${WORKER[@]}" --name=worker-slow --slowdown="$SLOWDOWN" >"$RUN_DIR/worker-slow.log" 2>&1 &
+PIDS+=($!)
+aloe_log "started an evaluator and 2 workers (worker-slow at ${SLOWDOWN}x); training for ${SECONDS_TO_TRAIN}s"
+
+metric() { curl -s "http://127.0.0.1:$METRICS_PORT/metrics" 2>/dev/null | awk -v m="$1" '$1 == m {print $2}'; }
+tokps() { grep -o 'tokens/s [0-9]*' "$1" 2>/dev/null | tail -1 | awk '{print $2}'; }
+while kill -0 "$SERVER_PID" 2>/dev/null; do
+  sleep 10
+  kill -0 "$SERVER_PID" 2>/dev/null || break
+  printf '[%s] version %-4s eval perplexity %-8s tokens/s fast %-6s slow %-6s\n' "$(date +%H:%M:%S)" \
+    "$(metric aloe_model_version)" "$(metric aloe_eval_perplexity | xargs printf '%.2f' 2>/dev/null)" \
+    "$(tokps "$RUN_DIR/worker-fast.log")" "$(tokps "$RUN_DIR/worker-slow.log")"
+done
+wait "$SERVER_PID" || { echo "demo.sh: the server failed; see $RUN_DIR/server.log" >&2; exit 1; }
+
+echo
+echo "==== ALOE demo summary ===="
+grep 'summary:' "$RUN_DIR/server.log" | sed 's/^.*summary: /server: /'
+for w in worker-fast worker-slow; do
+  grep 'summary:' "$RUN_DIR/$w.log" | sed "s/^.*summary: /$w: /" || true
+done
+FIRST=$(grep '^eval=' "$RUN_DIR/summary" | head -1 | cut -d: -f2)
+LAST=$(grep '^eval=' "$RUN_DIR/summary" | tail -1 | cut -d: -f2)
+if [ -z "$FIRST" ] || [ -z "$LAST" ]; then
+  echo "demo.sh: no evaluations recorded" >&2; exit 1
+fi
+awk -v a="$FIRST" -v b="$LAST" 'BEGIN {
+  pa = exp(a); pb = exp(b); drop = 100 * (pa - pb) / pa;
+  printf "held-out perplexity %.2f -> %.2f (%.1f%% lower)\n", pa, pb, drop; exit (drop >= 30 ? 0 : 1) }' \
+  || { echo "demo.sh: perplexity fell by less than 30%" >&2; exit 1; }
+echo "logs: $RUN_DIR"

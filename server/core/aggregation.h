@@ -1,0 +1,73 @@
+// Aggregation policies decide when a worker may start local work and which received updates
+// form one outer step. Sync DiLoCo (paper 002 Alg. 1) is a round barrier; the asynchronous
+// grace-period batching of paper 002 Alg. 2/5 plugs in behind the same interface.
+// Not thread-safe: the owner serialises calls.
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/core/update.h"
+
+namespace aloe::server {
+
+// A set of updates to aggregate into one outer step, with their weights (summing to 1).
+struct ApplyBatch {
+  std::vector<PendingUpdate> updates;
+  std::vector<float> weights;
+};
+
+class AggregationPolicy {
+ public:
+  virtual ~AggregationPolicy() = default;
+
+  // Whether trainer `worker` may start local work from `current_version` now. live_trainers
+  // is every live trainer (including `worker`). A true answer commits the worker to push.
+  virtual bool MayStart(uint64_t worker, uint64_t current_version,
+                        const std::vector<uint64_t>& live_trainers) = 0;
+
+  // Takes a received update whose worker and task the caller already checked. Returns the batch
+  // to apply now (empty when the update waits for others), or kFailedPrecondition for an update
+  // that does not belong to the current aggregation (stale version, second push), in which case
+  // the policy's state is unchanged.
+  virtual absl::StatusOr<ApplyBatch> Submit(PendingUpdate update, uint64_t current_version) = 0;
+
+  // `worker` left or was dropped. Returns a batch when its absence completes one.
+  virtual ApplyBatch OnWorkerGone(uint64_t worker) = 0;
+
+  // True while some started work has not yet been aggregated.
+  virtual bool InProgress() const = 0;
+};
+
+// Sync DiLoCo: a round opens at version v over the live trainers (the first round waits for
+// min_workers); each participant starts once from v and pushes once; when every remaining
+// participant has pushed, their pseudo-gradients are averaged into one outer step. Trainers that
+// join mid-round wait for the next round; a participant that leaves or expires is not waited for.
+class SyncRoundAggregation final : public AggregationPolicy {
+ public:
+  explicit SyncRoundAggregation(uint32_t min_workers) : min_workers_(min_workers) {}
+
+  bool MayStart(uint64_t worker, uint64_t current_version,
+                const std::vector<uint64_t>& live_trainers) override;
+  absl::StatusOr<ApplyBatch> Submit(PendingUpdate update, uint64_t current_version) override;
+  ApplyBatch OnWorkerGone(uint64_t worker) override;
+  bool InProgress() const override { return open_; }
+
+  size_t participants() const { return participants_.size(); }
+
+ private:
+  ApplyBatch CompleteIfDone();
+
+  const uint32_t min_workers_;
+  bool open_ = false;
+  bool first_round_ = true;
+  uint64_t round_version_ = 0;
+  std::set<uint64_t> participants_;
+  std::set<uint64_t> started_;
+  std::set<uint64_t> pushed_;
+  std::vector<PendingUpdate> received_;
+};
+
+}  // namespace aloe::server

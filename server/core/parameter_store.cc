@@ -1,0 +1,114 @@
+#include "server/core/parameter_store.h"
+
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/outer_kernels.h"
+
+namespace aloe::server {
+
+absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
+    v1::ModelSpec spec, std::vector<std::vector<float>> initial,
+    const v1::OuterOptimizerConfig& optimizer, Executor& executor) {
+  if (initial.size() != static_cast<size_t>(spec.layers_size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "initial parameters have %d layers, the model spec %d", initial.size(), spec.layers_size()));
+  }
+  const uint32_t num_shards = std::max<uint32_t>(1, spec.num_shards());
+  std::unique_ptr<ParameterStore> store(new ParameterStore(std::move(spec), executor));
+  store->shard_layers_.resize(num_shards);
+  for (int i = 0; i < store->spec_.layers_size(); ++i) {
+    const v1::LayerSpec& layer = store->spec_.layers(i);
+    if (layer.id() != static_cast<uint32_t>(i)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("model spec layer %d has id %d", i, layer.id()));
+    }
+    if (initial[i].size() != layer.num_elements()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("initial parameters of layer %d (%s): %d elements, expected %d", i,
+                          layer.name(), initial[i].size(), layer.num_elements()));
+    }
+    if (layer.shard() >= num_shards) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d assigned to shard %d of %d", i, layer.shard(), num_shards));
+    }
+    store->shard_layers_[layer.shard()].push_back(i);
+    ALOE_ASSIGN_OR_RETURN(auto opt, MakeOuterOptimizer(optimizer, layer.num_elements()));
+    store->optimizers_.push_back(std::move(opt));
+    store->layers_.push_back(std::make_shared<std::vector<float>>(std::move(initial[i])));
+    store->scratch_.emplace_back(layer.num_elements());
+  }
+  return store;
+}
+
+ModelSnapshot ParameterStore::Snapshot() const {
+  ModelSnapshot snapshot;
+  snapshot.version = version_;
+  snapshot.layers.assign(layers_.begin(), layers_.end());
+  return snapshot;
+}
+
+absl::Status ParameterStore::CheckShapes(const PendingUpdate& update) const {
+  if (update.layers.size() != layers_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "update has %d layers, the model has %d", update.layers.size(), layers_.size()));
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (update.layers[i].size() != layers_[i]->size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d (%s): update has %d elements, expected %d", i,
+                          spec_.layers(i).name(), update.layers[i].size(), layers_[i]->size()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
+                                            const std::vector<float>& weights) {
+  if (updates.empty() || updates.size() != weights.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "outer step needs >= 1 update and one weight each (got %d, %d)", updates.size(),
+        weights.size()));
+  }
+  for (const PendingUpdate* u : updates) ALOE_RETURN_IF_ERROR(CheckShapes(*u));
+
+  std::vector<absl::Status> shard_status(shard_layers_.size());
+  executor_.ParallelFor(static_cast<int>(shard_layers_.size()), [&](int shard) {
+    for (size_t layer : shard_layers_[shard]) {
+      absl::Status s = ApplyLayer(layer, updates, weights);
+      if (!s.ok()) {
+        shard_status[shard] = s;
+        return;
+      }
+    }
+  });
+  // Sizes were checked above, so an optimizer error here is an invariant violation.
+  for (const absl::Status& s : shard_status) ALOE_RETURN_IF_ERROR(s);
+  ++version_;
+  return absl::OkStatus();
+}
+
+absl::Status ParameterStore::ApplyLayer(size_t layer,
+                                        const std::vector<const PendingUpdate*>& updates,
+                                        const std::vector<float>& weights) {
+  std::vector<float>& g = scratch_[layer];
+  const size_t n = g.size();
+  if (updates.size() == 1 && weights[0] == 1.0f) {
+    std::copy(updates[0]->layers[layer].begin(), updates[0]->layers[layer].end(), g.begin());
+  } else {
+    std::fill(g.begin(), g.end(), 0.0f);
+    for (size_t i = 0; i < updates.size(); ++i) {
+      kernels::WeightedAccumulate(updates[i]->layers[layer].data(), weights[i], g.data(), n);
+    }
+  }
+  std::shared_ptr<std::vector<float>>& current = layers_[layer];
+  if (current.use_count() == 1) {
+    // Nobody is streaming this buffer: update in place.
+    return optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*current));
+  }
+  auto next = std::make_shared<std::vector<float>>(n);
+  ALOE_RETURN_IF_ERROR(optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*next)));
+  current = std::move(next);
+  return absl::OkStatus();
+}
+
+}  // namespace aloe::server

@@ -1,0 +1,67 @@
+// The global model, held as one flat float32 buffer per layer, layers grouped into parameter
+// shards that are updated in parallel. Each layer has its own outer optimizer (and its state).
+//
+// Readers (Pull) take a ModelSnapshot: shared pointers to immutable layer buffers of one version,
+// so a pull streams without locks while the next outer step writes fresh buffers (copy on write;
+// a buffer nobody else holds is updated in place).
+//
+// Not thread-safe: the owner serialises calls. ApplyOuterStep itself fans out over the shards
+// through the Executor.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/executor.h"
+#include "proto/aloe.pb.h"
+#include "server/core/outer_optimizer.h"
+#include "server/core/update.h"
+
+namespace aloe::server {
+
+struct ModelSnapshot {
+  uint64_t version = 0;
+  std::vector<std::shared_ptr<const std::vector<float>>> layers;
+};
+
+class ParameterStore {
+ public:
+  // initial: one buffer per spec layer with exactly its num_elements. kInvalidArgument for a
+  // size mismatch or an invalid optimizer config. `executor` must outlive the store.
+  static absl::StatusOr<std::unique_ptr<ParameterStore>> Create(
+      v1::ModelSpec spec, std::vector<std::vector<float>> initial,
+      const v1::OuterOptimizerConfig& optimizer, Executor& executor);
+
+  const v1::ModelSpec& spec() const { return spec_; }
+  uint64_t version() const { return version_; }
+  ModelSnapshot Snapshot() const;
+
+  // Checks that every update has one buffer per layer of the right size. kInvalidArgument
+  // naming the layer otherwise.
+  absl::Status CheckShapes(const PendingUpdate& update) const;
+
+  // One outer step on the weighted sum of the updates' pseudo-gradients:
+  // g = sum_i weights[i] * g_i, then every layer's optimizer applies g. Advances the version by
+  // one. All-or-nothing: shapes are checked before anything changes.
+  absl::Status ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
+                              const std::vector<float>& weights);
+
+ private:
+  ParameterStore(v1::ModelSpec spec, Executor& executor) : spec_(std::move(spec)), executor_(executor) {}
+  absl::Status ApplyLayer(size_t layer, const std::vector<const PendingUpdate*>& updates,
+                          const std::vector<float>& weights);
+
+  v1::ModelSpec spec_;
+  Executor& executor_;
+  uint64_t version_ = 0;
+  // Mutable here; handed out only as shared_ptr<const ...> in snapshots.
+  std::vector<std::shared_ptr<std::vector<float>>> layers_;
+  std::vector<std::unique_ptr<OuterOptimizer>> optimizers_;  // one per layer
+  std::vector<std::vector<float>> scratch_;                  // aggregated g per layer, reused
+  std::vector<std::vector<size_t>> shard_layers_;            // layer ids of each shard
+};
+
+}  // namespace aloe::server

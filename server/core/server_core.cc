@@ -1,0 +1,338 @@
+#include "server/core/server_core.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/model_spec.h"
+#include "common/status_macros.h"
+#include "server/core/server_metrics.h"
+
+namespace aloe::server {
+namespace {
+
+// splitmix64: decorrelates per-task seeds derived from (job seed, task id).
+uint64_t MixSeed(uint64_t a, uint64_t b) {
+  uint64_t z = a * 0x9E3779B97F4A7C15ull + b + 0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+ServerCore::ServerCore(const v1::ServerConfig& config, const Clock& clock, MetricsSink& metrics)
+    : config_(config),
+      clock_(clock),
+      metrics_(metrics),
+      membership_(clock, absl::Seconds(config.lease_seconds())),
+      sampler_({}, config.seed()) {}
+
+absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
+    const v1::ServerConfig& config, std::vector<DataShard> train_shards, std::string heldout_file,
+    const Clock& clock, Executor& executor, MetricsSink& metrics) {
+  if (train_shards.empty()) {
+    return absl::InvalidArgumentError("the corpus has no training shards");
+  }
+  std::unique_ptr<ServerCore> core(new ServerCore(config, clock, metrics));
+  v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
+  std::vector<std::vector<float>> initial = InitializeParameters(spec, config.seed());
+  ALOE_ASSIGN_OR_RETURN(core->store_, ParameterStore::Create(std::move(spec), std::move(initial),
+                                                             config.outer_optimizer(), executor));
+  core->aggregation_ =
+      std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
+  core->sampler_ = ShardSampler(std::move(train_shards), config.seed());
+  core->heldout_file_ = std::move(heldout_file);
+  metrics.Set(kModelVersion, 0);
+  return core;
+}
+
+void ServerCore::CountRejected() { metrics_.Add(kUpdatesRejected, 1); }
+
+absl::StatusOr<const Member*> ServerCore::LiveMember(uint64_t worker_id) const {
+  const Member* m = membership_.Find(worker_id);
+  if (m == nullptr) {
+    return absl::NotFoundError(absl::StrFormat(
+        "worker %d is not a live member (never joined, left, or its lease expired); join again",
+        worker_id));
+  }
+  return m;
+}
+
+absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
+  if (!v1::Role_IsValid(request.role())) {
+    return absl::InvalidArgumentError(absl::StrFormat("unknown role %d", request.role()));
+  }
+  if (request.name().size() > 256) {
+    return absl::InvalidArgumentError("worker name longer than 256 bytes");
+  }
+  const uint64_t id = membership_.Join(request.name(), request.role());
+  metrics_.Add(kWorkersJoined, 1);
+  v1::JoinReply reply;
+  reply.set_worker_id(id);
+  reply.set_lease_seconds(config_.lease_seconds());
+  *reply.mutable_model() = config_.model();
+  *reply.mutable_model_spec() = store_->spec();
+  *reply.mutable_inner_optimizer() = config_.inner_optimizer();
+  reply.set_version(store_->version());
+  reply.set_seed(config_.seed());
+  reply.set_heldout_file(heldout_file_);
+  PublishMembership();
+  return reply;
+}
+
+absl::StatusOr<v1::HeartbeatReply> ServerCore::Heartbeat(const v1::HeartbeatRequest& request) {
+  if (!(request.steps_per_second() >= 0) || !std::isfinite(request.steps_per_second())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("steps_per_second must be finite and >= 0, got %g",
+                        request.steps_per_second()));
+  }
+  ALOE_RETURN_IF_ERROR(membership_.Renew(request.worker_id(), request.steps_per_second()));
+  v1::HeartbeatReply reply;
+  reply.set_version(store_->version());
+  return reply;
+}
+
+v1::Task ServerCore::NewTask(v1::Task::Kind kind) {
+  v1::Task task;
+  task.set_kind(kind);
+  if (kind == v1::Task::TRAIN || kind == v1::Task::EVAL) {
+    task.set_task_id(next_task_id_++);
+    task.set_base_version(store_->version());
+    task.set_seed(MixSeed(config_.seed(), task.task_id()));
+  }
+  return task;
+}
+
+absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request) {
+  ALOE_ASSIGN_OR_RETURN(const Member* member, LiveMember(request.worker_id()));
+  ALOE_RETURN_IF_ERROR(membership_.Renew(member->id, 0));
+  // A repeated request (e.g. a lost reply) gets the same open task back.
+  auto open = open_tasks_.find(member->id);
+  if (open != open_tasks_.end()) return open->second.task;
+  UpdateStopping();
+  if (member->role == v1::ROLE_EVALUATOR) return EvaluatorTask(member->id);
+  return TrainerTask(member->id);
+}
+
+absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
+  if (stopping_) return NewTask(v1::Task::STOP);
+  const std::vector<uint64_t> live = membership_.LiveIds(v1::ROLE_TRAINER);
+  if (!aggregation_->MayStart(worker, store_->version(), live)) return NewTask(v1::Task::WAIT);
+  if (!started_) started_ = clock_.Now();
+  if (auto* sync = dynamic_cast<SyncRoundAggregation*>(aggregation_.get())) {
+    metrics_.Set(kRoundParticipants, static_cast<double>(sync->participants()));
+  }
+  v1::Task task = NewTask(v1::Task::TRAIN);
+  const size_t shard = sampler_.Next();
+  task.set_shard_name(sampler_.shard(shard).name);
+  task.set_shard_file(sampler_.shard(shard).file);
+  task.set_local_steps(config_.local_steps());
+  task.set_lr_step(sampler_.lr_step(shard));
+  open_tasks_[worker] = OpenTask{task, shard};
+  return task;
+}
+
+v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
+  const uint64_t version = store_->version();
+  const bool final_state = stopping_ && !aggregation_->InProgress();
+  const bool due = !last_eval_version_.has_value() ||
+                   version >= *last_eval_version_ + config_.eval_every() ||
+                   (final_state && *last_eval_version_ != version);
+  if (!due) return NewTask(final_state ? v1::Task::STOP : v1::Task::WAIT);
+  v1::Task task = NewTask(v1::Task::EVAL);
+  last_eval_version_ = version;
+  open_tasks_[worker] = OpenTask{task, 0};
+  return task;
+}
+
+absl::StatusOr<ModelSnapshot> ServerCore::SnapshotFor(const v1::PullRequest& request) const {
+  ALOE_RETURN_IF_ERROR(LiveMember(request.worker_id()).status());
+  if (!request.latest() && request.version() != store_->version()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "version %d is not available; the current version is %d", request.version(),
+        store_->version()));
+  }
+  return store_->Snapshot();
+}
+
+absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
+  ALOE_ASSIGN_OR_RETURN(const Member* member, LiveMember(header.worker_id()));
+  auto open = open_tasks_.find(member->id);
+  if (open == open_tasks_.end() || open->second.task.kind() != v1::Task::TRAIN ||
+      open->second.task.task_id() != header.task_id()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker %d has no open training task %d (already pushed, or never assigned)",
+        member->id, header.task_id()));
+  }
+  if (header.base_version() != open->second.task.base_version()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "stale version: push is based on version %d but task %d started from version %d",
+        header.base_version(), header.task_id(), open->second.task.base_version()));
+  }
+  if (header.codec() != v1::CODEC_UNSPECIFIED && header.codec() != v1::CODEC_FP32) {
+    return absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec()));
+  }
+  const uint32_t limit = 1000 * std::max<uint32_t>(1, open->second.task.local_steps());
+  if (header.steps_done() == 0 || header.steps_done() > limit) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "steps_done must be in [1, %d], got %d", limit, header.steps_done()));
+  }
+  if (!std::isfinite(header.train_loss()) || !std::isfinite(header.compute_seconds()) ||
+      header.compute_seconds() < 0) {
+    return absl::InvalidArgumentError("train_loss and compute_seconds must be finite");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
+  v1::PushHeader header;
+  header.set_worker_id(update.worker_id);
+  header.set_task_id(update.task_id);
+  header.set_base_version(update.base_version);
+  header.set_steps_done(update.steps_done);
+  header.set_train_loss(update.train_loss);
+  header.set_compute_seconds(update.compute_seconds);
+  absl::Status status = CheckPushHeader(header);
+  if (status.ok()) status = store_->CheckShapes(update);
+  if (!status.ok()) {
+    CountRejected();
+    return status;
+  }
+  const uint64_t worker = update.worker_id;
+  const uint64_t base_version = update.base_version;
+  const uint64_t task_id = update.task_id;
+  absl::StatusOr<ApplyBatch> batch = aggregation_->Submit(std::move(update), store_->version());
+  if (!batch.ok()) {
+    CountRejected();
+    return batch.status();
+  }
+  submitted_shard_[task_id] = open_tasks_[worker].shard;
+  open_tasks_.erase(worker);
+  v1::PushReply reply;
+  reply.set_applied(!batch->updates.empty());
+  if (reply.applied()) ALOE_RETURN_IF_ERROR(Apply(*std::move(batch)));
+  reply.set_version(store_->version());
+  reply.set_staleness(reply.applied() ? store_->version() - 1 - base_version : 0);
+  return reply;
+}
+
+absl::Status ServerCore::Apply(ApplyBatch batch) {
+  const absl::Time start = clock_.Now();
+  std::vector<const PendingUpdate*> updates;
+  for (const PendingUpdate& u : batch.updates) updates.push_back(&u);
+  absl::Status status = store_->ApplyOuterStep(updates, batch.weights);
+  if (!status.ok()) {
+    // Shapes were checked on submission: this is an invariant violation, not bad input.
+    return absl::InternalError(absl::StrCat("outer step failed: ", status.message()));
+  }
+  double loss_sum = 0;
+  for (const PendingUpdate& u : batch.updates) {
+    auto it = submitted_shard_.find(u.task_id);
+    if (it != submitted_shard_.end()) {
+      sampler_.RecordLearned(it->second, u.steps_done, u.tokens_learned);
+      submitted_shard_.erase(it);
+    }
+    metrics_.Add(kTokensLearned, static_cast<double>(u.tokens_learned));
+    loss_sum += u.train_loss;
+  }
+  updates_applied_ += batch.updates.size();
+  metrics_.Add(kUpdatesApplied, static_cast<double>(batch.updates.size()));
+  metrics_.Add(kOuterSteps, 1);
+  metrics_.Set(kModelVersion, static_cast<double>(store_->version()));
+  metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
+  metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
+  ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f",
+                store_->version(), batch.updates.size(),
+                loss_sum / static_cast<double>(batch.updates.size()));
+  UpdateStopping();
+  return absl::OkStatus();
+}
+
+absl::Status ServerCore::ReportEval(const v1::EvalReport& report) {
+  ALOE_ASSIGN_OR_RETURN(const Member* member, LiveMember(report.worker_id()));
+  auto open = open_tasks_.find(member->id);
+  if (open == open_tasks_.end() || open->second.task.kind() != v1::Task::EVAL ||
+      open->second.task.task_id() != report.task_id()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker %d has no open evaluation task %d", member->id, report.task_id()));
+  }
+  // The evaluator pulls the latest version, which may be newer than the task's.
+  if (report.version() < open->second.task.base_version() || report.version() > version()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "evaluated version %d is outside [%d, %d]", report.version(),
+        open->second.task.base_version(), version()));
+  }
+  if (!std::isfinite(report.loss()) || report.loss() < 0 || report.tokens() == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "evaluation loss must be finite and >= 0 over > 0 tokens, got %g over %d", report.loss(),
+        report.tokens()));
+  }
+  open_tasks_.erase(open);
+  eval_history_.push_back(EvalPoint{report.version(), report.loss()});
+  if (!last_eval_version_ || report.version() > *last_eval_version_) {
+    last_eval_version_ = report.version();
+  }
+  ALOE_LOG_INFO("server", "eval version %d: loss %.4f perplexity %.2f (%d tokens)",
+                report.version(), report.loss(), std::exp(report.loss()), report.tokens());
+  metrics_.Set(kEvalLoss, report.loss());
+  metrics_.Set(kEvalPerplexity, std::exp(report.loss()));
+  metrics_.Set(kEvalVersion, static_cast<double>(report.version()));
+  return absl::OkStatus();
+}
+
+absl::Status ServerCore::Leave(const v1::LeaveRequest& request) {
+  ALOE_RETURN_IF_ERROR(membership_.Leave(request.worker_id()));
+  metrics_.Add(kWorkersLeft, 1);
+  WorkerGone(request.worker_id());
+  return absl::OkStatus();
+}
+
+void ServerCore::WorkerGone(uint64_t worker) {
+  auto open = open_tasks_.find(worker);
+  if (open != open_tasks_.end()) {
+    // An evaluation that will never be reported is handed out again.
+    if (open->second.task.kind() == v1::Task::EVAL && last_eval_version_ &&
+        *last_eval_version_ == open->second.task.base_version()) {
+      last_eval_version_.reset();
+      if (!eval_history_.empty()) last_eval_version_ = eval_history_.back().version;
+    }
+    open_tasks_.erase(open);
+  }
+  ApplyBatch batch = aggregation_->OnWorkerGone(worker);
+  if (!batch.updates.empty()) {
+    absl::Status s = Apply(std::move(batch));
+    if (!s.ok()) ALOE_LOG_ERROR("server", "%s", s.ToString());
+  }
+  PublishMembership();
+}
+
+void ServerCore::Tick() {
+  for (uint64_t worker : membership_.ExpireLeases()) {
+    ALOE_LOG_WARNING("server", "worker %d: lease expired, dropped", worker);
+    metrics_.Add(kWorkersExpired, 1);
+    WorkerGone(worker);
+  }
+  UpdateStopping();
+  PublishMembership();
+}
+
+void ServerCore::UpdateStopping() {
+  if (stopping_) return;
+  if (config_.max_versions() > 0 && store_->version() >= config_.max_versions()) stopping_ = true;
+  if (config_.max_seconds() > 0 && started_ &&
+      clock_.Now() - *started_ >= absl::Seconds(config_.max_seconds())) {
+    stopping_ = true;
+  }
+}
+
+void ServerCore::PublishMembership() {
+  metrics_.Set(kLiveWorkers, static_cast<double>(membership_.size()));
+}
+
+bool ServerCore::Finished() const {
+  return stopping_ && membership_.size() == 0 && !aggregation_->InProgress();
+}
+
+}  // namespace aloe::server

@@ -1,0 +1,112 @@
+// The server's logic behind the gRPC services: membership, task assignment, validation and
+// aggregation of pushed pseudo-gradients, outer steps on the parameter store, evaluation
+// bookkeeping and the stop condition. No gRPC, threads or wall clock (STYLE.md rule 0): time
+// comes from the Clock, parallel work goes through the Executor, metrics to the MetricsSink.
+//
+// Not thread-safe: the service layer serialises calls (one mutex) and hands Pull streams a
+// ModelSnapshot so that large transfers run outside the lock.
+//
+// Errors: kNotFound for an unknown worker (the worker should Join again); kInvalidArgument for
+// malformed input; kFailedPrecondition for an update that is stale or does not match the
+// worker's open task. A rejected request leaves the state unchanged.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/clock.h"
+#include "common/executor.h"
+#include "common/metrics.h"
+#include "proto/aloe.pb.h"
+#include "server/core/aggregation.h"
+#include "server/core/membership.h"
+#include "server/core/parameter_store.h"
+#include "server/core/shard_sampler.h"
+#include "server/core/update.h"
+
+namespace aloe::server {
+
+struct EvalPoint {
+  uint64_t version = 0;
+  double loss = 0;
+};
+
+class ServerCore {
+ public:
+  // config must be validated (common/config.h). train_shards: the corpus' training shards (at
+  // least one). clock, executor and metrics must outlive the core.
+  static absl::StatusOr<std::unique_ptr<ServerCore>> Create(const v1::ServerConfig& config,
+                                                            std::vector<DataShard> train_shards,
+                                                            std::string heldout_file,
+                                                            const Clock& clock, Executor& executor,
+                                                            MetricsSink& metrics);
+
+  absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
+  absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
+  // Returns WAIT when the worker cannot start now (sync round in progress, waiting for peers).
+  absl::StatusOr<v1::Task> RequestTask(const v1::TaskRequest& request);
+  // Cheap checks of a push header before its chunks are read (live worker, open task, version).
+  absl::Status CheckPushHeader(const v1::PushHeader& header) const;
+  // Takes a fully assembled update; aggregates and applies when it completes a batch.
+  absl::StatusOr<v1::PushReply> SubmitUpdate(PendingUpdate update);
+  absl::Status ReportEval(const v1::EvalReport& report);
+  absl::Status Leave(const v1::LeaveRequest& request);
+
+  // Expires leases and re-evaluates the stop condition. Call periodically.
+  void Tick();
+  // Records a rejected push (the service calls it for pushes that fail before SubmitUpdate).
+  void CountRejected();
+
+  ModelSnapshot Snapshot() const { return store_->Snapshot(); }
+  // The snapshot a Pull streams: the requested version (kFailedPrecondition when it is no longer
+  // the current one) or the latest. kNotFound for an unknown worker.
+  absl::StatusOr<ModelSnapshot> SnapshotFor(const v1::PullRequest& request) const;
+  const v1::ModelSpec& spec() const { return store_->spec(); }
+  uint64_t version() const { return store_->version(); }
+  uint64_t updates_applied() const { return updates_applied_; }
+  const std::vector<EvalPoint>& eval_history() const { return eval_history_; }
+  // Training is over (stop condition met) and every worker is gone.
+  bool Finished() const;
+  bool stopping() const { return stopping_; }
+
+ private:
+  struct OpenTask {
+    v1::Task task;
+    size_t shard = 0;
+  };
+
+  ServerCore(const v1::ServerConfig& config, const Clock& clock, MetricsSink& metrics);
+  absl::StatusOr<const Member*> LiveMember(uint64_t worker_id) const;
+  v1::Task NewTask(v1::Task::Kind kind);
+  absl::StatusOr<v1::Task> TrainerTask(uint64_t worker);
+  v1::Task EvaluatorTask(uint64_t worker);
+  void WorkerGone(uint64_t worker);
+  absl::Status Apply(ApplyBatch batch);
+  void UpdateStopping();
+  void PublishMembership();
+
+  const v1::ServerConfig config_;
+  const Clock& clock_;
+  MetricsSink& metrics_;
+  std::unique_ptr<ParameterStore> store_;
+  Membership membership_;
+  std::unique_ptr<AggregationPolicy> aggregation_;
+  ShardSampler sampler_;
+  std::string heldout_file_;
+
+  uint64_t next_task_id_ = 1;
+  std::map<uint64_t, OpenTask> open_tasks_;   // by worker
+  std::map<uint64_t, size_t> submitted_shard_;  // task id -> shard, until applied
+  std::optional<uint64_t> last_eval_version_;   // latest version handed out for evaluation
+  std::vector<EvalPoint> eval_history_;
+  std::optional<absl::Time> started_;  // when the first round opened
+  bool stopping_ = false;
+  uint64_t updates_applied_ = 0;
+};
+
+}  // namespace aloe::server

@@ -1,0 +1,31 @@
+// The server's metrics catalogue (names, kinds, help). README.md documents the same list.
+#pragma once
+
+#include <vector>
+
+#include "common/metrics.h"
+
+namespace aloe::server {
+
+inline constexpr char kModelVersion[] = "aloe_model_version";
+inline constexpr char kOuterSteps[] = "aloe_outer_steps_total";
+inline constexpr char kUpdatesApplied[] = "aloe_updates_applied_total";
+inline constexpr char kUpdatesRejected[] = "aloe_updates_rejected_total";
+inline constexpr char kTokensLearned[] = "aloe_tokens_learned_total";
+inline constexpr char kLiveWorkers[] = "aloe_live_workers";
+inline constexpr char kWorkersJoined[] = "aloe_workers_joined_total";
+inline constexpr char kWorkersLeft[] = "aloe_workers_left_total";
+inline constexpr char kWorkersExpired[] = "aloe_workers_expired_total";
+inline constexpr char kRoundParticipants[] = "aloe_round_participants";
+inline constexpr char kEvalLoss[] = "aloe_eval_loss";
+inline constexpr char kEvalPerplexity[] = "aloe_eval_perplexity";
+inline constexpr char kEvalVersion[] = "aloe_eval_version";
+inline constexpr char kReceivedBytes[] = "aloe_received_bytes_total";
+inline constexpr char kSentBytes[] = "aloe_sent_bytes_total";
+inline constexpr char kApplyLatency[] = "aloe_apply_latency_seconds";
+inline constexpr char kPushLatency[] = "aloe_push_latency_seconds";
+inline constexpr char kTrainLoss[] = "aloe_train_loss";
+
+std::vector<MetricDef> ServerMetricCatalogue();
+
+}  // namespace aloe::server

@@ -1,0 +1,23 @@
+// A pseudo-gradient pushed by a worker, fully received and decoded (server/core/update_assembler.h)
+// but not yet applied.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace aloe::server {
+
+struct PendingUpdate {
+  uint64_t worker_id = 0;
+  uint64_t task_id = 0;
+  uint64_t update_id = 0;
+  uint64_t base_version = 0;
+  uint32_t steps_done = 0;
+  uint64_t tokens_learned = 0;
+  double train_loss = 0;
+  double compute_seconds = 0;
+  // g = theta_base - theta_end, one flat float32 buffer per layer of the ModelSpec.
+  std::vector<std::vector<float>> layers;
+};
+
+}  // namespace aloe::server

@@ -1,0 +1,67 @@
+#include "server/core/update_assembler.h"
+
+#include "absl/strings/str_format.h"
+#include "common/tensor_codec.h"
+
+namespace aloe::server {
+
+UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header)
+    : spec_(spec), filled_(spec.layers_size(), 0) {
+  update_.worker_id = header.worker_id();
+  update_.task_id = header.task_id();
+  update_.update_id = header.update_id();
+  update_.base_version = header.base_version();
+  update_.steps_done = header.steps_done();
+  update_.tokens_learned = header.tokens_learned();
+  update_.train_loss = header.train_loss();
+  update_.compute_seconds = header.compute_seconds();
+  update_.layers.resize(spec.layers_size());
+}
+
+absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
+                                       std::string_view payload) {
+  if (layer_id >= static_cast<uint32_t>(spec_.layers_size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "unknown layer %d (the model has %d layers)", layer_id, spec_.layers_size()));
+  }
+  const v1::LayerSpec& layer = spec_.layers(layer_id);
+  if (payload.size() % sizeof(float) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s): payload of %d bytes is not float32", layer_id, layer.name(),
+        payload.size()));
+  }
+  const uint64_t count = payload.size() / sizeof(float);
+  if (offset != filled_[layer_id]) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d (%s): chunk at offset %d, expected offset %d", layer_id,
+                        layer.name(), offset, filled_[layer_id]));
+  }
+  if (offset + count > layer.num_elements()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s): wrong size: chunk [%d, %d) exceeds the layer's %d elements", layer_id,
+        layer.name(), offset, offset + count, layer.num_elements()));
+  }
+  std::vector<float>& buffer = update_.layers[layer_id];
+  if (buffer.empty()) buffer.resize(layer.num_elements());
+  absl::Status s = DecodeFloats(payload, absl::MakeSpan(buffer.data() + offset, count));
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s) at offset %d: %s", layer_id, layer.name(), offset, s.message()));
+  }
+  filled_[layer_id] += count;
+  bytes_received_ += payload.size();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PendingUpdate> UpdateAssembler::Finish() && {
+  for (int i = 0; i < spec_.layers_size(); ++i) {
+    if (filled_[i] != spec_.layers(i).num_elements()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d (%s) incomplete: received %d of %d elements", i,
+                          spec_.layers(i).name(), filled_[i], spec_.layers(i).num_elements()));
+    }
+  }
+  return std::move(update_);
+}
+
+}  // namespace aloe::server

@@ -1,0 +1,202 @@
+// aloe-server: holds the global model and the outer optimizer, assigns tasks to workers, and
+// serves the Coordinator and ParameterService gRPC APIs plus a Prometheus /metrics endpoint.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/clock.h"
+#include "common/config.h"
+#include "common/corpus_manifest.h"
+#include "common/executor.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "common/status_macros.h"
+#include "server/core/server_core.h"
+#include "server/core/server_metrics.h"
+#include "server/service/core_handle.h"
+#include "server/service/grpc_services.h"
+
+ABSL_FLAG(std::string, config, "", "Server config file (text-format .textproto/.pbtxt or .json)");
+ABSL_FLAG(std::string, listen, "", "Override listen_address (host:port; port 0 = OS-chosen)");
+ABSL_FLAG(std::string, metrics, "", "Override metrics_address (host:port, or 'off')");
+ABSL_FLAG(std::string, corpus_dir, "", "Override corpus_dir");
+ABSL_FLAG(int64_t, max_versions, -1, "Override max_versions (outer steps before stopping)");
+ABSL_FLAG(double, max_seconds, -1, "Override max_seconds (training time before stopping)");
+ABSL_FLAG(std::string, summary_file, "",
+          "At exit write 'version=N', 'updates_applied=N' and one 'eval=VERSION:LOSS' per line");
+ABSL_FLAG(std::string, port_file, "",
+          "Write 'grpc=PORT metrics=PORT' here once listening (for scripts and tests)");
+
+namespace aloe::server {
+namespace {
+
+std::atomic<int> g_signal{0};
+void OnSignal(int sig) { g_signal.store(sig); }
+
+absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
+  const std::string path = absl::GetFlag(FLAGS_config);
+  if (path.empty()) return absl::InvalidArgumentError("--config is required (see --help)");
+  ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, LoadServerConfig(path));
+  if (!absl::GetFlag(FLAGS_listen).empty()) config.set_listen_address(absl::GetFlag(FLAGS_listen));
+  if (!absl::GetFlag(FLAGS_metrics).empty()) {
+    config.set_metrics_address(absl::GetFlag(FLAGS_metrics));
+  }
+  if (!absl::GetFlag(FLAGS_corpus_dir).empty()) {
+    config.set_corpus_dir(absl::GetFlag(FLAGS_corpus_dir));
+  }
+  if (absl::GetFlag(FLAGS_max_versions) >= 0) {
+    config.set_max_versions(absl::GetFlag(FLAGS_max_versions));
+  }
+  if (absl::GetFlag(FLAGS_max_seconds) >= 0) config.set_max_seconds(absl::GetFlag(FLAGS_max_seconds));
+  ALOE_RETURN_IF_ERROR(ValidateServerConfig(config));
+  return config;
+}
+
+absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << "grpc=" << grpc_port << " metrics=" << metrics_port << "\n";
+    if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Run() {
+  ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, ConfigFromFlags());
+  ALOE_ASSIGN_OR_RETURN(std::vector<CorpusShardInfo> corpus,
+                        LoadCorpusManifest(config.corpus_dir()));
+  std::vector<DataShard> train;
+  std::string heldout_file;
+  for (const CorpusShardInfo& shard : corpus) {
+    if (shard.heldout) {
+      if (heldout_file.empty()) heldout_file = shard.file;
+    } else {
+      train.push_back(DataShard{shard.name, shard.file, shard.tokens});
+    }
+  }
+
+  if (heldout_file.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config.corpus_dir(), "/manifest.tsv has no heldout shard"));
+  }
+  const size_t num_train_shards = train.size();
+  RealClock clock;
+  ThreadPoolExecutor executor(static_cast<int>(config.apply_threads()) - 1);
+  std::unique_ptr<MetricsSink> metrics;
+  int metrics_port = 0;
+  if (config.metrics_address() == "off") {
+    metrics = std::make_unique<NullMetrics>();
+  } else {
+    ALOE_ASSIGN_OR_RETURN(auto prometheus,
+                          PrometheusMetrics::Start(config.metrics_address(),
+                                                   ServerMetricCatalogue()));
+    metrics_port = prometheus->port();
+    metrics = std::move(prometheus);
+  }
+  ALOE_ASSIGN_OR_RETURN(auto core, ServerCore::Create(config, std::move(train), heldout_file,
+                                                      clock, executor, *metrics));
+  const v1::ModelSpec spec = core->spec();
+  uint64_t params = 0;
+  for (const auto& layer : spec.layers()) params += layer.num_elements();
+
+  CoreHandle handle(std::move(core));
+  CoordinatorService coordinator(handle);
+  ParameterServiceImpl parameters(handle, *metrics);
+  grpc::ServerBuilder builder;
+  int grpc_port = 0;
+  builder.AddListeningPort(config.listen_address(), grpc::InsecureServerCredentials(),
+                           &grpc_port);
+  // Chunks are <= 1 MiB; anything much larger is hostile or broken.
+  builder.SetMaxReceiveMessageSize(2 << 20);
+  builder.RegisterService(&coordinator);
+  builder.RegisterService(&parameters);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || grpc_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", config.listen_address(), " (address in use?)"));
+  }
+  ALOE_LOG_INFO("server",
+                "listening on %s (grpc port %d, metrics port %d); model %d layers, %d parameters "
+                "in %d shards; %d training shards; outer %s lr %g momentum %g; H=%d",
+                config.listen_address(), grpc_port, metrics_port, spec.layers_size(), params,
+                spec.num_shards(), num_train_shards,
+                v1::OuterOptimizerType_Name(config.outer_optimizer().type()),
+                config.outer_optimizer().lr(), config.outer_optimizer().momentum(),
+                config.local_steps());
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    ALOE_RETURN_IF_ERROR(WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, metrics_port));
+  }
+
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  bool finished = false;
+  while (g_signal.load() == 0) {
+    finished = handle.Run([](ServerCore& core) {
+      core.Tick();
+      return core.Finished();
+    });
+    if (finished) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!finished) ALOE_LOG_INFO("server", "signal %d: shutting down", g_signal.load());
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+
+  const std::string summary = handle.Run([&](ServerCore& core) {
+    const auto& evals = core.eval_history();
+    std::string eval_line = "no evaluations";
+    if (!evals.empty()) {
+      eval_line = absl::StrFormat(
+          "eval loss %.4f -> %.4f, perplexity %.2f -> %.2f (versions %d -> %d)",
+          evals.front().loss, evals.back().loss, std::exp(evals.front().loss),
+          std::exp(evals.back().loss), evals.front().version, evals.back().version);
+    }
+    ALOE_LOG_INFO("server", "summary: version %d, %d updates applied; %s", core.version(),
+                  core.updates_applied(), eval_line);
+    std::string text = absl::StrFormat("version=%d\nupdates_applied=%d\n", core.version(),
+                                       core.updates_applied());
+    for (const EvalPoint& e : evals) {
+      absl::StrAppendFormat(&text, "eval=%d:%.6f\n", e.version, e.loss);
+    }
+    return text;
+  });
+  if (!absl::GetFlag(FLAGS_summary_file).empty()) {
+    std::ofstream out(absl::GetFlag(FLAGS_summary_file));
+    out << summary;
+    if (!out) return absl::UnavailableError("cannot write --summary_file");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace aloe::server
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "aloe-server --config FILE [flags]\n"
+      "Parameter server for asynchronous Local-SGD (DiLoCo) training: holds the global model and\n"
+      "the outer optimizer, assigns tasks to aloe-worker daemons over gRPC and exposes\n"
+      "Prometheus metrics. Runs until max_versions/max_seconds are reached and every worker has\n"
+      "left, or until SIGINT/SIGTERM.");
+  absl::ParseCommandLine(argc, argv);
+  absl::Status status = aloe::server::Run();
+  if (!status.ok()) {
+    ALOE_LOG_ERROR("server", "%s", status.ToString());
+    return 1;
+  }
+  return 0;
+}

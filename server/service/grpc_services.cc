@@ -1,0 +1,120 @@
+#include "server/service/grpc_services.h"
+
+#include "absl/strings/str_format.h"
+#include "common/tensor_codec.h"
+#include "server/core/server_metrics.h"
+#include "server/core/update_assembler.h"
+
+namespace aloe::server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+namespace {
+
+// Copies a successful StatusOr into *out, and converts the status either way.
+template <typename T>
+grpc::Status Reply(absl::StatusOr<T> result, T* out) {
+  if (result.ok()) *out = *std::move(result);
+  return ToGrpcStatus(result.status());
+}
+
+}  // namespace
+
+grpc::Status CoordinatorService::Join(grpc::ServerContext*, const v1::JoinRequest* request,
+                                      v1::JoinReply* reply) {
+  return Reply(handle_.Run([&](ServerCore& core) { return core.Join(*request); }), reply);
+}
+
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+                                           const v1::HeartbeatRequest* request,
+                                           v1::HeartbeatReply* reply) {
+  return Reply(handle_.Run([&](ServerCore& core) { return core.Heartbeat(*request); }), reply);
+}
+
+grpc::Status CoordinatorService::RequestTask(grpc::ServerContext*,
+                                             const v1::TaskRequest* request, v1::Task* reply) {
+  return Reply(handle_.RequestTask(*request, absl::Seconds(1)), reply);
+}
+
+grpc::Status CoordinatorService::ReportEval(grpc::ServerContext*, const v1::EvalReport* request,
+                                            v1::EvalAck*) {
+  return ToGrpcStatus(handle_.Run([&](ServerCore& core) { return core.ReportEval(*request); }));
+}
+
+grpc::Status CoordinatorService::Leave(grpc::ServerContext*, const v1::LeaveRequest* request,
+                                       v1::LeaveReply*) {
+  return ToGrpcStatus(handle_.Run([&](ServerCore& core) { return core.Leave(*request); }));
+}
+
+grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
+                                        const v1::PullRequest* request,
+                                        grpc::ServerWriter<v1::ParamChunk>* writer) {
+  absl::StatusOr<ModelSnapshot> snapshot =
+      handle_.Run([&](ServerCore& core) { return core.SnapshotFor(*request); });
+  if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
+  uint64_t bytes = 0;
+  v1::ParamChunk chunk;
+  for (size_t layer = 0; layer < snapshot->layers.size(); ++layer) {
+    const std::vector<float>& params = *snapshot->layers[layer];
+    for (auto [begin, end] : ChunkRanges(params.size())) {
+      if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "pull cancelled");
+      chunk.set_version(snapshot->version);
+      chunk.set_layer_id(static_cast<uint32_t>(layer));
+      chunk.set_offset(begin);
+      chunk.set_layer_elements(params.size());
+      chunk.mutable_data()->clear();
+      AppendFloats(absl::MakeConstSpan(params.data() + begin, end - begin), chunk.mutable_data());
+      bytes += chunk.data().size();
+      if (!writer->Write(chunk)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client stopped reading the pull");
+      }
+    }
+  }
+  metrics_.Add(kSentBytes, static_cast<double>(bytes));
+  return grpc::Status::OK;
+}
+
+grpc::Status ParameterServiceImpl::Push(grpc::ServerContext*,
+                                        grpc::ServerReader<v1::PushChunk>* reader,
+                                        v1::PushReply* reply) {
+  const absl::Time start = absl::Now();
+  auto reject = [&](const absl::Status& status) {
+    handle_.Run([](ServerCore& core) { core.CountRejected(); });
+    return ToGrpcStatus(status);
+  };
+  v1::PushChunk chunk;
+  if (!reader->Read(&chunk)) {
+    return reject(absl::InvalidArgumentError("empty push stream"));
+  }
+  if (!chunk.has_header()) {
+    return reject(absl::InvalidArgumentError("the first push message must carry the header"));
+  }
+  const v1::PushHeader header = chunk.header();
+  absl::Status status =
+      handle_.Run([&](ServerCore& core) { return core.CheckPushHeader(header); });
+  if (!status.ok()) return reject(status);
+
+  UpdateAssembler assembler(handle_.spec(), header);
+  bool first = true;
+  do {
+    if (!first && chunk.has_header()) {
+      return reject(absl::InvalidArgumentError("push header repeated after the first message"));
+    }
+    first = false;
+    status = assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data());
+    if (!status.ok()) return reject(status);
+  } while (reader->Read(&chunk));
+  metrics_.Add(kReceivedBytes, static_cast<double>(assembler.bytes_received()));
+
+  absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();
+  if (!update.ok()) return reject(update.status());
+  absl::StatusOr<v1::PushReply> result =
+      handle_.Run([&](ServerCore& core) { return core.SubmitUpdate(*std::move(update)); });
+  metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));
+  return Reply(std::move(result), reply);
+}
+
+}  // namespace aloe::server

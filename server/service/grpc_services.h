@@ -1,0 +1,50 @@
+// gRPC adapters over the ServerCore: proto in, core call, proto out. No logic of their own
+// beyond streaming: Pull streams a snapshot in <= 1 MiB chunks outside the core lock; Push
+// assembles and validates chunks outside the lock, then submits the whole update at once.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "common/metrics.h"
+#include "proto/aloe.grpc.pb.h"
+#include "server/service/core_handle.h"
+
+namespace aloe::server {
+
+// The one place where absl::Status becomes grpc::Status (the codes are numerically equal).
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class CoordinatorService final : public v1::Coordinator::Service {
+ public:
+  // handle must outlive the service.
+  explicit CoordinatorService(CoreHandle& handle) : handle_(handle) {}
+
+  grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest*, v1::JoinReply*) override;
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
+                         v1::HeartbeatReply*) override;
+  grpc::Status RequestTask(grpc::ServerContext*, const v1::TaskRequest*, v1::Task*) override;
+  grpc::Status ReportEval(grpc::ServerContext*, const v1::EvalReport*, v1::EvalAck*) override;
+  grpc::Status Leave(grpc::ServerContext*, const v1::LeaveRequest*, v1::LeaveReply*) override;
+
+ private:
+  CoreHandle& handle_;
+};
+
+class ParameterServiceImpl final : public v1::ParameterService::Service {
+ public:
+  // handle and metrics must outlive the service.
+  ParameterServiceImpl(CoreHandle& handle, MetricsSink& metrics)
+      : handle_(handle), metrics_(metrics) {}
+
+  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
+                    grpc::ServerWriter<v1::ParamChunk>*) override;
+  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<v1::PushChunk>*,
+                    v1::PushReply*) override;
+
+ private:
+  CoreHandle& handle_;
+  MetricsSink& metrics_;
+};
+
+}  // namespace aloe::server

@@ -1,0 +1,85 @@
+#include "common/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "common/status_matchers.h"
+
+namespace aloe {
+namespace {
+
+using ::aloe::testing::IsOk;
+using ::aloe::testing::StatusIs;
+using ::testing::HasSubstr;
+
+std::string WriteFile(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(ConfigTest, TextFormatLoadsWithDefaults) {
+  auto config = LoadServerConfig(WriteFile("ok.textproto", R"(
+    corpus_dir: "data/sotu"
+    local_steps: 20
+    model { d_model: 128 num_layers: 2 }
+    outer_optimizer { lr: 0.5 }
+  )"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->local_steps(), 20u);
+  EXPECT_EQ(config->model().d_model(), 128u);
+  EXPECT_EQ(config->model().num_heads(), 4u);  // default
+  EXPECT_FLOAT_EQ(config->outer_optimizer().lr(), 0.5f);
+  EXPECT_FLOAT_EQ(config->outer_optimizer().momentum(), 0.9f);
+  EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_NESTEROV);
+  EXPECT_EQ(config->listen_address(), "127.0.0.1:7070");
+}
+
+TEST(ConfigTest, JsonLoads) {
+  auto config = LoadServerConfig(WriteFile(
+      "ok.json", R"({"corpusDir": "c", "localSteps": 7, "outerOptimizer": {"type": "OUTER_SGD"}})"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->local_steps(), 7u);
+  EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_SGD);
+}
+
+TEST(ConfigTest, ErrorsNameTheField) {
+  struct Case {
+    std::string text;
+    std::string expected;
+  };
+  const Case cases[] = {
+      {"corpus_dir: 'c' outer_optimizer { lr: -1 }", "outer_optimizer.lr must be > 0"},
+      {"corpus_dir: 'c' outer_optimizer { momentum: 1.5 }", "outer_optimizer.momentum"},
+      {"corpus_dir: 'c' model { d_model: 10 num_heads: 4 }", "model."},
+      {"corpus_dir: 'c' listen_address: 'nohost'", "listen_address"},
+      {"corpus_dir: 'c' lease_seconds: -2", "lease_seconds"},
+      {"local_steps: 3", "corpus_dir"},
+      {"corpus_dir: 'c' inner_optimizer { lr: 0.01 min_lr: 0.5 }", "inner_optimizer."},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    auto config = LoadServerConfig(WriteFile("bad" + std::to_string(i++) + ".textproto", c.text));
+    EXPECT_THAT(config, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.expected)))
+        << c.text;
+  }
+}
+
+TEST(ConfigTest, SyntaxErrorsAndUnknownFieldsGiveLineNumbers) {
+  EXPECT_THAT(LoadServerConfig(WriteFile("syntax.textproto", "corpus_dir: 'c'\nlocal_steps: }")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("line 2")));
+  EXPECT_THAT(LoadServerConfig(WriteFile("unknown.textproto", "corpus_dir: 'c'\nno_such_field: 1")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no_such_field")));
+  EXPECT_THAT(LoadServerConfig(WriteFile("unknown.json", R"({"noSuchField": 1})")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("noSuchField")));
+}
+
+TEST(ConfigTest, MissingFileIsNotFound) {
+  EXPECT_THAT(LoadServerConfig("/nonexistent/aloe.textproto"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/aloe.textproto")));
+}
+
+}  // namespace
+}  // namespace aloe

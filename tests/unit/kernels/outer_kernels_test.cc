@@ -1,0 +1,304 @@
+#include "kernels/cpu/outer_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#ifdef ALOE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/outer_kernels_cuda.h"
+#endif
+
+namespace aloe::kernels {
+namespace {
+
+constexpr size_t kSizes[] = {0, 1, 7, 16, 1000, 4099};
+
+// Fixed seed per (size, salt): deterministic, different data per buffer.
+std::vector<float> RandomVector(size_t n, unsigned salt, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(static_cast<unsigned>(n) * 7919u + salt);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// The fused and reference loops do the same float operations per element; the tolerance only
+// allows for a compiler contracting a*b+c into an FMA in one of them. Data are O(1).
+constexpr float kTol = 1e-6f;
+
+void ExpectAllNear(const std::vector<float>& actual, const std::vector<float>& expected,
+                   const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_NEAR(actual[i], expected[i], kTol) << what << " at element " << i;
+  }
+}
+
+class OuterKernelsSizeTest : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(OuterKernelsSizeTest, SgdApplyMatchesReference) {
+  const size_t n = GetParam();
+  const std::vector<float> g = RandomVector(n, 1);
+  const std::vector<float> theta = RandomVector(n, 2);
+  std::vector<float> out(n, 99.0f);
+  std::vector<float> expected(n, -99.0f);
+  SgdApply(g.data(), theta.data(), out.data(), n, 0.7f);
+  reference::SgdApply(g.data(), theta.data(), expected.data(), n, 0.7f);
+  ExpectAllNear(out, expected, "out of place");
+  for (size_t i = 0; i < n; ++i) ASSERT_NEAR(out[i], theta[i] - 0.7f * g[i], kTol);
+
+  std::vector<float> in_place = theta;
+  SgdApply(g.data(), in_place.data(), in_place.data(), n, 0.7f);
+  ExpectAllNear(in_place, expected, "in place");
+}
+
+TEST_P(OuterKernelsSizeTest, NesterovApplyMatchesReference) {
+  const size_t n = GetParam();
+  const std::vector<float> g = RandomVector(n, 3);
+  const std::vector<float> m0 = RandomVector(n, 4);
+  const std::vector<float> theta = RandomVector(n, 5);
+  const float lr = 0.7f;
+  const float beta = 0.9f;
+
+  std::vector<float> m = m0;
+  std::vector<float> out(n, 99.0f);
+  std::vector<float> ref_m = m0;
+  std::vector<float> expected(n, -99.0f);
+  NesterovApply(g.data(), m.data(), theta.data(), out.data(), n, lr, beta);
+  reference::NesterovApply(g.data(), ref_m.data(), theta.data(), expected.data(), n, lr, beta);
+  ExpectAllNear(m, ref_m, "momentum");
+  ExpectAllNear(out, expected, "theta out of place");
+
+  // Second step from the updated momentum, in place.
+  std::vector<float> in_place = expected;
+  std::vector<float> ref_in_place = expected;
+  NesterovApply(g.data(), m.data(), in_place.data(), in_place.data(), n, lr, beta);
+  reference::NesterovApply(g.data(), ref_m.data(), ref_in_place.data(), ref_in_place.data(), n,
+                           lr, beta);
+  ExpectAllNear(m, ref_m, "momentum, second step");
+  ExpectAllNear(in_place, ref_in_place, "theta in place, second step");
+}
+
+TEST_P(OuterKernelsSizeTest, NesterovApplyFollowsEquation4ElementWise) {
+  // Independent of the reference: m' = beta*m + g, theta' = theta - lr*(beta*m' + g), in double.
+  const size_t n = GetParam();
+  const std::vector<float> g = RandomVector(n, 6);
+  const std::vector<float> m0 = RandomVector(n, 7);
+  const std::vector<float> theta = RandomVector(n, 8);
+  std::vector<float> m = m0;
+  std::vector<float> out(n);
+  NesterovApply(g.data(), m.data(), theta.data(), out.data(), n, 0.5f, 0.8f);
+  for (size_t i = 0; i < n; ++i) {
+    const double m1 = 0.8 * m0[i] + g[i];
+    const double t1 = theta[i] - 0.5 * (0.8 * m1 + g[i]);
+    ASSERT_NEAR(m[i], m1, 1e-6) << i;
+    ASSERT_NEAR(out[i], t1, 1e-6) << i;
+  }
+}
+
+TEST_P(OuterKernelsSizeTest, WeightedAccumulateMatchesReference) {
+  const size_t n = GetParam();
+  const std::vector<float> x = RandomVector(n, 9);
+  const std::vector<float> acc0 = RandomVector(n, 10);
+  std::vector<float> acc = acc0;
+  std::vector<float> expected = acc0;
+  WeightedAccumulate(x.data(), 0.25f, acc.data(), n);
+  reference::WeightedAccumulate(x.data(), 0.25f, expected.data(), n);
+  ExpectAllNear(acc, expected, "accumulate");
+  for (size_t i = 0; i < n; ++i) ASSERT_NEAR(acc[i], acc0[i] + 0.25 * x[i], kTol);
+
+  // acc += w*acc (exact aliasing) is acc *= 1 + w.
+  std::vector<float> self = acc0;
+  WeightedAccumulate(self.data(), 0.5f, self.data(), n);
+  for (size_t i = 0; i < n; ++i) ASSERT_NEAR(self[i], 1.5 * acc0[i], kTol);
+}
+
+TEST_P(OuterKernelsSizeTest, ScaleMatchesReference) {
+  const size_t n = GetParam();
+  std::vector<float> x = RandomVector(n, 11);
+  std::vector<float> expected = x;
+  const std::vector<float> original = x;
+  Scale(x.data(), n, -3.5f);
+  reference::Scale(expected.data(), n, -3.5f);
+  ExpectAllNear(x, expected, "scale");
+  for (size_t i = 0; i < n; ++i) ASSERT_NEAR(x[i], -3.5 * original[i], 4 * kTol);
+}
+
+TEST_P(OuterKernelsSizeTest, SquaredL2NormMatchesDoubleLoop) {
+  const size_t n = GetParam();
+  const std::vector<float> x = RandomVector(n, 12, -100.0f, 100.0f);
+  double expected = 0;
+  for (float v : x) expected += static_cast<double>(v) * v;
+  const double fused = SquaredL2Norm(x.data(), n);
+  EXPECT_NEAR(fused, expected, 1e-12 * expected);
+  EXPECT_NEAR(reference::SquaredL2Norm(x.data(), n), expected, 1e-12 * expected);
+  if (n == 0) {
+    EXPECT_EQ(fused, 0.0);
+  }
+}
+
+TEST_P(OuterKernelsSizeTest, SquaredL2NormDoesNotOverflowFloat) {
+  // Each square (1e30) overflows float32 but not double.
+  const size_t n = GetParam();
+  const std::vector<float> x(n, 1e15f);
+  const double expected = static_cast<double>(n) * 1e15 * 1e15;
+  EXPECT_NEAR(SquaredL2Norm(x.data(), n), expected, 1e-6 * expected);
+}
+
+TEST_P(OuterKernelsSizeTest, AllFiniteAcceptsFiniteExtremes) {
+  const size_t n = GetParam();
+  std::vector<float> x = RandomVector(n, 13);
+  const float extremes[] = {std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::lowest(),
+                            std::numeric_limits<float>::denorm_min(), -0.0f, 0.0f};
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 3 == 0) x[i] = extremes[(i / 3) % 5];
+  }
+  EXPECT_TRUE(AllFinite(x.data(), n));
+  EXPECT_TRUE(reference::AllFinite(x.data(), n));
+}
+
+TEST_P(OuterKernelsSizeTest, AllFiniteDetectsNanAndInfAtFirstMiddleLast) {
+  const size_t n = GetParam();
+  if (n == 0) GTEST_SKIP() << "no position to poison";
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
+                              -std::numeric_limits<float>::quiet_NaN(),
+                              std::numeric_limits<float>::signaling_NaN(),
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity()};
+  const size_t positions[] = {0, n / 2, n - 1};
+  for (float bad : bad_values) {
+    for (size_t pos : positions) {
+      std::vector<float> x = RandomVector(n, 14);
+      x[pos] = bad;
+      EXPECT_FALSE(AllFinite(x.data(), n)) << "value " << bad << " at " << pos << " of " << n;
+      EXPECT_FALSE(reference::AllFinite(x.data(), n)) << "value " << bad << " at " << pos;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, OuterKernelsSizeTest, ::testing::ValuesIn(kSizes),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                           return "n" + std::to_string(info.param);
+                         });
+
+TEST(OuterKernelsTest, NullPointersWithZeroLengthAreNoOps) {
+  SgdApply(nullptr, nullptr, nullptr, 0, 1.0f);
+  NesterovApply(nullptr, nullptr, nullptr, nullptr, 0, 1.0f, 0.9f);
+  WeightedAccumulate(nullptr, 1.0f, nullptr, 0);
+  Scale(nullptr, 0, 2.0f);
+  EXPECT_EQ(SquaredL2Norm(nullptr, 0), 0.0);
+  EXPECT_TRUE(AllFinite(nullptr, 0));
+}
+
+TEST(OuterKernelsTest, NesterovWithZeroMomentumIsSgd) {
+  const size_t n = 1000;
+  const std::vector<float> g = RandomVector(n, 15);
+  const std::vector<float> theta = RandomVector(n, 16);
+  std::vector<float> m(n, 0.0f);
+  std::vector<float> nesterov(n);
+  std::vector<float> sgd(n);
+  NesterovApply(g.data(), m.data(), theta.data(), nesterov.data(), n, 0.3f, 0.0f);
+  SgdApply(g.data(), theta.data(), sgd.data(), n, 0.3f);
+  EXPECT_EQ(nesterov, sgd);
+  EXPECT_EQ(m, g);
+}
+
+#ifdef ALOE_HAVE_CUDA
+
+// Device buffer holding a copy of a host vector; freed on destruction.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(const std::vector<float>& host) : n_(host.size()) {
+    if (cudaMalloc(&ptr_, std::max<size_t>(n_, 1) * sizeof(float)) != cudaSuccess) {
+      ptr_ = nullptr;
+      return;
+    }
+    if (n_ > 0) cudaMemcpy(ptr_, host.data(), n_ * sizeof(float), cudaMemcpyHostToDevice);
+  }
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  bool ok() const { return ptr_ != nullptr; }
+  float* get() { return static_cast<float*>(ptr_); }
+  std::vector<float> ToHost() const {
+    std::vector<float> host(n_);
+    if (n_ > 0) cudaMemcpy(host.data(), ptr_, n_ * sizeof(float), cudaMemcpyDeviceToHost);
+    return host;
+  }
+
+ private:
+  size_t n_;
+  void* ptr_ = nullptr;
+};
+
+class OuterKernelsCudaTest : public ::testing::TestWithParam<size_t> {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(OuterKernelsCudaTest, KernelsMatchCpuReference) {
+  const size_t n = GetParam();
+  const std::vector<float> g = RandomVector(n, 21);
+  const std::vector<float> m0 = RandomVector(n, 22);
+  const std::vector<float> theta = RandomVector(n, 23);
+
+  // SGD, out of place.
+  std::vector<float> sgd_expected(n);
+  reference::SgdApply(g.data(), theta.data(), sgd_expected.data(), n, 0.7f);
+  DeviceBuffer d_g(g), d_theta(theta), d_out(std::vector<float>(n, 0.0f));
+  ASSERT_TRUE(d_g.ok() && d_theta.ok() && d_out.ok());
+  EXPECT_EQ(CudaSgdApply(d_g.get(), d_theta.get(), d_out.get(), n, 0.7f, nullptr), "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ExpectAllNear(d_out.ToHost(), sgd_expected, "cuda sgd");
+
+  // Nesterov, in place on theta.
+  std::vector<float> ref_m = m0;
+  std::vector<float> nesterov_expected = theta;
+  reference::NesterovApply(g.data(), ref_m.data(), nesterov_expected.data(),
+                           nesterov_expected.data(), n, 0.7f, 0.9f);
+  DeviceBuffer d_m(m0);
+  ASSERT_TRUE(d_m.ok());
+  EXPECT_EQ(CudaNesterovApply(d_g.get(), d_m.get(), d_theta.get(), d_theta.get(), n, 0.7f, 0.9f,
+                              nullptr),
+            "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ExpectAllNear(d_m.ToHost(), ref_m, "cuda nesterov momentum");
+  ExpectAllNear(d_theta.ToHost(), nesterov_expected, "cuda nesterov theta");
+
+  // Weighted accumulate on a stream.
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  std::vector<float> acc_expected = m0;
+  reference::WeightedAccumulate(g.data(), 0.25f, acc_expected.data(), n);
+  DeviceBuffer d_acc(m0);
+  ASSERT_TRUE(d_acc.ok());
+  EXPECT_EQ(CudaWeightedAccumulate(d_g.get(), 0.25f, d_acc.get(), n, stream), "");
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+  ExpectAllNear(d_acc.ToHost(), acc_expected, "cuda weighted accumulate");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, OuterKernelsCudaTest,
+                         ::testing::Values<size_t>(0, 1, 7, 16, 1000, 4099, 1 << 20),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                           return "n" + std::to_string(info.param);
+                         });
+
+#endif  // ALOE_HAVE_CUDA
+
+}  // namespace
+}  // namespace aloe::kernels

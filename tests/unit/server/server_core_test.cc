@@ -1,0 +1,290 @@
+// ServerCore end to end without a network: membership, sync rounds, task assignment, push
+// validation (nothing applied on bad input), evaluation bookkeeping and the stop condition.
+#include "server/core/server_core.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/config.h"
+#include "common/status_matchers.h"
+#include "server/core/update_assembler.h"
+
+namespace aloe::server {
+namespace {
+
+using ::aloe::testing::IsOk;
+using ::aloe::testing::StatusIs;
+using ::testing::HasSubstr;
+
+v1::ServerConfig TinyConfig() {
+  v1::ServerConfig config;
+  config.mutable_model()->set_vocab_size(16);
+  config.mutable_model()->set_seq_len(8);
+  config.mutable_model()->set_d_model(8);
+  config.mutable_model()->set_num_layers(2);
+  config.mutable_model()->set_num_heads(2);
+  config.set_corpus_dir("unused");
+  config.set_local_steps(5);
+  config.mutable_aggregation()->set_min_workers(2);
+  config.mutable_outer_optimizer()->set_type(v1::OUTER_SGD);
+  config.mutable_outer_optimizer()->set_lr(0.5f);
+  FillServerDefaults(&config);
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
+  return config;
+}
+
+class ServerCoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Make(TinyConfig()); }
+
+  void Make(const v1::ServerConfig& config) {
+    auto core = ServerCore::Create(config, {{"a", "a.tok", 1000}, {"b", "b.tok", 3000}},
+                                   "heldout.tok", clock_, executor_, metrics_);
+    ASSERT_THAT(core, IsOk());
+    core_ = *std::move(core);
+  }
+
+  uint64_t Join(v1::Role role = v1::ROLE_TRAINER) {
+    v1::JoinRequest request;
+    request.set_name("w");
+    request.set_role(role);
+    auto reply = core_->Join(request);
+    EXPECT_THAT(reply, IsOk());
+    return reply->worker_id();
+  }
+
+  v1::Task Request(uint64_t worker) {
+    v1::TaskRequest request;
+    request.set_worker_id(worker);
+    auto task = core_->RequestTask(request);
+    EXPECT_THAT(task, IsOk());
+    return *task;
+  }
+
+  // An update whose every element is `value`.
+  PendingUpdate Update(uint64_t worker, const v1::Task& task, float value) {
+    PendingUpdate u;
+    u.worker_id = worker;
+    u.task_id = task.task_id();
+    u.base_version = task.base_version();
+    u.steps_done = task.local_steps();
+    u.tokens_learned = 100;
+    for (const auto& layer : core_->spec().layers()) {
+      u.layers.emplace_back(layer.num_elements(), value);
+    }
+    return u;
+  }
+
+  std::vector<std::vector<float>> Params() {
+    std::vector<std::vector<float>> out;
+    for (const auto& layer : core_->Snapshot().layers) out.push_back(*layer);
+    return out;
+  }
+
+  FakeClock clock_;
+  InlineExecutor executor_;
+  RecordingMetrics metrics_;
+  std::unique_ptr<ServerCore> core_;
+};
+
+TEST_F(ServerCoreTest, FirstRoundWaitsForMinWorkersThenAveragesBothUpdates) {
+  const uint64_t a = Join();
+  EXPECT_EQ(Request(a).kind(), v1::Task::WAIT);  // min_workers = 2
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  ASSERT_EQ(ta.kind(), v1::Task::TRAIN);
+  ASSERT_EQ(tb.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta.base_version(), 0u);
+  EXPECT_EQ(ta.local_steps(), 5u);
+  EXPECT_NE(ta.seed(), tb.seed());
+  EXPECT_EQ(Request(a).task_id(), ta.task_id());  // a repeated request gets the same task
+
+  const auto before = Params();
+  auto ra = core_->SubmitUpdate(Update(a, ta, 1.0f));
+  ASSERT_THAT(ra, IsOk());
+  EXPECT_FALSE(ra->applied());
+  EXPECT_EQ(core_->version(), 0u);
+  auto rb = core_->SubmitUpdate(Update(b, tb, 3.0f));
+  ASSERT_THAT(rb, IsOk());
+  EXPECT_TRUE(rb->applied());
+  EXPECT_EQ(rb->version(), 1u);
+  // SGD lr 0.5 on the average (1 + 3) / 2 = 2: every parameter moves by exactly -1.
+  const auto after = Params();
+  for (size_t l = 0; l < after.size(); ++l) {
+    for (size_t i = 0; i < after[l].size(); ++i) {
+      ASSERT_FLOAT_EQ(after[l][i], before[l][i] - 1.0f) << "layer " << l << " element " << i;
+    }
+  }
+  EXPECT_EQ(core_->updates_applied(), 2u);
+  EXPECT_EQ(metrics_.Value("aloe_model_version"), 1);
+  EXPECT_EQ(metrics_.Value("aloe_updates_applied_total"), 2);
+  EXPECT_EQ(metrics_.Value("aloe_tokens_learned_total"), 200);
+}
+
+TEST_F(ServerCoreTest, BadPushesAreRejectedAndLeaveParametersUnchanged) {
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  Request(b);
+  const auto before = Params();
+
+  // Unknown layer and wrong size are caught while the stream is assembled.
+  v1::PushHeader header;
+  header.set_worker_id(a);
+  header.set_task_id(ta.task_id());
+  header.set_base_version(0);
+  header.set_steps_done(5);
+  {
+    UpdateAssembler assembler(core_->spec(), header);
+    EXPECT_THAT(assembler.AddChunk(99, 0, std::string(8, '\0')),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown layer 99")));
+  }
+  {
+    UpdateAssembler assembler(core_->spec(), header);
+    const size_t n = core_->spec().layers(0).num_elements();
+    EXPECT_THAT(assembler.AddChunk(0, 0, std::string((n + 1) * 4, '\0')),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("wrong size")));
+  }
+  {
+    UpdateAssembler assembler(core_->spec(), header);
+    float values[2] = {1.0f, std::nanf("")};
+    EXPECT_THAT(assembler.AddChunk(0, 0, std::string(reinterpret_cast<char*>(values), 8)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("non-finite")));
+  }
+  {
+    UpdateAssembler assembler(core_->spec(), header);
+    EXPECT_THAT(std::move(assembler).Finish(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("incomplete")));
+  }
+  // Stale version.
+  PendingUpdate stale = Update(a, ta, 1.0f);
+  stale.base_version = 7;
+  EXPECT_THAT(core_->SubmitUpdate(stale),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stale version")));
+  // Wrong shape reaching the core directly.
+  PendingUpdate shape = Update(a, ta, 1.0f);
+  shape.layers[1].pop_back();
+  EXPECT_THAT(core_->SubmitUpdate(shape),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 1")));
+  // Unknown worker and a task that is not the worker's.
+  EXPECT_THAT(core_->SubmitUpdate(Update(42, ta, 1.0f)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("worker 42")));
+  PendingUpdate wrong_task = Update(a, ta, 1.0f);
+  wrong_task.task_id += 100;
+  EXPECT_THAT(core_->SubmitUpdate(wrong_task),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
+
+  EXPECT_EQ(core_->version(), 0u);
+  EXPECT_EQ(Params(), before);
+  EXPECT_EQ(metrics_.Value("aloe_updates_rejected_total"), 4);
+
+  // The valid push of the same task still goes through afterwards; a second one is refused.
+  EXPECT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());
+  EXPECT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
+}
+
+TEST_F(ServerCoreTest, ExpiredWorkerIsNotWaitedForAndItsLatePushIsRejected) {
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 2.0f)), IsOk());
+  // a keeps heartbeating, b goes silent past its lease.
+  clock_.Advance(absl::Seconds(6));
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id(a);
+  ASSERT_THAT(core_->Heartbeat(hb), IsOk());
+  clock_.Advance(absl::Seconds(6));
+  core_->Tick();
+  EXPECT_EQ(core_->version(), 1u);  // the round closed without b
+  EXPECT_EQ(metrics_.Value("aloe_workers_expired_total"), 1);
+  EXPECT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("not a live member")));
+  // A new round opens for the survivor alone.
+  const v1::Task next = Request(a);
+  EXPECT_EQ(next.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(next.base_version(), 1u);
+}
+
+TEST_F(ServerCoreTest, LateJoinerWaitsForTheNextRound) {
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  const uint64_t c = Join();
+  EXPECT_EQ(Request(c).kind(), v1::Task::WAIT);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)), IsOk());
+  const v1::Task tc = Request(c);
+  EXPECT_EQ(tc.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(tc.base_version(), 1u);
+}
+
+TEST_F(ServerCoreTest, EvaluatorGetsInitialAndFinalVersionsThenStop) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_aggregation()->set_min_workers(1);
+  config.set_max_versions(2);
+  config.set_eval_every(10);
+  Make(config);
+  const uint64_t e = Join(v1::ROLE_EVALUATOR);
+  const uint64_t a = Join();
+  v1::Task eval = Request(e);
+  ASSERT_EQ(eval.kind(), v1::Task::EVAL);
+  EXPECT_EQ(eval.base_version(), 0u);
+  v1::EvalReport report;
+  report.set_worker_id(e);
+  report.set_task_id(eval.task_id());
+  report.set_version(0);
+  report.set_loss(std::nan(""));
+  report.set_tokens(10);
+  EXPECT_THAT(core_->ReportEval(report), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss")));
+  report.set_loss(2.5);
+  ASSERT_THAT(core_->ReportEval(report), IsOk());
+  EXPECT_DOUBLE_EQ(metrics_.Value("aloe_eval_perplexity"), std::exp(2.5));
+  EXPECT_EQ(Request(e).kind(), v1::Task::WAIT);
+
+  for (int round = 0; round < 2; ++round) {
+    const v1::Task t = Request(a);
+    ASSERT_EQ(t.kind(), v1::Task::TRAIN);
+    ASSERT_THAT(core_->SubmitUpdate(Update(a, t, 0.1f)), IsOk());
+  }
+  EXPECT_TRUE(core_->stopping());
+  EXPECT_EQ(Request(a).kind(), v1::Task::STOP);
+  eval = Request(e);
+  ASSERT_EQ(eval.kind(), v1::Task::EVAL);  // the final version is always evaluated
+  EXPECT_EQ(eval.base_version(), 2u);
+  report.set_task_id(eval.task_id());
+  report.set_version(2);
+  report.set_loss(2.0);
+  ASSERT_THAT(core_->ReportEval(report), IsOk());
+  EXPECT_EQ(Request(e).kind(), v1::Task::STOP);
+  EXPECT_FALSE(core_->Finished());
+  v1::LeaveRequest leave;
+  leave.set_worker_id(a);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  leave.set_worker_id(e);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  EXPECT_TRUE(core_->Finished());
+  ASSERT_EQ(core_->eval_history().size(), 2u);
+  EXPECT_EQ(core_->eval_history().back().version, 2u);
+}
+
+TEST_F(ServerCoreTest, PullOfAnOldVersionIsRefused) {
+  const uint64_t a = Join();
+  v1::PullRequest pull;
+  pull.set_worker_id(a);
+  pull.set_version(3);
+  EXPECT_THAT(core_->SnapshotFor(pull),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("version 3")));
+  pull.set_latest(true);
+  EXPECT_THAT(core_->SnapshotFor(pull), IsOk());
+  pull.set_worker_id(77);
+  EXPECT_THAT(core_->SnapshotFor(pull), StatusIs(absl::StatusCode::kNotFound, HasSubstr("77")));
+}
+
+}  // namespace
+}  // namespace aloe::server

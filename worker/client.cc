@@ -1,0 +1,167 @@
+#include "worker/client.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/tensor_codec.h"
+
+namespace aloe::worker {
+namespace {
+
+void SetDeadline(grpc::ClientContext* context, int seconds) {
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+}
+
+constexpr int kControlDeadlineSeconds = 30;
+constexpr int kTransferDeadlineSeconds = 600;
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+ServerClient::ServerClient(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(2 << 20);
+  channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  coordinator_ = v1::Coordinator::NewStub(channel_);
+  parameters_ = v1::ParameterService::NewStub(channel_);
+}
+
+absl::StatusOr<v1::JoinReply> ServerClient::Join(const v1::JoinRequest& request) {
+  grpc::ClientContext context;
+  SetDeadline(&context, kControlDeadlineSeconds);
+  v1::JoinReply reply;
+  absl::Status s = FromGrpcStatus(coordinator_->Join(&context, request, &reply));
+  if (!s.ok()) return s;
+  return reply;
+}
+
+absl::StatusOr<v1::HeartbeatReply> ServerClient::Heartbeat(const v1::HeartbeatRequest& request) {
+  grpc::ClientContext context;
+  SetDeadline(&context, kControlDeadlineSeconds);
+  v1::HeartbeatReply reply;
+  absl::Status s = FromGrpcStatus(coordinator_->Heartbeat(&context, request, &reply));
+  if (!s.ok()) return s;
+  return reply;
+}
+
+absl::StatusOr<v1::Task> ServerClient::RequestTask(uint64_t worker_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context, kControlDeadlineSeconds);
+  v1::TaskRequest request;
+  request.set_worker_id(worker_id);
+  v1::Task task;
+  absl::Status s = FromGrpcStatus(coordinator_->RequestTask(&context, request, &task));
+  if (!s.ok()) return s;
+  return task;
+}
+
+absl::Status ServerClient::ReportEval(const v1::EvalReport& report) {
+  grpc::ClientContext context;
+  SetDeadline(&context, kControlDeadlineSeconds);
+  v1::EvalAck ack;
+  return FromGrpcStatus(coordinator_->ReportEval(&context, report, &ack));
+}
+
+absl::Status ServerClient::Leave(uint64_t worker_id) {
+  grpc::ClientContext context;
+  SetDeadline(&context, kControlDeadlineSeconds);
+  v1::LeaveRequest request;
+  request.set_worker_id(worker_id);
+  v1::LeaveReply reply;
+  return FromGrpcStatus(coordinator_->Leave(&context, request, &reply));
+}
+
+absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version, bool latest,
+                                            const v1::ModelSpec& spec,
+                                            std::vector<std::vector<float>>* layers,
+                                            uint64_t* bytes) {
+  grpc::ClientContext context;
+  SetDeadline(&context, kTransferDeadlineSeconds);
+  v1::PullRequest request;
+  request.set_worker_id(worker_id);
+  request.set_version(version);
+  request.set_latest(latest);
+  std::unique_ptr<grpc::ClientReader<v1::ParamChunk>> reader =
+      parameters_->Pull(&context, request);
+  layers->resize(spec.layers_size());
+  std::vector<uint64_t> filled(spec.layers_size(), 0);
+  for (int i = 0; i < spec.layers_size(); ++i) (*layers)[i].resize(spec.layers(i).num_elements());
+  bool have_version = false;
+  uint64_t received_version = 0;
+  v1::ParamChunk chunk;
+  absl::Status bad;
+  while (bad.ok() && reader->Read(&chunk)) {
+    if (!have_version) {
+      received_version = chunk.version();
+      have_version = true;
+    }
+    const uint32_t id = chunk.layer_id();
+    if (chunk.version() != received_version) {
+      bad = absl::DataLossError("pull stream mixes model versions");
+    } else if (id >= static_cast<uint32_t>(spec.layers_size()) ||
+               chunk.layer_elements() != spec.layers(id).num_elements() ||
+               chunk.offset() != filled[id] || chunk.data().size() % sizeof(float) != 0 ||
+               chunk.offset() + chunk.data().size() / sizeof(float) > chunk.layer_elements()) {
+      bad = absl::DataLossError(absl::StrFormat("pull stream: bad chunk for layer %d", id));
+    } else {
+      const size_t count = chunk.data().size() / sizeof(float);
+      absl::Status s =
+          DecodeFloats(chunk.data(), absl::MakeSpan((*layers)[id].data() + chunk.offset(), count));
+      if (!s.ok()) bad = absl::DataLossError(absl::StrCat("pull stream: ", s.message()));
+      filled[id] += count;
+      *bytes += chunk.data().size();
+    }
+  }
+  if (!bad.ok()) {
+    context.TryCancel();
+    reader->Finish();
+    return bad;
+  }
+  absl::Status s = FromGrpcStatus(reader->Finish());
+  if (!s.ok()) return s;
+  for (int i = 0; i < spec.layers_size(); ++i) {
+    if (filled[i] != spec.layers(i).num_elements()) {
+      return absl::DataLossError(absl::StrFormat("pull stream: layer %d incomplete", i));
+    }
+  }
+  return received_version;
+}
+
+absl::StatusOr<v1::PushReply> ServerClient::Push(const v1::PushHeader& header,
+                                                 const std::vector<std::vector<float>>& layers,
+                                                 uint64_t* bytes) {
+  grpc::ClientContext context;
+  SetDeadline(&context, kTransferDeadlineSeconds);
+  v1::PushReply reply;
+  std::unique_ptr<grpc::ClientWriter<v1::PushChunk>> writer =
+      parameters_->Push(&context, &reply);
+  v1::PushChunk chunk;
+  *chunk.mutable_header() = header;
+  bool open = true;
+  for (size_t layer = 0; layer < layers.size() && open; ++layer) {
+    for (auto [begin, end] : ChunkRanges(layers[layer].size())) {
+      chunk.set_layer_id(static_cast<uint32_t>(layer));
+      chunk.set_offset(begin);
+      chunk.mutable_data()->clear();
+      AppendFloats(absl::MakeConstSpan(layers[layer].data() + begin, end - begin),
+                   chunk.mutable_data());
+      *bytes += chunk.data().size();
+      if (!writer->Write(chunk)) {
+        open = false;  // the server ended the stream early; Finish() says why
+        break;
+      }
+      chunk.clear_header();
+    }
+  }
+  writer->WritesDone();
+  absl::Status s = FromGrpcStatus(writer->Finish());
+  if (!s.ok()) return s;
+  return reply;
+}
+
+}  // namespace aloe::worker

@@ -1,0 +1,48 @@
+// gRPC client of aloe-server for one worker: control calls with deadlines, Pull into per-layer
+// buffers with full validation of what arrives, Push of a pseudo-gradient as a stream of
+// <= 1 MiB layer chunks. Thread-safe (gRPC stubs are), but one Pull/Push at a time per buffer.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/aloe.grpc.pb.h"
+
+namespace aloe::worker {
+
+// The one place where grpc::Status becomes absl::Status on the worker side.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+class ServerClient {
+ public:
+  explicit ServerClient(const std::string& address);
+
+  absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
+  absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
+  absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id);
+  absl::Status ReportEval(const v1::EvalReport& report);
+  absl::Status Leave(uint64_t worker_id);
+
+  // Pulls `version` (or the latest when latest is true) into layers, resized per spec. Returns
+  // the version received. kDataLoss when the stream is inconsistent (mixed versions, gaps,
+  // wrong sizes, non-finite values).
+  absl::StatusOr<uint64_t> Pull(uint64_t worker_id, uint64_t version, bool latest,
+                                const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
+                                uint64_t* bytes);
+
+  // Pushes a pseudo-gradient (one buffer per spec layer) under `header`.
+  absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header,
+                                     const std::vector<std::vector<float>>& layers,
+                                     uint64_t* bytes);
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> coordinator_;
+  std::unique_ptr<v1::ParameterService::Stub> parameters_;
+};
+
+}  // namespace aloe::worker

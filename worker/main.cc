@@ -1,0 +1,359 @@
+// aloe-worker: one training daemon per node. Joins aloe-server, then loops: request a task,
+// pull the global model of the task's version, run H local AdamW steps on the task's data shard
+// (the optimizer state persists across rounds), push the pseudo-gradient theta_base - theta_end
+// layer by layer. With --role evaluator it instead measures held-out loss of new versions.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "common/status_macros.h"
+#include "common/token_shard.h"
+#include "worker/client.h"
+#include "worker/trainer.h"
+#include "worker/worker_metrics.h"
+
+ABSL_FLAG(std::string, server, "127.0.0.1:7070", "aloe-server address (host:port)");
+ABSL_FLAG(std::string, role, "trainer", "trainer | evaluator");
+ABSL_FLAG(std::string, corpus_dir, "data/sotu", "Prepared corpus directory (manifest.tsv)");
+ABSL_FLAG(std::string, name, "", "Worker name shown by the server (default host:pid)");
+ABSL_FLAG(int32_t, threads, 1, "Intra-op threads (1 = one worker per core is fastest on CPU)");
+ABSL_FLAG(double, slowdown, 1.0,
+          "Emulate slower hardware: after each step sleep (slowdown-1) x its compute time");
+ABSL_FLAG(std::string, metrics, "127.0.0.1:0", "Prometheus endpoint host:port, or 'off'");
+ABSL_FLAG(int32_t, eval_sequences, 64, "Held-out sequences per evaluation (evaluator role)");
+ABSL_FLAG(double, connect_timeout, 60, "Seconds to keep retrying while the server is unreachable");
+
+namespace aloe::worker {
+namespace {
+
+std::atomic<int> g_signal{0};
+void OnSignal(int sig) { g_signal.store(sig); }
+
+double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Keeps the lease alive from a background thread. Stops and joins in the destructor.
+class Heartbeater {
+ public:
+  Heartbeater(ServerClient& client, double lease_seconds)
+      : client_(client), period_(absl::Seconds(std::max(0.05, lease_seconds / 3))) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~Heartbeater() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Set(uint64_t worker_id, double steps_per_second) {
+    absl::MutexLock lock(&mu_);
+    worker_id_ = worker_id;
+    steps_per_second_ = steps_per_second;
+  }
+
+ private:
+  void Loop() {
+    absl::MutexLock lock(&mu_);
+    while (!stop_) {
+      mu_.AwaitWithTimeout(absl::Condition(&stop_), period_);
+      if (stop_) break;
+      v1::HeartbeatRequest request;
+      request.set_worker_id(worker_id_);
+      request.set_steps_per_second(steps_per_second_);
+      mu_.Unlock();
+      absl::StatusOr<v1::HeartbeatReply> reply = client_.Heartbeat(request);
+      if (!reply.ok() && reply.status().code() != absl::StatusCode::kUnavailable) {
+        ALOE_LOG_WARNING("worker", "heartbeat: %s", reply.status().ToString());
+      }
+      mu_.Lock();
+    }
+  }
+
+  ServerClient& client_;
+  const absl::Duration period_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t worker_id_ ABSL_GUARDED_BY(mu_) = 0;
+  double steps_per_second_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+class Worker {
+ public:
+  Worker(ServerClient& client, MetricsSink& metrics) : client_(client), metrics_(metrics) {}
+
+  absl::Status Run();
+
+ private:
+  absl::Status JoinServer();
+  absl::StatusOr<const TokenSource*> Shard(const std::string& file);
+  absl::Status Train(const v1::Task& task);
+  absl::Status Evaluate(const v1::Task& task);
+  template <typename T>
+  absl::StatusOr<T> Retry(const std::function<absl::StatusOr<T>()>& call);
+
+  ServerClient& client_;
+  MetricsSink& metrics_;
+  bool evaluator_ = false;
+  v1::JoinReply joined_;
+  std::unique_ptr<LocalTrainer> trainer_;
+  std::unique_ptr<Heartbeater> heartbeat_;
+  std::map<std::string, std::unique_ptr<TokenShard>> shards_;
+  std::vector<std::vector<float>> base_;
+  std::vector<std::vector<float>> delta_;
+  uint64_t update_id_ = 0;
+  // Totals for the closing summary.
+  uint64_t rounds_ = 0, steps_ = 0, tokens_ = 0;
+  double compute_s_ = 0, network_s_ = 0;
+  std::chrono::steady_clock::time_point first_task_{};
+};
+
+// Retries calls that fail with kUnavailable (server restarting, not yet up) until
+// --connect_timeout passes.
+template <typename T>
+absl::StatusOr<T> Worker::Retry(const std::function<absl::StatusOr<T>()>& call) {
+  const auto give_up = std::chrono::steady_clock::now() +
+                       std::chrono::duration<double>(absl::GetFlag(FLAGS_connect_timeout));
+  while (true) {
+    absl::StatusOr<T> result = call();
+    if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable ||
+        std::chrono::steady_clock::now() > give_up || g_signal.load() != 0) {
+      return result;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+}
+
+absl::Status Worker::JoinServer() {
+  v1::JoinRequest request;
+  std::string name = absl::GetFlag(FLAGS_name);
+  if (name.empty()) name = absl::StrFormat("%s-%d", absl::GetFlag(FLAGS_role), getpid());
+  request.set_name(name);
+  request.set_role(evaluator_ ? v1::ROLE_EVALUATOR : v1::ROLE_TRAINER);
+  request.set_num_threads(absl::GetFlag(FLAGS_threads));
+  ALOE_ASSIGN_OR_RETURN(joined_, Retry<v1::JoinReply>([&] { return client_.Join(request); }));
+  if (trainer_ == nullptr) {
+    ALOE_ASSIGN_OR_RETURN(trainer_, LocalTrainer::Create(joined_.model(), joined_.inner_optimizer(),
+                                                         joined_.model_spec(), joined_.seed()));
+  }
+  if (heartbeat_ == nullptr) {
+    heartbeat_ = std::make_unique<Heartbeater>(client_, joined_.lease_seconds());
+  }
+  heartbeat_->Set(joined_.worker_id(), 0);
+  ALOE_LOG_INFO("worker", "%s joined as worker %d at version %d", name, joined_.worker_id(),
+                joined_.version());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const TokenSource*> Worker::Shard(const std::string& file) {
+  auto it = shards_.find(file);
+  if (it != shards_.end()) return it->second.get();
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard,
+                        TokenShard::Open(absl::StrCat(absl::GetFlag(FLAGS_corpus_dir), "/", file)));
+  const TokenSource* source = shard.get();
+  shards_[file] = std::move(shard);
+  return source;
+}
+
+absl::Status Worker::Run() {
+  evaluator_ = absl::GetFlag(FLAGS_role) == "evaluator";
+  ALOE_RETURN_IF_ERROR(JoinServer());
+  while (g_signal.load() == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<v1::Task> task =
+        Retry<v1::Task>([&] { return client_.RequestTask(joined_.worker_id()); });
+    network_s_ += Seconds(t0, std::chrono::steady_clock::now());
+    if (!task.ok() && task.status().code() == absl::StatusCode::kNotFound) {
+      ALOE_LOG_WARNING("worker", "%s; joining again", task.status().message());
+      ALOE_RETURN_IF_ERROR(JoinServer());
+      continue;
+    }
+    if (!task.ok()) return task.status();
+    absl::Status status;
+    switch (task->kind()) {
+      case v1::Task::WAIT:
+        continue;
+      case v1::Task::STOP:
+        ALOE_LOG_INFO("worker", "server says training is over");
+        break;
+      case v1::Task::TRAIN:
+        status = Train(*task);
+        break;
+      case v1::Task::EVAL:
+        status = Evaluate(*task);
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrFormat("unknown task kind %d", task->kind()));
+    }
+    if (task->kind() == v1::Task::STOP) break;
+    if (status.code() == absl::StatusCode::kFailedPrecondition ||
+        status.code() == absl::StatusCode::kNotFound) {
+      // The server dropped this round (stale version, expired lease): log and ask again.
+      ALOE_LOG_WARNING("worker", "task %d dropped: %s", task->task_id(), status.message());
+      continue;
+    }
+    ALOE_RETURN_IF_ERROR(status);
+  }
+  heartbeat_.reset();
+  absl::Status left = client_.Leave(joined_.worker_id());
+  if (!left.ok()) ALOE_LOG_WARNING("worker", "leave: %s", left.ToString());
+  const double wall = rounds_ > 0 ? Seconds(first_task_, std::chrono::steady_clock::now()) : 0;
+  ALOE_LOG_INFO("worker",
+                "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
+                "network_seconds=%.2f tokens_per_second=%.1f",
+                rounds_, steps_, tokens_, wall, compute_s_, network_s_,
+                wall > 0 ? static_cast<double>(tokens_) / wall : 0.0);
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Train(const v1::Task& task) {
+  if (rounds_ == 0) first_task_ = std::chrono::steady_clock::now();
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t pulled = 0;
+  ALOE_RETURN_IF_ERROR(client_
+                           .Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
+                                 joined_.model_spec(), &base_, &pulled)
+                           .status());
+  const auto t1 = std::chrono::steady_clock::now();
+  ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
+  ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
+  ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats,
+                        trainer_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
+                                        absl::GetFlag(FLAGS_slowdown)));
+  const auto t2 = std::chrono::steady_clock::now();
+  ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(base_, &delta_));
+  v1::PushHeader header;
+  header.set_worker_id(joined_.worker_id());
+  header.set_task_id(task.task_id());
+  header.set_update_id(++update_id_);
+  header.set_base_version(task.base_version());
+  header.set_steps_done(stats.steps);
+  header.set_tokens_learned(stats.tokens);
+  header.set_train_loss(stats.mean_loss);
+  header.set_compute_seconds(stats.compute_seconds);
+  header.set_codec(v1::CODEC_FP32);
+  uint64_t pushed = 0;
+  absl::StatusOr<v1::PushReply> reply = client_.Push(header, delta_, &pushed);
+  const auto t3 = std::chrono::steady_clock::now();
+  if (!reply.ok()) return reply.status();
+
+  const double round_s = Seconds(t0, t3);
+  const double network_s = Seconds(t0, t1) + Seconds(t2, t3);
+  ++rounds_;
+  steps_ += stats.steps;
+  tokens_ += stats.tokens;
+  compute_s_ += stats.compute_seconds;
+  network_s_ += network_s;
+  heartbeat_->Set(joined_.worker_id(), stats.compute_seconds > 0
+                                           ? stats.steps / Seconds(t1, t2)
+                                           : 0);
+  metrics_.Set(kLoss, stats.mean_loss);
+  metrics_.Set(kTokensPerSecond, stats.tokens / round_s);
+  metrics_.Set(kStepsPerRound, stats.steps);
+  metrics_.Set(kModelVersion, static_cast<double>(task.base_version()));
+  metrics_.Add(kSteps, stats.steps);
+  metrics_.Add(kTokens, static_cast<double>(stats.tokens));
+  metrics_.Add(kRounds, 1);
+  metrics_.Add(kPulledBytes, static_cast<double>(pulled));
+  metrics_.Add(kPushedBytes, static_cast<double>(pushed));
+  metrics_.Add(kComputeSeconds, stats.compute_seconds);
+  metrics_.Add(kNetworkSeconds, network_s);
+  ALOE_LOG_INFO("worker",
+                "round %d: version %d shard %s steps %d loss %.4f tokens/s %.0f "
+                "(compute %.2fs, network %.3fs)%s",
+                rounds_, task.base_version(), task.shard_name(), stats.steps, stats.mean_loss,
+                stats.tokens / round_s, stats.compute_seconds, network_s,
+                reply->applied() ? absl::StrFormat(" -> version %d", reply->version()) : "");
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Evaluate(const v1::Task& task) {
+  uint64_t pulled = 0;
+  ALOE_ASSIGN_OR_RETURN(uint64_t version,
+                        client_.Pull(joined_.worker_id(), task.base_version(), /*latest=*/true,
+                                     joined_.model_spec(), &base_, &pulled));
+  ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
+  ALOE_ASSIGN_OR_RETURN(const TokenSource* heldout, Shard(joined_.heldout_file()));
+  ALOE_ASSIGN_OR_RETURN(double loss,
+                        trainer_->Evaluate(*heldout, absl::GetFlag(FLAGS_eval_sequences)));
+  const uint64_t seq = joined_.model().seq_len();
+  const uint64_t windows = std::min<uint64_t>(absl::GetFlag(FLAGS_eval_sequences),
+                                              heldout->num_tokens() / (seq + 1));
+  v1::EvalReport report;
+  report.set_worker_id(joined_.worker_id());
+  report.set_task_id(task.task_id());
+  report.set_version(version);
+  report.set_loss(loss);
+  report.set_tokens(std::max<uint64_t>(1, windows * seq));
+  ALOE_RETURN_IF_ERROR(client_.ReportEval(report));
+  metrics_.Set(kEvalLoss, loss);
+  metrics_.Set(kModelVersion, static_cast<double>(version));
+  metrics_.Add(kPulledBytes, static_cast<double>(pulled));
+  ALOE_LOG_INFO("worker", "eval version %d: loss %.4f perplexity %.2f", version, loss,
+                std::exp(loss));
+  return absl::OkStatus();
+}
+
+absl::Status Main() {
+  const std::string role = absl::GetFlag(FLAGS_role);
+  if (role != "trainer" && role != "evaluator") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--role must be trainer or evaluator, got \"%s\"", role));
+  }
+  if (!(absl::GetFlag(FLAGS_slowdown) >= 1.0) || !std::isfinite(absl::GetFlag(FLAGS_slowdown))) {
+    return absl::InvalidArgumentError("--slowdown must be a finite number >= 1");
+  }
+  if (absl::GetFlag(FLAGS_threads) < 1) return absl::InvalidArgumentError("--threads must be >= 1");
+  if (absl::GetFlag(FLAGS_eval_sequences) < 1) {
+    return absl::InvalidArgumentError("--eval_sequences must be >= 1");
+  }
+  SetTrainerThreads(absl::GetFlag(FLAGS_threads));
+  std::unique_ptr<MetricsSink> metrics;
+  if (absl::GetFlag(FLAGS_metrics) == "off") {
+    metrics = std::make_unique<NullMetrics>();
+  } else {
+    ALOE_ASSIGN_OR_RETURN(auto prometheus, PrometheusMetrics::Start(absl::GetFlag(FLAGS_metrics),
+                                                                    WorkerMetricCatalogue()));
+    ALOE_LOG_INFO("worker", "metrics on port %d", prometheus->port());
+    metrics = std::move(prometheus);
+  }
+  ServerClient client(absl::GetFlag(FLAGS_server));
+  Worker worker(client, *metrics);
+  return worker.Run();
+}
+
+}  // namespace
+}  // namespace aloe::worker
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "aloe-worker --server HOST:PORT [--role trainer|evaluator] [flags]\n"
+      "Training daemon for ALOE: joins aloe-server, pulls the global model, trains H local AdamW\n"
+      "steps per task with LibTorch and pushes the pseudo-gradient; as an evaluator it reports\n"
+      "held-out loss of new model versions. Leaves gracefully on SIGINT/SIGTERM.");
+  absl::ParseCommandLine(argc, argv);
+  signal(SIGINT, aloe::worker::OnSignal);
+  signal(SIGTERM, aloe::worker::OnSignal);
+  absl::Status status = aloe::worker::Main();
+  if (!status.ok()) {
+    ALOE_LOG_ERROR("worker", "%s", status.ToString());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,264 @@
+#include "worker/trainer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "common/lr_schedule.h"
+#include "common/model_spec.h"
+#include "common/status_macros.h"
+#include "worker/transformer.h"
+
+namespace aloe::worker {
+namespace {
+
+std::atomic<int> g_trainer_threads{1};
+
+// torch::set_num_threads sets the calling thread's OpenMP thread count, so it is applied on the
+// thread that trains, not only where the flag was parsed.
+void ApplyTrainerThreads() {
+  const int want = g_trainer_threads.load(std::memory_order_relaxed);
+  if (torch::get_num_threads() != want) torch::set_num_threads(want);
+}
+
+absl::Status LibTorchError(const char* what, const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) {
+    return absl::InternalError(absl::StrFormat("%s: %s", what, c10->what_without_backtrace()));
+  }
+  return absl::InternalError(absl::StrFormat("%s: %s", what, e.what()));
+}
+
+// Returns kInvalidArgument naming the first token >= vocab_size among `count` tokens.
+absl::Status CheckTokens(const int64_t* tokens, int64_t count, uint32_t vocab_size,
+                         uint64_t window_start) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (tokens[i] < 0 || static_cast<uint64_t>(tokens[i]) >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "token %d in the window starting at offset %d is outside the model vocabulary of %d",
+          tokens[i], window_start, vocab_size));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Reads `starts.size()` windows of `window` tokens into a fresh [rows, window] int64 tensor.
+absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
+                                        const std::vector<uint64_t>& starts, int64_t window,
+                                        uint32_t vocab_size) {
+  torch::Tensor batch =
+      torch::empty({static_cast<int64_t>(starts.size()), window}, torch::kInt64);
+  int64_t* out = batch.data_ptr<int64_t>();
+  for (size_t r = 0; r < starts.size(); ++r) {
+    int64_t* row = out + static_cast<int64_t>(r) * window;
+    data.Read(starts[r], window, row);
+    ALOE_RETURN_IF_ERROR(CheckTokens(row, window, vocab_size, starts[r]));
+  }
+  return batch;
+}
+
+}  // namespace
+
+void SetTrainerThreads(int num_threads) {
+  g_trainer_threads.store(std::max(num_threads, 1), std::memory_order_relaxed);
+}
+
+int TrainerThreads() { return g_trainer_threads.load(std::memory_order_relaxed); }
+
+struct LocalTrainer::Impl {
+  v1::TransformerConfig model_config;
+  v1::InnerOptimizerConfig inner;
+  v1::ModelSpec spec;
+  TransformerLM model{nullptr};
+  std::vector<torch::Tensor> params;  // model parameters in spec order
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+};
+
+LocalTrainer::LocalTrainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+LocalTrainer::~LocalTrainer() = default;
+
+const v1::ModelSpec& LocalTrainer::spec() const { return impl_->spec; }
+
+absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::Create(
+    const v1::TransformerConfig& model, const v1::InnerOptimizerConfig& inner,
+    const v1::ModelSpec& spec, uint64_t seed) {
+  ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(model));
+  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
+  auto impl = std::make_unique<Impl>();
+  impl->model_config = model;
+  impl->inner = inner;
+  impl->spec = spec;
+  try {
+    ApplyTrainerThreads();
+    impl->model = TransformerLM(model);
+  } catch (const std::exception& e) {
+    return LibTorchError("building the model", e);
+  }
+  ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
+  ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *impl->model));
+  try {
+    impl->params = impl->model->parameters();
+    // GPT-style decoupled weight decay on matrices only; biases and LayerNorm gains/shifts are
+    // not decayed towards zero.
+    std::vector<torch::Tensor> decay;
+    std::vector<torch::Tensor> no_decay;
+    for (const torch::Tensor& p : impl->params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    const auto options = torch::optim::AdamWOptions(inner.lr())
+                             .betas(std::make_tuple(inner.beta1(), inner.beta2()))
+                             .eps(inner.eps())
+                             .weight_decay(inner.weight_decay());
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(options));
+    groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                      torch::optim::AdamWOptions(options).weight_decay(0)));
+    impl->optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+  } catch (const std::exception& e) {
+    return LibTorchError("creating AdamW", e);
+  }
+  return std::unique_ptr<LocalTrainer>(new LocalTrainer(std::move(impl)));
+}
+
+absl::Status LocalTrainer::SetParameters(const std::vector<std::vector<float>>& layers) {
+  return LoadParameters(layers, impl_->spec, *impl_->model);
+}
+
+absl::Status LocalTrainer::GetParameters(std::vector<std::vector<float>>* layers) const {
+  try {
+    torch::NoGradGuard no_grad;
+    layers->resize(impl_->spec.layers_size());
+    size_t index = 0;
+    for (int l = 0; l < impl_->spec.layers_size(); ++l) {
+      std::vector<float>& out = (*layers)[l];
+      out.resize(impl_->spec.layers(l).num_elements());
+      size_t offset = 0;
+      for (int t = 0; t < impl_->spec.layers(l).tensors_size(); ++t, ++index) {
+        const torch::Tensor p = impl_->params[index].detach().to(torch::kCPU).contiguous();
+        std::memcpy(out.data() + offset, p.data_ptr<float>(), p.numel() * sizeof(float));
+        offset += p.numel();
+      }
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("reading parameters", e);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>& base,
+                                          std::vector<std::vector<float>>* out) const {
+  const v1::ModelSpec& spec = impl_->spec;
+  if (base.size() != static_cast<size_t>(spec.layers_size())) {
+    return absl::InvalidArgumentError(absl::StrFormat("base has %d layers, the model spec has %d",
+                                                      base.size(), spec.layers_size()));
+  }
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    if (base[l].size() != spec.layers(l).num_elements()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("base layer %d \"%s\" has %d elements, the model spec has %d", l,
+                          spec.layers(l).name(), base[l].size(), spec.layers(l).num_elements()));
+    }
+  }
+  ALOE_RETURN_IF_ERROR(GetParameters(out));
+  for (size_t l = 0; l < base.size(); ++l) {
+    const float* b = base[l].data();
+    float* g = (*out)[l].data();
+    const size_t n = base[l].size();
+    for (size_t i = 0; i < n; ++i) g[i] = b[i] - g[i];
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& data,
+                                                             uint32_t steps, uint64_t lr_step,
+                                                             uint64_t seed, double slowdown) {
+  if (!(slowdown >= 1.0) || !std::isfinite(slowdown)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("slowdown must be a finite number >= 1, got %g", slowdown));
+  }
+  const int64_t seq_len = impl_->model_config.seq_len();
+  const int64_t window = seq_len + 1;
+  const uint32_t batch_size = impl_->inner.batch_size();
+  const uint64_t n = data.num_tokens();
+  if (n < static_cast<uint64_t>(window)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "training data has %d tokens, fewer than one window of seq_len + 1 = %d", n, window));
+  }
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<uint64_t> start_dist(0, n - window);
+  std::vector<uint64_t> starts(batch_size);
+  RoundStats stats;
+  double loss_sum = 0;
+  try {
+    ApplyTrainerThreads();
+    impl_->model->train();
+    for (uint32_t i = 0; i < steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (uint64_t& s : starts) s = start_dist(rng);
+      ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
+                            ReadBatch(data, starts, window, impl_->model_config.vocab_size()));
+      const double lr = InnerLearningRate(impl_->inner, lr_step + i);  // paper 002 Eq. 3
+      for (torch::optim::OptimizerParamGroup& group : impl_->optimizer->param_groups()) {
+        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+      }
+      impl_->optimizer->zero_grad();
+      torch::Tensor loss = impl_->model->Loss(batch);
+      loss.backward();
+      if (impl_->inner.grad_clip() > 0) {
+        torch::nn::utils::clip_grad_norm_(impl_->params, impl_->inner.grad_clip());
+      }
+      impl_->optimizer->step();
+      loss_sum += loss.item<double>();
+      const double step_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      stats.compute_seconds += step_seconds;
+      ++stats.steps;
+      if (slowdown > 1.0) {
+        std::this_thread::sleep_for(std::chrono::duration<double>((slowdown - 1.0) * step_seconds));
+      }
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("training step", e);
+  }
+  stats.tokens = static_cast<uint64_t>(stats.steps) * batch_size * seq_len;
+  stats.mean_loss = stats.steps > 0 ? loss_sum / stats.steps : 0.0;
+  return stats;
+}
+
+absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout,
+                                              uint32_t max_sequences) {
+  const int64_t seq_len = impl_->model_config.seq_len();
+  const uint64_t window = seq_len + 1;
+  const uint64_t windows = std::min<uint64_t>(max_sequences, heldout.num_tokens() / window);
+  if (windows == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "evaluation needs max_sequences >= 1 and at least seq_len + 1 = %d tokens; got "
+        "max_sequences %d and %d tokens",
+        window, max_sequences, heldout.num_tokens()));
+  }
+  const uint64_t batch_size = impl_->inner.batch_size();
+  double loss_sum = 0;  // summed per-token loss
+  try {
+    ApplyTrainerThreads();
+    torch::NoGradGuard no_grad;
+    std::vector<uint64_t> starts;
+    for (uint64_t first = 0; first < windows; first += batch_size) {
+      const uint64_t rows = std::min(batch_size, windows - first);
+      starts.resize(rows);
+      for (uint64_t r = 0; r < rows; ++r) starts[r] = (first + r) * window;
+      ALOE_ASSIGN_OR_RETURN(
+          torch::Tensor batch,
+          ReadBatch(heldout, starts, window, impl_->model_config.vocab_size()));
+      loss_sum += impl_->model->Loss(batch).item<double>() * static_cast<double>(rows * seq_len);
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("evaluation", e);
+  }
+  return loss_sum / static_cast<double>(windows * seq_len);
+}
+
+}  // namespace aloe::worker

@@ -1,0 +1,96 @@
+// LocalTrainer: the inner loop of a DiLoCo worker (paper 002 Alg. 1, inner part). It holds one
+// replica of the transformer LM (worker/transformer.h) and its AdamW inner optimizer. A round
+// is: SetParameters(theta_base) -> Train(H steps on a data shard) -> PseudoGradient(theta_base)
+// = theta_base - theta_end, which the worker pushes to the server. The AdamW moments stay on the
+// worker across rounds: never sent, never reset (ALGORITHMS.md "Inner optimizer state").
+//
+// LibTorch stays out of this header (pimpl): including it costs no <torch/torch.h>. Every
+// LibTorch exception is caught inside and returned as kInternal.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/token_source.h"
+#include "proto/aloe.pb.h"
+
+namespace aloe::worker {
+
+// Sets the number of intra-op threads LibTorch (and an OpenMP BLAS) uses for training and
+// evaluation in this process; LocalTrainer applies it on the thread that calls Train/Evaluate.
+// Default 1: one single-threaded worker process per core is fastest on CPU (DESIGN.md).
+// Values < 1 are treated as 1. Thread-safe.
+void SetTrainerThreads(int num_threads);
+int TrainerThreads();
+
+// Not thread-safe: one caller at a time (the worker's round loop).
+class LocalTrainer {
+ public:
+  struct RoundStats {
+    uint32_t steps = 0;           // optimizer steps taken
+    uint64_t tokens = 0;          // predicted tokens: steps * batch_size * seq_len
+    double mean_loss = 0;         // mean training loss over the steps (0 when steps == 0)
+    double compute_seconds = 0;   // wall time of the steps, excluding --slowdown sleeps
+  };
+
+  // Builds the model for `model` (which must pass ValidateTransformerConfig) and checks that
+  // its parameters are exactly the tensors of `spec` (kFailedPrecondition naming the first
+  // mismatch otherwise). Initialises the parameters with InitializeParameters(spec, seed).
+  // `inner` must pass ValidateInnerOptimizerConfig (kInvalidArgument otherwise). AdamW uses
+  // betas (beta1, beta2), eps and weight_decay from `inner`; weight decay applies to the
+  // matrices (embeddings, linear weights) only, not to biases and LayerNorm parameters.
+  static absl::StatusOr<std::unique_ptr<LocalTrainer>> Create(
+      const v1::TransformerConfig& model, const v1::InnerOptimizerConfig& inner,
+      const v1::ModelSpec& spec, uint64_t seed);
+
+  ~LocalTrainer();
+  LocalTrainer(const LocalTrainer&) = delete;
+  LocalTrainer& operator=(const LocalTrainer&) = delete;
+
+  // Copies the global parameters (one flat float32 buffer per spec layer) into the model.
+  // The AdamW state is left untouched. kInvalidArgument on a wrong layer count or layer size
+  // (the model is then unchanged).
+  absl::Status SetParameters(const std::vector<std::vector<float>>& layers);
+
+  // Copies the model's parameters out, one flat buffer per spec layer (resizes `layers`).
+  absl::Status GetParameters(std::vector<std::vector<float>>* layers) const;
+
+  // out[l][i] = base[l][i] - current[l][i] in float32 (the DiLoCo pseudo-gradient sign: the
+  // outer optimizer descends along it). kInvalidArgument when `base` does not fit the spec.
+  absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
+                              std::vector<std::vector<float>>* out) const;
+
+  // Runs `steps` AdamW steps on `data`. Step i (0-based):
+  //   - samples batch_size windows of seq_len + 1 tokens, starts uniform in
+  //     [0, num_tokens - seq_len - 1], from a std::mt19937_64 seeded with `seed`;
+  //   - sets the lr of every parameter group to InnerLearningRate(inner, lr_step + i)
+  //     (paper 002 Eq. 3; lr_step is the data shard's schedule position);
+  //   - forward, mean cross-entropy, backward, global grad-norm clip to grad_clip (if > 0),
+  //     AdamW step.
+  // `slowdown` >= 1 emulates slower hardware: after each step the trainer sleeps
+  // (slowdown - 1) x that step's compute time (not counted in compute_seconds).
+  // Errors: kInvalidArgument when data has fewer than seq_len + 1 tokens, a sampled token is
+  // >= vocab_size (steps before it have already been applied), or slowdown is not finite >= 1;
+  // kInternal on a LibTorch error.
+  absl::StatusOr<RoundStats> Train(const TokenSource& data, uint32_t steps, uint64_t lr_step,
+                                   uint64_t seed, double slowdown = 1.0);
+
+  // Mean per-token cross-entropy (nats) over the first min(max_sequences,
+  // num_tokens / (seq_len + 1)) non-overlapping windows of seq_len + 1 tokens of `heldout`,
+  // evaluated without gradients in batches of batch_size. Deterministic. Does not change the
+  // parameters or the optimizer state. kInvalidArgument when no window fits, max_sequences is 0
+  // or a token is >= vocab_size; kInternal on a LibTorch error.
+  absl::StatusOr<double> Evaluate(const TokenSource& heldout, uint32_t max_sequences);
+
+  const v1::ModelSpec& spec() const;
+
+ private:
+  struct Impl;
+  explicit LocalTrainer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace aloe::worker

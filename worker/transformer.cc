@@ -1,0 +1,173 @@
+#include "worker/transformer.h"
+
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <string>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace aloe::worker {
+namespace {
+
+template <typename Shape>
+std::string ShapeString(const Shape& shape) {
+  return absl::StrFormat("[%s]", absl::StrJoin(shape.begin(), shape.end(), ","));
+}
+
+}  // namespace
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t num_heads)
+    : num_heads_(num_heads), head_dim_(d_model / num_heads) {
+  // Registration order fixes named_parameters() order: qkv.{weight,bias}, proj.{weight,bias}.
+  qkv_ = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  proj_ = register_module("proj", torch::nn::Linear(d_model, d_model));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x,
+                                               const torch::Tensor& causal_mask) {
+  const int64_t batch = x.size(0);
+  const int64_t time = x.size(1);
+  const int64_t d_model = x.size(2);
+  // [B, T, 3d] -> [3, B, H, T, head_dim]
+  torch::Tensor qkv =
+      qkv_(x).view({batch, time, 3, num_heads_, head_dim_}).permute({2, 0, 3, 1, 4});
+  // The 1/sqrt(head_dim) scale is applied to q (T x head_dim) rather than to the scores (T x T).
+  torch::Tensor q = qkv[0] * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  torch::Tensor k = qkv[1];
+  torch::Tensor v = qkv[2];
+  torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1));  // [B, H, T, T]
+  scores = scores.masked_fill(causal_mask, -std::numeric_limits<float>::infinity());
+  torch::Tensor y = torch::matmul(torch::softmax(scores, -1), v);  // [B, H, T, head_dim]
+  y = y.transpose(1, 2).reshape({batch, time, d_model});
+  return proj_(y);
+}
+
+MlpImpl::MlpImpl(int64_t d_model, int64_t hidden) {
+  fc1_ = register_module("fc1", torch::nn::Linear(d_model, hidden));
+  fc2_ = register_module("fc2", torch::nn::Linear(hidden, d_model));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return fc2_(torch::gelu(fc1_(x))); }
+
+BlockImpl::BlockImpl(int64_t d_model, int64_t num_heads, int64_t hidden) {
+  ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  attn_ = register_module("attn", CausalSelfAttention(d_model, num_heads));
+  ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  mlp_ = register_module("mlp", Mlp(d_model, hidden));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& causal_mask) {
+  torch::Tensor h = x + attn_(ln1_(x), causal_mask);
+  return h + mlp_(ln2_(h));
+}
+
+TransformerLMImpl::TransformerLMImpl(const v1::TransformerConfig& config) : config_(config) {
+  const int64_t vocab = config.vocab_size();
+  const int64_t d = config.d_model();
+  const int64_t hidden = static_cast<int64_t>(config.ffn_mult()) * d;
+  tok_emb_ = register_module("tok_emb", torch::nn::Embedding(vocab, d));
+  pos_emb_ = register_module("pos_emb", torch::nn::Embedding(config.seq_len(), d));
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (uint32_t i = 0; i < config.num_layers(); ++i) {
+    block_list_.push_back(Block(d, config.num_heads(), hidden));
+    blocks_->push_back(block_list_.back());
+  }
+  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(d, vocab).bias(false)));
+}
+
+torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens) {
+  const int64_t time = tokens.size(1);
+  torch::Tensor positions =
+      torch::arange(time, torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
+  torch::Tensor x = tok_emb_(tokens) + pos_emb_(positions);
+  const torch::Tensor causal_mask =
+      torch::ones({time, time}, torch::TensorOptions().dtype(torch::kBool).device(tokens.device()))
+          .triu(1);
+  for (Block& block : block_list_) x = block(x, causal_mask);
+  return head_(ln_f_(x));
+}
+
+torch::Tensor TransformerLMImpl::Loss(const torch::Tensor& tokens) {
+  const int64_t time = tokens.size(1) - 1;
+  torch::Tensor logits = forward(tokens.narrow(1, 0, time));
+  torch::Tensor targets = tokens.narrow(1, 1, time).reshape({-1});
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets);
+}
+
+absl::Status CheckParametersMatchSpec(const torch::nn::Module& module,
+                                      const v1::ModelSpec& spec) {
+  try {
+    const auto params = module.named_parameters(/*recurse=*/true);
+    size_t index = 0;
+    for (const v1::LayerSpec& layer : spec.layers()) {
+      for (const v1::TensorSpec& t : layer.tensors()) {
+        if (index >= params.size()) {
+          return absl::FailedPreconditionError(absl::StrFormat(
+              "model has %d parameters but spec layer \"%s\" expects tensor \"%s\" %s",
+              params.size(), layer.name(), t.name(), ShapeString(t.shape())));
+        }
+        const auto& p = params[index];
+        const std::vector<int64_t> want(t.shape().begin(), t.shape().end());
+        if (p.key() != t.name() || p.value().sizes() != c10::IntArrayRef(want)) {
+          return absl::FailedPreconditionError(absl::StrFormat(
+              "model parameter %d is \"%s\" %s but spec layer \"%s\" expects \"%s\" %s", index,
+              p.key(), ShapeString(p.value().sizes()), layer.name(), t.name(),
+              ShapeString(want)));
+        }
+        if (p.value().scalar_type() != torch::kFloat32) {
+          return absl::FailedPreconditionError(
+              absl::StrFormat("model parameter \"%s\" is not float32", p.key()));
+        }
+        ++index;
+      }
+    }
+    if (index != params.size()) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("model parameter %d \"%s\" is not in the spec (spec has %d tensors)",
+                          index, params[index].key(), index));
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrFormat("checking model parameters: %s", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
+                            const v1::ModelSpec& spec, torch::nn::Module& module) {
+  if (layers.size() != static_cast<size_t>(spec.layers_size())) {
+    return absl::InvalidArgumentError(absl::StrFormat("got %d layers, the model spec has %d",
+                                                      layers.size(), spec.layers_size()));
+  }
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    if (layers[l].size() != spec.layers(l).num_elements()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d \"%s\" has %d elements, the model spec has %d", l,
+                          spec.layers(l).name(), layers[l].size(), spec.layers(l).num_elements()));
+    }
+  }
+  absl::Status match = CheckParametersMatchSpec(module, spec);
+  if (!match.ok()) return match;
+  try {
+    torch::NoGradGuard no_grad;
+    const std::vector<torch::Tensor> params = module.parameters(/*recurse=*/true);
+    size_t index = 0;
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      // from_blob does not copy or write: the const_cast only satisfies its signature.
+      float* data = const_cast<float*>(layers[l].data());
+      int64_t offset = 0;
+      for (int t = 0; t < spec.layers(l).tensors_size(); ++t, ++index) {
+        const torch::Tensor& p = params[index];
+        p.copy_(torch::from_blob(data + offset, p.sizes(), torch::kFloat32));
+        offset += p.numel();
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrFormat("loading parameters: %s", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace aloe::worker

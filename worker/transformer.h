@@ -1,0 +1,104 @@
+// The decoder-only pre-LN transformer language model that aloe-worker trains, as a LibTorch
+// module. Its named_parameters() are exactly the tensors of BuildTransformerSpec
+// (common/model_spec.h): same names, shapes and order, so a spec layer's flat buffer maps onto
+// consecutive parameters. Works with LibTorch 1.13 (Debian) and 2.x: attention is an explicit
+// masked softmax, not scaled_dot_product_attention.
+//
+// Includes <torch/torch.h>: include this header only from the few translation units that need
+// the module itself (the trainer, the bare-LibTorch benchmark, tests).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "proto/aloe.pb.h"
+
+namespace aloe::worker {
+
+// Causal multi-head self-attention: qkv = W_qkv x + b; per head
+// softmax(q k^T / sqrt(head_dim) + M) v with M = -inf above the diagonal; out = W_proj y + b.
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  CausalSelfAttentionImpl(int64_t d_model, int64_t num_heads);
+  // x: [B, T, d]; causal_mask: [T, T] bool, true where attention is forbidden (j > i).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& causal_mask);
+
+ private:
+  int64_t num_heads_;
+  int64_t head_dim_;
+  torch::nn::Linear qkv_{nullptr};
+  torch::nn::Linear proj_{nullptr};
+};
+TORCH_MODULE(CausalSelfAttention);
+
+// Position-wise MLP: fc2(gelu(fc1(x))), hidden width ffn_mult * d.
+class MlpImpl : public torch::nn::Module {
+ public:
+  MlpImpl(int64_t d_model, int64_t hidden);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::nn::Linear fc1_{nullptr};
+  torch::nn::Linear fc2_{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// Pre-LN block: x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(int64_t d_model, int64_t num_heads, int64_t hidden);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& causal_mask);
+
+ private:
+  torch::nn::LayerNorm ln1_{nullptr};
+  CausalSelfAttention attn_{nullptr};
+  torch::nn::LayerNorm ln2_{nullptr};
+  Mlp mlp_{nullptr};
+};
+TORCH_MODULE(Block);
+
+// logits = head(ln_f(blocks(tok_emb(tokens) + pos_emb(positions)))). Not thread-safe.
+// Precondition: `config` passes ValidateTransformerConfig. The constructor leaves LibTorch's
+// default initialisation in place; load InitializeParameters (common/model_spec.h) for the
+// spec's initialisation (LocalTrainer does).
+class TransformerLMImpl : public torch::nn::Module {
+ public:
+  explicit TransformerLMImpl(const v1::TransformerConfig& config);
+
+  // tokens: [B, T] int64 with 1 <= T <= seq_len and every id < vocab_size.
+  // Returns logits [B, T, vocab_size].
+  torch::Tensor forward(const torch::Tensor& tokens);
+
+  // Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
+  // tokens: [B, T + 1] int64, T <= seq_len.
+  torch::Tensor Loss(const torch::Tensor& tokens);
+
+  const v1::TransformerConfig& config() const { return config_; }
+
+ private:
+  v1::TransformerConfig config_;
+  torch::nn::Embedding tok_emb_{nullptr};
+  torch::nn::Embedding pos_emb_{nullptr};
+  torch::nn::ModuleList blocks_{nullptr};
+  std::vector<Block> block_list_;  // the same modules as blocks_, typed
+  torch::nn::LayerNorm ln_f_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(TransformerLM);
+
+// Returns OK when module.named_parameters() lists exactly the tensors of `spec` in order (names
+// and shapes), else kFailedPrecondition naming the first mismatch. Does not throw.
+absl::Status CheckParametersMatchSpec(const torch::nn::Module& module,
+                                      const v1::ModelSpec& spec);
+
+// Copies `layers` (one flat float32 buffer per spec layer, tensors concatenated in spec order)
+// into the parameters of `module`, without recording autograd history. Returns
+// kInvalidArgument when the layer count or a layer's size differs from `spec`, and
+// kFailedPrecondition when the module does not match `spec` (CheckParametersMatchSpec); the
+// module is unchanged in both cases. Does not throw.
+absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
+                            const v1::ModelSpec& spec, torch::nn::Module& module);
+
+}  // namespace aloe::worker

@@ -1,0 +1,41 @@
+// The worker's metrics catalogue. README.md documents the same list.
+#pragma once
+
+#include <vector>
+
+#include "common/metrics.h"
+
+namespace aloe::worker {
+
+inline constexpr char kLoss[] = "aloe_worker_loss";
+inline constexpr char kTokensPerSecond[] = "aloe_worker_tokens_per_second";
+inline constexpr char kStepsPerRound[] = "aloe_worker_steps_per_round";
+inline constexpr char kSteps[] = "aloe_worker_steps_total";
+inline constexpr char kTokens[] = "aloe_worker_tokens_total";
+inline constexpr char kRounds[] = "aloe_worker_rounds_total";
+inline constexpr char kPushedBytes[] = "aloe_worker_pushed_bytes_total";
+inline constexpr char kPulledBytes[] = "aloe_worker_pulled_bytes_total";
+inline constexpr char kComputeSeconds[] = "aloe_worker_compute_seconds_total";
+inline constexpr char kNetworkSeconds[] = "aloe_worker_network_seconds_total";
+inline constexpr char kEvalLoss[] = "aloe_worker_eval_loss";
+inline constexpr char kModelVersion[] = "aloe_worker_model_version";
+
+inline std::vector<MetricDef> WorkerMetricCatalogue() {
+  using K = MetricKind;
+  return {
+      {kLoss, K::kGauge, "Mean inner training loss of the last round (nats/token)", {}},
+      {kTokensPerSecond, K::kGauge, "Training tokens per second of the last round, wall clock", {}},
+      {kStepsPerRound, K::kGauge, "Local steps done in the last round", {}},
+      {kSteps, K::kCounter, "Local steps done", {}},
+      {kTokens, K::kCounter, "Training tokens processed", {}},
+      {kRounds, K::kCounter, "Rounds (tasks) completed", {}},
+      {kPushedBytes, K::kCounter, "Pseudo-gradient bytes pushed", {}},
+      {kPulledBytes, K::kCounter, "Parameter bytes pulled", {}},
+      {kComputeSeconds, K::kCounter, "Seconds spent in local training steps", {}},
+      {kNetworkSeconds, K::kCounter, "Seconds blocked on pull, push and task requests", {}},
+      {kEvalLoss, K::kGauge, "Held-out loss of the last evaluation (evaluator role)", {}},
+      {kModelVersion, K::kGauge, "Global model version of the current task", {}},
+  };
+}
+
+}  // namespace aloe::worker
