@@ -6,7 +6,6 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
-#include <string_view>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
@@ -20,8 +19,8 @@
 namespace aloe {
 namespace {
 
-constexpr std::string_view kTrain = "train";
-constexpr std::string_view kHeldout = "heldout";
+constexpr absl::string_view kTrain = "train";
+constexpr absl::string_view kHeldout = "heldout";
 
 // Reads the whole file. kNotFound when it does not exist, kInternal on other failures.
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
@@ -56,7 +55,7 @@ std::string RowProblem(const CorpusShardInfo& shard) {
     return absl::StrFormat("shard %s: file \"%s\" must be relative to the corpus directory",
                            shard.name, shard.file);
   }
-  for (std::string_view part : absl::StrSplit(shard.file, '/')) {
+  for (absl::string_view part : absl::StrSplit(shard.file, '/')) {
     if (part == "..") {
       return absl::StrFormat("shard %s: file \"%s\" must stay inside the corpus directory",
                              shard.name, shard.file);
@@ -76,15 +75,14 @@ absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::strin
   const std::string path = CorpusManifestPath(dir);
   ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadWholeFile(path));
   auto bad_line = [&path](int line_no, const std::string& problem) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s: line %d: %s", path, line_no, problem));
+    return absl::InvalidArgumentError(absl::StrFormat("%s: line %d: %s", path, line_no, problem));
   };
 
   std::vector<CorpusShardInfo> shards;
   absl::flat_hash_map<std::string, int> line_of_name;
   bool any_train = false;
   int line_no = 0;
-  for (std::string_view line : absl::StrSplit(contents, '\n')) {
+  for (absl::string_view line : absl::StrSplit(contents, '\n')) {
     ++line_no;
     if (absl::EndsWith(line, "\r")) line.remove_suffix(1);  // tolerate CRLF from editors
     if (line_no == 1) {
@@ -95,7 +93,7 @@ absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::strin
       continue;
     }
     if (line.empty()) continue;
-    std::vector<std::string_view> fields = absl::StrSplit(line, '\t');
+    std::vector<absl::string_view> fields = absl::StrSplit(line, '\t');
     if (fields.size() != 4) {
       return bad_line(line_no, absl::StrFormat("expected 4 tab-separated fields "
                                                "(name, file, tokens, split), found %d",
@@ -104,7 +102,7 @@ absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::strin
     CorpusShardInfo shard;
     shard.name = std::string(fields[0]);
     shard.file = std::string(fields[1]);
-    if (fields[2].empty() || fields[2].find_first_not_of("0123456789") != fields[2].npos ||
+    if (fields[2].empty() || fields[2].find_first_not_of("0123456789") != absl::string_view::npos ||
         !absl::SimpleAtoi(fields[2], &shard.tokens)) {
       return bad_line(line_no, absl::StrFormat("token count \"%s\" is not an unsigned 64-bit "
                                                "integer",

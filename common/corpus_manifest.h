@@ -64,7 +64,6 @@ absl::Status WriteCorpusManifest(const std::string& dir,
 // equals the manifest's and that all shards share one vocab_size (one corpus, one tokenizer).
 // Returns the first failure: TokenShard::Open's error (kNotFound for a missing shard), or
 // kInvalidArgument naming the shard file when a count or the vocab_size differs.
-absl::Status VerifyCorpusShards(const std::string& dir,
-                                const std::vector<CorpusShardInfo>& shards);
+absl::Status VerifyCorpusShards(const std::string& dir, const std::vector<CorpusShardInfo>& shards);
 
 }  // namespace aloe

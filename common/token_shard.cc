@@ -90,8 +90,8 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view conte
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrFormat("%s: rename from %s failed: %s", path, tmp,
-                                               std::strerror(err)));
+    return absl::InternalError(
+        absl::StrFormat("%s: rename from %s failed: %s", path, tmp, std::strerror(err)));
   }
   return absl::OkStatus();
 }
@@ -158,9 +158,9 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
 
   const auto* h = static_cast<const unsigned char*>(mapping);
   if (std::memcmp(h, kTokenShardMagic, sizeof(kTokenShardMagic)) != 0) {
-    return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
-        "%s: bad magic \"%s\" (expected \"ALOETOKS\"; not a token shard)", path,
-        absl::CHexEscape(std::string_view(reinterpret_cast<const char*>(h), 8)))));
+    return unmap_and(absl::InvalidArgumentError(
+        absl::StrFormat("%s: bad magic \"%s\" (expected \"ALOETOKS\"; not a token shard)", path,
+                        absl::CHexEscape(absl::string_view(reinterpret_cast<const char*>(h), 8)))));
   }
   const uint32_t version = static_cast<uint32_t>(GetLe(h + 8, 4));
   if (version != kTokenShardFormatVersion) {
@@ -176,8 +176,8 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
   const uint64_t token_count = GetLe(h + 16, 8);
   const uint32_t vocab_size = static_cast<uint32_t>(GetLe(h + 24, 4));
   if (vocab_size == 0) {
-    return unmap_and(absl::InvalidArgumentError(
-        absl::StrFormat("%s: vocab_size is 0 in the header", path)));
+    return unmap_and(
+        absl::InvalidArgumentError(absl::StrFormat("%s: vocab_size is 0 in the header", path)));
   }
   const uint64_t body_bytes = file_bytes - kTokenShardHeaderBytes;
   // Compare by division so a corrupt token_count cannot overflow the multiplication.
@@ -191,8 +191,8 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
       new TokenShard(path, mapping, file_bytes, dtype, token_count, vocab_size));
 }
 
-TokenShard::TokenShard(std::string path, void* mapping, size_t mapping_bytes,
-                       uint32_t dtype_bytes, uint64_t num_tokens, uint32_t vocab_size)
+TokenShard::TokenShard(std::string path, void* mapping, size_t mapping_bytes, uint32_t dtype_bytes,
+                       uint64_t num_tokens, uint32_t vocab_size)
     : path_(std::move(path)),
       mapping_(mapping),
       mapping_bytes_(mapping_bytes),

@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "common/clock.h"
 #include "common/config.h"
+#include "common/flags_usage.h"
 #include "common/corpus_manifest.h"
 #include "common/executor.h"
 #include "common/logging.h"
@@ -186,7 +187,7 @@ absl::Status Run() {
 }  // namespace aloe::server
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  aloe::SetUsage(
       "aloe-server --config FILE [flags]\n"
       "Parameter server for asynchronous Local-SGD (DiLoCo) training: holds the global model and\n"
       "the outer optimizer, assigns tasks to aloe-worker daemons over gRPC and exposes\n"

@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
@@ -342,7 +343,7 @@ absl::Status Main() {
 }  // namespace aloe::worker
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  aloe::SetUsage(
       "aloe-worker --server HOST:PORT [--role trainer|evaluator] [flags]\n"
       "Training daemon for ALOE: joins aloe-server, pulls the global model, trains H local AdamW\n"
       "steps per task with LibTorch and pushes the pseudo-gradient; as an evaluator it reports\n"

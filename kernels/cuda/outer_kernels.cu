@@ -17,17 +17,16 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65535;
 
-__global__ void SgdKernel(const float* g, const float* theta_in, float* theta_out,
-                          int64_t n, float lr) {
+__global__ void SgdKernel(const float* g, const float* theta_in, float* theta_out, int64_t n,
+                          float lr) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     theta_out[i] = theta_in[i] - lr * g[i];
   }
 }
 
-__global__ void NesterovKernel(const float* g, float* m,
-                               const float* theta_in, float* theta_out, int64_t n, float lr,
-                               float beta) {
+__global__ void NesterovKernel(const float* g, float* m, const float* theta_in, float* theta_out,
+                               int64_t n, float lr, float beta) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float gi = g[i];

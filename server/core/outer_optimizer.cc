@@ -116,20 +116,18 @@ bool PartiallyOverlap(const float* a, size_t na, const float* b, size_t nb) {
   return a0 < b0 + nb * sizeof(float) && b0 < a0 + na * sizeof(float);
 }
 
-absl::Status CheckApplyArgs(std::string_view name, size_t num_elements,
-                            absl::Span<const float> g, absl::Span<const float> theta_in,
-                            absl::Span<float> theta_out) {
+absl::Status CheckApplyArgs(std::string_view name, size_t num_elements, absl::Span<const float> g,
+                            absl::Span<const float> theta_in, absl::Span<float> theta_out) {
   if (g.size() != num_elements || theta_in.size() != num_elements ||
       theta_out.size() != num_elements) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "outer %s: sizes g=%d theta_in=%d theta_out=%d, the layer has %d elements", name,
-        g.size(), theta_in.size(), theta_out.size(), num_elements));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer %s: sizes g=%d theta_in=%d theta_out=%d, the layer has %d elements",
+                        name, g.size(), theta_in.size(), theta_out.size(), num_elements));
   }
   if (PartiallyOverlap(theta_out.data(), theta_out.size(), theta_in.data(), theta_in.size()) ||
       PartiallyOverlap(theta_out.data(), theta_out.size(), g.data(), g.size())) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "outer %s: theta_out partially overlaps an input (only exact in-place is allowed)",
-        name));
+        "outer %s: theta_out partially overlaps an input (only exact in-place is allowed)", name));
   }
   return absl::OkStatus();
 }
@@ -156,8 +154,8 @@ absl::StatusOr<std::unique_ptr<OuterOptimizer>> MakeOuterOptimizer(
       return std::make_unique<OuterNesterov>(num_elements, lr, beta);
     }
     default:
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "outer_optimizer.type %d is not a known outer optimizer", config.type()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("outer_optimizer.type %d is not a known outer optimizer", config.type()));
   }
 }
 

@@ -22,10 +22,10 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// A fresh, existing corpus directory per test.
+// A fresh, existing corpus directory per test. TempDir() ends with a '/'.
 std::string MakeTempDir() {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string dir = absl::StrFormat("%s/corpus_manifest_test_%d_%s", ::testing::TempDir(),
+  const std::string dir = absl::StrFormat("%scorpus_manifest_test_%d_%s", ::testing::TempDir(),
                                           ::getpid(), info->name());
   ::mkdir(dir.c_str(), 0755);
   ::mkdir((dir + "/shards").c_str(), 0755);
@@ -95,9 +95,8 @@ TEST(CorpusManifestTest, MalformedRowNamesItsLineNumber) {
 TEST(CorpusManifestTest, WrongHeaderIsLineOne) {
   const std::string dir = MakeTempDir();
   WriteManifestText(dir, "a\tshards/a.tok\t7\ttrain\n");
-  EXPECT_THAT(LoadCorpusManifest(dir),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("line 1"), HasSubstr("header"))));
+  EXPECT_THAT(LoadCorpusManifest(dir), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                AllOf(HasSubstr("line 1"), HasSubstr("header"))));
 }
 
 TEST(CorpusManifestTest, EmptyManifestIsInvalid) {
@@ -168,9 +167,9 @@ TEST(CorpusManifestTest, WriteRefusesWhatLoadWouldReject) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("zero tokens")));
   EXPECT_THAT(WriteCorpusManifest(dir, {{"a\tb", "shards/a.tok", 1, false}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tabs or newlines")));
-  EXPECT_THAT(WriteCorpusManifest(dir, {{"a", "shards/a.tok", 1, false},
-                                        {"a", "shards/b.tok", 1, false}}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate")));
+  EXPECT_THAT(
+      WriteCorpusManifest(dir, {{"a", "shards/a.tok", 1, false}, {"a", "shards/b.tok", 1, false}}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("duplicate")));
   EXPECT_THAT(WriteCorpusManifest(dir, {{"h", "shards/h.tok", 1, true}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no train shard")));
   EXPECT_NE(::access(CorpusManifestPath(dir).c_str(), F_OK), 0);
@@ -180,9 +179,9 @@ TEST(CorpusManifestTest, VerifyAcceptsMatchingShards) {
   const std::string dir = MakeTempDir();
   ASSERT_THAT(WriteTokenShard(dir + "/shards/a.tok", {1, 2, 3}, 256), IsOk());
   ASSERT_THAT(WriteTokenShard(dir + "/shards/h.tok", {4}, 256), IsOk());
-  EXPECT_THAT(VerifyCorpusShards(dir, {{"a", "shards/a.tok", 3, false},
-                                       {"h", "shards/h.tok", 1, true}}),
-              IsOk());
+  EXPECT_THAT(
+      VerifyCorpusShards(dir, {{"a", "shards/a.tok", 3, false}, {"h", "shards/h.tok", 1, true}}),
+      IsOk());
 }
 
 TEST(CorpusManifestTest, VerifyReportsMissingShard) {
@@ -204,10 +203,10 @@ TEST(CorpusManifestTest, VerifyReportsMixedVocabSizes) {
   const std::string dir = MakeTempDir();
   ASSERT_THAT(WriteTokenShard(dir + "/shards/a.tok", {1}, 256), IsOk());
   ASSERT_THAT(WriteTokenShard(dir + "/shards/b.tok", {1}, 512), IsOk());
-  EXPECT_THAT(VerifyCorpusShards(dir, {{"a", "shards/a.tok", 1, false},
-                                       {"b", "shards/b.tok", 1, false}}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("shards/b.tok"), HasSubstr("vocab_size 512"))));
+  EXPECT_THAT(
+      VerifyCorpusShards(dir, {{"a", "shards/a.tok", 1, false}, {"b", "shards/b.tok", 1, false}}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("shards/b.tok"), HasSubstr("vocab_size 512"))));
 }
 
 }  // namespace

@@ -22,9 +22,10 @@ using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 
 // A fresh path per test, so tests (and concurrent runs of this binary) never share files.
+// TempDir() ends with a '/'.
 std::string TempPath(const std::string& name) {
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return absl::StrFormat("%s/token_shard_test_%d_%s_%s", ::testing::TempDir(), ::getpid(),
+  return absl::StrFormat("%stoken_shard_test_%d_%s_%s", ::testing::TempDir(), ::getpid(),
                          info->name(), name);
 }
 
@@ -83,12 +84,12 @@ TEST(TokenShardTest, HeaderLayoutMatchesTheDocumentedFormat) {
   const std::string b = ReadBytes(path);
   ASSERT_EQ(b.size(), 38u);
   EXPECT_EQ(b.substr(0, 8), "ALOETOKS");
-  EXPECT_EQ(b.substr(8, 4), std::string("\x01\0\0\0", 4));   // format_version 1
-  EXPECT_EQ(b.substr(12, 4), std::string("\x02\0\0\0", 4));  // dtype uint16
+  EXPECT_EQ(b.substr(8, 4), std::string("\x01\0\0\0", 4));           // format_version 1
+  EXPECT_EQ(b.substr(12, 4), std::string("\x02\0\0\0", 4));          // dtype uint16
   EXPECT_EQ(b.substr(16, 8), std::string("\x03\0\0\0\0\0\0\0", 8));  // token_count
-  EXPECT_EQ(b.substr(24, 4), std::string("\0\x08\0\0", 4));  // vocab_size 2048
-  EXPECT_EQ(b.substr(28, 4), std::string("\0\0\0\0", 4));    // reserved
-  EXPECT_EQ(b.substr(32, 2), std::string("\x02\x01", 2));    // little-endian tokens
+  EXPECT_EQ(b.substr(24, 4), std::string("\0\x08\0\0", 4));          // vocab_size 2048
+  EXPECT_EQ(b.substr(28, 4), std::string("\0\0\0\0", 4));            // reserved
+  EXPECT_EQ(b.substr(32, 2), std::string("\x02\x01", 2));            // little-endian tokens
 }
 
 TEST(TokenShardTest, EmptyShardOpens) {
@@ -126,17 +127,16 @@ TEST(TokenShardTest, WriteReplacesAnExistingFileAndLeavesNoTemporary) {
 
 TEST(TokenShardTest, MissingFileIsNotFound) {
   const std::string path = TempPath("missing.tok");
-  EXPECT_THAT(TokenShard::Open(path),
-              StatusIs(absl::StatusCode::kNotFound,
-                       AllOf(HasSubstr(path), HasSubstr("no such file"))));
+  EXPECT_THAT(TokenShard::Open(path), StatusIs(absl::StatusCode::kNotFound,
+                                               AllOf(HasSubstr(path), HasSubstr("no such file"))));
 }
 
 TEST(TokenShardTest, TruncatedHeaderIsInvalid) {
   const std::string path = TempPath("short.tok");
-  WriteBytes(path, "ALOETOKS\x01\0\0");
+  WriteBytes(path, std::string("ALOETOKS\x01\0\0", 11));
   EXPECT_THAT(TokenShard::Open(path),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr(path), HasSubstr("truncated header (10 bytes"))));
+                       AllOf(HasSubstr(path), HasSubstr("truncated header (11 bytes"))));
 }
 
 TEST(TokenShardTest, BadMagicIsInvalid) {

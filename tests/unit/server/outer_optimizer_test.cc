@@ -176,15 +176,18 @@ TEST(MakeOuterOptimizerTest, SgdIgnoresMomentum) {
 }
 
 TEST(MakeOuterOptimizerTest, RejectsNonPositiveOrNonFiniteLr) {
-  const float bad_lrs[] = {0.0f, -0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN(),
+  const float bad_lrs[] = {0.0f,
+                           -0.0f,
+                           -1.0f,
+                           std::numeric_limits<float>::quiet_NaN(),
                            std::numeric_limits<float>::infinity(),
                            -std::numeric_limits<float>::infinity()};
   for (v1::OuterOptimizerType type :
        {v1::OUTER_OPTIMIZER_UNSPECIFIED, v1::OUTER_SGD, v1::OUTER_NESTEROV}) {
     for (float lr : bad_lrs) {
-      EXPECT_THAT(MakeOuterOptimizer(Config(type, lr, 0.9f), 4),
-                  StatusIs(absl::StatusCode::kInvalidArgument,
-                           HasSubstr("outer_optimizer.lr must be > 0")))
+      EXPECT_THAT(
+          MakeOuterOptimizer(Config(type, lr, 0.9f), 4),
+          StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outer_optimizer.lr must be > 0")))
           << "type " << type << " lr " << lr;
     }
   }
@@ -195,9 +198,9 @@ TEST(MakeOuterOptimizerTest, RejectsNesterovMomentumOutsideZeroToOne) {
                                std::numeric_limits<float>::infinity()};
   for (v1::OuterOptimizerType type : {v1::OUTER_OPTIMIZER_UNSPECIFIED, v1::OUTER_NESTEROV}) {
     for (float momentum : bad_momenta) {
-      EXPECT_THAT(MakeOuterOptimizer(Config(type, 0.7f, momentum), 4),
-                  StatusIs(absl::StatusCode::kInvalidArgument,
-                           HasSubstr("outer_optimizer.momentum")))
+      EXPECT_THAT(
+          MakeOuterOptimizer(Config(type, 0.7f, momentum), 4),
+          StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outer_optimizer.momentum")))
           << "type " << type << " momentum " << momentum;
     }
   }
@@ -206,9 +209,8 @@ TEST(MakeOuterOptimizerTest, RejectsNesterovMomentumOutsideZeroToOne) {
 }
 
 TEST(MakeOuterOptimizerTest, RejectsUnknownType) {
-  EXPECT_THAT(
-      MakeOuterOptimizer(Config(static_cast<v1::OuterOptimizerType>(99), 0.7f, 0.9f), 4),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outer_optimizer.type")));
+  EXPECT_THAT(MakeOuterOptimizer(Config(static_cast<v1::OuterOptimizerType>(99), 0.7f, 0.9f), 4),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outer_optimizer.type")));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -220,8 +222,7 @@ class OuterOptimizerConformanceTest : public ::testing::TestWithParam<v1::OuterO
   v1::OuterOptimizerConfig config() const { return Config(GetParam(), 0.7f, 0.9f); }
 
   // Applies `steps` pseudo-gradients (seeded by first_seed..) to theta in place.
-  static void Run(OuterOptimizer& opt, std::vector<float>& theta, unsigned first_seed,
-                  int steps) {
+  static void Run(OuterOptimizer& opt, std::vector<float>& theta, unsigned first_seed, int steps) {
     for (int s = 0; s < steps; ++s) {
       const std::vector<float> g = RandomVector(kN, first_seed + s);
       ASSERT_THAT(opt.Apply(g, theta, absl::MakeSpan(theta)), IsOk());
@@ -367,8 +368,8 @@ TEST_P(OuterOptimizerConformanceTest, LoadStateRejectsGarbageAndKeepsState) {
     garbage.push_back(nan_state);
   }
   for (size_t i = 0; i < garbage.size(); ++i) {
-    EXPECT_THAT(opt->LoadState(garbage[i]), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                     HasSubstr("outer optimizer state")))
+    EXPECT_THAT(opt->LoadState(garbage[i]),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outer optimizer state")))
         << "garbage #" << i;
   }
   EXPECT_EQ(State(*opt), good);

@@ -1,0 +1,167 @@
+// aloe-bench-worker: the bare-LibTorch baseline for the worker benchmark. Builds the same
+// TransformerLM module the worker trains (worker/transformer.h), initialised from the spec, and
+// runs a plain loop: random-window batch, forward, loss, backward, grad-norm clip, AdamW step.
+// No LocalTrainer, no schedule, no status plumbing: what LibTorch alone achieves on this machine.
+//
+// Output (one line):
+//   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count>
+// where tokens are predicted tokens (batch_size * seq_len per step) over the --steps timed steps
+// that follow --warmup untimed ones. With --trainer it then runs the same number of steps
+// through LocalTrainer::Train and prints a second line
+//   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "common/lr_schedule.h"
+#include "common/model_spec.h"
+#include "common/status_macros.h"
+#include "common/token_shard.h"
+#include "common/token_source.h"
+#include "worker/trainer.h"
+#include "worker/transformer.h"
+
+ABSL_FLAG(int32_t, steps, 20, "Timed training steps");
+ABSL_FLAG(int32_t, warmup, 3, "Untimed steps before the timed ones");
+ABSL_FLAG(int32_t, threads, 1, "Intra-op threads (torch::set_num_threads)");
+ABSL_FLAG(int32_t, vocab_size, 256, "Model vocabulary size");
+ABSL_FLAG(int32_t, seq_len, 128, "Tokens per sequence");
+ABSL_FLAG(int32_t, d_model, 256, "Model width");
+ABSL_FLAG(int32_t, num_layers, 4, "Transformer blocks");
+ABSL_FLAG(int32_t, num_heads, 4, "Attention heads (must divide d_model)");
+ABSL_FLAG(int32_t, batch_size, 8, "Sequences per step");
+ABSL_FLAG(std::string, token_file, "",
+          "Token shard to sample windows from (common/token_shard.h); synthetic uniform random "
+          "tokens when empty");
+ABSL_FLAG(uint64_t, seed, 1, "Seed for initialisation and window sampling");
+ABSL_FLAG(bool, trainer, false,
+          "Also time the same steps through LocalTrainer::Train and print the ratio");
+
+namespace aloe::worker {
+namespace {
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+absl::StatusOr<std::unique_ptr<TokenSource>> OpenData(uint32_t vocab_size, uint64_t seed) {
+  const std::string path = absl::GetFlag(FLAGS_token_file);
+  if (path.empty()) {
+    std::mt19937_64 rng(seed);
+    std::uniform_int_distribution<uint32_t> token(0, vocab_size - 1);
+    std::vector<uint32_t> tokens(1 << 20);
+    for (uint32_t& t : tokens) t = token(rng);
+    return std::make_unique<InMemoryTokenSource>(std::move(tokens), vocab_size);
+  }
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path));
+  if (shard->vocab_size() > vocab_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s has vocab_size %d, larger than --vocab_size %d", path, shard->vocab_size(),
+        vocab_size));
+  }
+  return std::unique_ptr<TokenSource>(std::move(shard));
+}
+
+absl::Status Run() {
+  v1::TransformerConfig config;
+  config.set_vocab_size(absl::GetFlag(FLAGS_vocab_size));
+  config.set_seq_len(absl::GetFlag(FLAGS_seq_len));
+  config.set_d_model(absl::GetFlag(FLAGS_d_model));
+  config.set_num_layers(absl::GetFlag(FLAGS_num_layers));
+  config.set_num_heads(absl::GetFlag(FLAGS_num_heads));
+  FillTransformerDefaults(&config);
+  ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(config));
+  v1::InnerOptimizerConfig inner;
+  inner.set_batch_size(absl::GetFlag(FLAGS_batch_size));
+  FillInnerOptimizerDefaults(&inner);
+  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int warmup = absl::GetFlag(FLAGS_warmup);
+  const int threads = absl::GetFlag(FLAGS_threads);
+  if (steps < 1 || warmup < 0 || threads < 1) {
+    return absl::InvalidArgumentError("--steps and --threads must be >= 1, --warmup >= 0");
+  }
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenSource> data, OpenData(config.vocab_size(), seed));
+  const int64_t window = config.seq_len() + 1;
+  if (data->num_tokens() < static_cast<uint64_t>(window)) {
+    return absl::InvalidArgumentError("the token file is shorter than seq_len + 1");
+  }
+  const int64_t batch_size = inner.batch_size();
+  const v1::ModelSpec spec = BuildTransformerSpec(config, 1);
+
+  torch::set_num_threads(threads);
+  TransformerLM model(config);
+  ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *model));
+  torch::optim::AdamW optimizer(model->parameters(),
+                                torch::optim::AdamWOptions(inner.lr())
+                                    .betas(std::make_tuple(inner.beta1(), inner.beta2()))
+                                    .eps(inner.eps())
+                                    .weight_decay(inner.weight_decay()));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<uint64_t> start(0, data->num_tokens() - window);
+  double seconds = 0;
+  for (int i = 0; i < warmup + steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    torch::Tensor batch = torch::empty({batch_size, window}, torch::kInt64);
+    for (int64_t b = 0; b < batch_size; ++b) {
+      data->Read(start(rng), window, batch.data_ptr<int64_t>() + b * window);
+    }
+    optimizer.zero_grad();
+    torch::Tensor loss = model->Loss(batch);
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(model->parameters(), inner.grad_clip());
+    optimizer.step();
+    loss.item<double>();
+    if (i >= warmup) seconds += Since(t0);
+  }
+  const double tokens = static_cast<double>(steps) * batch_size * config.seq_len();
+  const double bare_tps = tokens / seconds;
+  std::printf("bare_libtorch tokens_per_second=%.1f steps=%d seconds=%.3f params=%llu\n",
+              bare_tps, steps, seconds, static_cast<unsigned long long>(TotalElements(spec)));
+  std::fflush(stdout);
+
+  if (absl::GetFlag(FLAGS_trainer)) {
+    SetTrainerThreads(threads);
+    ALOE_ASSIGN_OR_RETURN(std::unique_ptr<LocalTrainer> trainer,
+                          LocalTrainer::Create(config, inner, spec, seed));
+    if (warmup > 0) {
+      ALOE_RETURN_IF_ERROR(trainer->Train(*data, warmup, inner.warmup_steps(), seed).status());
+    }
+    ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats,
+                          trainer->Train(*data, steps, inner.warmup_steps(), seed + 1));
+    const double tps = stats.tokens / stats.compute_seconds;
+    std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f\n", tps,
+                stats.steps, stats.compute_seconds, tps / bare_tps);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace aloe::worker
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Bare-LibTorch training-loop baseline for the ALOE worker benchmark.\n"
+      "Prints: bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count>");
+  absl::ParseCommandLine(argc, argv);
+  absl::Status status;
+  try {
+    status = aloe::worker::Run();
+  } catch (const std::exception& e) {
+    status = absl::InternalError(e.what());
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "aloe-bench-worker: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,80 @@
+#include "server/core/parameter_store.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/status_matchers.h"
+
+namespace aloe::server {
+namespace {
+
+using ::aloe::testing::IsOk;
+using ::aloe::testing::StatusIs;
+using ::testing::HasSubstr;
+
+v1::ModelSpec TwoLayerSpec() {
+  v1::ModelSpec spec;
+  spec.set_num_shards(2);
+  for (uint32_t i = 0; i < 2; ++i) {
+    v1::LayerSpec* layer = spec.add_layers();
+    layer->set_id(i);
+    layer->set_name(i == 0 ? "a" : "b");
+    layer->set_num_elements(i == 0 ? 3 : 2);
+    layer->set_shard(i);
+  }
+  return spec;
+}
+
+std::unique_ptr<ParameterStore> MakeStore(Executor& executor) {
+  v1::OuterOptimizerConfig sgd;
+  sgd.set_type(v1::OUTER_SGD);
+  sgd.set_lr(0.5f);
+  auto store = ParameterStore::Create(TwoLayerSpec(), {{1, 2, 3}, {4, 5}}, sgd, executor);
+  EXPECT_THAT(store, IsOk());
+  return *std::move(store);
+}
+
+PendingUpdate Update(std::vector<float> a, std::vector<float> b) {
+  PendingUpdate u;
+  u.layers = {std::move(a), std::move(b)};
+  return u;
+}
+
+TEST(ParameterStoreTest, WeightedOuterStepAcrossShards) {
+  ThreadPoolExecutor executor(1);
+  auto store = MakeStore(executor);
+  const PendingUpdate u1 = Update({1, 1, 1}, {2, 2});
+  const PendingUpdate u2 = Update({3, 0, -1}, {0, 4});
+  ASSERT_THAT(store->ApplyOuterStep({&u1, &u2}, {0.25f, 0.75f}), IsOk());
+  EXPECT_EQ(store->version(), 1u);
+  // g = 0.25 u1 + 0.75 u2 = {2.5, 0.25, -0.5}, {0.5, 3.5}; theta -= 0.5 g.
+  const ModelSnapshot s = store->Snapshot();
+  EXPECT_THAT(*s.layers[0], ::testing::Pointwise(::testing::FloatEq(), {-0.25f, 1.875f, 3.25f}));
+  EXPECT_THAT(*s.layers[1], ::testing::Pointwise(::testing::FloatEq(), {3.75f, 3.25f}));
+}
+
+TEST(ParameterStoreTest, SnapshotsAreImmutableWhileTheModelMovesOn) {
+  InlineExecutor executor;
+  auto store = MakeStore(executor);
+  const ModelSnapshot before = store->Snapshot();
+  const PendingUpdate u = Update({2, 2, 2}, {2, 2});
+  ASSERT_THAT(store->ApplyOuterStep({&u}, {1.0f}), IsOk());
+  EXPECT_EQ(before.version, 0u);
+  EXPECT_EQ(*before.layers[0], (std::vector<float>{1, 2, 3}));  // held copy untouched
+  EXPECT_EQ(*store->Snapshot().layers[0], (std::vector<float>{0, 1, 2}));
+}
+
+TEST(ParameterStoreTest, WrongShapesChangeNothing) {
+  InlineExecutor executor;
+  auto store = MakeStore(executor);
+  const PendingUpdate good = Update({1, 1, 1}, {1, 1});
+  const PendingUpdate bad = Update({1, 1, 1}, {1});
+  EXPECT_THAT(store->ApplyOuterStep({&good, &bad}, {0.5f, 0.5f}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 1 (b)")));
+  EXPECT_EQ(store->version(), 0u);
+  EXPECT_EQ(*store->Snapshot().layers[0], (std::vector<float>{1, 2, 3}));
+  EXPECT_EQ(*store->Snapshot().layers[1], (std::vector<float>{4, 5}));
+}
+
+}  // namespace
+}  // namespace aloe::server

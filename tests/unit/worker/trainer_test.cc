@@ -1,0 +1,302 @@
+#include "worker/trainer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/lr_schedule.h"
+#include "common/model_spec.h"
+#include "common/status_matchers.h"
+#include "common/token_source.h"
+#include "worker/transformer.h"
+
+namespace aloe::worker {
+namespace {
+
+using ::aloe::testing::IsOk;
+using ::aloe::testing::StatusIs;
+using ::testing::HasSubstr;
+using Layers = std::vector<std::vector<float>>;
+
+constexpr uint32_t kVocab = 16;
+
+v1::TransformerConfig TinyModel() {
+  v1::TransformerConfig c;
+  c.set_vocab_size(kVocab);
+  c.set_seq_len(16);
+  c.set_d_model(32);
+  c.set_num_layers(2);
+  c.set_num_heads(2);
+  FillTransformerDefaults(&c);
+  return c;
+}
+
+v1::InnerOptimizerConfig Inner() {
+  v1::InnerOptimizerConfig c;
+  c.set_lr(1e-2f);
+  c.set_warmup_steps(5);
+  c.set_total_steps(200);
+  c.set_weight_decay(0.01f);
+  FillInnerOptimizerDefaults(&c);
+  return c;
+}
+
+std::unique_ptr<LocalTrainer> MakeTrainer(uint64_t seed = 1) {
+  auto trainer = LocalTrainer::Create(TinyModel(), Inner(), BuildTransformerSpec(TinyModel(), 2),
+                                      seed);
+  EXPECT_THAT(trainer, IsOk());
+  return trainer.ok() ? std::move(trainer).value() : nullptr;
+}
+
+// A period-7 token sequence: fully predictable from the context.
+InMemoryTokenSource PeriodicTokens(size_t n) {
+  const uint32_t pattern[] = {5, 2, 6, 0, 3, 1, 4};
+  std::vector<uint32_t> tokens(n);
+  for (size_t i = 0; i < n; ++i) tokens[i] = pattern[i % 7];
+  return InMemoryTokenSource(std::move(tokens), kVocab);
+}
+
+Layers Params(const LocalTrainer& trainer) {
+  Layers layers;
+  EXPECT_THAT(trainer.GetParameters(&layers), IsOk());
+  return layers;
+}
+
+TEST(TransformerTest, NamedParametersAreTheSpecTensorsInOrder) {
+  const v1::ModelSpec spec = BuildTransformerSpec(TinyModel(), 1);
+  TransformerLM model(TinyModel());
+  EXPECT_THAT(CheckParametersMatchSpec(*model, spec), IsOk());
+  std::vector<std::string> spec_names;
+  for (const auto& layer : spec.layers()) {
+    for (const auto& t : layer.tensors()) spec_names.push_back(t.name());
+  }
+  std::vector<std::string> module_names;
+  for (const auto& p : model->named_parameters()) module_names.push_back(p.key());
+  EXPECT_EQ(module_names, spec_names);
+  EXPECT_EQ(module_names.front(), "tok_emb.weight");
+  EXPECT_EQ(module_names.back(), "head.weight");
+
+  v1::TransformerConfig deeper = TinyModel();
+  deeper.set_num_layers(3);
+  EXPECT_THAT(CheckParametersMatchSpec(*model, BuildTransformerSpec(deeper, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("blocks.2.ln1.weight")));
+}
+
+TEST(TransformerTest, LossAtInitIsNearLogVocab) {
+  TransformerLM model(TinyModel());
+  const v1::ModelSpec spec = BuildTransformerSpec(TinyModel(), 1);
+  ASSERT_THAT(LoadParameters(InitializeParameters(spec, 3), spec, *model), IsOk());
+  torch::Tensor tokens = torch::randint(kVocab, {4, 17}, torch::kInt64);
+  const double loss = model->Loss(tokens).item<double>();
+  EXPECT_NEAR(loss, std::log(double(kVocab)), 0.1);
+}
+
+TEST(TransformerTest, AttentionIsCausal) {
+  // Changing a later token must not change the logits of earlier positions.
+  TransformerLM model(TinyModel());
+  torch::NoGradGuard no_grad;
+  torch::Tensor a = torch::randint(kVocab, {1, 10}, torch::kInt64);
+  torch::Tensor b = a.clone();
+  b[0][7] = (b[0][7].item<int64_t>() + 1) % kVocab;
+  torch::Tensor la = model->forward(a);
+  torch::Tensor lb = model->forward(b);
+  EXPECT_TRUE(torch::allclose(la.narrow(1, 0, 7), lb.narrow(1, 0, 7), 1e-5, 1e-6));
+  EXPECT_FALSE(torch::allclose(la.narrow(1, 7, 3), lb.narrow(1, 7, 3)));
+}
+
+TEST(LocalTrainerTest, CreateRejectsAMismatchedSpec) {
+  v1::TransformerConfig other = TinyModel();
+  other.set_d_model(64);
+  EXPECT_THAT(LocalTrainer::Create(TinyModel(), Inner(), BuildTransformerSpec(other, 1), 1),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("tok_emb.weight")));
+  v1::InnerOptimizerConfig bad = Inner();
+  bad.set_min_lr(1.0f);
+  EXPECT_THAT(LocalTrainer::Create(TinyModel(), bad, BuildTransformerSpec(TinyModel(), 1), 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("inner_optimizer.min_lr")));
+}
+
+TEST(LocalTrainerTest, StartsFromSpecInitAndRoundTripsParametersExactly) {
+  auto trainer = MakeTrainer(/*seed=*/9);
+  ASSERT_NE(trainer, nullptr);
+  EXPECT_EQ(Params(*trainer), InitializeParameters(trainer->spec(), 9));
+  const Layers other = InitializeParameters(trainer->spec(), 1234);
+  ASSERT_THAT(trainer->SetParameters(other), IsOk());
+  EXPECT_EQ(Params(*trainer), other);
+}
+
+TEST(LocalTrainerTest, SetParametersRejectsWrongShapes) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const Layers before = Params(*trainer);
+  Layers fewer = before;
+  fewer.pop_back();
+  EXPECT_THAT(trainer->SetParameters(fewer),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layers")));
+  Layers shorter = InitializeParameters(trainer->spec(), 5);
+  shorter[1].pop_back();
+  EXPECT_THAT(trainer->SetParameters(shorter),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocks.0")));
+  EXPECT_EQ(Params(*trainer), before);  // unchanged
+  Layers out;
+  EXPECT_THAT(trainer->PseudoGradient(fewer, &out),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layers")));
+}
+
+TEST(LocalTrainerTest, PseudoGradientIsBaseMinusEnd) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource data = PeriodicTokens(500);
+  const Layers base = Params(*trainer);
+  auto stats = trainer->Train(data, 3, /*lr_step=*/10, /*seed=*/7);
+  ASSERT_THAT(stats, IsOk());
+  EXPECT_EQ(stats->steps, 3u);
+  EXPECT_EQ(stats->tokens, 3u * 8 * 16);
+  EXPECT_GT(stats->mean_loss, 0);
+  const Layers end = Params(*trainer);
+  Layers g;
+  ASSERT_THAT(trainer->PseudoGradient(base, &g), IsOk());
+  ASSERT_EQ(g.size(), base.size());
+  bool any_nonzero = false;
+  for (size_t l = 0; l < base.size(); ++l) {
+    ASSERT_EQ(g[l].size(), base[l].size());
+    for (size_t i = 0; i < base[l].size(); ++i) {
+      ASSERT_EQ(g[l][i], base[l][i] - end[l][i]) << "layer " << l << " element " << i;
+      any_nonzero |= g[l][i] != 0;
+    }
+  }
+  EXPECT_TRUE(any_nonzero);
+}
+
+TEST(LocalTrainerTest, FollowsTheLrScheduleStepByStep) {
+  // InnerLearningRate(t = 0) = 0 during warmup: AdamW with lr 0 (decay lr * wd = 0) leaves the
+  // parameters bit-identical; at t = 5 (peak) they move.
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource data = PeriodicTokens(500);
+  const Layers base = Params(*trainer);
+  ASSERT_THAT(trainer->Train(data, 1, /*lr_step=*/0, /*seed=*/1), IsOk());
+  EXPECT_EQ(Params(*trainer), base);
+  ASSERT_THAT(trainer->Train(data, 1, /*lr_step=*/5, /*seed=*/1), IsOk());
+  EXPECT_NE(Params(*trainer), base);
+}
+
+TEST(LocalTrainerTest, AdamWStatePersistsAcrossRounds) {
+  const InMemoryTokenSource data = PeriodicTokens(500);
+  // Round 1, then the next round from the same base: AdamW moments carry over.
+  auto used = MakeTrainer();
+  ASSERT_NE(used, nullptr);
+  const Layers base = Params(*used);
+  ASSERT_THAT(used->Train(data, 5, /*lr_step=*/10, /*seed=*/3), IsOk());
+  ASSERT_THAT(used->SetParameters(base), IsOk());
+  ASSERT_THAT(used->Train(data, 1, /*lr_step=*/10, /*seed=*/4), IsOk());
+  // Two fresh trainers take the same single step: identical to each other (determinism)...
+  auto fresh = MakeTrainer();
+  auto fresh_again = MakeTrainer();
+  ASSERT_NE(fresh, nullptr);
+  ASSERT_NE(fresh_again, nullptr);
+  ASSERT_THAT(fresh->Train(data, 1, /*lr_step=*/10, /*seed=*/4), IsOk());
+  ASSERT_THAT(fresh_again->Train(data, 1, /*lr_step=*/10, /*seed=*/4), IsOk());
+  EXPECT_EQ(Params(*fresh), Params(*fresh_again));
+  // ...but not to the trainer whose optimizer state survived SetParameters.
+  EXPECT_NE(Params(*used), Params(*fresh));
+}
+
+TEST(LocalTrainerTest, LossOnAPeriodicSequenceFallsByMoreThanHalf) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource data = PeriodicTokens(2000);
+  auto before = trainer->Evaluate(data, 32);
+  ASSERT_THAT(before, IsOk());
+  uint64_t lr_step = 0;
+  double first_round_loss = 0;
+  for (int round = 0; round < 3; ++round) {  // 3 rounds x 20 steps, the schedule continuing
+    auto stats = trainer->Train(data, 20, lr_step, /*seed=*/100 + round);
+    ASSERT_THAT(stats, IsOk());
+    if (round == 0) first_round_loss = stats->mean_loss;
+    lr_step += stats->steps;
+  }
+  auto after = trainer->Evaluate(data, 32);
+  ASSERT_THAT(after, IsOk());
+  EXPECT_NEAR(*before, std::log(double(kVocab)), 0.2);
+  EXPECT_LT(*after, 0.5 * *before) << "before " << *before << " after " << *after
+                                   << " first round mean " << first_round_loss;
+}
+
+TEST(LocalTrainerTest, EvaluateIsDeterministicAndChangesNothing) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource data = PeriodicTokens(1000);
+  ASSERT_THAT(trainer->Train(data, 2, 10, 1), IsOk());
+  const Layers params = Params(*trainer);
+  auto a = trainer->Evaluate(data, 20);  // 20 windows: batches of 8, 8, 4
+  auto b = trainer->Evaluate(data, 20);
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
+  EXPECT_EQ(*a, *b);
+  EXPECT_EQ(Params(*trainer), params);
+  // Another trainer with the same parameters measures the same loss.
+  auto other = MakeTrainer(/*seed=*/77);
+  ASSERT_NE(other, nullptr);
+  ASSERT_THAT(other->SetParameters(params), IsOk());
+  auto c = other->Evaluate(data, 20);
+  ASSERT_THAT(c, IsOk());
+  EXPECT_DOUBLE_EQ(*a, *c);
+  // Capped by the data: 1000 / 17 = 58 windows at most.
+  auto all = trainer->Evaluate(data, 1000);
+  auto capped = trainer->Evaluate(data, 58);
+  ASSERT_THAT(all, IsOk());
+  ASSERT_THAT(capped, IsOk());
+  EXPECT_EQ(*all, *capped);
+}
+
+TEST(LocalTrainerTest, RejectsBadData) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource tiny = PeriodicTokens(16);  // < seq_len + 1
+  EXPECT_THAT(trainer->Train(tiny, 1, 0, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("17")));
+  EXPECT_THAT(trainer->Evaluate(tiny, 4), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                   HasSubstr("seq_len")));
+  const InMemoryTokenSource out_of_vocab(std::vector<uint32_t>(100, kVocab), kVocab + 1);
+  EXPECT_THAT(trainer->Train(out_of_vocab, 1, 0, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("vocabulary")));
+  EXPECT_THAT(trainer->Evaluate(out_of_vocab, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("vocabulary")));
+  const InMemoryTokenSource ok = PeriodicTokens(100);
+  EXPECT_THAT(trainer->Train(ok, 1, 0, 1, /*slowdown=*/0.5),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("slowdown")));
+}
+
+TEST(LocalTrainerTest, SlowdownKeepsComputeSecondsAndResults) {
+  const InMemoryTokenSource data = PeriodicTokens(300);
+  auto normal = MakeTrainer();
+  auto slowed = MakeTrainer();
+  ASSERT_NE(normal, nullptr);
+  ASSERT_NE(slowed, nullptr);
+  auto a = normal->Train(data, 2, 10, 5);
+  auto b = slowed->Train(data, 2, 10, 5, /*slowdown=*/1.5);
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
+  EXPECT_EQ(a->steps, b->steps);
+  EXPECT_EQ(a->mean_loss, b->mean_loss);
+  EXPECT_GT(b->compute_seconds, 0);
+  EXPECT_EQ(Params(*normal), Params(*slowed));
+}
+
+TEST(LocalTrainerTest, ZeroStepsIsANoOp) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource data = PeriodicTokens(100);
+  const Layers before = Params(*trainer);
+  auto stats = trainer->Train(data, 0, 0, 1);
+  ASSERT_THAT(stats, IsOk());
+  EXPECT_EQ(stats->steps, 0u);
+  EXPECT_EQ(stats->tokens, 0u);
+  EXPECT_EQ(Params(*trainer), before);
+}
+
+}  // namespace
+}  // namespace aloe::worker
