@@ -1,14 +1,24 @@
 #include "common/metrics.h"
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
-#include <exception>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 
 namespace aloe {
@@ -40,6 +50,117 @@ std::vector<double> RecordingMetrics::Observations(std::string_view name) const 
   return it == observations_.end() ? std::vector<double>{} : it->second;
 }
 
+// A minimal read-only HTTP/1.0 server: GET /metrics returns the registry in Prometheus text
+// format; anything else gets 404 (or 405 for other methods). One connection at a time, each
+// with a 2 s budget, which is plenty for scrapes. Shutdown() stops and joins the thread.
+class MetricsHttpServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
+      const std::string& address, std::shared_ptr<prometheus::Registry> registry) {
+    const size_t colon = address.rfind(':');
+    int port = -1;
+    if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
+        port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("metrics address \"%s\" is not host:port", address));
+    }
+    std::string host = address.substr(0, colon);
+    if (host == "localhost") host = "127.0.0.1";
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (host.empty() || host == "0.0.0.0") {
+      addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    } else if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("metrics address \"%s\": host must be an IPv4 address", address));
+    }
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return absl::UnavailableError("metrics endpoint: socket() failed");
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(fd, 16) != 0) {
+      const int err = errno;
+      ::close(fd);
+      return absl::UnavailableError(absl::StrFormat("metrics endpoint: cannot listen on %s: %s",
+                                                    address, std::strerror(err)));
+    }
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer(fd, std::move(registry)));
+    server->port_ = ntohs(addr.sin_port);
+    server->thread_ = std::thread([s = server.get()] { s->Loop(); });
+    return server;
+  }
+
+  ~MetricsHttpServer() {
+    stop_.store(true);
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+
+  int port() const { return port_; }
+
+ private:
+  MetricsHttpServer(int fd, std::shared_ptr<prometheus::Registry> registry)
+      : fd_(fd), registry_(std::move(registry)) {}
+
+  void Loop() {
+    while (!stop_.load()) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 200) <= 0) continue;
+      const int client = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (client < 0) continue;
+      Serve(client);
+      ::close(client);
+    }
+  }
+
+  void Serve(int client) {
+    std::string request;
+    char buffer[2048];
+    const auto deadline = absl::Now() + absl::Seconds(2);
+    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 8192) {
+      pollfd p{client, POLLIN, 0};
+      const int wait_ms = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
+      if (wait_ms <= 0 || ::poll(&p, 1, wait_ms) <= 0) return;
+      const ssize_t n = ::read(client, buffer, sizeof(buffer));
+      if (n <= 0) return;
+      request.append(buffer, n);
+    }
+    std::string status = "200 OK";
+    std::string body;
+    std::string type = "text/plain; version=0.0.4; charset=utf-8";
+    const std::string line = request.substr(0, request.find("\r\n"));
+    if (line.rfind("GET ", 0) != 0) {
+      status = "405 Method Not Allowed";
+      body = "only GET is supported\n";
+    } else if (line.rfind("GET /metrics ", 0) == 0 || line.rfind("GET /metrics?", 0) == 0) {
+      body = prometheus::TextSerializer().Serialize(registry_->Collect());
+    } else {
+      status = "404 Not Found";
+      body = "see /metrics\n";
+    }
+    const std::string response = absl::StrFormat(
+        "HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
+        status, type, body.size(), body);
+    size_t sent = 0;
+    while (sent < response.size()) {
+      const ssize_t n = ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      sent += n;
+    }
+  }
+
+  const int fd_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  int port_ = 0;
+};
+
 absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Start(
     const std::string& address, const std::vector<MetricDef>& catalogue) {
   std::unique_ptr<PrometheusMetrics> m(new PrometheusMetrics());
@@ -68,19 +189,14 @@ absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Start(
         break;
     }
   }
-  try {
-    m->exposer_ = std::make_unique<prometheus::Exposer>(address);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrFormat("metrics endpoint: cannot listen on %s: %s", address, e.what()));
-  }
-  m->exposer_->RegisterCollectable(m->registry_);
-  std::vector<int> ports = m->exposer_->GetListeningPorts();
-  m->port_ = ports.empty() ? 0 : ports[0];
+  auto http = MetricsHttpServer::Start(address, m->registry_);
+  if (!http.ok()) return http.status();
+  m->http_ = *std::move(http);
+  m->port_ = m->http_->port();
   return m;
 }
 
-PrometheusMetrics::~PrometheusMetrics() = default;
+PrometheusMetrics::~PrometheusMetrics() = default;  // stops the HTTP server first
 
 void PrometheusMetrics::Unknown(std::string_view name) {
   ALOE_LOG_ERROR("metrics", "metric %s is not in the catalogue", name);

@@ -13,7 +13,6 @@
 #include "absl/synchronization/mutex.h"
 
 namespace prometheus {
-class Exposer;
 class Registry;
 class Counter;
 class Gauge;
@@ -64,7 +63,11 @@ struct MetricDef {
   std::vector<double> buckets;  // histograms only
 };
 
-// Serves the catalogue on http://<address>/metrics (prometheus-cpp, read-only).
+class MetricsHttpServer;
+
+// Serves the catalogue on http://<address>/metrics: prometheus-cpp metric families in the text
+// exposition format, over a small read-only HTTP/1.0 server of our own (civetweb's 100 KiB
+// thread stacks cannot hold LibTorch's static TLS, so its threads fail to start in a worker).
 class PrometheusMetrics final : public MetricsSink {
  public:
   // address is "host:port"; port 0 picks a free port (see port()). kInvalidArgument for a bad
@@ -86,7 +89,7 @@ class PrometheusMetrics final : public MetricsSink {
   void Unknown(std::string_view name);
 
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> http_;
   // Written only in Start(); read-only afterwards, so lookups need no lock.
   // (Debian's absl::string_view is not std::string_view, so std::map with std::less<> gives the
   // heterogeneous lookup.)

@@ -55,12 +55,14 @@ METRICS_PORT=$(sed -n 's/.*metrics=\([0-9]*\).*/\1/p' "$RUN_DIR/ports")
 aloe_log "server on 127.0.0.1:$GRPC_PORT, metrics on http://127.0.0.1:$METRICS_PORT/metrics"
 
 WORKER=("$ALOE_BIN_DIR/aloe-worker" --server="127.0.0.1:$GRPC_PORT" --corpus_dir=data/sotu)
+declare -A ROLE_PID
 "${WORKER[@]}" --role=evaluator --name=evaluator --eval_sequences=48 >"$RUN_DIR/evaluator.log" 2>&1 &
-PIDS+=($!)
+ROLE_PID[evaluator]=$!
 "${WORKER[@]}" --name=worker-fast >"$RUN_DIR/worker-fast.log" 2>&1 &
-PIDS+=($!)
+ROLE_PID[worker-fast]=$!
 "${WORKER[@]}" --name=worker-slow --slowdown="$SLOWDOWN" >"$RUN_DIR/worker-slow.log" 2>&1 &
-PIDS+=($!)
+ROLE_PID[worker-slow]=$!
+PIDS+=("${ROLE_PID[@]}")
 aloe_log "started an evaluator and 2 workers (worker-slow at ${SLOWDOWN}x); training for ${SECONDS_TO_TRAIN}s"
 
 metric() { curl -s "http://127.0.0.1:$METRICS_PORT/metrics" 2>/dev/null | awk -v m="$1" '$1 == m {print $2}'; }
@@ -68,6 +70,13 @@ tokps() { grep -o 'tokens/s [0-9]*' "$1" 2>/dev/null | tail -1 | awk '{print $2}
 while kill -0 "$SERVER_PID" 2>/dev/null; do
   sleep 10
   kill -0 "$SERVER_PID" 2>/dev/null || break
+  for role in "${!ROLE_PID[@]}"; do
+    if ! kill -0 "${ROLE_PID[$role]}" 2>/dev/null && ! wait "${ROLE_PID[$role]}"; then
+      echo "demo.sh: $role exited with an error; its log ends with:" >&2
+      tail -n 5 "$RUN_DIR/$role.log" >&2
+      exit 1
+    fi
+  done
   printf '[%s] version %-4s eval perplexity %-8s tokens/s fast %-6s slow %-6s\n' "$(date +%H:%M:%S)" \
     "$(metric aloe_model_version)" "$(metric aloe_eval_perplexity | xargs printf '%.2f' 2>/dev/null)" \
     "$(tokps "$RUN_DIR/worker-fast.log")" "$(tokps "$RUN_DIR/worker-slow.log")"

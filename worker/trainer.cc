@@ -1,5 +1,9 @@
 #include "worker/trainer.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -70,6 +74,13 @@ void SetTrainerThreads(int num_threads) {
 }
 
 int TrainerThreads() { return g_trainer_threads.load(std::memory_order_relaxed); }
+
+void ConfigureAllocatorForTraining() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's maximum on 64-bit
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+#endif
+}
 
 struct LocalTrainer::Impl {
   v1::TransformerConfig model_config;

@@ -42,6 +42,8 @@ ABSL_FLAG(std::string, token_file, "",
           "Token shard to sample windows from (common/token_shard.h); synthetic uniform random "
           "tokens when empty");
 ABSL_FLAG(uint64_t, seed, 1, "Seed for initialisation and window sampling");
+ABSL_FLAG(bool, tune_malloc, true,
+          "Call ConfigureAllocatorForTraining() (worker/trainer.h) first, as aloe-worker does");
 ABSL_FLAG(bool, trainer, false,
           "Also time the same steps through LocalTrainer::Train and print the ratio");
 
@@ -90,6 +92,7 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--steps and --threads must be >= 1, --warmup >= 0");
   }
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  if (absl::GetFlag(FLAGS_tune_malloc)) ConfigureAllocatorForTraining();
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenSource> data, OpenData(config.vocab_size(), seed));
   const int64_t window = config.seq_len() + 1;
   if (data->num_tokens() < static_cast<uint64_t>(window)) {

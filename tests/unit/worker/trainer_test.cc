@@ -220,6 +220,8 @@ TEST(LocalTrainerTest, LossOnAPeriodicSequenceFallsByMoreThanHalf) {
   }
   auto after = trainer->Evaluate(data, 32);
   ASSERT_THAT(after, IsOk());
+  RecordProperty("loss_before", std::to_string(*before));
+  RecordProperty("loss_after", std::to_string(*after));
   EXPECT_NEAR(*before, std::log(double(kVocab)), 0.2);
   EXPECT_LT(*after, 0.5 * *before) << "before " << *before << " after " << *after
                                    << " first round mean " << first_round_loss;
