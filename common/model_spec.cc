@@ -55,12 +55,10 @@ void FillTransformerDefaults(v1::TransformerConfig* c) {
 }
 
 absl::Status ValidateTransformerConfig(const v1::TransformerConfig& c) {
-  for (absl::Status s : {PositiveField("vocab_size", c.vocab_size()),
-                         PositiveField("seq_len", c.seq_len()),
-                         PositiveField("d_model", c.d_model()),
-                         PositiveField("num_layers", c.num_layers()),
-                         PositiveField("num_heads", c.num_heads()),
-                         PositiveField("ffn_mult", c.ffn_mult())}) {
+  for (absl::Status s :
+       {PositiveField("vocab_size", c.vocab_size()), PositiveField("seq_len", c.seq_len()),
+        PositiveField("d_model", c.d_model()), PositiveField("num_layers", c.num_layers()),
+        PositiveField("num_heads", c.num_heads()), PositiveField("ffn_mult", c.ffn_mult())}) {
     if (!s.ok()) return s;
   }
   if (!(c.init_std() > 0) || !std::isfinite(c.init_std())) {
@@ -68,9 +66,8 @@ absl::Status ValidateTransformerConfig(const v1::TransformerConfig& c) {
         absl::StrFormat("model.init_std must be > 0, got %g", c.init_std()));
   }
   if (c.d_model() % c.num_heads() != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("model.num_heads (%d) must divide model.d_model (%d)", c.num_heads(),
-                        c.d_model()));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "model.num_heads (%d) must divide model.d_model (%d)", c.num_heads(), c.d_model()));
   }
   return absl::OkStatus();
 }

@@ -56,8 +56,7 @@ absl::Status CheckTokens(const int64_t* tokens, int64_t count, uint32_t vocab_si
 absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
                                         const std::vector<uint64_t>& starts, int64_t window,
                                         uint32_t vocab_size) {
-  torch::Tensor batch =
-      torch::empty({static_cast<int64_t>(starts.size()), window}, torch::kInt64);
+  torch::Tensor batch = torch::empty({static_cast<int64_t>(starts.size()), window}, torch::kInt64);
   int64_t* out = batch.data_ptr<int64_t>();
   for (size_t r = 0; r < starts.size(); ++r) {
     int64_t* row = out + static_cast<int64_t>(r) * window;
@@ -240,8 +239,7 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
   return stats;
 }
 
-absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout,
-                                              uint32_t max_sequences) {
+absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout, uint32_t max_sequences) {
   const int64_t seq_len = impl_->model_config.seq_len();
   const uint64_t window = seq_len + 1;
   const uint64_t windows = std::min<uint64_t>(max_sequences, heldout.num_tokens() / window);
@@ -261,9 +259,8 @@ absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout,
       const uint64_t rows = std::min(batch_size, windows - first);
       starts.resize(rows);
       for (uint64_t r = 0; r < rows; ++r) starts[r] = (first + r) * window;
-      ALOE_ASSIGN_OR_RETURN(
-          torch::Tensor batch,
-          ReadBatch(heldout, starts, window, impl_->model_config.vocab_size()));
+      ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
+                            ReadBatch(heldout, starts, window, impl_->model_config.vocab_size()));
       loss_sum += impl_->model->Loss(batch).item<double>() * static_cast<double>(rows * seq_len);
     }
   } catch (const std::exception& e) {

@@ -37,10 +37,10 @@ void ConfigureAllocatorForTraining();
 class LocalTrainer {
  public:
   struct RoundStats {
-    uint32_t steps = 0;           // optimizer steps taken
-    uint64_t tokens = 0;          // predicted tokens: steps * batch_size * seq_len
-    double mean_loss = 0;         // mean training loss over the steps (0 when steps == 0)
-    double compute_seconds = 0;   // wall time of the steps, excluding --slowdown sleeps
+    uint32_t steps = 0;          // optimizer steps taken
+    uint64_t tokens = 0;         // predicted tokens: steps * batch_size * seq_len
+    double mean_loss = 0;        // mean training loss over the steps (0 when steps == 0)
+    double compute_seconds = 0;  // wall time of the steps, excluding --slowdown sleeps
   };
 
   // Builds the model for `model` (which must pass ValidateTransformerConfig) and checks that
@@ -49,9 +49,10 @@ class LocalTrainer {
   // `inner` must pass ValidateInnerOptimizerConfig (kInvalidArgument otherwise). AdamW uses
   // betas (beta1, beta2), eps and weight_decay from `inner`; weight decay applies to the
   // matrices (embeddings, linear weights) only, not to biases and LayerNorm parameters.
-  static absl::StatusOr<std::unique_ptr<LocalTrainer>> Create(
-      const v1::TransformerConfig& model, const v1::InnerOptimizerConfig& inner,
-      const v1::ModelSpec& spec, uint64_t seed);
+  static absl::StatusOr<std::unique_ptr<LocalTrainer>> Create(const v1::TransformerConfig& model,
+                                                              const v1::InnerOptimizerConfig& inner,
+                                                              const v1::ModelSpec& spec,
+                                                              uint64_t seed);
 
   ~LocalTrainer();
   LocalTrainer(const LocalTrainer&) = delete;

@@ -75,7 +75,8 @@ TransformerLMImpl::TransformerLMImpl(const v1::TransformerConfig& config) : conf
     blocks_->push_back(block_list_.back());
   }
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-  head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(d, vocab).bias(false)));
+  head_ =
+      register_module("head", torch::nn::Linear(torch::nn::LinearOptions(d, vocab).bias(false)));
 }
 
 torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens) {
@@ -97,8 +98,7 @@ torch::Tensor TransformerLMImpl::Loss(const torch::Tensor& tokens) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets);
 }
 
-absl::Status CheckParametersMatchSpec(const torch::nn::Module& module,
-                                      const v1::ModelSpec& spec) {
+absl::Status CheckParametersMatchSpec(const torch::nn::Module& module, const v1::ModelSpec& spec) {
   try {
     const auto params = module.named_parameters(/*recurse=*/true);
     size_t index = 0;
@@ -114,8 +114,7 @@ absl::Status CheckParametersMatchSpec(const torch::nn::Module& module,
         if (p.key() != t.name() || p.value().sizes() != c10::IntArrayRef(want)) {
           return absl::FailedPreconditionError(absl::StrFormat(
               "model parameter %d is \"%s\" %s but spec layer \"%s\" expects \"%s\" %s", index,
-              p.key(), ShapeString(p.value().sizes()), layer.name(), t.name(),
-              ShapeString(want)));
+              p.key(), ShapeString(p.value().sizes()), layer.name(), t.name(), ShapeString(want)));
         }
         if (p.value().scalar_type() != torch::kFloat32) {
           return absl::FailedPreconditionError(
@@ -138,8 +137,8 @@ absl::Status CheckParametersMatchSpec(const torch::nn::Module& module,
 absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
                             const v1::ModelSpec& spec, torch::nn::Module& module) {
   if (layers.size() != static_cast<size_t>(spec.layers_size())) {
-    return absl::InvalidArgumentError(absl::StrFormat("got %d layers, the model spec has %d",
-                                                      layers.size(), spec.layers_size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("got %d layers, the model spec has %d", layers.size(), spec.layers_size()));
   }
   for (int l = 0; l < spec.layers_size(); ++l) {
     if (layers[l].size() != spec.layers(l).num_elements()) {

@@ -90,8 +90,7 @@ TORCH_MODULE(TransformerLM);
 
 // Returns OK when module.named_parameters() lists exactly the tensors of `spec` in order (names
 // and shapes), else kFailedPrecondition naming the first mismatch. Does not throw.
-absl::Status CheckParametersMatchSpec(const torch::nn::Module& module,
-                                      const v1::ModelSpec& spec);
+absl::Status CheckParametersMatchSpec(const torch::nn::Module& module, const v1::ModelSpec& spec);
 
 // Copies `layers` (one flat float32 buffer per spec layer, tensors concatenated in spec order)
 // into the parameters of `module`, without recording autograd history. Returns

@@ -65,9 +65,9 @@ absl::StatusOr<std::unique_ptr<TokenSource>> OpenData(uint32_t vocab_size, uint6
   }
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path));
   if (shard->vocab_size() > vocab_size) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has vocab_size %d, larger than --vocab_size %d", path, shard->vocab_size(),
-        vocab_size));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s has vocab_size %d, larger than --vocab_size %d", path,
+                        shard->vocab_size(), vocab_size));
   }
   return std::unique_ptr<TokenSource>(std::move(shard));
 }
@@ -128,8 +128,8 @@ absl::Status Run() {
   }
   const double tokens = static_cast<double>(steps) * batch_size * config.seq_len();
   const double bare_tps = tokens / seconds;
-  std::printf("bare_libtorch tokens_per_second=%.1f steps=%d seconds=%.3f params=%llu\n",
-              bare_tps, steps, seconds, static_cast<unsigned long long>(TotalElements(spec)));
+  std::printf("bare_libtorch tokens_per_second=%.1f steps=%d seconds=%.3f params=%llu\n", bare_tps,
+              steps, seconds, static_cast<unsigned long long>(TotalElements(spec)));
   std::fflush(stdout);
 
   if (absl::GetFlag(FLAGS_trainer)) {

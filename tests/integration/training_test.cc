@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -146,11 +147,15 @@ TEST_F(LoopbackTest, TwoWorkersTrainAndEvalLossFalls) {
   auto w1 = StartWorker(port, "trainer", 1, /*slowdown=*/1.5);
 
   // A real scrape of the Prometheus endpoint while training runs.
+  // Keeps the last successful scrape taken once training has moved past version 0.
   std::string scrape;
-  for (int i = 0; i < 200 && scrape.find("aloe_model_version 1") == std::string::npos; ++i) {
-    scrape = HttpGet(metrics_port_, "/metrics");
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int i = 0; i < 400; ++i) {
+    const std::string body = HttpGet(metrics_port_, "/metrics");
+    if (!body.empty()) scrape = body;
+    if (!scrape.empty() && scrape.find("aloe_model_version 0") == std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  EXPECT_EQ(scrape.find("aloe_model_version 0"), std::string::npos) << scrape;
   EXPECT_NE(scrape.find("aloe_updates_applied_total"), std::string::npos) << scrape;
   EXPECT_NE(scrape.find("aloe_apply_latency_seconds_bucket"), std::string::npos);
 

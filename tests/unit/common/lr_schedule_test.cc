@@ -27,13 +27,13 @@ constexpr double kTol = 1e-9;
 
 TEST(InnerLearningRateTest, Paper002Eq3GoldenValues) {
   const v1::InnerOptimizerConfig c = Golden();
-  EXPECT_NEAR(InnerLearningRate(c, 0), 0.0, kTol);       // warmup starts at 0
-  EXPECT_NEAR(InnerLearningRate(c, 5), 5e-4, kTol);      // 5 * 1e-3 / 10
-  EXPECT_NEAR(InnerLearningRate(c, 10), 1e-3, kTol);     // r = 0: eta_max
+  EXPECT_NEAR(InnerLearningRate(c, 0), 0.0, kTol);             // warmup starts at 0
+  EXPECT_NEAR(InnerLearningRate(c, 5), 5e-4, kTol);            // 5 * 1e-3 / 10
+  EXPECT_NEAR(InnerLearningRate(c, 10), 1e-3, kTol);           // r = 0: eta_max
   EXPECT_NEAR(InnerLearningRate(c, 35), 8.68198052e-4, kTol);  // r = .25: 1e-4 + 4.5e-4 * 1.7071
-  EXPECT_NEAR(InnerLearningRate(c, 60), 5.5e-4, kTol);   // r = .5: (eta_max + eta_min) / 2
-  EXPECT_NEAR(InnerLearningRate(c, 110), 1e-4, kTol);    // r = 1: eta_min
-  EXPECT_NEAR(InnerLearningRate(c, 500), 1e-4, kTol);    // clamped past T
+  EXPECT_NEAR(InnerLearningRate(c, 60), 5.5e-4, kTol);         // r = .5: (eta_max + eta_min) / 2
+  EXPECT_NEAR(InnerLearningRate(c, 110), 1e-4, kTol);          // r = 1: eta_min
+  EXPECT_NEAR(InnerLearningRate(c, 500), 1e-4, kTol);          // clamped past T
 }
 
 TEST(InnerLearningRateTest, NoWarmupStartsAtPeak) {
@@ -101,8 +101,9 @@ TEST(InnerOptimizerConfigTest, ValidationNamesTheField) {
   v1::InnerOptimizerConfig zero_batch;
   FillInnerOptimizerDefaults(&zero_batch);
   zero_batch.set_batch_size(0);
-  EXPECT_THAT(ValidateInnerOptimizerConfig(zero_batch),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("inner_optimizer.batch_size")));
+  EXPECT_THAT(
+      ValidateInnerOptimizerConfig(zero_batch),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("inner_optimizer.batch_size")));
 }
 
 }  // namespace

@@ -66,18 +66,18 @@ TEST(ModelSpecTest, TensorNamesShapesAndInitKinds) {
   const v1::ModelSpec spec = BuildTransformerSpec(TinyConfig(), 1);
   std::vector<std::string> names;
   for (const auto& t : spec.layers(1).tensors()) names.push_back(t.name());
-  EXPECT_THAT(names, ElementsAre("blocks.0.ln1.weight", "blocks.0.ln1.bias",
-                                 "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias",
-                                 "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias",
-                                 "blocks.0.ln2.weight", "blocks.0.ln2.bias",
-                                 "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc1.bias",
-                                 "blocks.0.mlp.fc2.weight", "blocks.0.mlp.fc2.bias"));
+  EXPECT_THAT(
+      names,
+      ElementsAre("blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.0.attn.qkv.weight",
+                  "blocks.0.attn.qkv.bias", "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias",
+                  "blocks.0.ln2.weight", "blocks.0.ln2.bias", "blocks.0.mlp.fc1.weight",
+                  "blocks.0.mlp.fc1.bias", "blocks.0.mlp.fc2.weight", "blocks.0.mlp.fc2.bias"));
   const auto& qkv = spec.layers(1).tensors(2);
   EXPECT_THAT(qkv.shape(), ElementsAre(12, 4));
   EXPECT_EQ(qkv.init(), v1::INIT_NORMAL);
   EXPECT_FLOAT_EQ(qkv.init_std(), 0.02f);
   const auto& proj = spec.layers(1).tensors(4);
-  EXPECT_FLOAT_EQ(proj.init_std(), 0.02f / 2.0f);  // 1/sqrt(2L), L = 2
+  EXPECT_FLOAT_EQ(proj.init_std(), 0.02f / 2.0f);                       // 1/sqrt(2L), L = 2
   EXPECT_THAT(spec.layers(1).tensors(10).shape(), ElementsAre(4, 12));  // fc2
   EXPECT_EQ(spec.layers(1).tensors(0).init(), v1::INIT_ONES);
   EXPECT_EQ(spec.layers(1).tensors(1).init(), v1::INIT_ZEROS);

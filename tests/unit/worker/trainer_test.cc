@@ -45,8 +45,8 @@ v1::InnerOptimizerConfig Inner() {
 }
 
 std::unique_ptr<LocalTrainer> MakeTrainer(uint64_t seed = 1) {
-  auto trainer = LocalTrainer::Create(TinyModel(), Inner(), BuildTransformerSpec(TinyModel(), 2),
-                                      seed);
+  auto trainer =
+      LocalTrainer::Create(TinyModel(), Inner(), BuildTransformerSpec(TinyModel(), 2), seed);
   EXPECT_THAT(trainer, IsOk());
   return trainer.ok() ? std::move(trainer).value() : nullptr;
 }
@@ -223,8 +223,8 @@ TEST(LocalTrainerTest, LossOnAPeriodicSequenceFallsByMoreThanHalf) {
   RecordProperty("loss_before", std::to_string(*before));
   RecordProperty("loss_after", std::to_string(*after));
   EXPECT_NEAR(*before, std::log(double(kVocab)), 0.2);
-  EXPECT_LT(*after, 0.5 * *before) << "before " << *before << " after " << *after
-                                   << " first round mean " << first_round_loss;
+  EXPECT_LT(*after, 0.5 * *before)
+      << "before " << *before << " after " << *after << " first round mean " << first_round_loss;
 }
 
 TEST(LocalTrainerTest, EvaluateIsDeterministicAndChangesNothing) {
@@ -260,8 +260,8 @@ TEST(LocalTrainerTest, RejectsBadData) {
   const InMemoryTokenSource tiny = PeriodicTokens(16);  // < seq_len + 1
   EXPECT_THAT(trainer->Train(tiny, 1, 0, 1),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("17")));
-  EXPECT_THAT(trainer->Evaluate(tiny, 4), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                   HasSubstr("seq_len")));
+  EXPECT_THAT(trainer->Evaluate(tiny, 4),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("seq_len")));
   const InMemoryTokenSource out_of_vocab(std::vector<uint32_t>(100, kVocab), kVocab + 1);
   EXPECT_THAT(trainer->Train(out_of_vocab, 1, 0, 1),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("vocabulary")));
