@@ -325,6 +325,7 @@ absl::Status Main() {
     return absl::InvalidArgumentError("--eval_sequences must be >= 1");
   }
   SetTrainerThreads(absl::GetFlag(FLAGS_threads));
+  ConfigureAllocatorForTraining();
   std::unique_ptr<MetricsSink> metrics;
   if (absl::GetFlag(FLAGS_metrics) == "off") {
     metrics = std::make_unique<NullMetrics>();

@@ -21,6 +21,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "common/flags_usage.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
@@ -152,7 +153,7 @@ absl::Status Run() {
 }  // namespace aloe::worker
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  aloe::SetUsage(
       "Bare-LibTorch training-loop baseline for the ALOE worker benchmark.\n"
       "Prints: bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count>");
   absl::ParseCommandLine(argc, argv);
