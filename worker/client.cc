@@ -31,49 +31,46 @@ ServerClient::ServerClient(const std::string& address) {
   parameters_ = v1::ParameterService::NewStub(channel_);
 }
 
-absl::StatusOr<v1::JoinReply> ServerClient::Join(const v1::JoinRequest& request) {
+namespace {
+
+// One unary Coordinator call with the control deadline.
+template <typename Request, typename Reply>
+absl::StatusOr<Reply> Unary(v1::Coordinator::Stub* stub,
+                            grpc::Status (v1::Coordinator::Stub::*method)(grpc::ClientContext*,
+                                                                          const Request&, Reply*),
+                            const Request& request) {
   grpc::ClientContext context;
   SetDeadline(&context, kControlDeadlineSeconds);
-  v1::JoinReply reply;
-  absl::Status s = FromGrpcStatus(coordinator_->Join(&context, request, &reply));
+  Reply reply;
+  absl::Status s = FromGrpcStatus((stub->*method)(&context, request, &reply));
   if (!s.ok()) return s;
   return reply;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::JoinReply> ServerClient::Join(const v1::JoinRequest& request) {
+  return Unary(coordinator_.get(), &v1::Coordinator::Stub::Join, request);
 }
 
 absl::StatusOr<v1::HeartbeatReply> ServerClient::Heartbeat(const v1::HeartbeatRequest& request) {
-  grpc::ClientContext context;
-  SetDeadline(&context, kControlDeadlineSeconds);
-  v1::HeartbeatReply reply;
-  absl::Status s = FromGrpcStatus(coordinator_->Heartbeat(&context, request, &reply));
-  if (!s.ok()) return s;
-  return reply;
+  return Unary(coordinator_.get(), &v1::Coordinator::Stub::Heartbeat, request);
 }
 
 absl::StatusOr<v1::Task> ServerClient::RequestTask(uint64_t worker_id) {
-  grpc::ClientContext context;
-  SetDeadline(&context, kControlDeadlineSeconds);
   v1::TaskRequest request;
   request.set_worker_id(worker_id);
-  v1::Task task;
-  absl::Status s = FromGrpcStatus(coordinator_->RequestTask(&context, request, &task));
-  if (!s.ok()) return s;
-  return task;
+  return Unary(coordinator_.get(), &v1::Coordinator::Stub::RequestTask, request);
 }
 
 absl::Status ServerClient::ReportEval(const v1::EvalReport& report) {
-  grpc::ClientContext context;
-  SetDeadline(&context, kControlDeadlineSeconds);
-  v1::EvalAck ack;
-  return FromGrpcStatus(coordinator_->ReportEval(&context, report, &ack));
+  return Unary(coordinator_.get(), &v1::Coordinator::Stub::ReportEval, report).status();
 }
 
 absl::Status ServerClient::Leave(uint64_t worker_id) {
-  grpc::ClientContext context;
-  SetDeadline(&context, kControlDeadlineSeconds);
   v1::LeaveRequest request;
   request.set_worker_id(worker_id);
-  v1::LeaveReply reply;
-  return FromGrpcStatus(coordinator_->Leave(&context, request, &reply));
+  return Unary(coordinator_.get(), &v1::Coordinator::Stub::Leave, request).status();
 }
 
 absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version, bool latest,

@@ -39,6 +39,10 @@ class AggregationPolicy {
 
   // True while some started work has not yet been aggregated.
   virtual bool InProgress() const = 0;
+
+  // Workers whose pushes the current aggregation includes or still awaits (a sync round's
+  // participants); 0 when none is in progress.
+  virtual size_t active_workers() const = 0;
 };
 
 // Sync DiLoCo: a round opens at version v over the live trainers (the first round waits for
@@ -54,8 +58,7 @@ class SyncRoundAggregation final : public AggregationPolicy {
   absl::StatusOr<ApplyBatch> Submit(PendingUpdate update, uint64_t current_version) override;
   ApplyBatch OnWorkerGone(uint64_t worker) override;
   bool InProgress() const override { return open_; }
-
-  size_t participants() const { return participants_.size(); }
+  size_t active_workers() const override { return open_ ? participants_.size() : 0; }
 
  private:
   ApplyBatch CompleteIfDone();

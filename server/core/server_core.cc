@@ -121,9 +121,7 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   const std::vector<uint64_t> live = membership_.LiveIds(v1::ROLE_TRAINER);
   if (!aggregation_->MayStart(worker, store_->version(), live)) return NewTask(v1::Task::WAIT);
   if (!started_) started_ = clock_.Now();
-  if (auto* sync = dynamic_cast<SyncRoundAggregation*>(aggregation_.get())) {
-    metrics_.Set(kRoundParticipants, static_cast<double>(sync->participants()));
-  }
+  metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   v1::Task task = NewTask(v1::Task::TRAIN);
   const size_t shard = sampler_.Next();
   task.set_shard_name(sampler_.shard(shard).name);
@@ -241,6 +239,7 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   metrics_.Add(kUpdatesApplied, static_cast<double>(batch.updates.size()));
   metrics_.Add(kOuterSteps, 1);
   metrics_.Set(kModelVersion, static_cast<double>(store_->version()));
+  metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
   metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
   ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f",

@@ -27,6 +27,7 @@ TEST(SyncRoundAggregationTest, RoundIsABarrierOverItsParticipants) {
   EXPECT_FALSE(sync.MayStart(1, 0, {1, 2}));  // starts once per round
   EXPECT_FALSE(sync.MayStart(3, 0, {1, 2, 3}));  // joined mid-round: next round
   EXPECT_TRUE(sync.MayStart(2, 0, {1, 2, 3}));
+  EXPECT_EQ(sync.active_workers(), 2u);
 
   auto first = sync.Submit(U(1, 0), 0);
   ASSERT_THAT(first, IsOk());
@@ -39,6 +40,7 @@ TEST(SyncRoundAggregationTest, RoundIsABarrierOverItsParticipants) {
   EXPECT_FLOAT_EQ(second->weights[0], 0.5f);
   EXPECT_FLOAT_EQ(second->weights[1], 0.5f);
   EXPECT_FALSE(sync.InProgress());
+  EXPECT_EQ(sync.active_workers(), 0u);
 
   // The next round includes the late joiner; min_workers applies to the first round only.
   EXPECT_TRUE(sync.MayStart(3, 1, {3}));
