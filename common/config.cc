@@ -98,7 +98,20 @@ void FillServerDefaults(v1::ServerConfig* c) {
   auto* outer = c->mutable_outer_optimizer();
   if (outer->type() == v1::OUTER_OPTIMIZER_UNSPECIFIED) outer->set_type(v1::OUTER_NESTEROV);
   if (outer->lr() == 0) outer->set_lr(0.7f);
-  if (outer->momentum() == 0 && outer->type() == v1::OUTER_NESTEROV) outer->set_momentum(0.9f);
+  if (outer->momentum() == 0 && (outer->type() == v1::OUTER_NESTEROV ||
+                                 outer->type() == v1::OUTER_DELAYED_NESTEROV)) {
+    outer->set_momentum(0.9f);
+  }
+  if (outer->dn_buffer_size() == 0) outer->set_dn_buffer_size(1);
+  if (outer->adam_beta1() == 0) outer->set_adam_beta1(0.9f);
+  if (outer->adam_beta2() == 0) outer->set_adam_beta2(0.999f);
+  if (outer->adam_eps() == 0) outer->set_adam_eps(1e-8f);
+  auto* penalty = c->mutable_penalty();
+  if (penalty->ema_alpha() == 0) penalty->set_ema_alpha(0.02f);
+  if (penalty->z_threshold() == 0) penalty->set_z_threshold(3.0f);
+  if (penalty->warmup() == 0) penalty->set_warmup(120);
+  if (penalty->temperature() == 0) penalty->set_temperature(1.0f);
+  if (penalty->clip_norm() == 0) penalty->set_clip_norm(10.0f);
   auto* agg = c->mutable_aggregation();
   if (agg->mode() == v1::AGGREGATION_UNSPECIFIED) agg->set_mode(v1::AGGREGATION_SYNC);
   if (agg->min_workers() == 0) agg->set_min_workers(1);
@@ -126,6 +139,37 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrFormat("outer_optimizer.momentum must be in [0, 1), got %g", outer.momentum()));
   }
+  if (outer.dn_buffer_size() < 1 || outer.dn_buffer_size() > 1000000) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "outer_optimizer.dn_buffer_size must be in [1, 1000000], got %d", outer.dn_buffer_size()));
+  }
+  const double c_max = 1.0 / outer.dn_buffer_size();
+  if (!(outer.dn_momentum_activation() >= 0 && outer.dn_momentum_activation() <= c_max + 1e-9)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer_optimizer.dn_momentum_activation must be in [0, 1/N = %g], got %g",
+                        c_max, outer.dn_momentum_activation()));
+  }
+  for (auto [name, beta] : {std::pair<const char*, float>{"outer_optimizer.adam_beta1",
+                                                          outer.adam_beta1()},
+                            {"outer_optimizer.adam_beta2", outer.adam_beta2()}}) {
+    if (!(beta >= 0 && beta < 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s must be in [0, 1), got %g", name, beta));
+    }
+  }
+  ALOE_RETURN_IF_ERROR(Positive("outer_optimizer.adam_eps", outer.adam_eps()));
+  if (!(outer.staleness_exponent() >= 0) || !std::isfinite(outer.staleness_exponent())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "outer_optimizer.staleness_exponent must be >= 0, got %g", outer.staleness_exponent()));
+  }
+  const auto& penalty = c.penalty();
+  if (!(penalty.ema_alpha() > 0 && penalty.ema_alpha() <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("penalty.ema_alpha must be in (0, 1], got %g", penalty.ema_alpha()));
+  }
+  ALOE_RETURN_IF_ERROR(Positive("penalty.z_threshold", penalty.z_threshold()));
+  ALOE_RETURN_IF_ERROR(Positive("penalty.temperature", penalty.temperature()));
+  ALOE_RETURN_IF_ERROR(Positive("penalty.clip_norm", penalty.clip_norm()));
   if (c.aggregation().mode() != v1::AGGREGATION_SYNC) {
     return absl::InvalidArgumentError("aggregation.mode: only AGGREGATION_SYNC is supported");
   }
