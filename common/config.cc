@@ -115,6 +115,12 @@ void FillServerDefaults(v1::ServerConfig* c) {
   auto* agg = c->mutable_aggregation();
   if (agg->mode() == v1::AGGREGATION_UNSPECIFIED) agg->set_mode(v1::AGGREGATION_SYNC);
   if (agg->min_workers() == 0) agg->set_min_workers(1);
+  if (c->local_work().mode() == v1::LOCAL_WORK_UNSPECIFIED) {
+    c->mutable_local_work()->set_mode(v1::LOCAL_WORK_FIXED);
+  }
+  if (c->shard_sampling() == v1::SHARD_SAMPLING_UNSPECIFIED) {
+    c->set_shard_sampling(v1::SHARD_SAMPLING_LEARNING_PROGRESS);
+  }
   if (c->local_steps() == 0) c->set_local_steps(50);
   if (c->seed() == 0) c->set_seed(1);
   if (c->num_shards() == 0) c->set_num_shards(2);
@@ -170,8 +176,23 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   ALOE_RETURN_IF_ERROR(Positive("penalty.z_threshold", penalty.z_threshold()));
   ALOE_RETURN_IF_ERROR(Positive("penalty.temperature", penalty.temperature()));
   ALOE_RETURN_IF_ERROR(Positive("penalty.clip_norm", penalty.clip_norm()));
-  if (c.aggregation().mode() != v1::AGGREGATION_SYNC) {
-    return absl::InvalidArgumentError("aggregation.mode: only AGGREGATION_SYNC is supported");
+  if (!v1::AggregationMode_IsValid(c.aggregation().mode())) {
+    return absl::InvalidArgumentError("aggregation.mode is not a known mode");
+  }
+  if (!(c.aggregation().grace_seconds() >= 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "aggregation.grace_seconds must be >= 0 (inf allowed), got %g",
+        c.aggregation().grace_seconds()));
+  }
+  if (!v1::LocalWorkMode_IsValid(c.local_work().mode())) {
+    return absl::InvalidArgumentError("local_work.mode is not a known mode");
+  }
+  if (c.local_work().mode() == v1::LOCAL_WORK_TIME_BUDGET) {
+    ALOE_RETURN_IF_ERROR(
+        Positive("local_work.time_budget_seconds", c.local_work().time_budget_seconds()));
+  }
+  if (!v1::ShardSampling_IsValid(c.shard_sampling())) {
+    return absl::InvalidArgumentError("shard_sampling is not a known sampling mode");
   }
   if (c.aggregation().min_workers() > 4096) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -236,7 +236,8 @@ absl::Status Worker::Train(const v1::Task& task) {
   ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
   ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats,
                         trainer_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
-                                        absl::GetFlag(FLAGS_slowdown)));
+                                        absl::GetFlag(FLAGS_slowdown),
+                                        task.time_budget_seconds()));
   const auto t2 = std::chrono::steady_clock::now();
   ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(base_, &delta_));
   v1::PushHeader header;

@@ -185,7 +185,12 @@ absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>&
 
 absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& data,
                                                              uint32_t steps, uint64_t lr_step,
-                                                             uint64_t seed, double slowdown) {
+                                                             uint64_t seed, double slowdown,
+                                                             double time_budget_seconds) {
+  if (!(time_budget_seconds >= 0) || !std::isfinite(time_budget_seconds)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "time budget must be a finite number >= 0, got %g", time_budget_seconds));
+  }
   if (!(slowdown >= 1.0) || !std::isfinite(slowdown)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("slowdown must be a finite number >= 1, got %g", slowdown));
@@ -206,6 +211,7 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
   try {
     ApplyTrainerThreads();
     impl_->model->train();
+    const auto round_start = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < steps; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
       for (uint64_t& s : starts) s = start_dist(rng);
@@ -229,6 +235,12 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
       ++stats.steps;
       if (slowdown > 1.0) {
         std::this_thread::sleep_for(std::chrono::duration<double>((slowdown - 1.0) * step_seconds));
+      }
+      // A-EDiT (paper 000 Sec. 3.3): stop at the first step end at or after the budget.
+      if (time_budget_seconds > 0 &&
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count() >=
+              time_budget_seconds) {
+        break;
       }
     }
   } catch (const std::exception& e) {

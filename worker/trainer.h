@@ -80,11 +80,14 @@ class LocalTrainer {
   //     AdamW step.
   // `slowdown` >= 1 emulates slower hardware: after each step the trainer sleeps
   // (slowdown - 1) x that step's compute time (not counted in compute_seconds).
+  // `time_budget_seconds` > 0 (A-EDiT, paper 000 Sec. 3.3) ends the round at the first step end
+  // at or after that much wall time (sleeps included); `steps` is then the cap.
   // Errors: kInvalidArgument when data has fewer than seq_len + 1 tokens, a sampled token is
   // >= vocab_size (steps before it have already been applied), or slowdown is not finite >= 1;
   // kInternal on a LibTorch error.
   absl::StatusOr<RoundStats> Train(const TokenSource& data, uint32_t steps, uint64_t lr_step,
-                                   uint64_t seed, double slowdown = 1.0);
+                                   uint64_t seed, double slowdown = 1.0,
+                                   double time_budget_seconds = 0);
 
   // Mean per-token cross-entropy (nats) over the first min(max_sequences,
   // num_tokens / (seq_len + 1)) non-overlapping windows of seq_len + 1 tokens of `heldout`,

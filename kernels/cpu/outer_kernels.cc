@@ -40,6 +40,62 @@ void NesterovApply(const float* g, float* m, const float* theta_in, float* theta
   }
 }
 
+void DelayedNesterovApply(const float* g, float* m, float* d, const float* theta_in,
+                          float* theta_out, size_t n, float lr, float beta, uint32_t buffer_size,
+                          float c, bool momentum_step) {
+  const float inv_n = 1.0f / static_cast<float>(buffer_size);
+  if (momentum_step) {
+    // m = beta*m + D/N; theta -= lr*((1 - cN + c)*beta*m + g/N); D = 0.
+    const float coef = (1.0f - c * static_cast<float>(buffer_size) + c) * beta;
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) {
+      const float gi = g[i];
+      const float mi = beta * m[i] + (d[i] + gi) * inv_n;
+      const float theta = theta_in[i];
+      m[i] = mi;
+      d[i] = 0.0f;
+      theta_out[i] = theta - lr * (coef * mi + gi * inv_n);
+    }
+    return;
+  }
+  // D += g; theta -= lr*(c*beta*m + g/N).
+  const float coef = c * beta;
+  if (coef == 0.0f) {
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) {
+      const float gi = g[i];
+      const float theta = theta_in[i];
+      d[i] += gi;
+      theta_out[i] = theta - lr * (gi * inv_n);
+    }
+    return;
+  }
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float theta = theta_in[i];
+    d[i] += gi;
+    theta_out[i] = theta - lr * (coef * m[i] + gi * inv_n);
+  }
+}
+
+void AdamApply(const float* g, float* m, float* v, const float* theta_in, float* theta_out,
+               size_t n, float step_size, float beta1, float beta2, float eps,
+               float inv_sqrt_bias2) {
+  const float one_minus_beta1 = 1.0f - beta1;
+  const float one_minus_beta2 = 1.0f - beta2;
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = beta1 * m[i] + one_minus_beta1 * gi;
+    const float vi = beta2 * v[i] + one_minus_beta2 * (gi * gi);
+    const float theta = theta_in[i];
+    m[i] = mi;
+    v[i] = vi;
+    theta_out[i] = theta - step_size * mi / (std::sqrt(vi) * inv_sqrt_bias2 + eps);
+  }
+}
+
 void WeightedAccumulate(const float* x, float w, float* acc, size_t n) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
@@ -86,6 +142,32 @@ void NesterovApply(const float* g, float* m, const float* theta_in, float* theta
     m[i] = beta * m[i] + g[i];
     // theta_out may be theta_in: theta_in[i] is read before theta_out[i] is written.
     theta_out[i] = theta_in[i] - lr * (beta * m[i] + g[i]);
+  }
+}
+
+void DelayedNesterovApply(const float* g, float* m, float* d, const float* theta_in,
+                          float* theta_out, size_t n, float lr, float beta, uint32_t buffer_size,
+                          float c, bool momentum_step) {
+  const float big_n = static_cast<float>(buffer_size);
+  for (size_t i = 0; i < n; ++i) {
+    d[i] += g[i];
+    if (momentum_step) {
+      m[i] = beta * m[i] + d[i] / big_n;
+      theta_out[i] = theta_in[i] - lr * ((1.0f - c * big_n + c) * beta * m[i] + g[i] / big_n);
+      d[i] = 0.0f;
+    } else {
+      theta_out[i] = theta_in[i] - lr * (c * beta * m[i] + g[i] / big_n);
+    }
+  }
+}
+
+void AdamApply(const float* g, float* m, float* v, const float* theta_in, float* theta_out,
+               size_t n, float step_size, float beta1, float beta2, float eps,
+               float inv_sqrt_bias2) {
+  for (size_t i = 0; i < n; ++i) {
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g[i];
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+    theta_out[i] = theta_in[i] - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bias2 + eps);
   }
 }
 

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace aloe::kernels {
 
@@ -29,6 +30,37 @@ void SgdApply(const float* g, const float* theta_in, float* theta_out, size_t n,
 // where the second line uses the already-updated m. m is read and written in place.
 void NesterovApply(const float* g, float* m, const float* theta_in, float* theta_out, size_t n,
                    float lr, float beta);
+
+// Delayed Nesterov (DN), paper 002 Alg. 3, one received pseudo-gradient g in one pass over
+// theta, g, m (momentum) and d (the buffer Delta), N = buffer_size >= 1, c in [0, 1/N]:
+//   d[i] += g[i]
+//   if momentum_step (the caller's (t+1) % N == 0, t = updates applied before this one):
+//     m[i] = beta * m[i] + d[i] / N
+//     theta_out[i] = theta_in[i] - lr * ((1 - c*N + c) * beta * m[i] + g[i] / N)   (new m)
+//     d[i] = 0
+//   else (m unchanged):
+//     theta_out[i] = theta_in[i] - lr * (c * beta * m[i] + g[i] / N)
+// The divisions by N are multiplications by the float 1/N (exact for N a power of two, else
+// within an ulp); the scalar coefficients ((1 - c*N + c) * beta, c * beta) are formed once in
+// float. With N = 1 and c = 0 every call is a momentum step and the result is bit for bit
+// NesterovApply. When c * beta == 0 on a non-momentum step, m is not read (c*beta*m is 0 for the
+// finite m an optimizer keeps), so that step moves 20 bytes per element instead of 24.
+// m and d are updated in place and must not alias each other, g or theta.
+void DelayedNesterovApply(const float* g, float* m, float* d, const float* theta_in,
+                          float* theta_out, size_t n, float lr, float beta, uint32_t buffer_size,
+                          float c, bool momentum_step);
+
+// Outer Adam (Kingma & Ba, Alg. 1, without weight decay), one pass; used only for comparison
+// with the Nesterov family. step_size = lr / (1 - beta1^t) and inv_sqrt_bias2 =
+// 1 / sqrt(1 - beta2^t) are the bias corrections of step t >= 1, computed by the caller:
+//   m[i] = beta1 * m[i] + (1 - beta1) * g[i]
+//   v[i] = beta2 * v[i] + (1 - beta2) * g[i]^2
+//   theta_out[i] = theta_in[i] - step_size * m[i] / (sqrt(v[i]) * inv_sqrt_bias2 + eps)
+// i.e. theta -= lr * m_hat / (sqrt(v_hat) + eps) with m_hat = m / (1 - beta1^t),
+// v_hat = v / (1 - beta2^t). m and v are updated in place and must not alias anything else.
+void AdamApply(const float* g, float* m, float* v, const float* theta_in, float* theta_out,
+               size_t n, float step_size, float beta1, float beta2, float eps,
+               float inv_sqrt_bias2);
 
 // acc[i] += w * x[i]  (weighted average of pseudo-gradients, one update at a time).
 void WeightedAccumulate(const float* x, float w, float* acc, size_t n);
@@ -50,6 +82,14 @@ namespace reference {
 void SgdApply(const float* g, const float* theta_in, float* theta_out, size_t n, float lr);
 void NesterovApply(const float* g, float* m, const float* theta_in, float* theta_out, size_t n,
                    float lr, float beta);
+// The reference DN spells out Alg. 3 literally (divides by N, forms the coefficient per element)
+// and always reads m, so it agrees with the fused loop to rounding, not bit for bit.
+void DelayedNesterovApply(const float* g, float* m, float* d, const float* theta_in,
+                          float* theta_out, size_t n, float lr, float beta, uint32_t buffer_size,
+                          float c, bool momentum_step);
+void AdamApply(const float* g, float* m, float* v, const float* theta_in, float* theta_out,
+               size_t n, float step_size, float beta1, float beta2, float eps,
+               float inv_sqrt_bias2);
 void WeightedAccumulate(const float* x, float w, float* acc, size_t n);
 void Scale(float* x, size_t n, float s);
 double SquaredL2Norm(const float* x, size_t n);

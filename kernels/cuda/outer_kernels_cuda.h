@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace aloe::kernels {
@@ -28,6 +29,19 @@ std::string CudaSgdApply(const float* g, const float* theta_in, float* theta_out
 // (see NesterovApply).
 std::string CudaNesterovApply(const float* g, float* m, const float* theta_in, float* theta_out,
                               size_t n, float lr, float beta, void* stream);
+
+// Delayed Nesterov, paper 002 Alg. 3 (see DelayedNesterovApply): d += g; on a momentum step
+// (the caller's (t+1) % N == 0) m = beta*m + d/N, theta -= lr*((1 - c*N + c)*beta*m + g/N),
+// d = 0; otherwise theta -= lr*(c*beta*m + g/N). buffer_size = N >= 1.
+std::string CudaDelayedNesterovApply(const float* g, float* m, float* d, const float* theta_in,
+                                     float* theta_out, size_t n, float lr, float beta,
+                                     uint32_t buffer_size, float c, bool momentum_step,
+                                     void* stream);
+
+// Outer Adam with caller-computed bias corrections (see AdamApply).
+std::string CudaAdamApply(const float* g, float* m, float* v, const float* theta_in,
+                          float* theta_out, size_t n, float step_size, float beta1, float beta2,
+                          float eps, float inv_sqrt_bias2, void* stream);
 
 // acc[i] += w * x[i]  (see WeightedAccumulate).
 std::string CudaWeightedAccumulate(const float* x, float w, float* acc, size_t n, void* stream);

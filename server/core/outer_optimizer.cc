@@ -21,9 +21,12 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "state blobs are little
 //   uint32   length of the kind name, then the name's bytes (OuterOptimizer::name())
 //   uint64   num_elements
 //   uint32   number of state buffers B
+//   uint32   number of counters C (DN's update count t, Adam's step)
+//   C x uint64 counters
 //   B x num_elements float32
+// Version 1 (no counter fields) was never written by a released build; it is not read.
 constexpr char kStateMagic[4] = {'A', 'O', 'O', 'S'};
-constexpr uint32_t kStateFormatVersion = 1;
+constexpr uint32_t kStateFormatVersion = 2;
 
 template <typename T>
 void AppendPod(T value, std::string* out) {
@@ -31,13 +34,16 @@ void AppendPod(T value, std::string* out) {
 }
 
 void AppendState(std::string_view kind, size_t num_elements,
-                 std::initializer_list<absl::Span<const float>> buffers, std::string* out) {
+                 std::initializer_list<absl::Span<const float>> buffers,
+                 std::initializer_list<uint64_t> counters, std::string* out) {
   out->append(kStateMagic, sizeof(kStateMagic));
   AppendPod<uint32_t>(kStateFormatVersion, out);
   AppendPod<uint32_t>(static_cast<uint32_t>(kind.size()), out);
   out->append(kind.data(), kind.size());
   AppendPod<uint64_t>(num_elements, out);
   AppendPod<uint32_t>(static_cast<uint32_t>(buffers.size()), out);
+  AppendPod<uint32_t>(static_cast<uint32_t>(counters.size()), out);
+  for (uint64_t counter : counters) AppendPod<uint64_t>(counter, out);
   for (absl::Span<const float> b : buffers) {
     out->append(reinterpret_cast<const char*>(b.data()), b.size() * sizeof(float));
   }
@@ -53,10 +59,12 @@ bool ReadPod(std::string_view* in, T* value) {
 }
 
 // Validates a blob written by AppendState for `kind` with exactly `buffers.size()` buffers of
-// num_elements finite floats each, and decodes them into `buffers` (resized). Touches no
-// optimizer state, so a failed load leaves the optimizer unchanged.
+// num_elements finite floats each and `counters.size()` counters, and decodes them into
+// `buffers` (resized) and `counters`. Callers pass temporaries: a failed load then leaves the
+// optimizer unchanged.
 absl::Status ParseState(std::string_view blob, std::string_view kind, size_t num_elements,
-                        std::initializer_list<std::vector<float>*> buffers) {
+                        std::initializer_list<std::vector<float>*> buffers,
+                        std::initializer_list<uint64_t*> counters) {
   std::string_view in = blob;
   char magic[sizeof(kStateMagic)];
   uint32_t version = 0;
@@ -79,7 +87,9 @@ absl::Status ParseState(std::string_view blob, std::string_view kind, size_t num
   }
   uint64_t blob_elements = 0;
   uint32_t blob_buffers = 0;
-  if (!ReadPod(&in, &blob_elements) || !ReadPod(&in, &blob_buffers)) {
+  uint32_t blob_counters = 0;
+  if (!ReadPod(&in, &blob_elements) || !ReadPod(&in, &blob_buffers) ||
+      !ReadPod(&in, &blob_counters)) {
     return absl::InvalidArgumentError("outer optimizer state: truncated header");
   }
   if (blob_elements != num_elements) {
@@ -91,6 +101,16 @@ absl::Status ParseState(std::string_view blob, std::string_view kind, size_t num
     return absl::InvalidArgumentError(
         absl::StrFormat("outer optimizer state: blob has %d buffers, '%s' has %d", blob_buffers,
                         kind, buffers.size()));
+  }
+  if (blob_counters != counters.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer optimizer state: blob has %d counters, '%s' has %d", blob_counters,
+                        kind, counters.size()));
+  }
+  for (uint64_t* counter : counters) {
+    if (!ReadPod(&in, counter)) {
+      return absl::InvalidArgumentError("outer optimizer state: truncated counters");
+    }
   }
   const size_t buffer_bytes = num_elements * sizeof(float);
   if (in.size() != buffers.size() * buffer_bytes) {
@@ -115,6 +135,28 @@ bool PartiallyOverlap(const float* a, size_t na, const float* b, size_t nb) {
   const uintptr_t b0 = reinterpret_cast<uintptr_t>(b);
   return a0 < b0 + nb * sizeof(float) && b0 < a0 + na * sizeof(float);
 }
+
+// The checks of ValidateServerConfig that MakeOuterOptimizer and StalenessScale repeat, so a
+// config built in code (tests, tools) gets the same field-named errors.
+absl::Status CheckUnitInterval(const char* field, float value) {
+  if (!(value >= 0 && value < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer_optimizer.%s must be in [0, 1), got %g", field, value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStalenessExponent(const aloe::v1::OuterOptimizerConfig& config) {
+  const float a = config.staleness_exponent();
+  if (!(a >= 0) || !std::isfinite(a)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer_optimizer.staleness_exponent must be >= 0 and finite, got %g", a));
+  }
+  return absl::OkStatus();
+}
+
+// Largest buffer size accepted, as in ValidateServerConfig.
+constexpr uint32_t kMaxDnBufferSize = 1000000;
 
 absl::Status CheckApplyArgs(std::string_view name, size_t num_elements, absl::Span<const float> g,
                             absl::Span<const float> theta_in, absl::Span<float> theta_out) {
@@ -141,22 +183,60 @@ absl::StatusOr<std::unique_ptr<OuterOptimizer>> MakeOuterOptimizer(
     return absl::InvalidArgumentError(
         absl::StrFormat("outer_optimizer.lr must be > 0 and finite, got %g", lr));
   }
+  ALOE_RETURN_IF_ERROR(CheckStalenessExponent(config));
   switch (config.type()) {
     case aloe::v1::OUTER_SGD:
       return std::make_unique<OuterSgd>(num_elements, lr);
     case aloe::v1::OUTER_OPTIMIZER_UNSPECIFIED:
-    case aloe::v1::OUTER_NESTEROV: {
-      const float beta = config.momentum();
-      if (!(beta >= 0 && beta < 1)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("outer_optimizer.momentum must be in [0, 1), got %g", beta));
+    case aloe::v1::OUTER_NESTEROV:
+      ALOE_RETURN_IF_ERROR(CheckUnitInterval("momentum", config.momentum()));
+      return std::make_unique<OuterNesterov>(num_elements, lr, config.momentum());
+    case aloe::v1::OUTER_DELAYED_NESTEROV: {
+      ALOE_RETURN_IF_ERROR(CheckUnitInterval("momentum", config.momentum()));
+      const uint32_t n = config.dn_buffer_size();
+      if (n < 1 || n > kMaxDnBufferSize) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "outer_optimizer.dn_buffer_size must be in [1, %d], got %d", kMaxDnBufferSize, n));
       }
-      return std::make_unique<OuterNesterov>(num_elements, lr, beta);
+      // c <= 1/N, with a relative slack so that c = float(1/N) (which may round up) passes.
+      const float c = config.dn_momentum_activation();
+      const double c_max = 1.0 / n;
+      if (!(c >= 0) || !(c <= c_max * (1 + 1e-6))) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "outer_optimizer.dn_momentum_activation must be in [0, 1/N = %g], got %g", c_max, c));
+      }
+      return std::make_unique<OuterDelayedNesterov>(num_elements, lr, config.momentum(), n, c);
+    }
+    case aloe::v1::OUTER_ADAM: {
+      ALOE_RETURN_IF_ERROR(CheckUnitInterval("adam_beta1", config.adam_beta1()));
+      ALOE_RETURN_IF_ERROR(CheckUnitInterval("adam_beta2", config.adam_beta2()));
+      const float eps = config.adam_eps();
+      if (!(eps > 0) || !std::isfinite(eps)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("outer_optimizer.adam_eps must be > 0 and finite, got %g", eps));
+      }
+      return std::make_unique<OuterAdam>(num_elements, lr, config.adam_beta1(), config.adam_beta2(),
+                                         eps);
     }
     default:
       return absl::InvalidArgumentError(
           absl::StrFormat("outer_optimizer.type %d is not a known outer optimizer", config.type()));
   }
+}
+
+absl::StatusOr<float> StalenessScale(const aloe::v1::OuterOptimizerConfig& config,
+                                     uint64_t staleness) {
+  ALOE_RETURN_IF_ERROR(CheckStalenessExponent(config));
+  const uint32_t max_staleness = config.max_staleness();
+  if (max_staleness > 0 && staleness > max_staleness) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("update staleness %d exceeds max_staleness %d", staleness, max_staleness));
+  }
+  const float a = config.staleness_exponent();
+  if (a == 0 || staleness == 0) return 1.0f;
+  // 1 + staleness in double is exact up to 2^53 and merely rounds beyond: no overflow.
+  return static_cast<float>(
+      std::pow(1.0 + static_cast<double>(staleness), -static_cast<double>(a)));
 }
 
 absl::Status OuterSgd::Apply(absl::Span<const float> g, absl::Span<const float> theta_in,
@@ -166,10 +246,12 @@ absl::Status OuterSgd::Apply(absl::Span<const float> g, absl::Span<const float> 
   return absl::OkStatus();
 }
 
-void OuterSgd::SaveState(std::string* out) const { AppendState(name(), num_elements_, {}, out); }
+void OuterSgd::SaveState(std::string* out) const {
+  AppendState(name(), num_elements_, {}, {}, out);
+}
 
 absl::Status OuterSgd::LoadState(std::string_view blob) {
-  return ParseState(blob, name(), num_elements_, {});
+  return ParseState(blob, name(), num_elements_, {}, {});
 }
 
 absl::Status OuterNesterov::Apply(absl::Span<const float> g, absl::Span<const float> theta_in,
@@ -181,13 +263,77 @@ absl::Status OuterNesterov::Apply(absl::Span<const float> g, absl::Span<const fl
 }
 
 void OuterNesterov::SaveState(std::string* out) const {
-  AppendState(name(), momentum_.size(), {momentum_}, out);
+  AppendState(name(), momentum_.size(), {momentum_}, {}, out);
 }
 
 absl::Status OuterNesterov::LoadState(std::string_view blob) {
   std::vector<float> momentum;
-  ALOE_RETURN_IF_ERROR(ParseState(blob, name(), momentum_.size(), {&momentum}));
+  ALOE_RETURN_IF_ERROR(ParseState(blob, name(), momentum_.size(), {&momentum}, {}));
   momentum_ = std::move(momentum);
+  return absl::OkStatus();
+}
+
+absl::Status OuterDelayedNesterov::Apply(absl::Span<const float> g,
+                                         absl::Span<const float> theta_in,
+                                         absl::Span<float> theta_out) {
+  ALOE_RETURN_IF_ERROR(CheckApplyArgs(name(), momentum_.size(), g, theta_in, theta_out));
+  const bool momentum_step = (num_updates_ + 1) % buffer_size_ == 0;
+  kernels::DelayedNesterovApply(g.data(), momentum_.data(), buffer_.data(), theta_in.data(),
+                                theta_out.data(), momentum_.size(), lr_, beta_, buffer_size_, c_,
+                                momentum_step);
+  ++num_updates_;
+  return absl::OkStatus();
+}
+
+void OuterDelayedNesterov::SaveState(std::string* out) const {
+  AppendState(name(), momentum_.size(), {momentum_, buffer_}, {num_updates_}, out);
+}
+
+absl::Status OuterDelayedNesterov::LoadState(std::string_view blob) {
+  std::vector<float> momentum;
+  std::vector<float> buffer;
+  uint64_t num_updates = 0;
+  ALOE_RETURN_IF_ERROR(
+      ParseState(blob, name(), momentum_.size(), {&momentum, &buffer}, {&num_updates}));
+  momentum_ = std::move(momentum);
+  buffer_ = std::move(buffer);
+  num_updates_ = num_updates;
+  return absl::OkStatus();
+}
+
+absl::Status OuterAdam::Apply(absl::Span<const float> g, absl::Span<const float> theta_in,
+                              absl::Span<float> theta_out) {
+  ALOE_RETURN_IF_ERROR(CheckApplyArgs(name(), first_moment_.size(), g, theta_in, theta_out));
+  const uint64_t t = step_ + 1;
+  // 1 - beta^t in double: for beta2 = 0.999 and small t the float version loses digits.
+  const double bias1 = 1.0 - std::pow(static_cast<double>(beta1_), static_cast<double>(t));
+  const double bias2 = 1.0 - std::pow(static_cast<double>(beta2_), static_cast<double>(t));
+  kernels::AdamApply(g.data(), first_moment_.data(), second_moment_.data(), theta_in.data(),
+                     theta_out.data(), first_moment_.size(), static_cast<float>(lr_ / bias1),
+                     beta1_, beta2_, eps_, static_cast<float>(1.0 / std::sqrt(bias2)));
+  step_ = t;
+  return absl::OkStatus();
+}
+
+void OuterAdam::SaveState(std::string* out) const {
+  AppendState(name(), first_moment_.size(), {first_moment_, second_moment_}, {step_}, out);
+}
+
+absl::Status OuterAdam::LoadState(std::string_view blob) {
+  std::vector<float> first_moment;
+  std::vector<float> second_moment;
+  uint64_t step = 0;
+  ALOE_RETURN_IF_ERROR(
+      ParseState(blob, name(), first_moment_.size(), {&first_moment, &second_moment}, {&step}));
+  for (float v : second_moment) {
+    if (v < 0) {
+      return absl::InvalidArgumentError(
+          "outer optimizer state: negative second moment in an 'adam' blob");
+    }
+  }
+  first_moment_ = std::move(first_moment);
+  second_moment_ = std::move(second_moment);
+  step_ = step;
   return absl::OkStatus();
 }
 

@@ -2,7 +2,6 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/outer_kernels.h"
 
 namespace aloe::server {
 
@@ -64,24 +63,34 @@ absl::Status ParameterStore::CheckShapes(const PendingUpdate& update) const {
 
 absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
                                             const std::vector<float>& weights) {
-  if (updates.empty() || updates.size() != weights.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "outer step needs >= 1 update and one weight each (got %d, %d)", updates.size(),
-        weights.size()));
+  if (updates.size() != weights.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer step needs one weight per update (got %d updates, %d weights)",
+                        updates.size(), weights.size()));
+  }
+  FixedWeightsAggregation aggregation(weights);
+  return ApplyOuterStep(updates, aggregation);
+}
+
+absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
+                                            LayerAggregation& aggregation) {
+  if (updates.empty()) {
+    return absl::InvalidArgumentError("outer step needs >= 1 update");
   }
   for (const PendingUpdate* u : updates) ALOE_RETURN_IF_ERROR(CheckShapes(*u));
 
   std::vector<absl::Status> shard_status(shard_layers_.size());
   executor_.ParallelFor(static_cast<int>(shard_layers_.size()), [&](int shard) {
     for (size_t layer : shard_layers_[shard]) {
-      absl::Status s = ApplyLayer(layer, updates, weights);
+      absl::Status s = ApplyLayer(layer, updates, aggregation);
       if (!s.ok()) {
         shard_status[shard] = s;
         return;
       }
     }
   });
-  // Sizes were checked above, so an optimizer error here is an invariant violation.
+  // Shapes were checked above, so an aggregation or optimizer error here is an invariant
+  // violation.
   for (const absl::Status& s : shard_status) ALOE_RETURN_IF_ERROR(s);
   ++version_;
   return absl::OkStatus();
@@ -89,23 +98,17 @@ absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdat
 
 absl::Status ParameterStore::ApplyLayer(size_t layer,
                                         const std::vector<const PendingUpdate*>& updates,
-                                        const std::vector<float>& weights) {
+                                        LayerAggregation& aggregation) {
   std::vector<float>& g = scratch_[layer];
-  const size_t n = g.size();
-  if (updates.size() == 1 && weights[0] == 1.0f) {
-    std::copy(updates[0]->layers[layer].begin(), updates[0]->layers[layer].end(), g.begin());
-  } else {
-    std::fill(g.begin(), g.end(), 0.0f);
-    for (size_t i = 0; i < updates.size(); ++i) {
-      kernels::WeightedAccumulate(updates[i]->layers[layer].data(), weights[i], g.data(), n);
-    }
-  }
+  ALOE_ASSIGN_OR_RETURN(const LayerStep step,
+                        aggregation.Aggregate(layer, updates, absl::MakeSpan(g)));
+  if (step == LayerStep::kSkip) return absl::OkStatus();  // rollback: theta_{t+1} = theta_t
   std::shared_ptr<std::vector<float>>& current = layers_[layer];
   if (current.use_count() == 1) {
     // Nobody is streaming this buffer: update in place.
     return optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*current));
   }
-  auto next = std::make_shared<std::vector<float>>(n);
+  auto next = std::make_shared<std::vector<float>>(g.size());
   ALOE_RETURN_IF_ERROR(optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*next)));
   current = std::move(next);
   return absl::OkStatus();

@@ -5,6 +5,10 @@
 // so a pull streams without locks while the next outer step writes fresh buffers (copy on write;
 // a buffer nobody else holds is updated in place).
 //
+// Each outer step asks a LayerAggregation (server/core/layer_aggregation.h) for every layer's
+// pseudo-gradient: fixed weights (the plain mean of sync DiLoCo) or the EDiT penalty, which may
+// also skip a layer (rollback).
+//
 // Not thread-safe: the owner serialises calls. ApplyOuterStep itself fans out over the shards
 // through the Executor.
 #pragma once
@@ -17,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "common/executor.h"
 #include "proto/aloe.pb.h"
+#include "server/core/layer_aggregation.h"
 #include "server/core/outer_optimizer.h"
 #include "server/core/update.h"
 
@@ -43,16 +48,24 @@ class ParameterStore {
   // naming the layer otherwise.
   absl::Status CheckShapes(const PendingUpdate& update) const;
 
-  // One outer step on the weighted sum of the updates' pseudo-gradients:
-  // g = sum_i weights[i] * g_i, then every layer's optimizer applies g. Advances the version by
-  // one. All-or-nothing: shapes are checked before anything changes.
+  // One outer step: for every layer (in parallel over the shards) `aggregation` combines the
+  // updates' pseudo-gradients of that layer into g, and the layer's optimizer applies g, unless
+  // the aggregation answers LayerStep::kSkip, in which case the layer's parameters and optimizer
+  // state stay as they are (EDiT rollback). Advances the version by one (also when every layer
+  // is skipped: the step was taken, it changed nothing). kInvalidArgument for no updates or an
+  // update of the wrong shape, checked before anything changes (all-or-nothing on bad input).
+  absl::Status ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
+                              LayerAggregation& aggregation);
+
+  // The same with g = sum_i weights[i] * g_i for every layer (FixedWeightsAggregation).
+  // kInvalidArgument unless there is one weight per update.
   absl::Status ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
                               const std::vector<float>& weights);
 
  private:
   ParameterStore(v1::ModelSpec spec, Executor& executor) : spec_(std::move(spec)), executor_(executor) {}
   absl::Status ApplyLayer(size_t layer, const std::vector<const PendingUpdate*>& updates,
-                          const std::vector<float>& weights);
+                          LayerAggregation& aggregation);
 
   v1::ModelSpec spec_;
   Executor& executor_;

@@ -1,6 +1,8 @@
 #include "server/core/server_core.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -42,6 +44,11 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
                                                              config.outer_optimizer(), executor));
   core->aggregation_ =
       std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
+  if (config.penalty().enabled()) {
+    ALOE_ASSIGN_OR_RETURN(
+        core->penalty_,
+        PseudoGradientPenalty::Create(config.penalty(), core->store_->spec().layers_size()));
+  }
   core->sampler_ = ShardSampler(std::move(train_shards), config.seed());
   core->heldout_file_ = std::move(heldout_file);
   metrics.Set(kModelVersion, 0);
@@ -220,7 +227,15 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   const absl::Time start = clock_.Now();
   std::vector<const PendingUpdate*> updates;
   for (const PendingUpdate& u : batch.updates) updates.push_back(&u);
-  absl::Status status = store_->ApplyOuterStep(updates, batch.weights);
+  absl::Status status;
+  if (penalty_ != nullptr) {
+    // The penalty's per-layer weights replace the batch's (paper 000 Alg. 2).
+    PenaltyAggregation aggregation(*penalty_);
+    status = store_->ApplyOuterStep(updates, aggregation);
+    if (status.ok()) ReportPenalty(aggregation.reports());
+  } else {
+    status = store_->ApplyOuterStep(updates, batch.weights);
+  }
   if (!status.ok()) {
     // Shapes were checked on submission: this is an invariant violation, not bad input.
     return absl::InternalError(absl::StrCat("outer step failed: ", status.message()));
@@ -229,7 +244,7 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   for (const PendingUpdate& u : batch.updates) {
     auto it = submitted_shard_.find(u.task_id);
     if (it != submitted_shard_.end()) {
-      sampler_.RecordLearned(it->second, u.steps_done, u.tokens_learned);
+      sampler_.RecordLearned(it->second, /*assigned=*/0, u.steps_done, u.tokens_learned);
       submitted_shard_.erase(it);
     }
     metrics_.Add(kTokensLearned, static_cast<double>(u.tokens_learned));
@@ -247,6 +262,39 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
                 loss_sum / static_cast<double>(batch.updates.size()));
   UpdateStopping();
   return absl::OkStatus();
+}
+
+void ServerCore::ReportPenalty(const std::vector<PenaltyModuleReport>& reports) {
+  uint64_t anomalies = 0;
+  uint64_t rollbacks = 0;
+  double max_z = -std::numeric_limits<double>::infinity();
+  double min_clip = 1;
+  for (const PenaltyModuleReport& module : reports) {
+    for (const PenaltyUpdateReport& u : module.updates) {
+      metrics_.Observe(kPseudoGradientNorm, u.norm);
+      metrics_.Observe(kPenaltyZScore, u.z_score);
+      metrics_.Observe(kPenaltyWeight, u.weight);
+      if (u.anomalous) ++anomalies;
+      max_z = std::max(max_z, u.z_score);
+    }
+    if (module.rollback) {
+      ++rollbacks;
+    } else if (!module.updates.empty()) {
+      metrics_.Observe(kPenaltyClipCoefficient, module.clip_coefficient);
+      min_clip = std::min(min_clip, module.clip_coefficient);
+    }
+  }
+  metrics_.Add(kPenaltyAnomalies, static_cast<double>(anomalies));
+  metrics_.Add(kPenaltyRollbacks, static_cast<double>(rollbacks));
+  if (anomalies > 0 || rollbacks > 0) {
+    ALOE_LOG_WARNING("server",
+                     "version %d: pseudo-gradient penalty flagged %d (update, layer) pairs as "
+                     "anomalous (max z %.2f) and rolled back %d of %d layers",
+                     store_->version(), anomalies, max_z, rollbacks, reports.size());
+  } else {
+    ALOE_LOG_INFO("server", "version %d: pseudo-gradient penalty max z %.2f, min clip %.3f",
+                  store_->version(), max_z, min_clip);
+  }
 }
 
 absl::Status ServerCore::ReportEval(const v1::EvalReport& report) {
@@ -304,6 +352,9 @@ void ServerCore::WorkerGone(uint64_t worker) {
     absl::Status s = Apply(std::move(batch));
     if (!s.ok()) ALOE_LOG_ERROR("server", "%s", s.ToString());
   }
+  // Worker ids are never reused: its norm statistics can go. (An update of this worker still
+  // waiting in an open round would start a fresh entry when applied.)
+  if (penalty_ != nullptr) penalty_->ForgetStream(worker);
   PublishMembership();
 }
 

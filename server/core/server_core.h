@@ -26,6 +26,7 @@
 #include "server/core/aggregation.h"
 #include "server/core/membership.h"
 #include "server/core/parameter_store.h"
+#include "server/core/pseudo_gradient_penalty.h"
 #include "server/core/shard_sampler.h"
 #include "server/core/update.h"
 
@@ -73,6 +74,8 @@ class ServerCore {
   // Training is over (stop condition met) and every worker is gone.
   bool Finished() const;
   bool stopping() const { return stopping_; }
+  // The EDiT pseudo-gradient penalty; null unless config.penalty().enabled().
+  const PseudoGradientPenalty* penalty() const { return penalty_.get(); }
 
  private:
   struct OpenTask {
@@ -87,6 +90,7 @@ class ServerCore {
   v1::Task EvaluatorTask(uint64_t worker);
   void WorkerGone(uint64_t worker);
   absl::Status Apply(ApplyBatch batch);
+  void ReportPenalty(const std::vector<PenaltyModuleReport>& reports);
   void UpdateStopping();
   void PublishMembership();
 
@@ -96,6 +100,8 @@ class ServerCore {
   std::unique_ptr<ParameterStore> store_;
   Membership membership_;
   std::unique_ptr<AggregationPolicy> aggregation_;
+  // Replaces the batch's fixed weights when enabled (paper 000 Alg. 2, per layer).
+  std::unique_ptr<PseudoGradientPenalty> penalty_;
   ShardSampler sampler_;
   std::string heldout_file_;
 

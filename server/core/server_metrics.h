@@ -25,6 +25,14 @@ inline constexpr char kSentBytes[] = "aloe_sent_bytes_total";
 inline constexpr char kApplyLatency[] = "aloe_apply_latency_seconds";
 inline constexpr char kPushLatency[] = "aloe_push_latency_seconds";
 inline constexpr char kTrainLoss[] = "aloe_train_loss";
+// EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
+// no per-worker labels.
+inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";
+inline constexpr char kPenaltyRollbacks[] = "aloe_penalty_rollbacks_total";
+inline constexpr char kPenaltyClipCoefficient[] = "aloe_penalty_clip_coefficient";
+inline constexpr char kPenaltyZScore[] = "aloe_penalty_z_score";
+inline constexpr char kPenaltyWeight[] = "aloe_penalty_weight";
+inline constexpr char kPseudoGradientNorm[] = "aloe_pseudo_gradient_norm";
 
 std::vector<MetricDef> ServerMetricCatalogue();
 

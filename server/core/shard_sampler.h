@@ -1,8 +1,14 @@
-// Chooses the data shard of each training task. Today: sampling proportional to shard size with
-// a seeded generator (deterministic). Learning-progress sampling (paper 002 Eq. 2) replaces it
-// behind the same interface. Also keeps each shard's LR schedule position (paper 002 Eq. 3):
-// the number of local steps learned on that shard, advanced when an update is applied.
-// Not thread-safe.
+// Chooses the data shard of each training task by learning progress (paper 002 Eq. 2):
+//   p_i ∝ max(|D_i| / sum_j |D_j| - n_i / sum_j n_j, 0)
+// where |D_i| is shard i's size in tokens and n_i the tokens of shard i learned so far PLUS the
+// tokens already assigned to open tasks but not yet returned ("in flight"). Counting in-flight
+// work means that many workers asking at once do not all get the same under-sampled shard
+// (herding); a dropped task releases its tokens. When sum n = 0 (start) or every p_i = 0
+// (exact balance) the draw is proportional to |D_i|. An over-sampled shard (p_i = 0) is never
+// drawn. kProportional ignores progress and always draws ∝ |D_i|.
+//
+// Also keeps each shard's LR schedule position (paper 002 Eq. 3): the local steps learned on
+// it, advanced when an update is applied. Deterministic for a seed. Not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -20,26 +26,39 @@ struct DataShard {
 
 class ShardSampler {
  public:
-  ShardSampler(std::vector<DataShard> shards, uint64_t seed);
+  enum class Mode { kLearningProgress, kProportional };
 
-  // Index of the shard for the next task. Precondition: at least one shard with tokens.
+  // Precondition: at least one shard with tokens > 0 (ServerCore::Create checks).
+  ShardSampler(std::vector<DataShard> shards, uint64_t seed,
+               Mode mode = Mode::kLearningProgress);
+
+  // Index of the shard for the next task (draws; does not record anything).
   size_t Next();
+  // The distribution Next() draws from now (sums to 1).
+  std::vector<double> Probabilities() const;
+
+  // A task on shard i is expected to learn `tokens`: counted as in flight until it returns.
+  void Assign(size_t i, uint64_t tokens);
+  // The task was dropped (its worker left or expired): its in-flight tokens are released.
+  void Release(size_t i, uint64_t tokens);
+  // An applied update of a task that had `assigned` tokens in flight on shard i learned
+  // `tokens` in `steps` local steps.
+  void RecordLearned(size_t i, uint64_t assigned, uint64_t steps, uint64_t tokens);
 
   const DataShard& shard(size_t i) const { return shards_[i]; }
   size_t size() const { return shards_.size(); }
-
-  // LR schedule position of shard i: local steps learned on it so far.
   uint64_t lr_step(size_t i) const { return steps_[i]; }
-  // Records an applied update's work on shard i.
-  void RecordLearned(size_t i, uint64_t steps, uint64_t tokens);
-  uint64_t tokens_learned(size_t i) const { return tokens_[i]; }
+  uint64_t tokens_learned(size_t i) const { return learned_[i]; }
+  uint64_t tokens_in_flight(size_t i) const { return in_flight_[i]; }
 
  private:
   std::vector<DataShard> shards_;
+  Mode mode_;
   std::vector<uint64_t> steps_;
-  std::vector<uint64_t> tokens_;
+  std::vector<uint64_t> learned_;
+  std::vector<uint64_t> in_flight_;
+  double total_size_ = 0;
   std::mt19937_64 rng_;
-  std::discrete_distribution<size_t> by_size_;
 };
 
 }  // namespace aloe::server

@@ -81,17 +81,20 @@ class LoopbackTest : public ::testing::Test {
 
   std::string Bin(const std::string& name) { return std::string(ALOE_BIN_DIR) + "/" + name; }
 
-  // Starts aloe-server with the given extra config text; returns the gRPC port.
-  int StartServer(const std::string& extra_config) {
+  static constexpr char kNesterov[] =
+      "outer_optimizer { type: OUTER_NESTEROV lr: 0.7 momentum: 0.9 }";
+
+  // Starts aloe-server with the given extra config text and outer optimizer block; returns the
+  // gRPC port.
+  int StartServer(const std::string& extra_config, const std::string& outer_optimizer = kNesterov) {
     std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
       listen_address: "127.0.0.1:0"
       metrics_address: "127.0.0.1:0"
       corpus_dir: ")", dir_, R"("
       model { vocab_size: 256 seq_len: 32 d_model: 64 num_layers: 2 num_heads: 2 }
       inner_optimizer { lr: 0.003 min_lr: 0.0003 warmup_steps: 5 total_steps: 400 batch_size: 8 }
-      outer_optimizer { type: OUTER_NESTEROV lr: 0.7 momentum: 0.9 }
       lease_seconds: 20
-    )", extra_config);
+    )", outer_optimizer, "\n", extra_config);
     server_ = std::make_unique<Subprocess>(
         std::vector<std::string>{Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
                                  "--port_file=" + dir_ + "/ports",
@@ -130,66 +133,111 @@ class LoopbackTest : public ::testing::Test {
     return all;
   }
 
+  struct TrainingRun {
+    std::map<std::string, std::string> summary;  // the server's --summary_file
+    std::vector<std::pair<int, double>> evals;   // (version, held-out loss)
+    std::string scrape;  // a /metrics scrape taken once training moved past version 0
+  };
+
+  // Sync training with an evaluator and two trainers (one 1.5x slower) until the server's stop
+  // condition; every process must exit with 0.
+  void TrainTwoWorkers(const std::string& extra_config, const std::string& outer_optimizer,
+                       TrainingRun* run) {
+    const int port = StartServer(extra_config, outer_optimizer);
+    ASSERT_GT(port, 0);
+    auto evaluator = StartWorker(port, "evaluator", 0);
+    auto w0 = StartWorker(port, "trainer", 0);
+    auto w1 = StartWorker(port, "trainer", 1, /*slowdown=*/1.5);
+
+    // A real scrape of the Prometheus endpoint while training runs.
+    // Keeps the last successful scrape taken once training has moved past version 0.
+    for (int i = 0; i < 400; ++i) {
+      const std::string body = HttpGet(metrics_port_, "/metrics");
+      if (!body.empty()) run->scrape = body;
+      if (!run->scrape.empty() && run->scrape.find("aloe_model_version 0") == std::string::npos) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+
+    std::optional<int> code = server_->Wait(absl::Seconds(240));
+    ASSERT_TRUE(code.has_value()) << "server did not finish\n" << Logs();
+    ASSERT_EQ(*code, 0) << Logs();
+    EXPECT_EQ(w0->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+    EXPECT_EQ(w1->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+    EXPECT_EQ(evaluator->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+
+    for (absl::string_view line :
+         absl::StrSplit(ReadFile(dir_ + "/summary"), '\n', absl::SkipEmpty())) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(line, '=');
+      if (kv.first == "eval") {
+        std::pair<std::string, std::string> ve = absl::StrSplit(kv.second, ':');
+        int v = 0;
+        double loss = 0;
+        ASSERT_TRUE(absl::SimpleAtoi(ve.first, &v) && absl::SimpleAtod(ve.second, &loss));
+        run->evals.emplace_back(v, loss);
+      } else {
+        run->summary[kv.first] = kv.second;
+      }
+    }
+  }
+
+  // 8 sync rounds of 2 workers each, evaluated at versions 0 and 8, and the model must clearly
+  // learn the text: byte-level start is ln(256) = 5.55 nats.
+  void ExpectEightRoundsAndEvalLossFalls(const TrainingRun& run) {
+    EXPECT_EQ(run.summary.count("version") ? run.summary.at("version") : "", "8") << Logs();
+    EXPECT_EQ(run.summary.count("updates_applied") ? run.summary.at("updates_applied") : "", "16")
+        << Logs();
+    ASSERT_GE(run.evals.size(), 2u) << Logs();
+    EXPECT_EQ(run.evals.front().first, 0);
+    EXPECT_EQ(run.evals.back().first, 8);
+    EXPECT_GT(run.evals.front().second, 5.0);
+    EXPECT_LT(run.evals.back().second, run.evals.front().second - 1.5)
+        << "eval loss " << run.evals.front().second << " -> " << run.evals.back().second << "\n"
+        << Logs();
+  }
+
   std::string dir_;
   int metrics_port_ = 0;
   std::unique_ptr<Subprocess> server_;
 };
 
-TEST_F(LoopbackTest, TwoWorkersTrainAndEvalLossFalls) {
-  const int port = StartServer(R"(
+constexpr char kEightRounds[] = R"(
       local_steps: 12
       max_versions: 8
       eval_every: 1
-      aggregation { min_workers: 2 })");
-  ASSERT_GT(port, 0);
-  auto evaluator = StartWorker(port, "evaluator", 0);
-  auto w0 = StartWorker(port, "trainer", 0);
-  auto w1 = StartWorker(port, "trainer", 1, /*slowdown=*/1.5);
+      aggregation { min_workers: 2 })";
 
-  // A real scrape of the Prometheus endpoint while training runs.
-  // Keeps the last successful scrape taken once training has moved past version 0.
-  std::string scrape;
-  for (int i = 0; i < 400; ++i) {
-    const std::string body = HttpGet(metrics_port_, "/metrics");
-    if (!body.empty()) scrape = body;
-    if (!scrape.empty() && scrape.find("aloe_model_version 0") == std::string::npos) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_EQ(scrape.find("aloe_model_version 0"), std::string::npos) << scrape;
-  EXPECT_NE(scrape.find("aloe_updates_applied_total"), std::string::npos) << scrape;
-  EXPECT_NE(scrape.find("aloe_apply_latency_seconds_bucket"), std::string::npos);
+TEST_F(LoopbackTest, TwoWorkersTrainAndEvalLossFalls) {
+  TrainingRun run;
+  ASSERT_NO_FATAL_FAILURE(TrainTwoWorkers(kEightRounds, kNesterov, &run));
+  EXPECT_EQ(run.scrape.find("aloe_model_version 0"), std::string::npos) << run.scrape;
+  EXPECT_NE(run.scrape.find("aloe_updates_applied_total"), std::string::npos) << run.scrape;
+  EXPECT_NE(run.scrape.find("aloe_apply_latency_seconds_bucket"), std::string::npos);
+  ExpectEightRoundsAndEvalLossFalls(run);
+}
 
-  std::optional<int> code = server_->Wait(absl::Seconds(240));
-  ASSERT_TRUE(code.has_value()) << "server did not finish\n" << Logs();
-  ASSERT_EQ(*code, 0) << Logs();
-  EXPECT_EQ(w0->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
-  EXPECT_EQ(w1->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
-  EXPECT_EQ(evaluator->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+// The same training with the EDiT pseudo-gradient penalty (paper 000 Alg. 2) aggregating the
+// rounds: norm-softmax weights, clipping, anomaly test after a short warmup.
+TEST_F(LoopbackTest, PenaltyWithNesterovTrainsAndEvalLossFalls) {
+  TrainingRun run;
+  ASSERT_NO_FATAL_FAILURE(TrainTwoWorkers(absl::StrCat(kEightRounds, R"(
+      penalty { enabled: true warmup: 2 })"),
+                                          kNesterov, &run));
+  EXPECT_NE(run.scrape.find("aloe_penalty_weight_count"), std::string::npos) << run.scrape;
+  EXPECT_NE(run.scrape.find("aloe_pseudo_gradient_norm_bucket"), std::string::npos);
+  ExpectEightRoundsAndEvalLossFalls(run);
+}
 
-  std::map<std::string, std::string> summary;
-  std::vector<std::pair<int, double>> evals;
-  for (absl::string_view line : absl::StrSplit(ReadFile(dir_ + "/summary"), '\n', absl::SkipEmpty())) {
-    std::pair<std::string, std::string> kv = absl::StrSplit(line, '=');
-    if (kv.first == "eval") {
-      std::pair<std::string, std::string> ve = absl::StrSplit(kv.second, ':');
-      int v = 0;
-      double loss = 0;
-      ASSERT_TRUE(absl::SimpleAtoi(ve.first, &v) && absl::SimpleAtod(ve.second, &loss));
-      evals.emplace_back(v, loss);
-    } else {
-      summary[kv.first] = kv.second;
-    }
-  }
-  // 8 sync rounds of 2 workers each.
-  EXPECT_EQ(summary["version"], "8") << Logs();
-  EXPECT_EQ(summary["updates_applied"], "16") << Logs();
-  ASSERT_GE(evals.size(), 2u) << Logs();
-  EXPECT_EQ(evals.front().first, 0);
-  EXPECT_EQ(evals.back().first, 8);
-  // Byte-level start is ln(256) = 5.55 nats; the model must clearly learn the text.
-  EXPECT_GT(evals.front().second, 5.0);
-  EXPECT_LT(evals.back().second, evals.front().second - 1.5)
-      << "eval loss " << evals.front().second << " -> " << evals.back().second << "\n" << Logs();
+// Delayed Nesterov (paper 002 Alg. 3) with a buffer of 2 behind the penalty.
+TEST_F(LoopbackTest, PenaltyWithDelayedNesterovTrainsAndEvalLossFalls) {
+  TrainingRun run;
+  ASSERT_NO_FATAL_FAILURE(TrainTwoWorkers(
+      absl::StrCat(kEightRounds, R"(
+      penalty { enabled: true warmup: 2 })"),
+      "outer_optimizer { type: OUTER_DELAYED_NESTEROV lr: 0.7 momentum: 0.9 dn_buffer_size: 2 }",
+      &run));
+  ExpectEightRoundsAndEvalLossFalls(run);
 }
 
 // A raw client joins as a trainer and sends malformed pushes over real gRPC.

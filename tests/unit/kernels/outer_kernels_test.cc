@@ -1,10 +1,12 @@
 #include "kernels/cpu/outer_kernels.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <random>
 #include <string>
@@ -104,6 +106,136 @@ TEST_P(OuterKernelsSizeTest, NesterovApplyFollowsEquation4ElementWise) {
   }
 }
 
+// DN (paper 002 Alg. 3) against the reference, for each branch: momentum step, non-momentum
+// step with c > 0 (reads m) and with c = 0 (fast path that skips m), in place and out of place.
+TEST_P(OuterKernelsSizeTest, DelayedNesterovApplyMatchesReference) {
+  const size_t n = GetParam();
+  const std::vector<float> g = RandomVector(n, 30);
+  const std::vector<float> m0 = RandomVector(n, 31);
+  const std::vector<float> d0 = RandomVector(n, 32);
+  const std::vector<float> theta = RandomVector(n, 33);
+  struct Case {
+    uint32_t buffer_size;
+    float c;
+    bool momentum_step;
+  };
+  const Case cases[] = {
+      {4, 0.0f, false}, {4, 0.1f, false},    {4, 0.0f, true},
+      {4, 0.25f, true}, {3, 1.0f / 3, true}, {1, 0.0f, true},
+  };
+  for (const Case& k : cases) {
+    const std::string what = "N=" + std::to_string(k.buffer_size) + " c=" + std::to_string(k.c) +
+                             (k.momentum_step ? " momentum step" : " buffer step");
+    std::vector<float> m = m0, d = d0, out(n, 99.0f);
+    std::vector<float> ref_m = m0, ref_d = d0, expected(n, -99.0f);
+    DelayedNesterovApply(g.data(), m.data(), d.data(), theta.data(), out.data(), n, 0.7f, 0.9f,
+                         k.buffer_size, k.c, k.momentum_step);
+    reference::DelayedNesterovApply(g.data(), ref_m.data(), ref_d.data(), theta.data(),
+                                    expected.data(), n, 0.7f, 0.9f, k.buffer_size, k.c,
+                                    k.momentum_step);
+    ExpectAllNear(m, ref_m, what + " momentum");
+    ExpectAllNear(d, ref_d, what + " buffer");
+    ExpectAllNear(out, expected, what + " theta out of place");
+    if (k.momentum_step) {
+      EXPECT_THAT(d, ::testing::Each(0.0f)) << what;
+    } else {
+      EXPECT_EQ(m, m0) << what;  // the momentum is only read between momentum steps
+    }
+
+    std::vector<float> in_place = theta;
+    m = m0;
+    d = d0;
+    DelayedNesterovApply(g.data(), m.data(), d.data(), in_place.data(), in_place.data(), n, 0.7f,
+                         0.9f, k.buffer_size, k.c, k.momentum_step);
+    ExpectAllNear(in_place, expected, what + " theta in place");
+  }
+}
+
+TEST_P(OuterKernelsSizeTest, DelayedNesterovApplyFollowsAlgorithm3ElementWise) {
+  // Independent of the reference: Alg. 3 per element in double, N = 4, c = 0.2, beta 0.8, lr 0.5.
+  const size_t n = GetParam();
+  const std::vector<float> g = RandomVector(n, 34);
+  const std::vector<float> m0 = RandomVector(n, 35);
+  const std::vector<float> d0 = RandomVector(n, 36);
+  const std::vector<float> theta = RandomVector(n, 37);
+  for (bool momentum_step : {false, true}) {
+    std::vector<float> m = m0, d = d0, out(n);
+    DelayedNesterovApply(g.data(), m.data(), d.data(), theta.data(), out.data(), n, 0.5f, 0.8f, 4,
+                         0.2f, momentum_step);
+    for (size_t i = 0; i < n; ++i) {
+      const double d1 = static_cast<double>(d0[i]) + g[i];
+      if (momentum_step) {
+        const double m1 = 0.8 * m0[i] + d1 / 4;
+        const double t1 = theta[i] - 0.5 * ((1 - 0.2 * 4 + 0.2) * 0.8 * m1 + g[i] / 4.0);
+        ASSERT_NEAR(m[i], m1, 1e-6) << i;
+        ASSERT_EQ(d[i], 0.0f) << i;
+        ASSERT_NEAR(out[i], t1, 1e-6) << i;
+      } else {
+        const double t1 = theta[i] - 0.5 * (0.2 * 0.8 * m0[i] + g[i] / 4.0);
+        ASSERT_EQ(m[i], m0[i]) << i;
+        ASSERT_NEAR(d[i], d1, 1e-6) << i;
+        ASSERT_NEAR(out[i], t1, 1e-6) << i;
+      }
+    }
+  }
+}
+
+TEST_P(OuterKernelsSizeTest, DelayedNesterovWithBufferOneIsNesterovBitForBit) {
+  // N = 1, c = 0: every update is a momentum step with D = g, so Alg. 3 is Eq. 4 exactly.
+  const size_t n = GetParam();
+  const std::vector<float> m0 = RandomVector(n, 38);
+  std::vector<float> dn_theta = RandomVector(n, 39);
+  std::vector<float> nesterov_theta = dn_theta;
+  std::vector<float> dn_m = m0, nesterov_m = m0, d(n, 0.0f);
+  for (unsigned step = 0; step < 3; ++step) {
+    const std::vector<float> g = RandomVector(n, 40 + step);
+    DelayedNesterovApply(g.data(), dn_m.data(), d.data(), dn_theta.data(), dn_theta.data(), n, 0.7f,
+                         0.9f, 1, 0.0f, true);
+    NesterovApply(g.data(), nesterov_m.data(), nesterov_theta.data(), nesterov_theta.data(), n,
+                  0.7f, 0.9f);
+    ASSERT_EQ(dn_m, nesterov_m) << "step " << step;
+    ASSERT_EQ(dn_theta, nesterov_theta) << "step " << step;
+    ASSERT_THAT(d, ::testing::Each(0.0f));
+  }
+}
+
+TEST_P(OuterKernelsSizeTest, AdamApplyMatchesReferenceAndDoubleLoop) {
+  const size_t n = GetParam();
+  const std::vector<float> g = RandomVector(n, 50);
+  const std::vector<float> m0 = RandomVector(n, 51);
+  const std::vector<float> v0 = RandomVector(n, 52, 0.0f, 1.0f);
+  const std::vector<float> theta = RandomVector(n, 53);
+  // Step t = 3 with beta1 0.9, beta2 0.999: step_size = lr / (1 - 0.9^3),
+  // inv_sqrt_bias2 = 1 / sqrt(1 - 0.999^3).
+  const double step_size = 0.01 / (1 - std::pow(0.9, 3));
+  const double inv_sqrt_bias2 = 1 / std::sqrt(1 - std::pow(0.999, 3));
+  std::vector<float> m = m0, v = v0, out(n);
+  std::vector<float> ref_m = m0, ref_v = v0, expected(n);
+  AdamApply(g.data(), m.data(), v.data(), theta.data(), out.data(), n,
+            static_cast<float>(step_size), 0.9f, 0.999f, 1e-8f, static_cast<float>(inv_sqrt_bias2));
+  reference::AdamApply(g.data(), ref_m.data(), ref_v.data(), theta.data(), expected.data(), n,
+                       static_cast<float>(step_size), 0.9f, 0.999f, 1e-8f,
+                       static_cast<float>(inv_sqrt_bias2));
+  ExpectAllNear(m, ref_m, "adam m");
+  ExpectAllNear(v, ref_v, "adam v");
+  ExpectAllNear(out, expected, "adam theta");
+  for (size_t i = 0; i < n; ++i) {
+    const double m1 = 0.9 * m0[i] + 0.1 * g[i];
+    const double v1 = 0.999 * v0[i] + 0.001 * static_cast<double>(g[i]) * g[i];
+    const double t1 = theta[i] - step_size * m1 / (std::sqrt(v1) * inv_sqrt_bias2 + 1e-8);
+    ASSERT_NEAR(m[i], m1, 1e-6) << i;
+    ASSERT_NEAR(v[i], v1, 1e-6) << i;
+    ASSERT_NEAR(out[i], t1, 1e-6 * (1 + std::abs(t1))) << i;
+  }
+
+  std::vector<float> in_place = theta;
+  m = m0;
+  v = v0;
+  AdamApply(g.data(), m.data(), v.data(), in_place.data(), in_place.data(), n,
+            static_cast<float>(step_size), 0.9f, 0.999f, 1e-8f, static_cast<float>(inv_sqrt_bias2));
+  ExpectAllNear(in_place, expected, "adam theta in place");
+}
+
 TEST_P(OuterKernelsSizeTest, WeightedAccumulateMatchesReference) {
   const size_t n = GetParam();
   const std::vector<float> x = RandomVector(n, 9);
@@ -194,6 +326,9 @@ INSTANTIATE_TEST_SUITE_P(Sizes, OuterKernelsSizeTest, ::testing::ValuesIn(kSizes
 TEST(OuterKernelsTest, NullPointersWithZeroLengthAreNoOps) {
   SgdApply(nullptr, nullptr, nullptr, 0, 1.0f);
   NesterovApply(nullptr, nullptr, nullptr, nullptr, 0, 1.0f, 0.9f);
+  DelayedNesterovApply(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1.0f, 0.9f, 4, 0.1f, true);
+  DelayedNesterovApply(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1.0f, 0.9f, 4, 0.1f, false);
+  AdamApply(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1.0f, 0.9f, 0.999f, 1e-8f, 1.0f);
   WeightedAccumulate(nullptr, 1.0f, nullptr, 0);
   Scale(nullptr, 0, 2.0f);
   EXPECT_EQ(SquaredL2Norm(nullptr, 0), 0.0);
@@ -291,6 +426,39 @@ TEST_P(OuterKernelsCudaTest, KernelsMatchCpuReference) {
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   cudaStreamDestroy(stream);
   ExpectAllNear(d_acc.ToHost(), acc_expected, "cuda weighted accumulate");
+
+  // Delayed Nesterov: a buffer step with c > 0, then a momentum step, in place on theta.
+  const std::vector<float> d0 = RandomVector(n, 24);
+  std::vector<float> ref_dn_m = m0, ref_d = d0, dn_expected = theta;
+  DeviceBuffer d_dn_m(m0), d_d(d0), d_dn_theta(theta);
+  ASSERT_TRUE(d_dn_m.ok() && d_d.ok() && d_dn_theta.ok());
+  for (bool momentum_step : {false, true}) {
+    reference::DelayedNesterovApply(g.data(), ref_dn_m.data(), ref_d.data(), dn_expected.data(),
+                                    dn_expected.data(), n, 0.7f, 0.9f, 4, 0.1f, momentum_step);
+    EXPECT_EQ(
+        CudaDelayedNesterovApply(d_g.get(), d_dn_m.get(), d_d.get(), d_dn_theta.get(),
+                                 d_dn_theta.get(), n, 0.7f, 0.9f, 4, 0.1f, momentum_step, nullptr),
+        "");
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ExpectAllNear(d_dn_m.ToHost(), ref_dn_m, "cuda dn momentum");
+    ExpectAllNear(d_d.ToHost(), ref_d, "cuda dn buffer");
+    ExpectAllNear(d_dn_theta.ToHost(), dn_expected, "cuda dn theta");
+  }
+
+  // Adam, out of place.
+  const std::vector<float> v0 = RandomVector(n, 25, 0.0f, 1.0f);
+  std::vector<float> ref_adam_m = m0, ref_v = v0, adam_expected(n);
+  reference::AdamApply(g.data(), ref_adam_m.data(), ref_v.data(), theta.data(),
+                       adam_expected.data(), n, 0.1f, 0.9f, 0.999f, 1e-8f, 1.5f);
+  DeviceBuffer d_adam_m(m0), d_v(v0), d_theta2(theta), d_adam_out(std::vector<float>(n, 0.0f));
+  ASSERT_TRUE(d_adam_m.ok() && d_v.ok() && d_theta2.ok() && d_adam_out.ok());
+  EXPECT_EQ(CudaAdamApply(d_g.get(), d_adam_m.get(), d_v.get(), d_theta2.get(), d_adam_out.get(), n,
+                          0.1f, 0.9f, 0.999f, 1e-8f, 1.5f, nullptr),
+            "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ExpectAllNear(d_adam_m.ToHost(), ref_adam_m, "cuda adam m");
+  ExpectAllNear(d_v.ToHost(), ref_v, "cuda adam v");
+  ExpectAllNear(d_adam_out.ToHost(), adam_expected, "cuda adam theta");
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, OuterKernelsCudaTest,

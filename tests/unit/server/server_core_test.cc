@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/config.h"
@@ -271,6 +272,82 @@ TEST_F(ServerCoreTest, EvaluatorGetsInitialAndFinalVersionsThenStop) {
   EXPECT_TRUE(core_->Finished());
   ASSERT_EQ(core_->eval_history().size(), 2u);
   EXPECT_EQ(core_->eval_history().back().version, 2u);
+}
+
+// With the EDiT penalty on, a sync round is aggregated per layer with the norm-softmax weights
+// of paper 000 Eq. 2 (and clipped, Eq. 4), not with the plain mean of the other tests.
+TEST_F(ServerCoreTest, PenaltyWeighsASyncRoundBySoftmaxOfLayerNorms) {
+  EXPECT_EQ(core_->penalty(), nullptr);         // off by default
+  v1::ServerConfig config = TinyConfig();       // SGD lr 0.5
+  config.mutable_penalty()->set_enabled(true);  // defaults: T = 1, phi = 10, warmup 120
+  Make(config);
+  ASSERT_NE(core_->penalty(), nullptr);
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  const auto before = Params();
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 0.1f)), IsOk());
+  auto reply = core_->SubmitUpdate(Update(b, tb, 0.3f));
+  ASSERT_THAT(reply, IsOk());
+  ASSERT_TRUE(reply->applied());
+  const auto after = Params();
+
+  size_t differs_from_mean = 0;
+  for (size_t l = 0; l < after.size(); ++l) {
+    // Layer norms of the two constant updates, w_a = e^-Ga / (e^-Ga + e^-Gb), then Eq. 3-5.
+    const double n = static_cast<double>(after[l].size());
+    const double ga = std::sqrt(n) * 0.1f;
+    const double gb = std::sqrt(n) * 0.3f;
+    const double wa = 1 / (1 + std::exp(ga - gb));
+    const double g = wa * 0.1f + (1 - wa) * 0.3f;
+    const double beta = std::min(10 / (std::sqrt(n) * g + 1e-6), 1.0);
+    const double delta = -0.5 * beta * g;
+    if (std::abs(delta - (-0.5 * 0.2)) > 1e-3) ++differs_from_mean;
+    for (size_t i = 0; i < after[l].size(); ++i) {
+      ASSERT_NEAR(after[l][i], before[l][i] + delta, 2e-6) << "layer " << l << " element " << i;
+    }
+  }
+  EXPECT_GT(differs_from_mean, 0u);
+  EXPECT_EQ(metrics_.Observations("aloe_penalty_weight").size(), 2 * after.size());
+  EXPECT_EQ(metrics_.Observations("aloe_pseudo_gradient_norm").size(), 2 * after.size());
+  EXPECT_EQ(metrics_.Observations("aloe_penalty_clip_coefficient").size(), after.size());
+  EXPECT_EQ(metrics_.Value("aloe_penalty_anomalies_total"), 0);
+  EXPECT_EQ(metrics_.Value("aloe_penalty_rollbacks_total"), 0);
+  EXPECT_EQ(core_->penalty()->Stats(0, a)->count, 1u);
+}
+
+TEST_F(ServerCoreTest, PenaltyRollsBackEveryLayerWhenAllWorkersSpike) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_penalty()->set_enabled(true);
+  config.mutable_penalty()->set_warmup(2);
+  Make(config);
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  auto round = [&](float value) {
+    const v1::Task ta = Request(a);
+    const v1::Task tb = Request(b);
+    ASSERT_EQ(ta.kind(), v1::Task::TRAIN);
+    ASSERT_EQ(tb.kind(), v1::Task::TRAIN);
+    ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, value)), IsOk());
+    auto reply = core_->SubmitUpdate(Update(b, tb, value));
+    ASSERT_THAT(reply, IsOk());
+    ASSERT_TRUE(reply->applied());
+  };
+  // Warmup of two rounds; in units of sqrt(layer size): mu = 0.1 + 0.02*0.2 = 0.104,
+  // sigma = sqrt(0.02)*0.98*0.2 = 0.0277.
+  round(0.1f);
+  round(0.3f);
+  const auto warm = Params();
+  round(5.0f);  // z ~ 177 for both workers in every layer: nothing is applied
+  EXPECT_EQ(core_->version(), 3u);
+  EXPECT_EQ(Params(), warm);
+  const double layers = static_cast<double>(warm.size());
+  EXPECT_EQ(metrics_.Value("aloe_penalty_rollbacks_total"), layers);
+  EXPECT_EQ(metrics_.Value("aloe_penalty_anomalies_total"), 2 * layers);
+  round(0.12f);  // z ~ 0.6: applied again
+  EXPECT_NE(Params(), warm);
+  EXPECT_EQ(metrics_.Value("aloe_penalty_rollbacks_total"), layers);
 }
 
 TEST_F(ServerCoreTest, PullOfAnOldVersionIsRefused) {

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -298,6 +299,27 @@ TEST(LocalTrainerTest, ZeroStepsIsANoOp) {
   EXPECT_EQ(stats->steps, 0u);
   EXPECT_EQ(stats->tokens, 0u);
   EXPECT_EQ(Params(*trainer), before);
+}
+
+}  // namespace
+}  // namespace aloe::worker
+
+namespace aloe::worker {
+namespace {
+
+TEST(LocalTrainerTest, TimeBudgetEndsTheRoundAtTheFirstStepEndAfterIt) {
+  auto trainer = MakeTrainer();
+  const InMemoryTokenSource data = PeriodicTokens(500);
+  const auto start = std::chrono::steady_clock::now();
+  auto stats = trainer->Train(data, /*steps=*/1000000, /*lr_step=*/0, /*seed=*/3,
+                              /*slowdown=*/1.0, /*time_budget_seconds=*/0.2);
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_GE(stats->steps, 1u);
+  EXPECT_LT(stats->steps, 1000000u);  // the budget, not the cap, ended the round
+  EXPECT_GE(elapsed, 0.2);
+  EXPECT_FALSE(trainer->Train(data, 1, 0, 3, 1.0, -1.0).ok());
 }
 
 }  // namespace

@@ -1,0 +1,182 @@
+// aloe-sim's engine: a deterministic discrete-event simulation of k workers of different speeds
+// training against the real ServerCore (scheduler, aggregation, outer optimizers, penalty),
+// driven by a FakeClock and an InlineExecutor. This is how the papers' straggler experiments
+// (paper 002 Sec. 5, paper 000 Table 6) are reproduced on a small CPU box: the local work is real
+// (a LocalTrainerInterface computes true pseudo-gradients), only its duration is virtual.
+//
+// Simulated worker i follows the daemon's loop (worker/main.cc) in virtual time:
+//   Join -> RequestTask ->
+//     TRAIN: base = SnapshotFor(task.base_version); the step count n is task.local_steps, or,
+//            when task.time_budget_seconds > 0 (A-EDiT), the first n whose cumulative step time
+//            reaches the budget, capped at local_steps; the trainer runs n steps at once (real
+//            time) and the push arrives at now + duration, duration = the sum of the n step
+//            times taken from the worker's StepTimeProfile (SubmitUpdate with steps_done = n,
+//            compute_seconds = duration). Right after the push the worker heartbeats its measured
+//            steps/s (n / duration: what DyLU estimates) and asks for its next task.
+//     WAIT:  asks again after every event that may change the server state (a push, join,
+//            leave, lease expiry) and on periodic Tick events (every tick_seconds of virtual
+//            time, scheduled only while some worker waits) so that time-based windows close.
+//     STOP:  Leave.
+//   Every live worker heartbeats every max(0.05, lease/3) virtual seconds (as the daemon does),
+//   so leases expire only for crashed workers.
+// Membership events: join@T:i (the worker Joins at T; a worker whose first event is a join is
+// absent at t = 0, every other worker joins at t = 0 in index order), leave@T:i (graceful: the
+// worker drops its in-flight work and calls Leave), crash@T:i (the worker stops silently; the
+// core drops it when its lease expires, at the Tick scheduled for then). Work in flight at a
+// leave or crash is lost: its push never arrives.
+//
+// Evaluation: the simulator evaluates the current global parameters itself with its evaluation
+// trainer at version 0, whenever the version reaches last_evaluated + eval_every, and at the end.
+//
+// The run ends at the first of: the core reports Finished(); the version reaches max_versions;
+// the pushed local steps reach max_local_steps; the next event lies beyond max_virtual_seconds;
+// nothing can happen any more (no worker waits and no push or membership event is pending); or a
+// stall (workers keep waiting although no push, membership event or lease expiry is pending, for
+// stall_seconds). Work still in flight at the end is not pushed.
+//
+// Determinism: events are ordered by (virtual time, creation order); time is an absl::Duration
+// (exact integer ticks); the core draws from its seeded generators; trainers must be
+// deterministic. Same inputs and seed -> the same rows, hence a bit-identical CSV.
+//
+// Not thread-safe. Reads no wall clock and no real randomness (STYLE.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/local_trainer_interface.h"
+#include "common/metrics.h"
+#include "proto/aloe.pb.h"
+#include "server/core/shard_sampler.h"
+
+namespace aloe::sim {
+
+// Per-step compute time of one simulated worker: a cycle of seconds-per-step values replayed
+// forever across its tasks (a constant speed is a cycle of one). Immutable.
+class StepTimeProfile {
+ public:
+  // kInvalidArgument unless `seconds_per_step` is non-empty and every value is finite and > 0.
+  static absl::StatusOr<StepTimeProfile> Create(std::vector<double> seconds_per_step);
+
+  const std::vector<double>& cycle() const { return cycle_; }
+
+ private:
+  explicit StepTimeProfile(std::vector<double> cycle) : cycle_(std::move(cycle)) {}
+  std::vector<double> cycle_;
+};
+
+// Parses --speeds: comma-separated steps per second, one per worker ("1,0.77,0.38,0.17"), into
+// constant profiles (seconds per step = 1 / speed). kInvalidArgument naming the bad item when an
+// item is not a finite number > 0 or the list is empty.
+absl::StatusOr<std::vector<StepTimeProfile>> ParseSpeeds(const std::string& text);
+
+// Parses a step-time trace: one "worker_index,seconds_per_step" per line; each worker's lines,
+// in file order, form its cycle. Blank lines and lines starting with '#' are skipped; spaces
+// around fields are ignored. Workers must be numbered 0..k-1 without gaps (k <= 4096).
+// kInvalidArgument whose message starts with "<source> line <n>:" for a malformed line, a bad
+// index or a seconds value that is not finite and > 0, or names the missing worker.
+absl::StatusOr<std::vector<StepTimeProfile>> ParseTrace(const std::string& text,
+                                                        const std::string& source);
+// Reads `path` and parses it with ParseTrace. kNotFound when it cannot be opened.
+absl::StatusOr<std::vector<StepTimeProfile>> LoadTrace(const std::string& path);
+
+struct MembershipEvent {
+  enum class Kind { kJoin, kLeave, kCrash };
+  Kind kind = Kind::kJoin;
+  double at_seconds = 0;  // virtual seconds since the start
+  int worker = 0;         // index into the profiles
+};
+
+// Parses --events: comma-separated "join@T:i", "leave@T:i" or "crash@T:i" (T virtual seconds,
+// finite >= 0; i the worker index >= 0). Empty text gives no events. kInvalidArgument naming the
+// bad item otherwise. Whether each event fits the worker's presence is checked by
+// Simulator::Create.
+absl::StatusOr<std::vector<MembershipEvent>> ParseEvents(const std::string& text);
+
+struct SimulatorOptions {
+  std::vector<StepTimeProfile> workers;  // one per simulated worker, at least one
+  std::vector<MembershipEvent> events;
+  uint32_t eval_every = 1;         // evaluate every this many versions; 0 = first and last only
+  uint64_t max_versions = 0;       // 0 = no limit (the config's own max_versions still applies)
+  uint64_t max_local_steps = 0;    // total steps of pushed updates; 0 = no limit
+  double max_virtual_seconds = 0;  // 0 = no limit
+  double tick_seconds = 0.05;      // > 0: Tick / WAIT-retry period while some worker waits
+  // Stall limit (see the file comment); 0 = max(10, 3 * lease_seconds + finite grace_seconds).
+  double stall_seconds = 0;
+  // Receives the core's metrics; null = discarded. Must outlive Run().
+  MetricsSink* metrics = nullptr;
+};
+
+// One CSV row: a push (applied, accepted into a batch that is not complete yet, or rejected), or
+// an evaluation of a version that no push row produced (version 0, or a version completed by a
+// leave or lease expiry).
+struct SimRow {
+  enum class Outcome { kApplied, kAccepted, kRejected, kEval };
+  double virtual_seconds = 0;
+  uint64_t version = 0;     // global version after the event
+  int worker = -1;          // simulated worker index; -1 for kEval
+  // Version the outer step saw before this update minus the update's base version (for
+  // kAccepted: the current version minus the base version, its staleness if applied now).
+  uint64_t staleness = 0;
+  std::string shard;
+  uint32_t steps = 0;
+  std::optional<double> eval_loss;  // set when `version` was evaluated
+  Outcome outcome = Outcome::kEval;
+};
+
+struct SimResult {
+  std::vector<SimRow> rows;
+  double virtual_seconds = 0;  // when the run ended
+  uint64_t final_version = 0;
+  double final_eval_loss = 0;  // evaluation of final_version
+  uint64_t total_local_steps = 0;             // steps of every pushed update (incl. rejected)
+  std::vector<uint64_t> updates_per_worker;   // pushes accepted (applied or batched)
+  std::vector<uint64_t> rejected_per_worker;  // pushes rejected
+  std::vector<std::string> rejections;        // status message of each rejected push
+  std::string stop_reason;                    // e.g. "finished", "max_versions"
+};
+
+// The CSV: header
+//   virtual_time,version,worker,staleness,shard,steps,eval_loss,outcome
+// then one line per row: virtual_time with 6 decimals; worker, staleness, shard, steps empty on
+// eval rows; eval_loss (%.6f) empty unless that version was evaluated; outcome one of applied,
+// accepted, rejected, eval.
+std::string FormatCsv(const SimResult& result);
+// One line: final eval loss, virtual time, versions, total local steps, updates per worker.
+std::string FormatSummary(const SimResult& result);
+
+class Simulator {
+ public:
+  // `config` must pass ValidateServerConfig (kInvalidArgument otherwise); `train_shards` and
+  // `heldout_file` go to ServerCore::Create as given. One trainer per profile in
+  // options.workers (each keeps its own inner state across rounds) and one evaluation trainer.
+  // kInvalidArgument for a trainer count that does not match, a tick_seconds that is not > 0,
+  // or an event naming an unknown worker or not fitting its presence (a join of a present
+  // worker, a leave or crash of an absent one), naming the event.
+  static absl::StatusOr<std::unique_ptr<Simulator>> Create(
+      v1::ServerConfig config, std::vector<server::DataShard> train_shards,
+      std::string heldout_file, SimulatorOptions options,
+      std::vector<std::unique_ptr<LocalTrainerInterface>> worker_trainers,
+      std::unique_ptr<LocalTrainerInterface> eval_trainer);
+
+  ~Simulator();
+  Simulator(const Simulator&) = delete;
+  Simulator& operator=(const Simulator&) = delete;
+
+  // Runs the simulation to its end (see the file comment). Call once: kFailedPrecondition
+  // afterwards. Errors from the core that a real worker could not handle (e.g. a failed Join)
+  // and trainer errors are returned with the virtual time and worker in the message.
+  absl::StatusOr<SimResult> Run();
+
+ private:
+  class Engine;
+  explicit Simulator(std::unique_ptr<Engine> engine);
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace aloe::sim

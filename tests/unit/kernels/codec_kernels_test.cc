@@ -1,0 +1,818 @@
+#include "kernels/cpu/codec_kernels.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/status_matchers.h"
+#include "kernels/cpu/outer_kernels.h"
+
+#ifdef ALOE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/codec_kernels_cuda.h"
+#include "kernels/cuda/outer_kernels_cuda.h"
+#endif
+
+namespace aloe::kernels {
+namespace {
+
+using ::aloe::testing::IsOk;
+using ::aloe::testing::StatusIs;
+using ::testing::HasSubstr;
+
+using Bytes = std::vector<uint8_t>;
+
+constexpr float kFloatMax = std::numeric_limits<float>::max();
+constexpr float kFloatMin = std::numeric_limits<float>::min();  // 2^-126
+const double kBf16RelBound = std::ldexp(1.0, -8);
+const double kBf16SubnormalAbsBound = std::ldexp(1.0, -134);
+// int8: |x' - x| <= m / 254 * (1 + 2^-12) + 2^-149 (codec_kernels.h).
+const double kInt8Slack = 1.0 + std::ldexp(1.0, -12);
+const double kInt8AbsFloor = std::ldexp(1.0, -149);
+
+uint32_t Bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  return b;
+}
+
+float FromBits(uint32_t b) {
+  float v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+// Fixed seeds: every test sees the same data on every run.
+std::vector<float> Normal(size_t n, unsigned seed, float sigma = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, sigma);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// Cauchy: most values O(1), a few up to ~1e6, so many blocks are dominated by one outlier.
+std::vector<float> HeavyTailed(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::cauchy_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) {
+    x = dist(rng);
+    if (!std::isfinite(x)) x = 0.0f;
+  }
+  return v;
+}
+
+// Magnitudes over the whole float range, changing every 37 values (not aligned with blocks):
+// subnormals, near-FLT_MAX values, runs of exact zeros and of -0.
+std::vector<float> WideRange(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-150, 127);
+  std::vector<float> v(n);
+  int e = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 37 == 0) e = exponent(rng);
+    const float x = std::ldexp(std::clamp(normal(rng), -1.9f, 1.9f), e);
+    if (e == -150) {
+      v[i] = 0.0f;
+    } else if (e == -149) {
+      v[i] = -0.0f;
+    } else {
+      v[i] = std::isfinite(x) ? x : kFloatMax;
+    }
+  }
+  return v;
+}
+
+// Bit-level equality of float arrays (distinguishes 0 from -0).
+void ExpectSameBits(const std::vector<float>& actual, const std::vector<float>& expected,
+                    const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_EQ(Bits(actual[i]), Bits(expected[i]))
+        << what << " at " << i << ": " << actual[i] << " vs " << expected[i];
+  }
+}
+
+// Per-element bf16 bound, computed in double.
+void ExpectBf16WithinBound(const std::vector<float>& x, const std::vector<float>& decoded) {
+  ASSERT_EQ(x.size(), decoded.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(decoded[i]) - static_cast<double>(x[i]));
+    const double bound = std::fabs(x[i]) >= kFloatMin
+                             ? kBf16RelBound * std::fabs(static_cast<double>(x[i]))
+                             : kBf16SubnormalAbsBound;
+    ASSERT_LE(err, bound) << "x[" << i << "] = " << x[i] << " decoded " << decoded[i];
+  }
+}
+
+// Per-element int8 bound, with m = max |x| over the element's block computed here in double.
+// Returns the largest err / (m / 254) seen, so tests can also check the bound is tight.
+double ExpectInt8WithinBound(const std::vector<float>& x, const std::vector<float>& decoded,
+                             size_t block_size) {
+  EXPECT_EQ(x.size(), decoded.size());
+  double worst = 0.0;
+  for (size_t begin = 0; begin < x.size(); begin += block_size) {
+    const size_t end = std::min(x.size(), begin + block_size);
+    double m = 0.0;
+    for (size_t i = begin; i < end; ++i) m = std::max(m, std::fabs(static_cast<double>(x[i])));
+    for (size_t i = begin; i < end; ++i) {
+      const double err = std::fabs(static_cast<double>(decoded[i]) - static_cast<double>(x[i]));
+      EXPECT_LE(err, m / 254.0 * kInt8Slack + kInt8AbsFloor)
+          << "x[" << i << "] = " << x[i] << " decoded " << decoded[i] << " block max " << m;
+      if (err > m / 254.0 * kInt8Slack + kInt8AbsFloor) return worst;
+      if (m > 0) worst = std::max(worst, err / (m / 254.0));
+    }
+  }
+  return worst;
+}
+
+std::vector<float> Int8RoundTrip(const std::vector<float>& x, size_t block_size) {
+  Bytes enc(Int8EncodedSize(x.size(), block_size));
+  std::vector<float> out(x.size());
+  EXPECT_THAT(Int8BlockwiseEncode(x.data(), x.size(), block_size, enc.data(), nullptr), IsOk());
+  EXPECT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  return out;
+}
+
+std::vector<float> Bf16RoundTrip(const std::vector<float>& x) {
+  Bytes enc(Bf16EncodedSize(x.size()));
+  std::vector<float> out(x.size());
+  EXPECT_THAT(Bf16Encode(x.data(), x.size(), enc.data(), nullptr), IsOk());
+  EXPECT_THAT(Bf16Decode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  return out;
+}
+
+// ---- bf16 -----------------------------------------------------------------------------------
+
+class Bf16SizeTest : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(Bf16SizeTest, FusedMatchesReferenceBitExact) {
+  const size_t n = GetParam();
+  const std::vector<float> x = WideRange(n, 11 + static_cast<unsigned>(n));
+  Bytes enc(Bf16EncodedSize(n), 0xAA);
+  Bytes ref_enc(Bf16EncodedSize(n), 0x55);
+  std::vector<float> residual(n, 99.0f);
+  std::vector<float> ref_residual(n, -99.0f);
+  ASSERT_THAT(Bf16Encode(x.data(), n, enc.data(), residual.data()), IsOk());
+  ASSERT_THAT(reference::Bf16Encode(x.data(), n, ref_enc.data(), ref_residual.data()), IsOk());
+  EXPECT_EQ(enc, ref_enc);
+  ExpectSameBits(residual, ref_residual, "residual");
+
+  Bytes enc_no_residual(Bf16EncodedSize(n));
+  ASSERT_THAT(Bf16Encode(x.data(), n, enc_no_residual.data(), nullptr), IsOk());
+  EXPECT_EQ(enc_no_residual, enc);
+
+  std::vector<float> out(n, 7.0f);
+  std::vector<float> ref_out(n, -7.0f);
+  ASSERT_THAT(Bf16Decode(enc.data(), enc.size(), out.data(), n), IsOk());
+  ASSERT_THAT(reference::Bf16Decode(enc.data(), enc.size(), ref_out.data(), n), IsOk());
+  ExpectSameBits(out, ref_out, "decode");
+
+  // Error feedback: residual is exactly x - decode(encode(x)).
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(Bits(residual[i]), Bits(x[i] - out[i])) << i;
+
+  // In place: x becomes its own residual.
+  std::vector<float> in_place = x;
+  Bytes enc_in_place(Bf16EncodedSize(n));
+  ASSERT_THAT(Bf16Encode(in_place.data(), n, enc_in_place.data(), in_place.data()), IsOk());
+  EXPECT_EQ(enc_in_place, enc);
+  ExpectSameBits(in_place, residual, "in-place residual");
+}
+
+TEST_P(Bf16SizeTest, DecodeAccumulateEqualsDecodeThenWeightedAccumulate) {
+  const size_t n = GetParam();
+  const std::vector<float> x = Normal(n, 21 + static_cast<unsigned>(n));
+  const std::vector<float> acc0 = Normal(n, 22 + static_cast<unsigned>(n));
+  Bytes enc(Bf16EncodedSize(n));
+  ASSERT_THAT(Bf16Encode(x.data(), n, enc.data(), nullptr), IsOk());
+  std::vector<float> decoded(n);
+  ASSERT_THAT(Bf16Decode(enc.data(), enc.size(), decoded.data(), n), IsOk());
+  std::vector<float> expected = acc0;
+  reference::WeightedAccumulate(decoded.data(), 0.37f, expected.data(), n);
+
+  std::vector<float> acc = acc0;
+  ASSERT_THAT(Bf16DecodeAccumulate(enc.data(), enc.size(), 0.37f, acc.data(), n), IsOk());
+  ExpectSameBits(acc, expected, "fused");
+  std::vector<float> ref_acc = acc0;
+  ASSERT_THAT(reference::Bf16DecodeAccumulate(enc.data(), enc.size(), 0.37f, ref_acc.data(), n),
+              IsOk());
+  ExpectSameBits(ref_acc, expected, "reference");
+}
+
+// Sizes around the 2048-value tile of the fused loops.
+INSTANTIATE_TEST_SUITE_P(Sizes, Bf16SizeTest, ::testing::Values(0, 1, 7, 2047, 2048, 2049, 100003));
+
+TEST(Bf16CodecTest, RoundTripWithinRelativeBound) {
+  ExpectBf16WithinBound(Normal(100000, 1), Bf16RoundTrip(Normal(100000, 1)));
+  ExpectBf16WithinBound(HeavyTailed(100000, 2), Bf16RoundTrip(HeavyTailed(100000, 2)));
+  ExpectBf16WithinBound(WideRange(100000, 3), Bf16RoundTrip(WideRange(100000, 3)));
+  // Saturation at the top of the range stays within the relative bound.
+  const std::vector<float> extremes = {kFloatMax, -kFloatMax, FromBits(0x7f7f8000u),
+                                       FromBits(0x7f7f7fffu), FromBits(0xff7fc000u)};
+  ExpectBf16WithinBound(extremes, Bf16RoundTrip(extremes));
+}
+
+TEST(Bf16CodecTest, RoundsToNearestEvenOnHandPickedBits) {
+  struct Case {
+    uint32_t in;
+    uint16_t out;
+  };
+  const Case cases[] = {
+      {0x3f800000u, 0x3f80u},  // 1.0: exact
+      {0x3f807fffu, 0x3f80u},  // just below the halfway point: down
+      {0x3f808000u, 0x3f80u},  // tie, 0x3f80 even: down
+      {0x3f808001u, 0x3f81u},  // just above the halfway point: up
+      {0x3f818000u, 0x3f82u},  // tie, 0x3f81 odd: up to even
+      {0xbf808000u, 0xbf80u},  // negative tie to even: magnitude down
+      {0xbf818000u, 0xbf82u},  // negative tie to even: magnitude up
+      {0x3f7fffffu, 0x3f80u},  // largest float below 1: carries into the exponent
+      {0x00000000u, 0x0000u},  // +0
+      {0x80000000u, 0x8000u},  // -0 keeps its sign
+      {0x00000001u, 0x0000u},  // smallest subnormal: rounds to 0
+      {0x00008000u, 0x0000u},  // subnormal tie to even (0)
+      {0x00018000u, 0x0002u},  // subnormal tie to even (up)
+      {0x007fffffu, 0x0080u},  // largest subnormal: rounds up to FLT_MIN
+      {0x7f7f7fffu, 0x7f7fu},  // just below the overflow point
+      {0x7f7f8000u, 0x7f7fu},  // would round to Inf: saturates
+      {0x7f7fffffu, 0x7f7fu},  // FLT_MAX saturates
+      {0xff7fffffu, 0xff7fu},  // -FLT_MAX saturates to the most negative finite bf16
+  };
+  for (const Case& c : cases) {
+    const float x = FromBits(c.in);
+    for (const bool fused : {true, false}) {
+      uint8_t enc[2] = {0, 0};
+      float residual = 0.0f;
+      const absl::Status s =
+          fused ? Bf16Encode(&x, 1, enc, &residual) : reference::Bf16Encode(&x, 1, enc, &residual);
+      ASSERT_THAT(s, IsOk());
+      const uint16_t got = static_cast<uint16_t>(enc[0] | (enc[1] << 8));  // little-endian
+      EXPECT_EQ(got, c.out) << std::hex << "in 0x" << c.in << " got 0x" << got
+                            << (fused ? " (fused)" : " (reference)");
+      const float decoded = FromBits(static_cast<uint32_t>(c.out) << 16);
+      EXPECT_EQ(Bits(residual), Bits(x - decoded)) << std::hex << "in 0x" << c.in;
+    }
+  }
+}
+
+TEST(Bf16CodecTest, EncodeRejectsNonFiniteNamingTheFirstIndex) {
+  struct Case {
+    size_t index;
+    float value;
+    const char* text;
+  };
+  const Case cases[] = {
+      {5, std::numeric_limits<float>::quiet_NaN(), "x[5] is NaN"},
+      {0, std::numeric_limits<float>::infinity(), "x[0] is +Inf"},
+      {3000, -std::numeric_limits<float>::infinity(), "x[3000] is -Inf"},  // second tile
+  };
+  for (const Case& c : cases) {
+    std::vector<float> x = Normal(4096, 7);
+    x[c.index] = c.value;
+    x[4000] = std::numeric_limits<float>::quiet_NaN();  // a later bad value is not reported
+    Bytes enc(Bf16EncodedSize(x.size()));
+    EXPECT_THAT(Bf16Encode(x.data(), x.size(), enc.data(), nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+    EXPECT_THAT(reference::Bf16Encode(x.data(), x.size(), enc.data(), nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+  }
+}
+
+TEST(Bf16CodecTest, DecodeRejectsWrongLengthAndNonFiniteValues) {
+  const std::vector<float> x = Normal(3000, 8);
+  Bytes enc(Bf16EncodedSize(x.size()));
+  ASSERT_THAT(Bf16Encode(x.data(), x.size(), enc.data(), nullptr), IsOk());
+  std::vector<float> out(x.size());
+  for (const size_t bytes : {enc.size() - 1, enc.size() - 2, enc.size() + 2, size_t{0}}) {
+    Bytes wrong = enc;
+    wrong.resize(bytes);
+    EXPECT_THAT(Bf16Decode(wrong.data(), wrong.size(), out.data(), out.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected 6000 bytes")));
+    EXPECT_THAT(reference::Bf16Decode(wrong.data(), wrong.size(), out.data(), out.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected 6000 bytes")));
+  }
+
+  struct Case {
+    size_t index;
+    uint16_t bits;
+    const char* text;
+  };
+  const Case cases[] = {
+      {2, 0x7f80u, "encoded value 2 is +Inf"},
+      {2100, 0xff80u, "encoded value 2100 is -Inf"},
+      {2999, 0xffc1u, "encoded value 2999 is NaN"},
+  };
+  for (const Case& c : cases) {
+    Bytes bad = enc;
+    bad[2 * c.index] = static_cast<uint8_t>(c.bits & 0xff);
+    bad[2 * c.index + 1] = static_cast<uint8_t>(c.bits >> 8);
+    EXPECT_THAT(Bf16Decode(bad.data(), bad.size(), out.data(), out.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+    EXPECT_THAT(reference::Bf16Decode(bad.data(), bad.size(), out.data(), out.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+
+    // The accumulator is untouched on error, even though the bad value comes late.
+    const std::vector<float> acc0 = Normal(x.size(), 9);
+    std::vector<float> acc = acc0;
+    EXPECT_THAT(Bf16DecodeAccumulate(bad.data(), bad.size(), 0.5f, acc.data(), acc.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+    ExpectSameBits(acc, acc0, "acc after failed fused decode-accumulate");
+    EXPECT_THAT(
+        reference::Bf16DecodeAccumulate(bad.data(), bad.size(), 0.5f, acc.data(), acc.size()),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+    ExpectSameBits(acc, acc0, "acc after failed reference decode-accumulate");
+  }
+}
+
+// ---- int8 blockwise -------------------------------------------------------------------------
+
+enum class SizeKind { kZero, kOne, kBlockMinusOne, kBlock, kBlockPlusOne, kLarge };
+
+size_t SizeOf(SizeKind kind, size_t block_size) {
+  switch (kind) {
+    case SizeKind::kZero:
+      return 0;
+    case SizeKind::kOne:
+      return 1;
+    case SizeKind::kBlockMinusOne:
+      return block_size - 1;
+    case SizeKind::kBlock:
+      return block_size;
+    case SizeKind::kBlockPlusOne:
+      return block_size + 1;
+    case SizeKind::kLarge:
+      return std::max<size_t>(100003, 5 * block_size + 3);
+  }
+  return 0;
+}
+
+std::string Int8ParamName(const ::testing::TestParamInfo<std::tuple<size_t, SizeKind>>& info) {
+  static const char* const kKinds[] = {"Zero",  "One",          "BlockMinusOne",
+                                       "Block", "BlockPlusOne", "Large"};
+  return "B" + std::to_string(std::get<0>(info.param)) + "_" +
+         kKinds[static_cast<int>(std::get<1>(info.param))];
+}
+
+class Int8SizeTest : public ::testing::TestWithParam<std::tuple<size_t, SizeKind>> {
+ protected:
+  size_t BlockSize() const { return std::get<0>(GetParam()); }
+  size_t Count() const { return SizeOf(std::get<1>(GetParam()), BlockSize()); }
+};
+
+TEST_P(Int8SizeTest, FusedMatchesReferenceBitExact) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  for (const unsigned seed : {1u, 2u, 3u}) {
+    const std::vector<float> x = seed == 1   ? Normal(n, 31 + static_cast<unsigned>(n))
+                                 : seed == 2 ? HeavyTailed(n, 32 + static_cast<unsigned>(n))
+                                             : WideRange(n, 33 + static_cast<unsigned>(n));
+    SCOPED_TRACE(::testing::Message() << "n=" << n << " B=" << b << " data " << seed);
+    Bytes enc(Int8EncodedSize(n, b), 0xAA);
+    Bytes ref_enc(Int8EncodedSize(n, b), 0x55);
+    std::vector<float> residual(n, 99.0f);
+    std::vector<float> ref_residual(n, -99.0f);
+    ASSERT_THAT(Int8BlockwiseEncode(x.data(), n, b, enc.data(), residual.data()), IsOk());
+    ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), n, b, ref_enc.data(), ref_residual.data()),
+                IsOk());
+    ASSERT_EQ(enc, ref_enc);
+    ExpectSameBits(residual, ref_residual, "residual");
+
+    Bytes enc_no_residual(Int8EncodedSize(n, b));
+    ASSERT_THAT(Int8BlockwiseEncode(x.data(), n, b, enc_no_residual.data(), nullptr), IsOk());
+    EXPECT_EQ(enc_no_residual, enc);
+
+    absl::StatusOr<Int8EncodedInfo> info = Int8BlockwiseInspect(enc.data(), enc.size());
+    ASSERT_THAT(info, IsOk());
+    EXPECT_EQ(info->n, n);
+    EXPECT_EQ(info->block_size, b);
+
+    std::vector<float> out(n, 7.0f);
+    std::vector<float> ref_out(n, -7.0f);
+    ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), n), IsOk());
+    ASSERT_THAT(reference::Int8BlockwiseDecode(enc.data(), enc.size(), ref_out.data(), n), IsOk());
+    ExpectSameBits(out, ref_out, "decode");
+    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(std::isfinite(out[i])) << i;
+
+    // Error feedback: residual is exactly x - decode(encode(x)); also in place.
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(Bits(residual[i]), Bits(x[i] - out[i])) << i;
+    std::vector<float> in_place = x;
+    Bytes enc_in_place(Int8EncodedSize(n, b));
+    ASSERT_THAT(Int8BlockwiseEncode(in_place.data(), n, b, enc_in_place.data(), in_place.data()),
+                IsOk());
+    EXPECT_EQ(enc_in_place, enc);
+    ExpectSameBits(in_place, residual, "in-place residual");
+
+    ExpectInt8WithinBound(x, out, b);
+  }
+}
+
+TEST_P(Int8SizeTest, DecodeAccumulateEqualsDecodeThenWeightedAccumulate) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  const std::vector<float> x = HeavyTailed(n, 41 + static_cast<unsigned>(n));
+  const std::vector<float> acc0 = Normal(n, 42 + static_cast<unsigned>(n));
+  Bytes enc(Int8EncodedSize(n, b));
+  ASSERT_THAT(Int8BlockwiseEncode(x.data(), n, b, enc.data(), nullptr), IsOk());
+  std::vector<float> decoded(n);
+  ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), decoded.data(), n), IsOk());
+  std::vector<float> expected = acc0;
+  WeightedAccumulate(decoded.data(), -0.37f, expected.data(), n);
+
+  std::vector<float> acc = acc0;
+  ASSERT_THAT(Int8BlockwiseDecodeAccumulate(enc.data(), enc.size(), -0.37f, acc.data(), n), IsOk());
+  ExpectSameBits(acc, expected, "fused");
+  std::vector<float> ref_acc = acc0;
+  ASSERT_THAT(
+      reference::Int8BlockwiseDecodeAccumulate(enc.data(), enc.size(), -0.37f, ref_acc.data(), n),
+      IsOk());
+  ExpectSameBits(ref_acc, expected, "reference");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    BlocksAndSizes, Int8SizeTest,
+    ::testing::Combine(::testing::Values(size_t{1}, size_t{64}, size_t{256}, size_t{4096}),
+                       ::testing::Values(SizeKind::kZero, SizeKind::kOne, SizeKind::kBlockMinusOne,
+                                         SizeKind::kBlock, SizeKind::kBlockPlusOne,
+                                         SizeKind::kLarge)),
+    Int8ParamName);
+
+TEST(Int8CodecTest, WireLayoutByteByByte) {
+  // B = 4, n = 10: blocks {127, 0.5, 1.5, -2.5}, {0, -0, 0, 0}, {0.25, -0.0625}.
+  const std::vector<float> x = {127.0f, 0.5f, 1.5f, -2.5f, 0.0f,
+                                -0.0f,  0.0f, 0.0f, 0.25f, -0.0625f};
+  ASSERT_EQ(Int8EncodedSize(10, 4), 16u + 3 * 4 + 10);
+  Bytes enc(Int8EncodedSize(10, 4));
+  ASSERT_THAT(Int8BlockwiseEncode(x.data(), x.size(), 4, enc.data(), nullptr), IsOk());
+  const Bytes header = {'A', 'Q', '8', 0x01, 4, 0, 0, 0, 10, 0, 0, 0, 0, 0, 0, 0};
+  EXPECT_EQ(Bytes(enc.begin(), enc.begin() + 16), header);
+
+  float scales[3];
+  std::memcpy(scales, enc.data() + 16, sizeof(scales));
+  EXPECT_EQ(scales[0], 1.0f);            // 127 / 127
+  EXPECT_EQ(Bits(scales[1]), 0u);        // all-zero block: +0
+  EXPECT_EQ(scales[2], 0.25f / 127.0f);  // float division, as documented
+  // Block 0, scale 1: 0.5 and -2.5 are ties and go to the even level, 1.5 goes up to 2.
+  // Block 2: 0.25 is the max (127); -0.0625 * (1 / scale) = -31.75 -> -32.
+  const std::vector<int8_t> expected_q = {127, 0, 2, -2, 0, 0, 0, 0, 127, -32};
+  std::vector<int8_t> q(10);
+  std::memcpy(q.data(), enc.data() + 28, q.size());
+  EXPECT_EQ(q, expected_q);
+
+  // Decoded values are q * scale.
+  std::vector<float> out(10);
+  ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  const std::vector<float> expected = {127.0f,
+                                       0.0f,
+                                       2.0f,
+                                       -2.0f,
+                                       0.0f,
+                                       0.0f,
+                                       0.0f,
+                                       0.0f,
+                                       127.0f * (0.25f / 127.0f),
+                                       -32.0f * (0.25f / 127.0f)};
+  ExpectSameBits(out, expected, "decode");
+
+  // The reference writes the same bytes.
+  Bytes ref_enc(enc.size());
+  ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), x.size(), 4, ref_enc.data(), nullptr),
+              IsOk());
+  EXPECT_EQ(ref_enc, enc);
+}
+
+TEST(Int8CodecTest, RoundTripWithinBlockBoundOnNormalAndHeavyTailedData) {
+  for (const size_t b : {size_t{64}, size_t{256}, size_t{4096}}) {
+    SCOPED_TRACE(::testing::Message() << "B=" << b);
+    const std::vector<float> normal = Normal(200000, 51, 0.01f);
+    const double worst_normal = ExpectInt8WithinBound(normal, Int8RoundTrip(normal, b), b);
+    // The bound is tight: some element lands half a step away.
+    EXPECT_GT(worst_normal, 0.99);
+    const std::vector<float> heavy = HeavyTailed(200000, 52);
+    ExpectInt8WithinBound(heavy, Int8RoundTrip(heavy, b), b);
+    const std::vector<float> wide = WideRange(200000, 53);
+    ExpectInt8WithinBound(wide, Int8RoundTrip(wide, b), b);
+  }
+}
+
+TEST(Int8CodecTest, RoundTripWithinBlockBoundOnAdversarialBlocks) {
+  const size_t b = 256;
+  std::vector<float> x;
+  auto add_block = [&](const std::vector<float>& block) {
+    ASSERT_LE(block.size(), b);
+    x.insert(x.end(), block.begin(), block.end());
+    x.resize((x.size() + b - 1) / b * b, 0.0f);
+  };
+  // One huge value and tiny ones: the tiny ones all quantise to 0 (error = their magnitude).
+  std::vector<float> outlier = Normal(b, 61, 1e-3f);
+  outlier[100] = 1e6f;
+  add_block(outlier);
+  // Values exactly half a step apart from levels: the worst case of rounding.
+  std::vector<float> half_steps;
+  for (int k = -127; k < 127; ++k) half_steps.push_back((k + 0.5f) * (3.0f / 127.0f));
+  half_steps.push_back(3.0f);
+  add_block(half_steps);
+  // The extremes of the float range.
+  add_block({kFloatMax, -kFloatMax, kFloatMax / 3.0f, 1.0f});
+  add_block({-kFloatMax, 1e38f, -1e30f});
+  add_block({std::ldexp(1.0f, -120), -std::ldexp(1.0f, -121), 1e-37f});
+  // Subnormal scales: max |x| < 127 * 2^-126 (the division path) and tiny subnormal blocks.
+  add_block({1e-37f, -3e-38f, 1e-40f, 5e-39f});
+  add_block({1e-40f, -1e-41f, 2e-42f});
+  add_block({std::ldexp(1.0f, -142), std::ldexp(-1.0f, -143), std::ldexp(1.0f, -149)});
+  add_block({std::ldexp(1.0f, -149), -std::ldexp(1.0f, -149)});
+  add_block({std::ldexp(3.0f, -148)});
+  // A lone nonzero among zeros, and a sign flip of the max.
+  add_block({0.0f, 0.0f, -7.0f});
+  ASSERT_EQ(x.size() % b, 0u);
+
+  Bytes enc(Int8EncodedSize(x.size(), b));
+  std::vector<float> residual(x.size());
+  ASSERT_THAT(Int8BlockwiseEncode(x.data(), x.size(), b, enc.data(), residual.data()), IsOk());
+  Bytes ref_enc(enc.size());
+  ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), x.size(), b, ref_enc.data(), nullptr),
+              IsOk());
+  EXPECT_EQ(enc, ref_enc);
+  std::vector<float> out(x.size());
+  ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(out[i])) << i;  // FLT_MAX blocks do not overflow on decode
+    ASSERT_EQ(Bits(residual[i]), Bits(x[i] - out[i])) << i;
+  }
+  ExpectInt8WithinBound(x, out, b);
+  // The block max itself decodes to within one float step, signs kept.
+  EXPECT_FLOAT_EQ(out[100], 1e6f);
+  EXPECT_GT(out[2 * b], 0.99999f * kFloatMax);
+  EXPECT_LT(out[2 * b + 1], -0.99999f * kFloatMax);
+  EXPECT_FLOAT_EQ(out[10 * b + 2], -7.0f);
+}
+
+TEST(Int8CodecTest, EncodeRejectsNonFiniteNamingTheFirstIndex) {
+  struct Case {
+    size_t index;
+    float value;
+    const char* text;
+  };
+  const Case cases[] = {
+      {5, std::numeric_limits<float>::quiet_NaN(), "x[5] is NaN"},
+      {0, std::numeric_limits<float>::infinity(), "x[0] is +Inf"},
+      {777, -std::numeric_limits<float>::infinity(), "x[777] is -Inf"},
+  };
+  for (const Case& c : cases) {
+    std::vector<float> x = Normal(1000, 71);
+    x[c.index] = c.value;
+    x[800] = std::numeric_limits<float>::infinity();  // a later bad value is not reported
+    Bytes enc(Int8EncodedSize(x.size(), 64));
+    std::vector<float> residual(x.size());
+    EXPECT_THAT(Int8BlockwiseEncode(x.data(), x.size(), 64, enc.data(), residual.data()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+    EXPECT_THAT(reference::Int8BlockwiseEncode(x.data(), x.size(), 64, enc.data(), nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.text)));
+  }
+}
+
+TEST(Int8CodecTest, EncodeRejectsBlockSizeOutOfRange) {
+  const std::vector<float> x = Normal(10, 72);
+  Bytes enc(Int8EncodedSize(x.size(), 1));
+  for (const size_t b : {size_t{0}, kInt8MaxBlockSize + 1}) {
+    EXPECT_THAT(Int8BlockwiseEncode(x.data(), x.size(), b, enc.data(), nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block size")));
+    EXPECT_THAT(reference::Int8BlockwiseEncode(x.data(), x.size(), b, enc.data(), nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block size")));
+  }
+  EXPECT_THAT(Int8BlockwiseEncode(x.data(), x.size(), kInt8MaxBlockSize, enc.data(), nullptr),
+              IsOk());
+}
+
+// A malformed buffer and the text its error must contain.
+struct Malformed {
+  std::string name;
+  Bytes bytes;
+  std::string text;
+};
+
+std::vector<Malformed> MalformedBuffers(const Bytes& good) {
+  // good: n = 1000, B = 64, 16 blocks.
+  auto with = [&good](size_t offset, std::vector<uint8_t> patch) {
+    Bytes b = good;
+    std::copy(patch.begin(), patch.end(), b.begin() + offset);
+    return b;
+  };
+  auto with_scale = [&](size_t block, float scale) {
+    std::vector<uint8_t> patch(4);
+    std::memcpy(patch.data(), &scale, 4);
+    return with(16 + 4 * block, patch);
+  };
+  std::vector<Malformed> cases;
+  cases.push_back({"short", Bytes(good.begin(), good.end() - 1), "header (n=1000, block size 64)"});
+  Bytes long_buffer = good;
+  long_buffer.push_back(0);
+  cases.push_back({"long", long_buffer, "header (n=1000, block size 64)"});
+  cases.push_back({"header only partly there", Bytes(good.begin(), good.begin() + 10),
+                   "shorter than its 16-byte header"});
+  cases.push_back({"empty", Bytes(), "shorter than its 16-byte header"});
+  cases.push_back({"bad magic", with(0, {'A', 'Q', '4'}), "bad magic"});
+  cases.push_back({"bad version", with(3, {0x02}), "bad magic/version"});
+  cases.push_back({"block size 0", with(4, {0, 0, 0, 0}), "block size 0"});
+  cases.push_back({"block size too big", with(4, {0x01, 0x00, 0x01, 0x00}), "block size 65537"});
+  cases.push_back({"n disagrees with length", with(8, {0xe9, 0x03}), "n=1001"});
+  cases.push_back({"huge n", with(8, {0, 0, 0, 0, 0, 0, 0, 0x80}), "implies more bytes"});
+  cases.push_back(
+      {"NaN scale", with_scale(3, std::numeric_limits<float>::quiet_NaN()), "for block 3"});
+  cases.push_back(
+      {"+Inf scale", with_scale(15, std::numeric_limits<float>::infinity()), "for block 15"});
+  cases.push_back({"negative scale", with_scale(0, -0.5f), "invalid scale -0.5"});
+  cases.push_back({"scale too large", with_scale(7, kFloatMax / 100.0f), "for block 7"});
+  return cases;
+}
+
+TEST(Int8CodecTest, DecodeRejectsMalformedBuffersAndLeavesOutputsAlone) {
+  const std::vector<float> x = Normal(1000, 81);
+  Bytes good(Int8EncodedSize(x.size(), 64));
+  ASSERT_THAT(Int8BlockwiseEncode(x.data(), x.size(), 64, good.data(), nullptr), IsOk());
+  ASSERT_THAT(Int8BlockwiseInspect(good.data(), good.size()), IsOk());
+  const std::vector<float> acc0 = Normal(x.size(), 82);
+
+  for (const Malformed& m : MalformedBuffers(good)) {
+    SCOPED_TRACE(m.name);
+    EXPECT_THAT(Int8BlockwiseInspect(m.bytes.data(), m.bytes.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    std::vector<float> out = acc0;
+    EXPECT_THAT(Int8BlockwiseDecode(m.bytes.data(), m.bytes.size(), out.data(), out.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    EXPECT_THAT(
+        reference::Int8BlockwiseDecode(m.bytes.data(), m.bytes.size(), out.data(), out.size()),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    ExpectSameBits(out, acc0, "decode output");
+    std::vector<float> acc = acc0;
+    EXPECT_THAT(
+        Int8BlockwiseDecodeAccumulate(m.bytes.data(), m.bytes.size(), 0.5f, acc.data(), acc.size()),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    EXPECT_THAT(reference::Int8BlockwiseDecodeAccumulate(m.bytes.data(), m.bytes.size(), 0.5f,
+                                                         acc.data(), acc.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    ExpectSameBits(acc, acc0, "accumulator");
+  }
+
+  // A well-formed buffer for a different destination size.
+  std::vector<float> wrong(999);
+  EXPECT_THAT(Int8BlockwiseDecode(good.data(), good.size(), wrong.data(), wrong.size()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("buffer holds 1000 values but the destination has 999")));
+  EXPECT_THAT(
+      Int8BlockwiseDecodeAccumulate(good.data(), good.size(), 1.0f, wrong.data(), wrong.size()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("destination has 999")));
+}
+
+TEST(Int8CodecTest, DecodeReadsMinus128AsMinus127) {
+  // q = -128 is never written by the encoder; a decoder reads it as -127 (stays within range).
+  const std::vector<float> x = {2.0f, -1.0f, 0.5f};
+  Bytes enc(Int8EncodedSize(x.size(), 4));
+  ASSERT_THAT(Int8BlockwiseEncode(x.data(), x.size(), 4, enc.data(), nullptr), IsOk());
+  enc[16 + 4 + 1] = 0x80;  // q[1] = -128
+  std::vector<float> out(3);
+  std::vector<float> ref_out(3);
+  ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  ASSERT_THAT(reference::Int8BlockwiseDecode(enc.data(), enc.size(), ref_out.data(), 3), IsOk());
+  const float scale = 2.0f / 127.0f;
+  EXPECT_EQ(out[1], -127.0f * scale);
+  ExpectSameBits(out, ref_out, "decode");
+  std::vector<float> acc(3, 1.0f);
+  ASSERT_THAT(Int8BlockwiseDecodeAccumulate(enc.data(), enc.size(), 0.5f, acc.data(), 3), IsOk());
+  EXPECT_EQ(acc[1], 1.0f + 0.5f * (-127.0f * scale));
+}
+
+#ifdef ALOE_HAVE_CUDA
+
+// Device copy of a host byte or float vector; freed on destruction.
+template <typename T>
+class DeviceVector {
+ public:
+  explicit DeviceVector(const std::vector<T>& host) : n_(host.size()) {
+    if (cudaMalloc(&ptr_, std::max<size_t>(n_, 1) * sizeof(T)) != cudaSuccess) {
+      ptr_ = nullptr;
+      return;
+    }
+    if (n_ > 0) cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~DeviceVector() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceVector(const DeviceVector&) = delete;
+  DeviceVector& operator=(const DeviceVector&) = delete;
+
+  bool Valid() const { return ptr_ != nullptr; }
+  T* Data() { return static_cast<T*>(ptr_); }
+  std::vector<T> ToHost() const {
+    std::vector<T> host(n_);
+    if (n_ > 0) cudaMemcpy(host.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return host;
+  }
+
+ private:
+  size_t n_;
+  void* ptr_ = nullptr;
+};
+
+class CodecKernelsCudaTest : public ::testing::TestWithParam<std::tuple<size_t, SizeKind>> {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+  size_t BlockSize() const { return std::get<0>(GetParam()); }
+  size_t Count() const { return SizeOf(std::get<1>(GetParam()), BlockSize()); }
+};
+
+TEST_P(CodecKernelsCudaTest, MatchesCpuReferenceBitExact) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  const std::vector<float> x = WideRange(n, 91 + static_cast<unsigned>(n));
+  const std::vector<float> acc0 = Normal(n, 92 + static_cast<unsigned>(n));
+
+  // int8 encode (with residual), decode, decode-accumulate.
+  Bytes ref_enc(Int8EncodedSize(n, b));
+  std::vector<float> ref_residual(n);
+  ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), n, b, ref_enc.data(), ref_residual.data()),
+              IsOk());
+  std::vector<float> ref_out(n);
+  ASSERT_THAT(reference::Int8BlockwiseDecode(ref_enc.data(), ref_enc.size(), ref_out.data(), n),
+              IsOk());
+  std::vector<float> ref_acc = acc0;
+  ASSERT_THAT(reference::Int8BlockwiseDecodeAccumulate(ref_enc.data(), ref_enc.size(), 0.37f,
+                                                       ref_acc.data(), n),
+              IsOk());
+  const std::vector<float> zeros(n, 0.0f);
+  DeviceVector<float> d_x(x), d_residual(zeros), d_out(zeros), d_acc(acc0);
+  DeviceVector<uint8_t> d_enc(Bytes(ref_enc.size(), 0xAA));
+  ASSERT_TRUE(d_x.Valid() && d_residual.Valid() && d_out.Valid() && d_acc.Valid() && d_enc.Valid());
+  EXPECT_EQ(CudaInt8BlockwiseEncode(d_x.Data(), n, b, d_enc.Data(), d_residual.Data(), nullptr),
+            "");
+  EXPECT_EQ(CudaInt8BlockwiseDecode(d_enc.Data(), n, b, d_out.Data(), nullptr), "");
+  EXPECT_EQ(CudaInt8BlockwiseDecodeAccumulate(d_enc.Data(), n, b, 0.37f, d_acc.Data(), nullptr),
+            "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(d_enc.ToHost(), ref_enc);
+  ExpectSameBits(d_residual.ToHost(), ref_residual, "cuda int8 residual");
+  ExpectSameBits(d_out.ToHost(), ref_out, "cuda int8 decode");
+  ExpectSameBits(d_acc.ToHost(), ref_acc, "cuda int8 decode-accumulate");
+
+  // bf16 encode (with residual) and decode.
+  Bytes ref_bf16(Bf16EncodedSize(n));
+  ASSERT_THAT(reference::Bf16Encode(x.data(), n, ref_bf16.data(), ref_residual.data()), IsOk());
+  ASSERT_THAT(reference::Bf16Decode(ref_bf16.data(), ref_bf16.size(), ref_out.data(), n), IsOk());
+  DeviceVector<uint8_t> d_bf16(Bytes(ref_bf16.size(), 0xAA));
+  ASSERT_TRUE(d_bf16.Valid());
+  EXPECT_EQ(CudaBf16Encode(d_x.Data(), n, d_bf16.Data(), d_residual.Data(), nullptr), "");
+  EXPECT_EQ(CudaBf16Decode(d_bf16.Data(), n, d_out.Data(), nullptr), "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(d_bf16.ToHost(), ref_bf16);
+  ExpectSameBits(d_residual.ToHost(), ref_residual, "cuda bf16 residual");
+  ExpectSameBits(d_out.ToHost(), ref_out, "cuda bf16 decode");
+}
+
+TEST_P(CodecKernelsCudaTest, NonFiniteInputYieldsABufferTheCpuDecoderRejects) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  if (n == 0) GTEST_SKIP() << "nothing to poison";
+  std::vector<float> x = Normal(n, 93);
+  x[n / 2] = std::numeric_limits<float>::quiet_NaN();
+  DeviceVector<float> d_x(x);
+  DeviceVector<uint8_t> d_enc(Bytes(Int8EncodedSize(n, b)));
+  DeviceVector<uint8_t> d_bf16(Bytes(Bf16EncodedSize(n)));
+  ASSERT_TRUE(d_x.Valid() && d_enc.Valid() && d_bf16.Valid());
+  EXPECT_EQ(CudaInt8BlockwiseEncode(d_x.Data(), n, b, d_enc.Data(), nullptr, nullptr), "");
+  EXPECT_EQ(CudaBf16Encode(d_x.Data(), n, d_bf16.Data(), nullptr, nullptr), "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Bytes enc = d_enc.ToHost();
+  const Bytes bf16 = d_bf16.ToHost();
+  std::vector<float> out(n);
+  EXPECT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), n),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("for block " + std::to_string(n / 2 / b))));
+  EXPECT_THAT(Bf16Decode(bf16.data(), bf16.size(), out.data(), n),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("encoded value " + std::to_string(n / 2) + " is NaN")));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    BlocksAndSizes, CodecKernelsCudaTest,
+    ::testing::Combine(::testing::Values(size_t{1}, size_t{64}, size_t{256}, size_t{4096}),
+                       ::testing::Values(SizeKind::kZero, SizeKind::kOne, SizeKind::kBlockMinusOne,
+                                         SizeKind::kBlock, SizeKind::kBlockPlusOne,
+                                         SizeKind::kLarge)),
+    Int8ParamName);
+
+#endif  // ALOE_HAVE_CUDA
+
+}  // namespace
+}  // namespace aloe::kernels
