@@ -4,11 +4,11 @@
 
 namespace aloe::server {
 
-bool SyncRoundAggregation::MayStart(uint64_t worker, uint64_t current_version,
-                                    const std::vector<uint64_t>& live_trainers) {
+std::optional<uint64_t> SyncRoundAggregation::StartVersion(
+    uint64_t worker, uint64_t current_version, const std::vector<uint64_t>& live_trainers) {
   if (!open_) {
-    if (first_round_ && live_trainers.size() < min_workers_) return false;
-    if (live_trainers.empty()) return false;
+    if (first_round_ && live_trainers.size() < min_workers_) return std::nullopt;
+    if (live_trainers.empty()) return std::nullopt;
     open_ = true;
     first_round_ = false;
     round_version_ = current_version;
@@ -17,10 +17,10 @@ bool SyncRoundAggregation::MayStart(uint64_t worker, uint64_t current_version,
     pushed_.clear();
     received_.clear();
   }
-  if (round_version_ != current_version) return false;
-  if (participants_.count(worker) == 0 || started_.count(worker) > 0) return false;
+  if (round_version_ != current_version) return std::nullopt;
+  if (participants_.count(worker) == 0 || started_.count(worker) > 0) return std::nullopt;
   started_.insert(worker);
-  return true;
+  return round_version_;
 }
 
 absl::StatusOr<ApplyBatch> SyncRoundAggregation::Submit(PendingUpdate update,

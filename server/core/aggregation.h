@@ -5,10 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/core/update.h"
 
 namespace aloe::server {
@@ -23,10 +25,12 @@ class AggregationPolicy {
  public:
   virtual ~AggregationPolicy() = default;
 
-  // Whether trainer `worker` may start local work from `current_version` now. live_trainers
-  // is every live trainer (including `worker`). A true answer commits the worker to push.
-  virtual bool MayStart(uint64_t worker, uint64_t current_version,
-                        const std::vector<uint64_t>& live_trainers) = 0;
+  // The version trainer `worker` starts local work from now, or nullopt when it must wait.
+  // live_trainers is every live trainer (including `worker`). An answer commits the worker to
+  // push. The version is current_version, or an older one the policy released earlier (see
+  // PendingStartVersion) which the caller must keep available.
+  virtual std::optional<uint64_t> StartVersion(uint64_t worker, uint64_t current_version,
+                                               const std::vector<uint64_t>& live_trainers) = 0;
 
   // Takes a received update whose worker and task the caller already checked. Returns the batch
   // to apply now (empty when the update waits for others), or kFailedPrecondition for an update
@@ -43,6 +47,14 @@ class AggregationPolicy {
   // Workers whose pushes the current aggregation includes or still awaits (a sync round's
   // participants); 0 when none is in progress.
   virtual size_t active_workers() const = 0;
+
+  // Time-driven policies: closes what is due at the clock's now (e.g. a grace window) and
+  // returns true when workers were released to start from current_version.
+  virtual bool CloseExpired(uint64_t current_version) { return false; }
+  // When the next CloseExpired may fire; nullopt when nothing is pending.
+  virtual std::optional<absl::Time> Deadline() const { return std::nullopt; }
+  // A version released workers will start from that is not yet handed out in a task.
+  virtual std::optional<uint64_t> PendingStartVersion() const { return std::nullopt; }
 };
 
 // Sync DiLoCo: a round opens at version v over the live trainers (the first round waits for
@@ -53,8 +65,8 @@ class SyncRoundAggregation final : public AggregationPolicy {
  public:
   explicit SyncRoundAggregation(uint32_t min_workers) : min_workers_(min_workers) {}
 
-  bool MayStart(uint64_t worker, uint64_t current_version,
-                const std::vector<uint64_t>& live_trainers) override;
+  std::optional<uint64_t> StartVersion(uint64_t worker, uint64_t current_version,
+                                       const std::vector<uint64_t>& live_trainers) override;
   absl::StatusOr<ApplyBatch> Submit(PendingUpdate update, uint64_t current_version) override;
   ApplyBatch OnWorkerGone(uint64_t worker) override;
   bool InProgress() const override { return open_; }

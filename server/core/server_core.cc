@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/outer_kernels.h"
+#include "server/core/grace_period_aggregation.h"
 #include "server/core/server_metrics.h"
 
 namespace aloe::server {
@@ -29,7 +32,30 @@ ServerCore::ServerCore(const v1::ServerConfig& config, const Clock& clock, Metri
       clock_(clock),
       metrics_(metrics),
       membership_(clock, absl::Seconds(config.lease_seconds())),
-      sampler_({}, config.seed()) {}
+      sampler_({}, config.seed()),
+      planner_(LocalWorkPlanner::Options{}) {}
+
+namespace {
+
+LocalWorkPlanner::Options PlannerOptions(const v1::ServerConfig& config) {
+  LocalWorkPlanner::Options o;
+  switch (config.local_work().mode()) {
+    case v1::LOCAL_WORK_DYLU:
+      o.mode = LocalWorkPlanner::Mode::kDyLU;
+      break;
+    case v1::LOCAL_WORK_TIME_BUDGET:
+      o.mode = LocalWorkPlanner::Mode::kTimeBudget;
+      break;
+    default:
+      o.mode = LocalWorkPlanner::Mode::kFixed;
+  }
+  o.local_steps = config.local_steps();
+  o.time_budget_seconds = config.local_work().time_budget_seconds();
+  o.max_steps = config.local_work().max_steps();
+  return o;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
     const v1::ServerConfig& config, std::vector<DataShard> train_shards, std::string heldout_file,
@@ -42,14 +68,24 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   std::vector<std::vector<float>> initial = InitializeParameters(spec, config.seed());
   ALOE_ASSIGN_OR_RETURN(core->store_, ParameterStore::Create(std::move(spec), std::move(initial),
                                                              config.outer_optimizer(), executor));
-  core->aggregation_ =
-      std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
+  if (config.aggregation().mode() == v1::AGGREGATION_ASYNC) {
+    const double grace = config.aggregation().grace_seconds();
+    core->aggregation_ = std::make_unique<GracePeriodAggregation>(
+        clock, std::isinf(grace) ? absl::InfiniteDuration() : absl::Seconds(grace));
+  } else {
+    core->aggregation_ =
+        std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
+  }
   if (config.penalty().enabled()) {
     ALOE_ASSIGN_OR_RETURN(
         core->penalty_,
         PseudoGradientPenalty::Create(config.penalty(), core->store_->spec().layers_size()));
   }
-  core->sampler_ = ShardSampler(std::move(train_shards), config.seed());
+  core->sampler_ = ShardSampler(std::move(train_shards), config.seed(),
+                                config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL
+                                    ? ShardSampler::Mode::kProportional
+                                    : ShardSampler::Mode::kLearningProgress);
+  core->planner_ = LocalWorkPlanner(PlannerOptions(config));
   core->heldout_file_ = std::move(heldout_file);
   metrics.Set(kModelVersion, 0);
   return core;
@@ -96,6 +132,7 @@ absl::StatusOr<v1::HeartbeatReply> ServerCore::Heartbeat(const v1::HeartbeatRequ
                         request.steps_per_second()));
   }
   ALOE_RETURN_IF_ERROR(membership_.Renew(request.worker_id(), request.steps_per_second()));
+  planner_.ReportSpeed(request.worker_id(), request.steps_per_second());
   v1::HeartbeatReply reply;
   reply.set_version(store_->version());
   return reply;
@@ -118,6 +155,7 @@ absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request)
   // A repeated request (e.g. a lost reply) gets the same open task back.
   auto open = open_tasks_.find(member->id);
   if (open != open_tasks_.end()) return open->second.task;
+  CloseDueWindows();
   UpdateStopping();
   if (member->role == v1::ROLE_EVALUATOR) return EvaluatorTask(member->id);
   return TrainerTask(member->id);
@@ -126,16 +164,38 @@ absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request)
 absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   if (stopping_) return NewTask(v1::Task::STOP);
   const std::vector<uint64_t> live = membership_.LiveIds(v1::ROLE_TRAINER);
-  if (!aggregation_->MayStart(worker, store_->version(), live)) return NewTask(v1::Task::WAIT);
+  const uint64_t current = store_->version();
+  std::optional<uint64_t> base = aggregation_->StartVersion(worker, current, live);
+  if (!base) return NewTask(v1::Task::WAIT);
+  if (*base != current && retained_.count(*base) == 0) {
+    // Cannot happen: released versions are retained when the release happens.
+    ALOE_LOG_ERROR("server", "version %d to start worker %d from is gone; using %d", *base,
+                   worker, current);
+    base = current;
+  }
+  if (*base == current && retained_.count(current) == 0) retained_[current] = store_->Snapshot();
   if (!started_) started_ = clock_.Now();
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   v1::Task task = NewTask(v1::Task::TRAIN);
+  task.set_base_version(*base);
   const size_t shard = sampler_.Next();
+  const LocalWorkPlanner::Plan plan = planner_.PlanFor(worker);
   task.set_shard_name(sampler_.shard(shard).name);
   task.set_shard_file(sampler_.shard(shard).file);
-  task.set_local_steps(config_.local_steps());
+  task.set_local_steps(plan.steps);
+  task.set_time_budget_seconds(plan.time_budget_seconds);
   task.set_lr_step(sampler_.lr_step(shard));
-  open_tasks_[worker] = OpenTask{task, shard};
+  // Tokens this task is expected to learn, counted in flight (paper 002 Eq. 2 + in-flight).
+  double expected_steps = plan.steps;
+  if (plan.time_budget_seconds > 0) {
+    const double speed = planner_.speed(worker);
+    expected_steps = speed > 0 ? std::min<double>(plan.steps, speed * plan.time_budget_seconds)
+                               : config_.local_steps();
+  }
+  const uint64_t assigned = static_cast<uint64_t>(expected_steps) *
+                            config_.inner_optimizer().batch_size() * config_.model().seq_len();
+  sampler_.Assign(shard, assigned);
+  open_tasks_[worker] = OpenTask{task, shard, assigned};
   return task;
 }
 
@@ -154,12 +214,14 @@ v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
 
 absl::StatusOr<ModelSnapshot> ServerCore::SnapshotFor(const v1::PullRequest& request) const {
   ALOE_RETURN_IF_ERROR(LiveMember(request.worker_id()).status());
-  if (!request.latest() && request.version() != store_->version()) {
+  if (request.latest() || request.version() == store_->version()) return store_->Snapshot();
+  auto it = retained_.find(request.version());
+  if (it == retained_.end()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "version %d is not available; the current version is %d", request.version(),
         store_->version()));
   }
-  return store_->Snapshot();
+  return it->second;
 }
 
 absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
@@ -206,20 +268,48 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     return status;
   }
   const uint64_t worker = update.worker_id;
-  const uint64_t base_version = update.base_version;
   const uint64_t task_id = update.task_id;
+  // A window whose grace ran out closes before this arrival.
+  CloseDueWindows();
+  // Staleness = the version it is applied to - the version it started from.
+  const uint64_t staleness = store_->version() - update.base_version;
+  absl::StatusOr<float> scale = StalenessScale(config_.outer_optimizer(), staleness);
+  if (!scale.ok()) {
+    // Too stale: dropped like the work of a departed worker; the worker starts afresh.
+    CountRejected();
+    metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
+    const OpenTask& open = open_tasks_[worker];
+    sampler_.Release(open.shard, open.assigned_tokens);
+    open_tasks_.erase(worker);
+    ApplyBatch completed = aggregation_->OnWorkerGone(worker);
+    if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
+    PruneRetained();
+    return scale.status();
+  }
+  if (*scale != 1.0f) {
+    for (std::vector<float>& layer : update.layers) {
+      kernels::Scale(layer.data(), layer.size(), *scale);
+    }
+  }
+  planner_.ReportSpeed(worker, update.compute_seconds > 0
+                                   ? update.steps_done / update.compute_seconds
+                                   : 0.0);
   absl::StatusOr<ApplyBatch> batch = aggregation_->Submit(std::move(update), store_->version());
   if (!batch.ok()) {
     CountRejected();
     return batch.status();
   }
-  submitted_shard_[task_id] = open_tasks_[worker].shard;
+  metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
+  submitted_[task_id] = open_tasks_[worker];
   open_tasks_.erase(worker);
+  PruneRetained();
   v1::PushReply reply;
   reply.set_applied(!batch->updates.empty());
   if (reply.applied()) ALOE_RETURN_IF_ERROR(Apply(*std::move(batch)));
+  // With nobody else left to arrive a window closes at once (paper 002 Alg. 2, else branch).
+  CloseDueWindows();
   reply.set_version(store_->version());
-  reply.set_staleness(reply.applied() ? store_->version() - 1 - base_version : 0);
+  reply.set_staleness(staleness);
   return reply;
 }
 
@@ -242,10 +332,11 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   }
   double loss_sum = 0;
   for (const PendingUpdate& u : batch.updates) {
-    auto it = submitted_shard_.find(u.task_id);
-    if (it != submitted_shard_.end()) {
-      sampler_.RecordLearned(it->second, /*assigned=*/0, u.steps_done, u.tokens_learned);
-      submitted_shard_.erase(it);
+    auto it = submitted_.find(u.task_id);
+    if (it != submitted_.end()) {
+      sampler_.RecordLearned(it->second.shard, it->second.assigned_tokens, u.steps_done,
+                             u.tokens_learned);
+      submitted_.erase(it);
     }
     metrics_.Add(kTokensLearned, static_cast<double>(u.tokens_learned));
     loss_sum += u.train_loss;
@@ -345,8 +436,13 @@ void ServerCore::WorkerGone(uint64_t worker) {
       last_eval_version_.reset();
       if (!eval_history_.empty()) last_eval_version_ = eval_history_.back().version;
     }
+    if (open->second.task.kind() == v1::Task::TRAIN) {
+      // Its tokens were never learned: back to the shard's budget.
+      sampler_.Release(open->second.shard, open->second.assigned_tokens);
+    }
     open_tasks_.erase(open);
   }
+  planner_.Forget(worker);
   ApplyBatch batch = aggregation_->OnWorkerGone(worker);
   if (!batch.updates.empty()) {
     absl::Status s = Apply(std::move(batch));
@@ -355,10 +451,31 @@ void ServerCore::WorkerGone(uint64_t worker) {
   // Worker ids are never reused: its norm statistics can go. (An update of this worker still
   // waiting in an open round would start a fresh entry when applied.)
   if (penalty_ != nullptr) penalty_->ForgetStream(worker);
+  PruneRetained();
   PublishMembership();
 }
 
+void ServerCore::CloseDueWindows() {
+  if (aggregation_->CloseExpired(store_->version())) {
+    // The released workers all start from this version, whatever is applied meanwhile.
+    retained_[store_->version()] = store_->Snapshot();
+    PruneRetained();
+  }
+}
+
+void ServerCore::PruneRetained() {
+  std::set<uint64_t> needed;
+  for (const auto& [worker, open] : open_tasks_) {
+    if (open.task.kind() == v1::Task::TRAIN) needed.insert(open.task.base_version());
+  }
+  if (auto pending = aggregation_->PendingStartVersion()) needed.insert(*pending);
+  for (auto it = retained_.begin(); it != retained_.end();) {
+    it = needed.count(it->first) ? std::next(it) : retained_.erase(it);
+  }
+}
+
 void ServerCore::Tick() {
+  CloseDueWindows();
   for (uint64_t worker : membership_.ExpireLeases()) {
     ALOE_LOG_WARNING("server", "worker %d: lease expired, dropped", worker);
     metrics_.Add(kWorkersExpired, 1);

@@ -24,6 +24,7 @@
 #include "common/metrics.h"
 #include "proto/aloe.pb.h"
 #include "server/core/aggregation.h"
+#include "server/core/local_work.h"
 #include "server/core/membership.h"
 #include "server/core/parameter_store.h"
 #include "server/core/pseudo_gradient_penalty.h"
@@ -64,13 +65,19 @@ class ServerCore {
   void CountRejected();
 
   ModelSnapshot Snapshot() const { return store_->Snapshot(); }
-  // The snapshot a Pull streams: the requested version (kFailedPrecondition when it is no longer
-  // the current one) or the latest. kNotFound for an unknown worker.
+  // The snapshot a Pull streams: the requested version — the current one, or an older one that
+  // an open or released task starts from (kFailedPrecondition for any other) — or the latest.
+  // kNotFound for an unknown worker.
   absl::StatusOr<ModelSnapshot> SnapshotFor(const v1::PullRequest& request) const;
   const v1::ModelSpec& spec() const { return store_->spec(); }
   uint64_t version() const { return store_->version(); }
   uint64_t updates_applied() const { return updates_applied_; }
   const std::vector<EvalPoint>& eval_history() const { return eval_history_; }
+  // When a time-driven event (a grace window closing) is due; nullopt when none is pending.
+  // The service wakes waiting task requests then; the simulator schedules a Tick.
+  std::optional<absl::Time> NextDeadline() const { return aggregation_->Deadline(); }
+  const LocalWorkPlanner& local_work() const { return planner_; }
+  const ShardSampler& sampler() const { return sampler_; }
   // Training is over (stop condition met) and every worker is gone.
   bool Finished() const;
   bool stopping() const { return stopping_; }
@@ -81,6 +88,7 @@ class ServerCore {
   struct OpenTask {
     v1::Task task;
     size_t shard = 0;
+    uint64_t assigned_tokens = 0;  // counted in flight by the shard sampler
   };
 
   ServerCore(const v1::ServerConfig& config, const Clock& clock, MetricsSink& metrics);
@@ -93,6 +101,10 @@ class ServerCore {
   void ReportPenalty(const std::vector<PenaltyModuleReport>& reports);
   void UpdateStopping();
   void PublishMembership();
+  // Lets the aggregation policy close what is due and keeps the released version available.
+  void CloseDueWindows();
+  // Drops retained snapshots that no open task or released worker will start from.
+  void PruneRetained();
 
   const v1::ServerConfig config_;
   const Clock& clock_;
@@ -103,11 +115,14 @@ class ServerCore {
   // Replaces the batch's fixed weights when enabled (paper 000 Alg. 2, per layer).
   std::unique_ptr<PseudoGradientPenalty> penalty_;
   ShardSampler sampler_;
+  LocalWorkPlanner planner_;
   std::string heldout_file_;
+  // Older versions that open tasks (or released workers) start from, kept for their pulls.
+  std::map<uint64_t, ModelSnapshot> retained_;
 
   uint64_t next_task_id_ = 1;
   std::map<uint64_t, OpenTask> open_tasks_;   // by worker
-  std::map<uint64_t, size_t> submitted_shard_;  // task id -> shard, until applied
+  std::map<uint64_t, OpenTask> submitted_;   // task id -> its task, until applied
   std::optional<uint64_t> last_eval_version_;   // latest version handed out for evaluation
   std::vector<EvalPoint> eval_history_;
   std::optional<absl::Time> started_;  // when the first round opened

@@ -25,6 +25,7 @@ inline constexpr char kSentBytes[] = "aloe_sent_bytes_total";
 inline constexpr char kApplyLatency[] = "aloe_apply_latency_seconds";
 inline constexpr char kPushLatency[] = "aloe_push_latency_seconds";
 inline constexpr char kTrainLoss[] = "aloe_train_loss";
+inline constexpr char kUpdateStaleness[] = "aloe_update_staleness";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
 // no per-worker labels.
 inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";

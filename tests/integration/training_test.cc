@@ -142,12 +142,12 @@ class LoopbackTest : public ::testing::Test {
   // Sync training with an evaluator and two trainers (one 1.5x slower) until the server's stop
   // condition; every process must exit with 0.
   void TrainTwoWorkers(const std::string& extra_config, const std::string& outer_optimizer,
-                       TrainingRun* run) {
+                       TrainingRun* run, double slowdown = 1.5) {
     const int port = StartServer(extra_config, outer_optimizer);
     ASSERT_GT(port, 0);
     auto evaluator = StartWorker(port, "evaluator", 0);
     auto w0 = StartWorker(port, "trainer", 0);
-    auto w1 = StartWorker(port, "trainer", 1, /*slowdown=*/1.5);
+    auto w1 = StartWorker(port, "trainer", 1, slowdown);
 
     // A real scrape of the Prometheus endpoint while training runs.
     // Keeps the last successful scrape taken once training has moved past version 0.
@@ -238,6 +238,46 @@ TEST_F(LoopbackTest, PenaltyWithDelayedNesterovTrainsAndEvalLossFalls) {
       "outer_optimizer { type: OUTER_DELAYED_NESTEROV lr: 0.7 momentum: 0.9 dn_buffer_size: 2 }",
       &run));
   ExpectEightRoundsAndEvalLossFalls(run);
+}
+
+// Rounds a trainer completed, from its closing summary line.
+int RoundsOf(const std::string& log) {
+  const size_t at = log.find("summary: rounds=");
+  int rounds = -1;
+  if (at != std::string::npos) {
+    const std::string rest = log.substr(at + 16);
+    absl::SimpleAtoi(rest.substr(0, rest.find(' ')), &rounds);
+  }
+  return rounds;
+}
+
+// Asynchronous mode (paper 002 Alg. 2/5) with Delayed Nesterov and a short grace period: the
+// fast trainer is not held back by the one slowed 3x, so it completes more rounds; loss falls.
+TEST_F(LoopbackTest, AsyncFastWorkerDoesMoreRoundsAndEvalLossFalls) {
+  TrainingRun run;
+  ASSERT_NO_FATAL_FAILURE(TrainTwoWorkers(
+      R"(
+      local_steps: 12
+      max_versions: 16
+      eval_every: 4
+      aggregation { mode: AGGREGATION_ASYNC grace_seconds: 0.05 })",
+      "outer_optimizer { type: OUTER_DELAYED_NESTEROV lr: 0.7 momentum: 0.9 dn_buffer_size: 2 }",
+      &run, /*slowdown=*/3.0));
+  const int fast = RoundsOf(ReadFile(dir_ + "/trainer0.log"));
+  const int slow = RoundsOf(ReadFile(dir_ + "/trainer1.log"));
+  EXPECT_GT(fast, slow) << Logs();
+  EXPECT_GE(slow, 1) << Logs();
+  int version = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(run.summary["version"], &version));
+  EXPECT_GE(version, 16);
+  EXPECT_EQ(run.summary["updates_applied"], run.summary["version"]);  // one step per update
+  EXPECT_NE(run.scrape.find("aloe_update_staleness_bucket"), std::string::npos) << run.scrape;
+  ASSERT_GE(run.evals.size(), 2u) << Logs();
+  EXPECT_EQ(run.evals.front().first, 0);
+  EXPECT_EQ(run.evals.back().first, version);
+  EXPECT_LT(run.evals.back().second, run.evals.front().second - 1.5)
+      << "eval loss " << run.evals.front().second << " -> " << run.evals.back().second << "\n"
+      << Logs();
 }
 
 // A raw client joins as a trainer and sends malformed pushes over real gRPC.

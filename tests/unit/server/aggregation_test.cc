@@ -21,12 +21,12 @@ PendingUpdate U(uint64_t worker, uint64_t version) {
 
 TEST(SyncRoundAggregationTest, RoundIsABarrierOverItsParticipants) {
   SyncRoundAggregation sync(/*min_workers=*/2);
-  EXPECT_FALSE(sync.MayStart(1, 0, {1}));  // below min_workers
+  EXPECT_FALSE(sync.StartVersion(1, 0, {1}).has_value());  // below min_workers
   EXPECT_FALSE(sync.InProgress());
-  EXPECT_TRUE(sync.MayStart(1, 0, {1, 2}));
-  EXPECT_FALSE(sync.MayStart(1, 0, {1, 2}));  // starts once per round
-  EXPECT_FALSE(sync.MayStart(3, 0, {1, 2, 3}));  // joined mid-round: next round
-  EXPECT_TRUE(sync.MayStart(2, 0, {1, 2, 3}));
+  EXPECT_TRUE(sync.StartVersion(1, 0, {1, 2}).has_value());
+  EXPECT_FALSE(sync.StartVersion(1, 0, {1, 2}).has_value());  // starts once per round
+  EXPECT_FALSE(sync.StartVersion(3, 0, {1, 2, 3}).has_value());  // joined mid-round: next round
+  EXPECT_TRUE(sync.StartVersion(2, 0, {1, 2, 3}).has_value());
   EXPECT_EQ(sync.active_workers(), 2u);
 
   auto first = sync.Submit(U(1, 0), 0);
@@ -43,7 +43,7 @@ TEST(SyncRoundAggregationTest, RoundIsABarrierOverItsParticipants) {
   EXPECT_EQ(sync.active_workers(), 0u);
 
   // The next round includes the late joiner; min_workers applies to the first round only.
-  EXPECT_TRUE(sync.MayStart(3, 1, {3}));
+  EXPECT_TRUE(sync.StartVersion(3, 1, {3}).has_value());
   EXPECT_THAT(sync.Submit(U(3, 0), 1),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stale")));
   auto third = sync.Submit(U(3, 1), 1);
@@ -54,15 +54,15 @@ TEST(SyncRoundAggregationTest, RoundIsABarrierOverItsParticipants) {
 
 TEST(SyncRoundAggregationTest, DepartedParticipantCompletesOrClosesTheRound) {
   SyncRoundAggregation sync(1);
-  ASSERT_TRUE(sync.MayStart(1, 0, {1, 2, 3}));
-  ASSERT_TRUE(sync.MayStart(2, 0, {1, 2, 3}));
+  ASSERT_TRUE(sync.StartVersion(1, 0, {1, 2, 3}).has_value());
+  ASSERT_TRUE(sync.StartVersion(2, 0, {1, 2, 3}).has_value());
   ASSERT_THAT(sync.Submit(U(1, 0), 0), IsOk());
   EXPECT_TRUE(sync.OnWorkerGone(3).updates.empty());  // 2 still owes its push
   ApplyBatch batch = sync.OnWorkerGone(2);
   ASSERT_EQ(batch.updates.size(), 1u);
   EXPECT_EQ(batch.updates[0].worker_id, 1u);
 
-  ASSERT_TRUE(sync.MayStart(1, 1, {1}));
+  ASSERT_TRUE(sync.StartVersion(1, 1, {1}).has_value());
   EXPECT_TRUE(sync.OnWorkerGone(1).updates.empty());
   EXPECT_FALSE(sync.InProgress());  // nobody left: the round closes without a step
 }

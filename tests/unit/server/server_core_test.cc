@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/config.h"
 #include "common/status_matchers.h"
@@ -361,6 +362,169 @@ TEST_F(ServerCoreTest, PullOfAnOldVersionIsRefused) {
   EXPECT_THAT(core_->SnapshotFor(pull), IsOk());
   pull.set_worker_id(77);
   EXPECT_THAT(core_->SnapshotFor(pull), StatusIs(absl::StatusCode::kNotFound, HasSubstr("77")));
+}
+
+}  // namespace
+}  // namespace aloe::server
+
+namespace aloe::server {
+namespace {
+
+// An update whose element i of layer l is a deterministic pseudo-random value of (seed, l, i).
+PendingUpdate VariedUpdate(const v1::ModelSpec& spec, uint64_t worker, const v1::Task& task,
+                           uint32_t seed) {
+  PendingUpdate u;
+  u.worker_id = worker;
+  u.task_id = task.task_id();
+  u.base_version = task.base_version();
+  u.steps_done = task.local_steps();
+  u.tokens_learned = 10;
+  u.compute_seconds = 1.0;
+  for (const auto& layer : spec.layers()) {
+    std::vector<float> g(layer.num_elements());
+    for (size_t i = 0; i < g.size(); ++i) {
+      g[i] = static_cast<float>(((seed * 2654435761u + layer.id() * 40503u + i * 977u) % 2001) /
+                                1000.0 - 1.0) * 0.01f;
+    }
+    u.layers.push_back(std::move(g));
+  }
+  return u;
+}
+
+class AsyncServerCoreTest : public ServerCoreTest {
+ protected:
+  v1::ServerConfig AsyncConfig(double grace_seconds) {
+    v1::ServerConfig config = TinyConfig();
+    config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+    config.mutable_aggregation()->set_grace_seconds(grace_seconds);
+    config.mutable_aggregation()->set_min_workers(1);
+    return config;
+  }
+};
+
+TEST_F(AsyncServerCoreTest, InfiniteGraceWithEqualSpeedsMatchesSyncDiLoCo) {
+  // Sync DiLoCo with outer Nesterov ...
+  v1::ServerConfig sync = TinyConfig();
+  sync.mutable_outer_optimizer()->set_type(v1::OUTER_NESTEROV);
+  sync.mutable_outer_optimizer()->set_lr(0.7f);
+  sync.mutable_outer_optimizer()->set_momentum(0.9f);
+  Make(sync);
+  uint64_t a = Join(), b = Join();
+  for (uint32_t round = 0; round < 4; ++round) {
+    const v1::Task ta = Request(a), tb = Request(b);
+    ASSERT_THAT(core_->SubmitUpdate(VariedUpdate(core_->spec(), a, ta, 2 * round)), IsOk());
+    ASSERT_THAT(core_->SubmitUpdate(VariedUpdate(core_->spec(), b, tb, 2 * round + 1)), IsOk());
+  }
+  ASSERT_EQ(core_->version(), 4u);
+  const auto sync_params = Params();
+
+  // ... equals async with tau_grace = inf and Delayed Nesterov with N = k = 2 (paper 002):
+  // the two updates of a window are applied one by one, released together, and the DN
+  // momentum step at every 2nd update makes the pair one Nesterov step on their average.
+  v1::ServerConfig async = AsyncConfig(std::numeric_limits<double>::infinity());
+  *async.mutable_outer_optimizer() = sync.outer_optimizer();
+  async.mutable_outer_optimizer()->set_type(v1::OUTER_DELAYED_NESTEROV);
+  async.mutable_outer_optimizer()->set_dn_buffer_size(2);
+  Make(async);
+  a = Join();
+  b = Join();
+  for (uint32_t round = 0; round < 4; ++round) {
+    const v1::Task ta = Request(a), tb = Request(b);
+    ASSERT_EQ(ta.kind(), v1::Task::TRAIN);
+    ASSERT_EQ(tb.kind(), v1::Task::TRAIN);
+    EXPECT_EQ(ta.base_version(), 2 * round);
+    EXPECT_EQ(tb.base_version(), 2 * round);  // released together, one version
+    ASSERT_THAT(core_->SubmitUpdate(VariedUpdate(core_->spec(), a, ta, 2 * round)), IsOk());
+    EXPECT_EQ(Request(a).kind(), v1::Task::WAIT);  // waits for the window
+    auto rb = core_->SubmitUpdate(VariedUpdate(core_->spec(), b, tb, 2 * round + 1));
+    ASSERT_THAT(rb, IsOk());
+    EXPECT_EQ(rb->staleness(), 1u);
+  }
+  ASSERT_EQ(core_->version(), 8u);
+  const auto async_params = Params();
+  // Equal up to float rounding (the sums are associated differently).
+  double max_diff = 0;
+  for (size_t l = 0; l < sync_params.size(); ++l) {
+    for (size_t i = 0; i < sync_params[l].size(); ++i) {
+      max_diff = std::max(max_diff, std::abs(double(sync_params[l][i]) - async_params[l][i]));
+    }
+  }
+  EXPECT_LT(max_diff, 1e-6);
+}
+
+TEST_F(AsyncServerCoreTest, ZeroGraceAppliesOnArrivalAndServesOlderBaseVersions) {
+  Make(AsyncConfig(0));
+  const uint64_t a = Join(), b = Join();
+  const v1::Task ta = Request(a), tb = Request(b);
+  ASSERT_EQ(tb.kind(), v1::Task::TRAIN);
+  auto ra = core_->SubmitUpdate(Update(a, ta, 1.0f));
+  ASSERT_THAT(ra, IsOk());
+  EXPECT_TRUE(ra->applied());
+  EXPECT_EQ(core_->version(), 1u);
+  const v1::Task ta2 = Request(a);  // released at once
+  ASSERT_EQ(ta2.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta2.base_version(), 1u);
+  auto rb = core_->SubmitUpdate(Update(b, tb, 1.0f));
+  ASSERT_THAT(rb, IsOk());
+  EXPECT_EQ(rb->staleness(), 1u);  // applied to v1, started from v0
+  EXPECT_EQ(core_->version(), 2u);
+  // a's task still pulls v1 although the model is at v2.
+  v1::PullRequest pull;
+  pull.set_worker_id(a);
+  pull.set_version(1);
+  auto snapshot = core_->SnapshotFor(pull);
+  ASSERT_THAT(snapshot, IsOk());
+  EXPECT_EQ(snapshot->version, 1u);
+  EXPECT_EQ(metrics_.Observations("aloe_update_staleness"), (std::vector<double>{0, 1}));
+}
+
+TEST_F(AsyncServerCoreTest, TooStaleUpdateIsDroppedAndChangesNothing) {
+  v1::ServerConfig config = AsyncConfig(0);
+  config.mutable_outer_optimizer()->set_max_staleness(1);
+  Make(config);
+  const uint64_t a = Join(), b = Join();
+  const v1::Task ta = Request(a), tb = Request(b);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());  // v1
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, Request(a), 1.0f)), IsOk());  // v2
+  const auto before = Params();
+  // b started from v0: staleness 2 > 1.
+  EXPECT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("staleness")));
+  EXPECT_EQ(Params(), before);
+  EXPECT_EQ(core_->version(), 2u);
+  const v1::Task again = Request(b);  // b starts afresh from the current version
+  EXPECT_EQ(again.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(again.base_version(), 2u);
+}
+
+TEST_F(AsyncServerCoreTest, DyLUStepsFollowReportedSpeedsAndTimeBudgetIsSent) {
+  v1::ServerConfig config = AsyncConfig(0);
+  config.set_local_steps(50);
+  config.mutable_local_work()->set_mode(v1::LOCAL_WORK_DYLU);
+  Make(config);
+  const uint64_t fast = Join(), slow = Join();
+  EXPECT_EQ(Request(slow).local_steps(), 50u);  // not measured yet: H
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id(fast);
+  hb.set_steps_per_second(4.0);
+  ASSERT_THAT(core_->Heartbeat(hb), IsOk());
+  hb.set_worker_id(slow);
+  hb.set_steps_per_second(1.52);  // 0.38 of the fastest
+  ASSERT_THAT(core_->Heartbeat(hb), IsOk());
+  EXPECT_EQ(Request(fast).local_steps(), 50u);
+  // slow still holds its first task; finish it, then its next one is shorter.
+  const v1::Task first = Request(slow);
+  PendingUpdate u = Update(slow, first, 0.1f);
+  u.compute_seconds = 50 / 1.52;  // the push reports the same speed
+  ASSERT_THAT(core_->SubmitUpdate(u), IsOk());
+  EXPECT_EQ(Request(slow).local_steps(), 19u);  // floor(0.38 * 50)
+
+  config.mutable_local_work()->set_mode(v1::LOCAL_WORK_TIME_BUDGET);
+  config.mutable_local_work()->set_time_budget_seconds(2.5);
+  Make(config);
+  const v1::Task budgeted = Request(Join());
+  EXPECT_DOUBLE_EQ(budgeted.time_budget_seconds(), 2.5);
+  EXPECT_EQ(budgeted.local_steps(), 5000u);  // the cap: 100 x H
 }
 
 }  // namespace

@@ -1,0 +1,75 @@
+#include "server/core/grace_period_aggregation.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+
+namespace aloe::server {
+
+std::optional<absl::Time> GracePeriodAggregation::Deadline() const {
+  if (!window_open_ || grace_ == absl::InfiniteDuration()) return std::nullopt;
+  return *window_open_ + grace_;
+}
+
+std::optional<uint64_t> GracePeriodAggregation::PendingStartVersion() const {
+  if (released_.empty()) return std::nullopt;
+  return release_version_;
+}
+
+bool GracePeriodAggregation::CloseExpired(uint64_t current_version) {
+  if (!window_open_) return false;
+  const bool timed_out =
+      grace_ != absl::InfiniteDuration() && clock_.Now() >= *window_open_ + grace_;
+  const bool everyone_in = std::includes(window_members_.begin(), window_members_.end(),
+                                         known_.begin(), known_.end());
+  if (!timed_out && !everyone_in) return false;
+  Close(current_version);
+  return true;
+}
+
+void GracePeriodAggregation::Close(uint64_t current_version) {
+  released_.insert(window_members_.begin(), window_members_.end());
+  window_members_.clear();
+  window_open_.reset();
+  release_version_ = current_version;
+}
+
+std::optional<uint64_t> GracePeriodAggregation::StartVersion(
+    uint64_t worker, uint64_t current_version, const std::vector<uint64_t>& live_trainers) {
+  known_.insert(worker);
+  CloseExpired(current_version);
+  if (window_members_.count(worker) > 0 || started_.count(worker) > 0) return std::nullopt;
+  started_.insert(worker);
+  if (released_.erase(worker) > 0) return release_version_;
+  return current_version;
+}
+
+absl::StatusOr<ApplyBatch> GracePeriodAggregation::Submit(PendingUpdate update,
+                                                          uint64_t current_version) {
+  // A window whose time ran out closes before this arrival opens the next one.
+  if (window_open_ && grace_ != absl::InfiniteDuration() &&
+      clock_.Now() >= *window_open_ + grace_) {
+    Close(current_version);
+  }
+  if (started_.count(update.worker_id) == 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker %d has no work in progress (already pushed?)", update.worker_id));
+  }
+  started_.erase(update.worker_id);
+  if (!window_open_) window_open_ = clock_.Now();
+  window_members_.insert(update.worker_id);
+  ApplyBatch batch;
+  batch.weights.push_back(1.0f);
+  batch.updates.push_back(std::move(update));
+  return batch;
+}
+
+ApplyBatch GracePeriodAggregation::OnWorkerGone(uint64_t worker) {
+  known_.erase(worker);
+  started_.erase(worker);
+  window_members_.erase(worker);
+  released_.erase(worker);
+  return {};
+}
+
+}  // namespace aloe::server

@@ -1,0 +1,459 @@
+// The straggler simulator end to end on the real ServerCore with the synthetic objective and a
+// tiny model: determinism, learning, sync fairness, membership events, virtual-time arithmetic
+// of speed and trace profiles, A-EDiT budgets, async mode, and input parsing errors.
+#include "server/sim/simulator.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "common/config.h"
+#include "common/model_spec.h"
+#include "common/status_matchers.h"
+#include "server/sim/synthetic_trainer.h"
+
+namespace aloe::sim {
+namespace {
+
+using ::aloe::testing::IsOk;
+using ::aloe::testing::StatusIs;
+using ::testing::HasSubstr;
+
+constexpr double kSpeeds[] = {1, 0.77, 0.38, 0.17};  // paper 002's 'very' heterogeneity
+
+const std::vector<server::DataShard>& Shards() {
+  static const auto* shards = new std::vector<server::DataShard>{
+      {"a", "a.tok", 1000}, {"b", "b.tok", 2000}, {"c", "c.tok", 3000}, {"d", "d.tok", 4000}};
+  return *shards;
+}
+
+// A tiny model (~1.4k parameters), sync DiLoCo with outer Nesterov (lr 0.7, beta 0.9), H = 5,
+// all four workers in every round.
+v1::ServerConfig SyncConfig() {
+  v1::ServerConfig config;
+  config.mutable_model()->set_vocab_size(16);
+  config.mutable_model()->set_seq_len(8);
+  config.mutable_model()->set_d_model(8);
+  config.mutable_model()->set_num_layers(2);
+  config.mutable_model()->set_num_heads(2);
+  config.set_corpus_dir("unused");
+  config.set_local_steps(5);
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_SYNC);
+  config.mutable_aggregation()->set_min_workers(4);
+  config.mutable_outer_optimizer()->set_type(v1::OUTER_NESTEROV);
+  config.mutable_outer_optimizer()->set_lr(0.7f);
+  config.mutable_outer_optimizer()->set_momentum(0.9f);
+  config.set_max_versions(10);
+  FillServerDefaults(&config);
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
+  return config;
+}
+
+SimulatorOptions Options(std::vector<double> speeds = {std::begin(kSpeeds), std::end(kSpeeds)}) {
+  SimulatorOptions options;
+  for (double s : speeds) {
+    auto profile = StepTimeProfile::Create({1.0 / s});
+    EXPECT_THAT(profile, IsOk());
+    options.workers.push_back(*profile);
+  }
+  return options;
+}
+
+// Runs the simulator with one SyntheticTrainer per worker plus an evaluation trainer.
+absl::StatusOr<SimResult> RunSynthetic(const v1::ServerConfig& config, SimulatorOptions options) {
+  const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
+  SyntheticObjectiveOptions o;
+  o.seed = config.seed();
+  auto objective = SyntheticObjective::Create(spec, Shards(), o);
+  if (!objective.ok()) return objective.status();
+  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
+  for (size_t i = 0; i < options.workers.size(); ++i) {
+    trainers.push_back(std::make_unique<SyntheticTrainer>(**objective));
+  }
+  auto simulator = Simulator::Create(config, Shards(), "heldout.tok", std::move(options),
+                                     std::move(trainers),
+                                     std::make_unique<SyntheticTrainer>(**objective));
+  if (!simulator.ok()) return simulator.status();
+  return (*simulator)->Run();
+}
+
+std::vector<const SimRow*> RowsOf(const SimResult& result, int worker) {
+  std::vector<const SimRow*> rows;
+  for (const SimRow& row : result.rows) {
+    if (row.worker == worker) rows.push_back(&row);
+  }
+  return rows;
+}
+
+std::vector<const SimRow*> EvalRows(const SimResult& result) {
+  std::vector<const SimRow*> rows;
+  for (const SimRow& row : result.rows) {
+    if (row.eval_loss.has_value()) rows.push_back(&row);
+  }
+  return rows;
+}
+
+TEST(SimulatorTest, SameInputsGiveBitIdenticalCsv) {
+  auto first = RunSynthetic(SyncConfig(), Options());
+  auto second = RunSynthetic(SyncConfig(), Options());
+  ASSERT_THAT(first, IsOk());
+  ASSERT_THAT(second, IsOk());
+  const std::string csv = FormatCsv(*first);
+  EXPECT_EQ(csv, FormatCsv(*second));
+  EXPECT_EQ(FormatSummary(*first), FormatSummary(*second));
+  // 40 pushes and the version-0 evaluation row.
+  EXPECT_EQ(first->rows.size(), 41u);
+  EXPECT_EQ(csv.substr(0, csv.find('\n')),
+            "virtual_time,version,worker,staleness,shard,steps,eval_loss,outcome");
+
+  // A different seed changes the run (the CSV is not trivially constant).
+  v1::ServerConfig other = SyncConfig();
+  other.set_seed(7);
+  auto third = RunSynthetic(other, Options());
+  ASSERT_THAT(third, IsOk());
+  EXPECT_NE(csv, FormatCsv(*third));
+}
+
+TEST(SimulatorTest, SyncEvalLossFallsAndEveryVersionIsEvaluated) {
+  auto result = RunSynthetic(SyncConfig(), Options());
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "finished");
+  EXPECT_EQ(result->final_version, 10u);
+  const std::vector<const SimRow*> evals = EvalRows(*result);
+  ASSERT_EQ(evals.size(), 11u);  // versions 0..10
+  EXPECT_EQ(evals.front()->version, 0u);
+  EXPECT_EQ(evals.front()->outcome, SimRow::Outcome::kEval);
+  const double initial = *evals.front()->eval_loss;
+  EXPECT_GT(initial, 0.55);  // ~0.5 * (1 + spread^2) far from the targets
+  EXPECT_LT(result->final_eval_loss, 0.6 * initial);
+  EXPECT_DOUBLE_EQ(*evals.back()->eval_loss, result->final_eval_loss);
+  for (size_t i = 1; i < evals.size(); ++i) {
+    EXPECT_EQ(evals[i]->version, i);
+    EXPECT_EQ(evals[i]->outcome, SimRow::Outcome::kApplied);  // the round's last push
+  }
+}
+
+TEST(SimulatorTest, SyncGivesEqualUpdatesAndRoundsLastAsLongAsTheSlowestWorker) {
+  auto result = RunSynthetic(SyncConfig(), Options());
+  ASSERT_THAT(result, IsOk());
+  EXPECT_THAT(result->updates_per_worker, ::testing::ElementsAre(10, 10, 10, 10));
+  EXPECT_THAT(result->rejected_per_worker, ::testing::ElementsAre(0, 0, 0, 0));
+  EXPECT_EQ(result->total_local_steps, 4u * 10u * 5u);
+  // Each round waits for the 0.17 steps/s worker: 10 rounds x 5 steps / 0.17.
+  EXPECT_NEAR(result->virtual_seconds, 10 * 5 / 0.17, 1e-6);
+  // Worker 0 pushes 5 s into each round, worker 3 closes it.
+  const auto fast = RowsOf(*result, 0);
+  const auto slow = RowsOf(*result, 3);
+  ASSERT_EQ(fast.size(), 10u);
+  ASSERT_EQ(slow.size(), 10u);
+  for (int r = 0; r < 10; ++r) {
+    EXPECT_NEAR(fast[r]->virtual_seconds, r * 5 / 0.17 + 5, 1e-6);
+    EXPECT_EQ(fast[r]->outcome, SimRow::Outcome::kAccepted);
+    EXPECT_EQ(fast[r]->version, static_cast<uint64_t>(r));
+    EXPECT_EQ(slow[r]->outcome, SimRow::Outcome::kApplied);
+    EXPECT_EQ(slow[r]->version, static_cast<uint64_t>(r + 1));
+    EXPECT_EQ(slow[r]->staleness, 0u);
+    EXPECT_EQ(slow[r]->steps, 5u);
+  }
+}
+
+TEST(SimulatorTest, MaxLocalStepsAndMaxVersionsStopTheRun) {
+  v1::ServerConfig config = SyncConfig();
+  config.set_max_versions(0);
+  SimulatorOptions options = Options();
+  options.max_local_steps = 60;  // three rounds of 4 x 5 steps
+  auto by_steps = RunSynthetic(config, options);
+  ASSERT_THAT(by_steps, IsOk());
+  EXPECT_EQ(by_steps->stop_reason, "max_local_steps");
+  EXPECT_EQ(by_steps->total_local_steps, 60u);
+  EXPECT_EQ(by_steps->final_version, 3u);
+
+  options = Options();
+  options.max_versions = 4;
+  auto by_versions = RunSynthetic(config, options);
+  ASSERT_THAT(by_versions, IsOk());
+  EXPECT_EQ(by_versions->stop_reason, "max_versions");
+  EXPECT_EQ(by_versions->final_version, 4u);
+
+  options = Options();
+  options.max_virtual_seconds = 100;
+  auto by_time = RunSynthetic(config, options);
+  ASSERT_THAT(by_time, IsOk());
+  EXPECT_EQ(by_time->stop_reason, "max_virtual_seconds");
+  EXPECT_DOUBLE_EQ(by_time->virtual_seconds, 100);
+  EXPECT_EQ(by_time->final_version, 3u);  // rounds end at 29.4, 58.8, 88.2 s
+}
+
+TEST(SimulatorTest, LateJoinerContributesFewerUpdates) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_min_workers(3);
+  SimulatorOptions options = Options();
+  ASSERT_THAT(ParseEvents("join@100:0"), IsOk());
+  options.events = *ParseEvents("join@100:0");
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "finished");
+  const auto& updates = result->updates_per_worker;
+  EXPECT_GT(updates[0], 0u);
+  EXPECT_LT(updates[0], updates[1]);
+  EXPECT_EQ(updates[1], 10u);
+  EXPECT_EQ(updates[2], 10u);
+  EXPECT_EQ(updates[3], 10u);
+  for (const SimRow* row : RowsOf(*result, 0)) EXPECT_GT(row->virtual_seconds, 100);
+}
+
+TEST(SimulatorTest, LeaverInFlightWorkIsNotAppliedAndRoundsGoOnWithoutIt) {
+  SimulatorOptions options = Options();
+  // Worker 3's second task runs from 29.41 s to 58.82 s; it leaves at 40 s.
+  options.events = *ParseEvents("leave@40:3");
+  auto result = RunSynthetic(SyncConfig(), options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "finished");
+  EXPECT_EQ(result->final_version, 10u);
+  const auto rows3 = RowsOf(*result, 3);
+  ASSERT_EQ(rows3.size(), 1u);
+  EXPECT_LT(rows3[0]->virtual_seconds, 40);
+  EXPECT_EQ(result->updates_per_worker[3], 1u);
+  EXPECT_EQ(result->updates_per_worker[0], 10u);
+  EXPECT_EQ(result->total_local_steps, (1 + 3 * 10) * 5u);
+  // The round in progress closes with worker 2's push (29.41 + 5 / 0.38 s), without worker 3.
+  const auto rows2 = RowsOf(*result, 2);
+  ASSERT_GE(rows2.size(), 2u);
+  EXPECT_NEAR(rows2[1]->virtual_seconds, 5 / 0.17 + 5 / 0.38, 1e-6);
+  EXPECT_EQ(rows2[1]->outcome, SimRow::Outcome::kApplied);
+  EXPECT_EQ(rows2[1]->version, 2u);
+}
+
+TEST(SimulatorTest, CrashedWorkerIsDroppedWhenItsLeaseExpires) {
+  v1::ServerConfig config = SyncConfig();
+  config.set_lease_seconds(10);
+  SimulatorOptions options = Options();
+  options.events = *ParseEvents("crash@40:3");
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->final_version, 10u);
+  EXPECT_EQ(result->updates_per_worker[3], 1u);
+  // Round 2 waits for the silent worker until its lease runs out at 40 + 10 s; the expiry
+  // completes it, so version 2 is recorded by an evaluation row at that time.
+  bool found = false;
+  for (const SimRow& row : result->rows) {
+    if (row.version == 2 && row.outcome == SimRow::Outcome::kEval) {
+      found = true;
+      EXPECT_NEAR(row.virtual_seconds, 50, 1e-6);
+      EXPECT_TRUE(row.eval_loss.has_value());
+    }
+  }
+  EXPECT_TRUE(found) << FormatCsv(*result);
+}
+
+TEST(SimulatorTest, WorkerCanLeaveAndJoinAgain) {
+  SimulatorOptions options = Options();
+  options.events = *ParseEvents("leave@10:0,join@200:0");
+  auto result = RunSynthetic(SyncConfig(), options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "finished");
+  const auto rows0 = RowsOf(*result, 0);
+  ASSERT_GE(rows0.size(), 2u);
+  EXPECT_LT(rows0[0]->virtual_seconds, 10);
+  EXPECT_GT(rows0[1]->virtual_seconds, 200);
+  EXPECT_LT(result->updates_per_worker[0], 10u);
+}
+
+TEST(SimulatorTest, TraceProfileCyclesAcrossTasks) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_min_workers(1);
+  config.set_max_versions(3);
+  SimulatorOptions options;
+  auto profiles = ParseTrace("# one worker alternating fast and slow steps\n0,1\n0,3\n", "t");
+  ASSERT_THAT(profiles, IsOk());
+  options.workers = *profiles;
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  const auto rows = RowsOf(*result, 0);
+  ASSERT_EQ(rows.size(), 3u);
+  // Task 1: 1+3+1+3+1 = 9 s; task 2 resumes the cycle: 3+1+3+1+3 = 11 s; task 3: 9 s.
+  EXPECT_NEAR(rows[0]->virtual_seconds, 9, 1e-9);
+  EXPECT_NEAR(rows[1]->virtual_seconds, 20, 1e-9);
+  EXPECT_NEAR(rows[2]->virtual_seconds, 29, 1e-9);
+}
+
+TEST(SimulatorTest, TimeBudgetRunsStepsUntilTheFirstStepEndAfterTheBudget) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_min_workers(2);
+  config.mutable_local_work()->set_mode(v1::LOCAL_WORK_TIME_BUDGET);
+  config.mutable_local_work()->set_time_budget_seconds(3);
+  config.set_max_versions(2);
+  auto result = RunSynthetic(config, Options({1, 0.5}));
+  ASSERT_THAT(result, IsOk());
+  // 1 s steps: 3 steps end exactly at the budget; 2 s steps: the second ends at 4 s >= 3 s.
+  for (const SimRow* row : RowsOf(*result, 0)) EXPECT_EQ(row->steps, 3u);
+  for (const SimRow* row : RowsOf(*result, 1)) EXPECT_EQ(row->steps, 2u);
+  EXPECT_NEAR(result->virtual_seconds, 8, 1e-9);
+}
+
+TEST(SimulatorTest, AsyncFastWorkerContributesMoreAndLossStillFalls) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_grace_seconds(0.5);
+  config.mutable_aggregation()->set_min_workers(1);
+  // Async DiLoCo's smaller outer step (paper 002's toy: sync lr 0.7, async lr 0.07 with N=4).
+  config.mutable_outer_optimizer()->set_lr(0.2f);
+  config.set_max_versions(40);
+  auto result = RunSynthetic(config, Options());
+  ASSERT_THAT(result, IsOk());
+  const auto& updates = result->updates_per_worker;
+  EXPECT_GT(updates[0], updates[1]);
+  EXPECT_GT(updates[1], updates[2]);
+  EXPECT_GT(updates[2], updates[3]);
+  EXPECT_GE(updates[0], 4 * updates[3]);
+  const auto evals = EvalRows(*result);
+  ASSERT_FALSE(evals.empty());
+  EXPECT_LT(result->final_eval_loss, 0.6 * *evals.front()->eval_loss);
+  // Updates of slow workers arrive stale.
+  uint64_t max_staleness = 0;
+  for (const SimRow* row : RowsOf(*result, 3)) max_staleness = std::max(max_staleness, row->staleness);
+  EXPECT_GT(max_staleness, 0u);
+  // Still deterministic.
+  auto again = RunSynthetic(config, Options());
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(FormatCsv(*result), FormatCsv(*again));
+}
+
+TEST(SimulatorTest, StallStopsARunThatCanNeverStart) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_min_workers(5);  // only four workers exist
+  auto result = RunSynthetic(config, Options());
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "stalled");
+  EXPECT_EQ(result->final_version, 0u);
+}
+
+TEST(SimulatorTest, CreateRejectsBadInputs) {
+  const v1::ServerConfig config = SyncConfig();
+  SimulatorOptions options = Options();
+  options.events = *ParseEvents("leave@5:7");
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leave@5:7")));
+  options.events = *ParseEvents("join@5:1");
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("already present")));
+  options.events = *ParseEvents("join@5:1,leave@1:1");  // sorted by time: leave, then join
+  EXPECT_THAT(RunSynthetic(config, options), IsOk());
+  options = Options();
+  options.tick_seconds = 0;
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tick_seconds")));
+  EXPECT_THAT(RunSynthetic(config, SimulatorOptions()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least one worker")));
+}
+
+TEST(SimulatorTest, RunTwiceIsAnError) {
+  const v1::ServerConfig config = SyncConfig();
+  const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
+  auto objective = SyntheticObjective::Create(spec, Shards(), {});
+  ASSERT_THAT(objective, IsOk());
+  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
+  trainers.push_back(std::make_unique<SyntheticTrainer>(**objective));
+  SimulatorOptions options = Options({1});
+  v1::ServerConfig one = config;
+  one.mutable_aggregation()->set_min_workers(1);
+  one.set_max_versions(1);
+  auto simulator = Simulator::Create(one, Shards(), "h", options, std::move(trainers),
+                                     std::make_unique<SyntheticTrainer>(**objective));
+  ASSERT_THAT(simulator, IsOk());
+  EXPECT_THAT((*simulator)->Run(), IsOk());
+  EXPECT_THAT((*simulator)->Run(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("once")));
+}
+
+// --- Parsing. ---
+
+TEST(ParseTraceTest, BuildsPerWorkerCyclesInFileOrder) {
+  auto profiles = ParseTrace("0, 0.5\n1,2\n\n# comment\n0,1.5\n", "trace.txt");
+  ASSERT_THAT(profiles, IsOk());
+  ASSERT_EQ(profiles->size(), 2u);
+  EXPECT_THAT((*profiles)[0].cycle(), ::testing::ElementsAre(0.5, 1.5));
+  EXPECT_THAT((*profiles)[1].cycle(), ::testing::ElementsAre(2.0));
+}
+
+TEST(ParseTraceTest, ErrorsNameTheLine) {
+  EXPECT_THAT(ParseTrace("0,1\n1,abc\n", "trace.txt"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 2")));
+  EXPECT_THAT(ParseTrace("0,1\n\n0,1,2\n", "trace.txt"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("trace.txt line 3: expected 'worker_index,seconds_per_step'")));
+  EXPECT_THAT(ParseTrace("0,-1\n", "trace.txt"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 1")));
+  EXPECT_THAT(ParseTrace("0,inf\n", "trace.txt"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 1")));
+  EXPECT_THAT(ParseTrace("x,1\n", "trace.txt"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 1")));
+  EXPECT_THAT(ParseTrace("0,1\n2,1\n", "trace.txt"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker 1 has no step")));
+  EXPECT_THAT(ParseTrace("# nothing\n", "trace.txt"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no step times")));
+  EXPECT_THAT(LoadTrace("/nonexistent/trace.txt"), StatusIs(absl::StatusCode::kNotFound,
+                                                            HasSubstr("/nonexistent/trace.txt")));
+}
+
+TEST(ParseSpeedsTest, ConvertsStepsPerSecondToStepTimes) {
+  auto profiles = ParseSpeeds("1,0.5,4");
+  ASSERT_THAT(profiles, IsOk());
+  ASSERT_EQ(profiles->size(), 3u);
+  EXPECT_THAT((*profiles)[1].cycle(), ::testing::ElementsAre(2.0));
+  EXPECT_THAT((*profiles)[2].cycle(), ::testing::ElementsAre(0.25));
+  EXPECT_THAT(ParseSpeeds("1,0,2"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("speeds item 1")));
+  EXPECT_THAT(ParseSpeeds("1,,2"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("speeds item 1")));
+  EXPECT_THAT(ParseSpeeds(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("item 0")));
+}
+
+TEST(ParseEventsTest, ParsesKindsTimesAndWorkers) {
+  auto events = ParseEvents("join@1.5:2, leave@10:0,crash@3:1");
+  ASSERT_THAT(events, IsOk());
+  ASSERT_EQ(events->size(), 3u);
+  EXPECT_EQ((*events)[0].kind, MembershipEvent::Kind::kJoin);
+  EXPECT_DOUBLE_EQ((*events)[0].at_seconds, 1.5);
+  EXPECT_EQ((*events)[0].worker, 2);
+  EXPECT_EQ((*events)[1].kind, MembershipEvent::Kind::kLeave);
+  EXPECT_EQ((*events)[2].kind, MembershipEvent::Kind::kCrash);
+  EXPECT_THAT(ParseEvents(""), IsOk());
+  EXPECT_THAT(ParseEvents("jump@1:0"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown kind 'jump'")));
+  EXPECT_THAT(ParseEvents("join@x:0"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("join@x:0")));
+  EXPECT_THAT(ParseEvents("join@-1:0"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(">= 0")));
+  EXPECT_THAT(ParseEvents("join@1:-1"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker index")));
+  EXPECT_THAT(ParseEvents("join1:0"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected join@T:i")));
+}
+
+TEST(FormatCsvTest, WritesEveryColumnAndQuotesWhenNeeded) {
+  SimResult result;
+  SimRow eval;
+  eval.virtual_seconds = 0;
+  eval.version = 0;
+  eval.eval_loss = 2.5;
+  eval.outcome = SimRow::Outcome::kEval;
+  result.rows.push_back(eval);
+  SimRow push;
+  push.virtual_seconds = 1.25;
+  push.version = 1;
+  push.worker = 3;
+  push.staleness = 2;
+  push.shard = "a,b";
+  push.steps = 20;
+  push.outcome = SimRow::Outcome::kRejected;
+  result.rows.push_back(push);
+  EXPECT_EQ(FormatCsv(result),
+            "virtual_time,version,worker,staleness,shard,steps,eval_loss,outcome\n"
+            "0.000000,0,,,,,2.500000,eval\n"
+            "1.250000,1,3,2,\"a,b\",20,,rejected\n");
+}
+
+}  // namespace
+}  // namespace aloe::sim
