@@ -1,28 +1,39 @@
 #!/usr/bin/env bash
 # The ALOE demo cluster on loopback: aloe-server, an evaluator and two trainers (the second
 # slowed down to emulate weaker hardware) train a byte-level transformer on the State of the
-# Union corpus with sync DiLoCo, print progress, a final summary, and stop every process they
+# Union corpus with sync (default) or async DiLoCo, print progress, a final summary, and stop every process they
 # started (also on Ctrl-C).
 #
-# Usage: scripts/demo.sh [--seconds N] [--slowdown F] [--config FILE]
+# Usage: scripts/demo.sh [--mode sync|async] [--seconds N] [--slowdown F] [--config FILE]
+#   --mode M       sync: DiLoCo round barrier, outer Nesterov (default);
+#                  async: grace-period batching, Delayed Nesterov, DyLU
 #   --seconds N    training time (default 180)
 #   --slowdown F   the second worker runs F times slower (default 2)
-#   --config FILE  server config (default deploy/configs/demo.textproto)
+#   --config FILE  server config (default deploy/configs/demo.textproto or demo-async.textproto)
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 
 SECONDS_TO_TRAIN=180
 SLOWDOWN=2
-CONFIG="$ALOE_ROOT/deploy/configs/demo.textproto"
+CONFIG=""
+MODE=sync
 while [ $# -gt 0 ]; do
   case "$1" in
+    --mode) MODE="$2"; shift 2 ;;
     --seconds) SECONDS_TO_TRAIN="$2"; shift 2 ;;
     --slowdown) SLOWDOWN="$2"; shift 2 ;;
     --config) CONFIG="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+
+case "$MODE" in
+  sync) DEFAULT_CONFIG=demo.textproto ;;
+  async) DEFAULT_CONFIG=demo-async.textproto ;;
+  *) echo "demo.sh: --mode must be sync or async" >&2; exit 2 ;;
+esac
+CONFIG="${CONFIG:-$ALOE_ROOT/deploy/configs/$DEFAULT_CONFIG}"
 
 cd "$ALOE_ROOT"
 "$ALOE_ROOT/scripts/install-deps.sh"
@@ -63,7 +74,7 @@ ROLE_PID[worker-fast]=$!
 "${WORKER[@]}" --name=worker-slow --slowdown="$SLOWDOWN" >"$RUN_DIR/worker-slow.log" 2>&1 &
 ROLE_PID[worker-slow]=$!
 PIDS+=("${ROLE_PID[@]}")
-aloe_log "started an evaluator and 2 workers (worker-slow at ${SLOWDOWN}x); training for ${SECONDS_TO_TRAIN}s"
+aloe_log "started an evaluator and 2 workers (worker-slow at ${SLOWDOWN}x); $MODE training for ${SECONDS_TO_TRAIN}s"
 
 metric() { curl -s "http://127.0.0.1:$METRICS_PORT/metrics" 2>/dev/null | awk -v m="$1" '$1 == m {print $2}'; }
 tokps() { grep -o 'tokens/s [0-9]*' "$1" 2>/dev/null | tail -1 | awk '{print $2}'; }
