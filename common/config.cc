@@ -106,6 +106,9 @@ void FillServerDefaults(v1::ServerConfig* c) {
   if (outer->adam_beta1() == 0) outer->set_adam_beta1(0.9f);
   if (outer->adam_beta2() == 0) outer->set_adam_beta2(0.999f);
   if (outer->adam_eps() == 0) outer->set_adam_eps(1e-8f);
+  auto* transport = c->mutable_transport();
+  if (transport->codec() == v1::CODEC_UNSPECIFIED) transport->set_codec(v1::CODEC_FP32);
+  if (transport->int8_block_size() == 0) transport->set_int8_block_size(256);
   auto* penalty = c->mutable_penalty();
   if (penalty->ema_alpha() == 0) penalty->set_ema_alpha(0.02f);
   if (penalty->z_threshold() == 0) penalty->set_z_threshold(3.0f);
@@ -167,6 +170,20 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (!(outer.staleness_exponent() >= 0) || !std::isfinite(outer.staleness_exponent())) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "outer_optimizer.staleness_exponent must be >= 0, got %g", outer.staleness_exponent()));
+  }
+  const auto& transport = c.transport();
+  if (!v1::Codec_IsValid(transport.codec())) {
+    return absl::InvalidArgumentError("transport.codec is not a known codec");
+  }
+  if (transport.int8_block_size() < 1 || transport.int8_block_size() > 65536) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "transport.int8_block_size must be in [1, 65536], got %d", transport.int8_block_size()));
+  }
+  for (const auto& layer : transport.layer_codecs()) {
+    if (!v1::Codec_IsValid(layer.codec()) || layer.codec() == v1::CODEC_UNSPECIFIED) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("transport.layer_codecs: layer \"%s\" needs a codec", layer.layer()));
+    }
   }
   const auto& penalty = c.penalty();
   if (!(penalty.ema_alpha() > 0 && penalty.ema_alpha() <= 1)) {

@@ -33,9 +33,9 @@ struct LocalTrainRequest {
 };
 
 struct LocalTrainStats {
-  uint32_t steps = 0;      // local steps taken (== request.steps on success)
-  uint64_t tokens = 0;     // data points learned, as counted by the shard sampler
-  double mean_loss = 0;    // mean training loss over the steps; 0 when steps == 0
+  uint32_t steps = 0;    // local steps taken (== request.steps on success)
+  uint64_t tokens = 0;   // data points learned, as counted by the shard sampler
+  double mean_loss = 0;  // mean training loss over the steps; 0 when steps == 0
 };
 
 class LocalTrainerInterface {

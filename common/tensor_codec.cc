@@ -1,9 +1,11 @@
 #include "common/tensor_codec.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "kernels/cpu/codec_kernels.h"
 #include "kernels/cpu/outer_kernels.h"
 
 namespace aloe {
@@ -35,6 +37,90 @@ absl::Status DecodeFloats(std::string_view bytes, absl::Span<float> out) {
     }
   }
   return absl::OkStatus();
+}
+
+size_t MaxChunkElements(v1::Codec codec, size_t int8_block_size) {
+  switch (codec) {
+    case v1::CODEC_BF16:
+      return kMaxChunkBytes / 2;
+    case v1::CODEC_INT8_BLOCKWISE: {
+      // 1 byte per value + 4 bytes per block + the header; whole blocks only.
+      const size_t b = std::max<size_t>(1, int8_block_size);
+      const size_t blocks = (kMaxChunkBytes - kernels::kInt8HeaderBytes) / (b + 4);
+      return std::max<size_t>(1, blocks) * b;
+    }
+    default:
+      return kMaxChunkFloats;
+  }
+}
+
+absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t int8_block_size,
+                         std::string* out, float* residual) {
+  const size_t old = out->size();
+  switch (codec) {
+    case v1::CODEC_UNSPECIFIED:
+    case v1::CODEC_FP32:
+      if (!kernels::AllFinite(values.data(), values.size())) {
+        for (size_t i = 0; i < values.size(); ++i) {
+          if (!std::isfinite(values[i])) {
+            return absl::InvalidArgumentError(
+                absl::StrFormat("non-finite value %f at element %d", values[i], i));
+          }
+        }
+      }
+      AppendFloats(values, out);
+      if (residual != nullptr) std::fill(residual, residual + values.size(), 0.0f);
+      return absl::OkStatus();
+    case v1::CODEC_BF16:
+      out->resize(old + kernels::Bf16EncodedSize(values.size()));
+      return kernels::Bf16Encode(values.data(), values.size(), out->data() + old, residual);
+    case v1::CODEC_INT8_BLOCKWISE:
+      out->resize(old + kernels::Int8EncodedSize(values.size(), int8_block_size));
+      return kernels::Int8BlockwiseEncode(values.data(), values.size(), int8_block_size,
+                                          out->data() + old, residual);
+    default:
+      return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
+  }
+}
+
+absl::StatusOr<size_t> EncodedElementCount(v1::Codec codec, std::string_view payload) {
+  switch (codec) {
+    case v1::CODEC_UNSPECIFIED:
+    case v1::CODEC_FP32:
+      if (payload.size() % 4 != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("payload of %d bytes is not float32", payload.size()));
+      }
+      return payload.size() / 4;
+    case v1::CODEC_BF16:
+      if (payload.size() % 2 != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("payload of %d bytes is not bf16", payload.size()));
+      }
+      return payload.size() / 2;
+    case v1::CODEC_INT8_BLOCKWISE: {
+      absl::StatusOr<kernels::Int8EncodedInfo> info =
+          kernels::Int8BlockwiseInspect(payload.data(), payload.size());
+      if (!info.ok()) return info.status();
+      return info->n;
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
+  }
+}
+
+absl::Status DecodeChunk(v1::Codec codec, std::string_view payload, absl::Span<float> out) {
+  switch (codec) {
+    case v1::CODEC_UNSPECIFIED:
+    case v1::CODEC_FP32:
+      return DecodeFloats(payload, out);
+    case v1::CODEC_BF16:
+      return kernels::Bf16Decode(payload.data(), payload.size(), out.data(), out.size());
+    case v1::CODEC_INT8_BLOCKWISE:
+      return kernels::Int8BlockwiseDecode(payload.data(), payload.size(), out.data(), out.size());
+    default:
+      return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
+  }
 }
 
 std::vector<std::pair<size_t, size_t>> ChunkRanges(size_t n, size_t max_elements) {

@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "proto/aloe.pb.h"
 
 namespace aloe {
 
@@ -26,6 +28,26 @@ void AppendFloats(absl::Span<const float> values, std::string* out);
 // when a decoded value is NaN or +-Inf (the message names the first bad element). out may have
 // been partly written on error; callers decode into staging memory.
 absl::Status DecodeFloats(std::string_view bytes, absl::Span<float> out);
+
+// --- Codec-aware chunks (pushes). A chunk encodes a run of elements on its own: FP32 as above,
+// BF16 as 2 bytes per element, INT8_BLOCKWISE as the self-describing blockwise layout of
+// kernels/cpu/codec_kernels.h. CODEC_UNSPECIFIED is FP32.
+
+// The most elements one chunk of `codec` may carry so that its payload stays <= kMaxChunkBytes.
+size_t MaxChunkElements(v1::Codec codec, size_t int8_block_size);
+
+// Appends the encoding of values to out. When residual is not null it receives
+// values - decode(encode(values)) (error feedback; zeros for FP32). kInvalidArgument for NaN/Inf
+// in values or an unknown codec.
+absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t int8_block_size,
+                         std::string* out, float* residual);
+
+// Elements an encoded payload holds; kInvalidArgument when its framing is malformed.
+absl::StatusOr<size_t> EncodedElementCount(v1::Codec codec, std::string_view payload);
+
+// Decodes a payload of exactly out.size() elements. kInvalidArgument for malformed payloads and
+// non-finite values. out may be partly written on error.
+absl::Status DecodeChunk(v1::Codec codec, std::string_view payload, absl::Span<float> out);
 
 // [begin, end) element ranges covering n elements with at most max_elements each.
 std::vector<std::pair<size_t, size_t>> ChunkRanges(size_t n, size_t max_elements = kMaxChunkFloats);

@@ -131,29 +131,47 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
 
 absl::StatusOr<v1::PushReply> ServerClient::Push(const v1::PushHeader& header,
                                                  const std::vector<std::vector<float>>& layers,
+                                                 const std::vector<v1::Codec>& codecs,
+                                                 size_t int8_block_size,
+                                                 std::vector<std::vector<float>>* residuals,
                                                  uint64_t* bytes) {
+  if (residuals != nullptr) {
+    residuals->resize(layers.size());
+    for (size_t l = 0; l < layers.size(); ++l) (*residuals)[l].resize(layers[l].size());
+  }
+  // Encode everything first: a value that cannot be encoded must not leave half an update on
+  // the wire.
+  std::vector<v1::PushChunk> chunks;
+  for (size_t layer = 0; layer < layers.size(); ++layer) {
+    const v1::Codec codec = layer < codecs.size() ? codecs[layer] : v1::CODEC_FP32;
+    const size_t max_elements = MaxChunkElements(codec, int8_block_size);
+    for (auto [begin, end] : ChunkRanges(layers[layer].size(), max_elements)) {
+      v1::PushChunk chunk;
+      chunk.set_layer_id(static_cast<uint32_t>(layer));
+      chunk.set_offset(begin);
+      chunk.set_codec(codec);
+      float* residual = residuals ? (*residuals)[layer].data() + begin : nullptr;
+      absl::Status s =
+          EncodeChunk(codec, absl::MakeConstSpan(layers[layer].data() + begin, end - begin),
+                      int8_block_size, chunk.mutable_data(), residual);
+      if (!s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("layer %d at offset %d: %s", layer, begin, s.message()));
+      }
+      chunks.push_back(std::move(chunk));
+    }
+  }
+  if (chunks.empty()) chunks.emplace_back();
+  *chunks.front().mutable_header() = header;
+
   grpc::ClientContext context;
   SetDeadline(&context, kTransferDeadlineSeconds);
   v1::PushReply reply;
   std::unique_ptr<grpc::ClientWriter<v1::PushChunk>> writer =
       parameters_->Push(&context, &reply);
-  v1::PushChunk chunk;
-  *chunk.mutable_header() = header;
-  bool open = true;
-  for (size_t layer = 0; layer < layers.size() && open; ++layer) {
-    for (auto [begin, end] : ChunkRanges(layers[layer].size())) {
-      chunk.set_layer_id(static_cast<uint32_t>(layer));
-      chunk.set_offset(begin);
-      chunk.mutable_data()->clear();
-      AppendFloats(absl::MakeConstSpan(layers[layer].data() + begin, end - begin),
-                   chunk.mutable_data());
-      *bytes += chunk.data().size();
-      if (!writer->Write(chunk)) {
-        open = false;  // the server ended the stream early; Finish() says why
-        break;
-      }
-      chunk.clear_header();
-    }
+  for (const v1::PushChunk& chunk : chunks) {
+    *bytes += chunk.data().size();
+    if (!writer->Write(chunk)) break;  // the server ended the stream early; Finish() says why
   }
   writer->WritesDone();
   absl::Status s = FromGrpcStatus(writer->Finish());

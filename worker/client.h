@@ -34,10 +34,14 @@ class ServerClient {
                                 const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
                                 uint64_t* bytes);
 
-  // Pushes a pseudo-gradient (one buffer per spec layer) under `header`.
+  // Pushes a pseudo-gradient (one buffer per spec layer) under `header`, layer l encoded with
+  // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB. When residuals is not null it
+  // receives, per layer, layers - decode(encode(layers)) for error feedback. kInvalidArgument
+  // (nothing sent) when a value cannot be encoded.
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header,
                                      const std::vector<std::vector<float>>& layers,
-                                     uint64_t* bytes);
+                                     const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+                                     std::vector<std::vector<float>>* residuals, uint64_t* bytes);
 
  private:
   std::shared_ptr<grpc::Channel> channel_;

@@ -23,6 +23,7 @@
 #include "common/metrics.h"
 #include "common/status_macros.h"
 #include "common/token_shard.h"
+#include "kernels/cpu/outer_kernels.h"
 #include "worker/client.h"
 #include "worker/trainer.h"
 #include "worker/worker_metrics.h"
@@ -118,9 +119,11 @@ class Worker {
   std::map<std::string, std::unique_ptr<TokenShard>> shards_;
   std::vector<std::vector<float>> base_;
   std::vector<std::vector<float>> delta_;
+  std::vector<v1::Codec> codecs_;                   // per layer, from the server's transport
+  std::vector<std::vector<float>> residual_;        // error feedback, per layer
   uint64_t update_id_ = 0;
   // Totals for the closing summary.
-  uint64_t rounds_ = 0, steps_ = 0, tokens_ = 0;
+  uint64_t rounds_ = 0, steps_ = 0, tokens_ = 0, pushed_bytes_ = 0;
   double compute_s_ = 0, network_s_ = 0;
   std::chrono::steady_clock::time_point first_task_{};
 };
@@ -157,6 +160,16 @@ absl::Status Worker::JoinServer() {
     heartbeat_ = std::make_unique<Heartbeater>(client_, joined_.lease_seconds());
   }
   heartbeat_->Set(joined_.worker_id(), 0);
+  const v1::TransportConfig& transport = joined_.transport();
+  codecs_.clear();
+  for (const v1::LayerSpec& layer : joined_.model_spec().layers()) {
+    v1::Codec codec = transport.codec() == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32
+                                                                : transport.codec();
+    for (const v1::LayerCodec& o : transport.layer_codecs()) {
+      if (o.layer() == layer.name()) codec = o.codec();
+    }
+    codecs_.push_back(codec);
+  }
   ALOE_LOG_INFO("worker", "%s joined as worker %d at version %d", name, joined_.worker_id(),
                 joined_.version());
   return absl::OkStatus();
@@ -217,9 +230,9 @@ absl::Status Worker::Run() {
   const double wall = rounds_ > 0 ? Seconds(first_task_, std::chrono::steady_clock::now()) : 0;
   ALOE_LOG_INFO("worker",
                 "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
-                "network_seconds=%.2f tokens_per_second=%.1f",
+                "network_seconds=%.2f tokens_per_second=%.1f pushed_bytes=%d",
                 rounds_, steps_, tokens_, wall, compute_s_, network_s_,
-                wall > 0 ? static_cast<double>(tokens_) / wall : 0.0);
+                wall > 0 ? static_cast<double>(tokens_) / wall : 0.0, pushed_bytes_);
   return absl::OkStatus();
 }
 
@@ -250,8 +263,17 @@ absl::Status Worker::Train(const v1::Task& task) {
   header.set_train_loss(stats.mean_loss);
   header.set_compute_seconds(stats.compute_seconds);
   header.set_codec(v1::CODEC_FP32);
+  const v1::TransportConfig& transport = joined_.transport();
+  if (transport.error_feedback() && !residual_.empty()) {
+    // Error feedback: what earlier rounds' quantisation lost is sent now.
+    for (size_t l = 0; l < delta_.size(); ++l) {
+      kernels::WeightedAccumulate(residual_[l].data(), 1.0f, delta_[l].data(), delta_[l].size());
+    }
+  }
   uint64_t pushed = 0;
-  absl::StatusOr<v1::PushReply> reply = client_.Push(header, delta_, &pushed);
+  absl::StatusOr<v1::PushReply> reply =
+      client_.Push(header, delta_, codecs_, std::max<uint32_t>(1, transport.int8_block_size()),
+                   transport.error_feedback() ? &residual_ : nullptr, &pushed);
   const auto t3 = std::chrono::steady_clock::now();
   if (!reply.ok()) return reply.status();
 
@@ -274,6 +296,7 @@ absl::Status Worker::Train(const v1::Task& task) {
   metrics_.Add(kRounds, 1);
   metrics_.Add(kPulledBytes, static_cast<double>(pulled));
   metrics_.Add(kPushedBytes, static_cast<double>(pushed));
+  pushed_bytes_ += pushed;
   metrics_.Add(kComputeSeconds, stats.compute_seconds);
   metrics_.Add(kNetworkSeconds, network_s);
   ALOE_LOG_INFO("worker",

@@ -68,6 +68,15 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   std::vector<std::vector<float>> initial = InitializeParameters(spec, config.seed());
   ALOE_ASSIGN_OR_RETURN(core->store_, ParameterStore::Create(std::move(spec), std::move(initial),
                                                              config.outer_optimizer(), executor));
+  for (const v1::LayerCodec& layer_codec : config.transport().layer_codecs()) {
+    const auto& layers = core->store_->spec().layers();
+    if (std::none_of(layers.begin(), layers.end(), [&](const v1::LayerSpec& l) {
+          return l.name() == layer_codec.layer();
+        })) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "transport.layer_codecs: the model has no layer \"%s\"", layer_codec.layer()));
+    }
+  }
   if (config.aggregation().mode() == v1::AGGREGATION_ASYNC) {
     const double grace = config.aggregation().grace_seconds();
     core->aggregation_ = std::make_unique<GracePeriodAggregation>(
@@ -121,6 +130,7 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   reply.set_version(store_->version());
   reply.set_seed(config_.seed());
   reply.set_heldout_file(heldout_file_);
+  *reply.mutable_transport() = config_.transport();
   PublishMembership();
   return reply;
 }
@@ -238,7 +248,7 @@ absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
         "stale version: push is based on version %d but task %d started from version %d",
         header.base_version(), header.task_id(), open->second.task.base_version()));
   }
-  if (header.codec() != v1::CODEC_UNSPECIFIED && header.codec() != v1::CODEC_FP32) {
+  if (!v1::Codec_IsValid(header.codec())) {
     return absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec()));
   }
   const uint32_t limit = 1000 * std::max<uint32_t>(1, open->second.task.local_steps());

@@ -16,21 +16,28 @@ UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader
   update_.train_loss = header.train_loss();
   update_.compute_seconds = header.compute_seconds();
   update_.layers.resize(spec.layers_size());
+  if (header.codec() != v1::CODEC_UNSPECIFIED) default_codec_ = header.codec();
 }
 
 absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
-                                       std::string_view payload) {
+                                       std::string_view payload, v1::Codec codec) {
   if (layer_id >= static_cast<uint32_t>(spec_.layers_size())) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "unknown layer %d (the model has %d layers)", layer_id, spec_.layers_size()));
   }
   const v1::LayerSpec& layer = spec_.layers(layer_id);
-  if (payload.size() % sizeof(float) != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer %d (%s): payload of %d bytes is not float32", layer_id, layer.name(),
-        payload.size()));
+  if (codec == v1::CODEC_UNSPECIFIED) codec = default_codec_;
+  if (!v1::Codec_IsValid(codec)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d (%s): unknown codec %d", layer_id, layer.name(), codec));
   }
-  const uint64_t count = payload.size() / sizeof(float);
+  absl::StatusOr<size_t> elements = EncodedElementCount(codec, payload);
+  if (!elements.ok()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s): %s %s", layer_id, layer.name(), v1::Codec_Name(codec),
+        elements.status().message()));
+  }
+  const uint64_t count = *elements;
   if (offset != filled_[layer_id]) {
     return absl::InvalidArgumentError(
         absl::StrFormat("layer %d (%s): chunk at offset %d, expected offset %d", layer_id,
@@ -43,7 +50,7 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   }
   std::vector<float>& buffer = update_.layers[layer_id];
   if (buffer.empty()) buffer.resize(layer.num_elements());
-  absl::Status s = DecodeFloats(payload, absl::MakeSpan(buffer.data() + offset, count));
+  absl::Status s = DecodeChunk(codec, payload, absl::MakeSpan(buffer.data() + offset, count));
   if (!s.ok()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "layer %d (%s) at offset %d: %s", layer_id, layer.name(), offset, s.message()));

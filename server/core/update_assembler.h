@@ -19,9 +19,11 @@ class UpdateAssembler {
   // `spec` must outlive the assembler.
   UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header);
 
-  // Adds elements [offset, offset + payload/4) of layer `layer_id`. Chunks of a layer must
-  // arrive in offset order without gaps or overlap.
-  absl::Status AddChunk(uint32_t layer_id, uint64_t offset, std::string_view payload);
+  // Adds the elements [offset, offset + count) of layer `layer_id` that `payload` encodes with
+  // `codec` (CODEC_UNSPECIFIED = the header's codec, or FP32). Chunks of a layer must arrive in
+  // offset order without gaps or overlap.
+  absl::Status AddChunk(uint32_t layer_id, uint64_t offset, std::string_view payload,
+                        v1::Codec codec = v1::CODEC_UNSPECIFIED);
 
   // Returns the update when every layer is complete; kInvalidArgument otherwise.
   absl::StatusOr<PendingUpdate> Finish() &&;
@@ -33,6 +35,7 @@ class UpdateAssembler {
   PendingUpdate update_;
   std::vector<uint64_t> filled_;  // elements received per layer
   uint64_t bytes_received_ = 0;
+  v1::Codec default_codec_ = v1::CODEC_FP32;
 };
 
 }  // namespace aloe::server

@@ -104,7 +104,7 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext*,
       return reject(absl::InvalidArgumentError("push header repeated after the first message"));
     }
     first = false;
-    status = assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data());
+    status = assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data(), chunk.codec());
     if (!status.ok()) return reject(status);
   } while (reader->Read(&chunk));
   metrics_.Add(kReceivedBytes, static_cast<double>(assembler.bytes_received()));

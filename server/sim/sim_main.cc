@@ -206,7 +206,8 @@ absl::Status Main() {
     o.tokens_per_step =
         static_cast<uint64_t>(config.inner_optimizer().batch_size()) * config.model().seq_len();
     ALOE_ASSIGN_OR_RETURN(objective, SyntheticObjective::Create(spec, train, o));
-    for (size_t i = 0; i < k; ++i) trainers.push_back(std::make_unique<SyntheticTrainer>(*objective));
+    for (size_t i = 0; i < k; ++i)
+      trainers.push_back(std::make_unique<SyntheticTrainer>(*objective));
     eval_trainer = std::make_unique<SyntheticTrainer>(*objective);
   } else if (kind == "torch") {
     if (!corpus.ok()) return corpus.status();
@@ -239,10 +240,10 @@ absl::Status Main() {
         absl::StrCat("--trainer must be torch or synthetic, got '", kind, "'"));
   }
 
-  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<Simulator> simulator,
-                        Simulator::Create(config, std::move(train), heldout_file,
-                                          std::move(options), std::move(trainers),
-                                          std::move(eval_trainer)));
+  ALOE_ASSIGN_OR_RETURN(
+      std::unique_ptr<Simulator> simulator,
+      Simulator::Create(config, std::move(train), heldout_file, std::move(options),
+                        std::move(trainers), std::move(eval_trainer)));
   ALOE_ASSIGN_OR_RETURN(SimResult result, simulator->Run());
 
   const std::string out_path = absl::GetFlag(FLAGS_out);

@@ -42,8 +42,8 @@ absl::StatusOr<int> WorkerIndex(absl::string_view text, absl::string_view what) 
   int value = 0;
   if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &value) || value < 0 ||
       value >= kMaxWorkers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": expected a worker index in [0, ", kMaxWorkers, "), got '", text, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": expected a worker index in [0, ",
+                                                   kMaxWorkers, "), got '", text, "'"));
   }
   return value;
 }
@@ -137,8 +137,8 @@ absl::StatusOr<std::vector<StepTimeProfile>> ParseTrace(const std::string& text,
     const std::string where = absl::StrFormat("%s line %d", source, line_number);
     std::vector<absl::string_view> fields = absl::StrSplit(line, ',');
     if (fields.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": expected 'worker_index,seconds_per_step', got '", line, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expected 'worker_index,seconds_per_step', got '", line, "'"));
     }
     ALOE_ASSIGN_OR_RETURN(const int worker, WorkerIndex(fields[0], where));
     ALOE_ASSIGN_OR_RETURN(const double seconds,
@@ -340,8 +340,8 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
     return absl::InvalidArgumentError("the simulation needs at least one worker profile");
   }
   if (trainers_.size() != options_.workers.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%d worker profiles but %d trainers", options_.workers.size(), trainers_.size()));
+    return absl::InvalidArgumentError(absl::StrFormat("%d worker profiles but %d trainers",
+                                                      options_.workers.size(), trainers_.size()));
   }
   for (const auto& t : trainers_) {
     if (t == nullptr) return absl::InvalidArgumentError("a worker trainer is null");
@@ -364,9 +364,9 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
   std::vector<std::vector<const MembershipEvent*>> per_worker(workers_.size());
   for (const MembershipEvent& e : options_.events) {
     if (e.worker < 0 || static_cast<size_t>(e.worker) >= workers_.size()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "event %s names worker %d, but there are %d workers (0..%d)", EventName(e), e.worker,
-          workers_.size(), workers_.size() - 1));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("event %s names worker %d, but there are %d workers (0..%d)",
+                          EventName(e), e.worker, workers_.size(), workers_.size() - 1));
     }
     if (!std::isfinite(e.at_seconds) || e.at_seconds < 0) {
       return absl::InvalidArgumentError(
@@ -376,9 +376,8 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
   }
   for (size_t i = 0; i < workers_.size(); ++i) {
     auto& list = per_worker[i];
-    std::stable_sort(list.begin(), list.end(), [](const auto* a, const auto* b) {
-      return a->at_seconds < b->at_seconds;
-    });
+    std::stable_sort(list.begin(), list.end(),
+                     [](const auto* a, const auto* b) { return a->at_seconds < b->at_seconds; });
     bool present = list.empty() || list.front()->kind != MembershipEvent::Kind::kJoin;
     workers_[i].present_at_start = present;
     for (const MembershipEvent* e : list) {
@@ -394,9 +393,9 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
   }
   heartbeat_period_ = absl::Seconds(std::max(0.05, config_.lease_seconds() / 3));
   MetricsSink& metrics = options_.metrics != nullptr ? *options_.metrics : null_metrics_;
-  ALOE_ASSIGN_OR_RETURN(core_, server::ServerCore::Create(config_, std::move(train_shards),
-                                                          std::move(heldout_file), clock_,
-                                                          executor_, metrics));
+  ALOE_ASSIGN_OR_RETURN(
+      core_, server::ServerCore::Create(config_, std::move(train_shards), std::move(heldout_file),
+                                        clock_, executor_, metrics));
   return absl::OkStatus();
 }
 
@@ -694,8 +693,8 @@ absl::Status Simulator::Engine::Leave(Worker& w) {
   absl::Status status = core_->Leave(request);
   EndMembership(w);
   if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
-    return absl::Status(status.code(), absl::StrCat(Where(w), ": Leave failed: ",
-                                                    status.message()));
+    return absl::Status(status.code(),
+                        absl::StrCat(Where(w), ": Leave failed: ", status.message()));
   }
   return absl::OkStatus();
 }
@@ -754,10 +753,10 @@ absl::Status Simulator::Engine::EvaluateNow() {
   ALOE_RETURN_IF_ERROR(eval_trainer_->SetParameters(params));
   absl::StatusOr<double> loss = eval_trainer_->Evaluate();
   if (!loss.ok()) {
-    return absl::Status(loss.status().code(),
-                        absl::StrFormat("t=%.6fs: evaluating version %d failed: %s",
-                                        absl::ToDoubleSeconds(Now()), snapshot.version,
-                                        loss.status().message()));
+    return absl::Status(
+        loss.status().code(),
+        absl::StrFormat("t=%.6fs: evaluating version %d failed: %s", absl::ToDoubleSeconds(Now()),
+                        snapshot.version, loss.status().message()));
   }
   last_eval_version_ = snapshot.version;
   eval_loss_[snapshot.version] = *loss;
@@ -781,9 +780,8 @@ Simulator::Simulator(std::unique_ptr<Engine> engine) : engine_(std::move(engine)
 Simulator::~Simulator() = default;
 
 absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(
-    v1::ServerConfig config, std::vector<server::DataShard> train_shards,
-    std::string heldout_file, SimulatorOptions options,
-    std::vector<std::unique_ptr<LocalTrainerInterface>> worker_trainers,
+    v1::ServerConfig config, std::vector<server::DataShard> train_shards, std::string heldout_file,
+    SimulatorOptions options, std::vector<std::unique_ptr<LocalTrainerInterface>> worker_trainers,
     std::unique_ptr<LocalTrainerInterface> eval_trainer) {
   auto engine = std::make_unique<Engine>(std::move(config), std::move(options),
                                          std::move(worker_trainers), std::move(eval_trainer));

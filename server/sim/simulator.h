@@ -118,8 +118,8 @@ struct SimulatorOptions {
 struct SimRow {
   enum class Outcome { kApplied, kAccepted, kRejected, kEval };
   double virtual_seconds = 0;
-  uint64_t version = 0;     // global version after the event
-  int worker = -1;          // simulated worker index; -1 for kEval
+  uint64_t version = 0;  // global version after the event
+  int worker = -1;       // simulated worker index; -1 for kEval
   // Version the outer step saw before this update minus the update's base version (for
   // kAccepted: the current version minus the base version, its staleness if applied now).
   uint64_t staleness = 0;
@@ -133,7 +133,7 @@ struct SimResult {
   std::vector<SimRow> rows;
   double virtual_seconds = 0;  // when the run ended
   uint64_t final_version = 0;
-  double final_eval_loss = 0;  // evaluation of final_version
+  double final_eval_loss = 0;                 // evaluation of final_version
   uint64_t total_local_steps = 0;             // steps of every pushed update (incl. rejected)
   std::vector<uint64_t> updates_per_worker;   // pushes accepted (applied or batched)
   std::vector<uint64_t> rejected_per_worker;  // pushes rejected

@@ -117,8 +117,8 @@ absl::Status SyntheticTrainer::CheckLayout(const std::vector<std::vector<float>>
                                            const char* what) const {
   const auto& sizes = objective_.layer_sizes();
   if (layers.size() != sizes.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s has %d layers, the model has %d", what,
-                                                      layers.size(), sizes.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s has %d layers, the model has %d", what, layers.size(), sizes.size()));
   }
   for (size_t l = 0; l < sizes.size(); ++l) {
     if (layers[l].size() != sizes[l]) {

@@ -29,12 +29,12 @@
 namespace aloe::sim {
 
 struct SyntheticObjectiveOptions {
-  double target_std = 1.0;    // std of the common target component c
-  double shard_spread = 0.5;  // std of each shard's own offset (times e_s)
-  double lr = 0.05;           // per-coordinate SGD step size, in (0, 1]
-  double noise_std = 0.1;     // gradient noise per coordinate, >= 0
+  double target_std = 1.0;       // std of the common target component c
+  double shard_spread = 0.5;     // std of each shard's own offset (times e_s)
+  double lr = 0.05;              // per-coordinate SGD step size, in (0, 1]
+  double noise_std = 0.1;        // gradient noise per coordinate, >= 0
   uint64_t tokens_per_step = 1;  // tokens a step reports as learned (shard sampler accounting)
-  uint64_t seed = 1;          // seeds the targets
+  uint64_t seed = 1;             // seeds the targets
 };
 
 // The targets and the loss. Immutable after Create, so trainers may share one. Memory: one float
@@ -89,8 +89,7 @@ class SyntheticTrainer final : public LocalTrainerInterface {
   const std::vector<std::vector<float>>& parameters() const { return params_; }
 
  private:
-  absl::Status CheckLayout(const std::vector<std::vector<float>>& layers,
-                           const char* what) const;
+  absl::Status CheckLayout(const std::vector<std::vector<float>>& layers, const char* what) const;
 
   const SyntheticObjective& objective_;
   std::vector<std::vector<float>> params_;

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/corpus_manifest.h"
+#include "common/model_spec.h"
 #include "common/tensor_codec.h"
 #include "common/token_shard.h"
 #include "proto/aloe.grpc.pb.h"
@@ -249,6 +250,39 @@ int RoundsOf(const std::string& log) {
     absl::SimpleAtoi(rest.substr(0, rest.find(' ')), &rounds);
   }
   return rounds;
+}
+
+// Pushes quantised to int8 blockwise (blocks of 64) with error feedback, the embedding in bf16:
+// training still converges, and the wire carries about a quarter of the fp32 bytes.
+TEST_F(LoopbackTest, Int8PushesWithErrorFeedbackTrainAndEvalLossFalls) {
+  TrainingRun run;
+  ASSERT_NO_FATAL_FAILURE(TrainTwoWorkers(absl::StrCat(kEightRounds, R"(
+      transport {
+        codec: CODEC_INT8_BLOCKWISE
+        int8_block_size: 64
+        error_feedback: true
+        layer_codecs { layer: "embed" codec: CODEC_BF16 }
+      })"),
+                                          kNesterov, &run));
+  ExpectEightRoundsAndEvalLossFalls(run);
+  // Wire bytes per push vs fp32: int8 + one fp32 scale per 64 values (+ bf16 embedding).
+  v1::TransformerConfig model;
+  model.set_vocab_size(256);
+  model.set_seq_len(32);
+  model.set_d_model(64);
+  model.set_num_layers(2);
+  model.set_num_heads(2);
+  FillTransformerDefaults(&model);
+  const double fp32_bytes = 4.0 * TotalElements(BuildTransformerSpec(model, 1));
+  const std::string log = ReadFile(dir_ + "/trainer0.log");
+  const size_t at = log.find("pushed_bytes=");
+  ASSERT_NE(at, std::string::npos) << log;
+  double pushed = 0;
+  ASSERT_TRUE(absl::SimpleAtod(log.substr(at + 13, log.find_first_of(" \n", at) - at - 13),
+                               &pushed));
+  const double per_round = pushed / RoundsOf(log);
+  EXPECT_LT(per_round, 0.40 * fp32_bytes) << per_round << " of " << fp32_bytes;
+  EXPECT_GT(per_round, 0.25 * fp32_bytes);
 }
 
 // Asynchronous mode (paper 002 Alg. 2/5) with Delayed Nesterov and a short grace period: the

@@ -72,3 +72,58 @@ TEST(TensorCodecTest, ChunkRangesEdgeCases) {
 
 }  // namespace
 }  // namespace aloe
+
+namespace aloe {
+namespace {
+
+TEST(CodecChunkTest, EveryCodecRoundTripsWithinItsBoundAndStaysUnderTheChunkLimit) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0, 1);
+  for (v1::Codec codec : {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE}) {
+    const size_t n = MaxChunkElements(codec, 256);
+    std::vector<float> x(n);
+    for (float& v : x) v = normal(rng);
+    std::string bytes;
+    std::vector<float> residual(n);
+    ASSERT_THAT(EncodeChunk(codec, x, 256, &bytes, residual.data()), IsOk());
+    EXPECT_LE(bytes.size(), kMaxChunkBytes) << v1::Codec_Name(codec);
+    auto count = EncodedElementCount(codec, bytes);
+    ASSERT_THAT(count, IsOk());
+    ASSERT_EQ(*count, n);
+    std::vector<float> y(n);
+    ASSERT_THAT(DecodeChunk(codec, bytes, absl::MakeSpan(y)), IsOk());
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(residual[i], x[i] - y[i]) << v1::Codec_Name(codec) << " element " << i;
+      if (codec == v1::CODEC_FP32) ASSERT_EQ(y[i], x[i]);
+      if (codec == v1::CODEC_BF16) ASSERT_LE(std::abs(y[i] - x[i]), std::abs(x[i]) / 256);
+    }
+    if (codec == v1::CODEC_INT8_BLOCKWISE) {
+      for (size_t b = 0; b < n; b += 256) {
+        float m = 0;
+        for (size_t i = b; i < std::min(n, b + 256); ++i) m = std::max(m, std::abs(x[i]));
+        for (size_t i = b; i < std::min(n, b + 256); ++i) {
+          ASSERT_LE(std::abs(y[i] - x[i]), m / 254 * 1.0001f) << i;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(MaxChunkElements(v1::CODEC_INT8_BLOCKWISE, 256) % 256, 0u);
+}
+
+TEST(CodecChunkTest, MalformedPayloadsAndNonFiniteInputsAreRejected) {
+  std::string bytes;
+  EXPECT_THAT(EncodeChunk(v1::CODEC_INT8_BLOCKWISE, {1.0f, std::nanf("")}, 256, &bytes, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("[1]")));
+  EXPECT_THAT(EncodeChunk(v1::CODEC_FP32, {std::numeric_limits<float>::infinity()}, 256, &bytes,
+                          nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 0")));
+  EXPECT_THAT(EncodedElementCount(v1::CODEC_BF16, std::string(3, '\0')),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bf16")));
+  EXPECT_THAT(EncodedElementCount(v1::CODEC_INT8_BLOCKWISE, std::string(40, '\0')),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  EXPECT_THAT(EncodedElementCount(static_cast<v1::Codec>(77), "abcd"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown codec")));
+}
+
+}  // namespace
+}  // namespace aloe

@@ -72,9 +72,9 @@ absl::StatusOr<SimResult> RunSynthetic(const v1::ServerConfig& config, Simulator
   for (size_t i = 0; i < options.workers.size(); ++i) {
     trainers.push_back(std::make_unique<SyntheticTrainer>(**objective));
   }
-  auto simulator = Simulator::Create(config, Shards(), "heldout.tok", std::move(options),
-                                     std::move(trainers),
-                                     std::make_unique<SyntheticTrainer>(**objective));
+  auto simulator =
+      Simulator::Create(config, Shards(), "heldout.tok", std::move(options), std::move(trainers),
+                        std::make_unique<SyntheticTrainer>(**objective));
   if (!simulator.ok()) return simulator.status();
   return (*simulator)->Run();
 }
@@ -313,7 +313,8 @@ TEST(SimulatorTest, AsyncFastWorkerContributesMoreAndLossStillFalls) {
   EXPECT_LT(result->final_eval_loss, 0.6 * *evals.front()->eval_loss);
   // Updates of slow workers arrive stale.
   uint64_t max_staleness = 0;
-  for (const SimRow* row : RowsOf(*result, 3)) max_staleness = std::max(max_staleness, row->staleness);
+  for (const SimRow* row : RowsOf(*result, 3))
+    max_staleness = std::max(max_staleness, row->staleness);
   EXPECT_GT(max_staleness, 0u);
   // Still deterministic.
   auto again = RunSynthetic(config, Options());
@@ -336,9 +337,12 @@ TEST(SimulatorTest, CreateRejectsBadInputs) {
   options.events = *ParseEvents("leave@5:7");
   EXPECT_THAT(RunSynthetic(config, options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leave@5:7")));
-  options.events = *ParseEvents("join@5:1");
+  options.events = *ParseEvents("join@5:1,join@6:1");  // absent until 5 s, then present
   EXPECT_THAT(RunSynthetic(config, options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("already present")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("join@6:1")));
+  options.events = *ParseEvents("leave@5:1,crash@6:1");
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not present")));
   options.events = *ParseEvents("join@5:1,leave@1:1");  // sorted by time: leave, then join
   EXPECT_THAT(RunSynthetic(config, options), IsOk());
   options = Options();
@@ -364,7 +368,8 @@ TEST(SimulatorTest, RunTwiceIsAnError) {
                                      std::make_unique<SyntheticTrainer>(**objective));
   ASSERT_THAT(simulator, IsOk());
   EXPECT_THAT((*simulator)->Run(), IsOk());
-  EXPECT_THAT((*simulator)->Run(), StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("once")));
+  EXPECT_THAT((*simulator)->Run(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("once")));
 }
 
 // --- Parsing. ---
@@ -393,8 +398,8 @@ TEST(ParseTraceTest, ErrorsNameTheLine) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker 1 has no step")));
   EXPECT_THAT(ParseTrace("# nothing\n", "trace.txt"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no step times")));
-  EXPECT_THAT(LoadTrace("/nonexistent/trace.txt"), StatusIs(absl::StatusCode::kNotFound,
-                                                            HasSubstr("/nonexistent/trace.txt")));
+  EXPECT_THAT(LoadTrace("/nonexistent/trace.txt"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/trace.txt")));
 }
 
 TEST(ParseSpeedsTest, ConvertsStepsPerSecondToStepTimes) {
