@@ -311,7 +311,7 @@ absl::Status Worker::Train(const v1::Task& task) {
 absl::Status Worker::Evaluate(const v1::Task& task) {
   uint64_t pulled = 0;
   ALOE_ASSIGN_OR_RETURN(uint64_t version,
-                        client_.Pull(joined_.worker_id(), task.base_version(), /*latest=*/true,
+                        client_.Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
                                      joined_.model_spec(), &base_, &pulled));
   ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
   ALOE_ASSIGN_OR_RETURN(const TokenSource* heldout, Shard(joined_.heldout_file()));

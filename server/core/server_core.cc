@@ -218,6 +218,8 @@ v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
   if (!due) return NewTask(final_state ? v1::Task::STOP : v1::Task::WAIT);
   v1::Task task = NewTask(v1::Task::EVAL);
   last_eval_version_ = version;
+  // Kept until evaluated, so the evaluation measures exactly this version.
+  if (retained_.count(version) == 0) retained_[version] = store_->Snapshot();
   open_tasks_[worker] = OpenTask{task, 0};
   return task;
 }
@@ -406,7 +408,7 @@ absl::Status ServerCore::ReportEval(const v1::EvalReport& report) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "worker %d has no open evaluation task %d", member->id, report.task_id()));
   }
-  // The evaluator pulls the latest version, which may be newer than the task's.
+  // The evaluator pulls the task's version (retained until reported).
   if (report.version() < open->second.task.base_version() || report.version() > version()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "evaluated version %d is outside [%d, %d]", report.version(),
@@ -418,6 +420,7 @@ absl::Status ServerCore::ReportEval(const v1::EvalReport& report) {
         report.tokens()));
   }
   open_tasks_.erase(open);
+  PruneRetained();
   eval_history_.push_back(EvalPoint{report.version(), report.loss()});
   if (!last_eval_version_ || report.version() > *last_eval_version_) {
     last_eval_version_ = report.version();
@@ -475,9 +478,7 @@ void ServerCore::CloseDueWindows() {
 
 void ServerCore::PruneRetained() {
   std::set<uint64_t> needed;
-  for (const auto& [worker, open] : open_tasks_) {
-    if (open.task.kind() == v1::Task::TRAIN) needed.insert(open.task.base_version());
-  }
+  for (const auto& [worker, open] : open_tasks_) needed.insert(open.task.base_version());
   if (auto pending = aggregation_->PendingStartVersion()) needed.insert(*pending);
   for (auto it = retained_.begin(); it != retained_.end();) {
     it = needed.count(it->first) ? std::next(it) : retained_.erase(it);
