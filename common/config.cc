@@ -106,6 +106,8 @@ void FillServerDefaults(v1::ServerConfig* c) {
   if (outer->adam_beta1() == 0) outer->set_adam_beta1(0.9f);
   if (outer->adam_beta2() == 0) outer->set_adam_beta2(0.999f);
   if (outer->adam_eps() == 0) outer->set_adam_eps(1e-8f);
+  if (c->checkpoint().every_versions() == 0) c->mutable_checkpoint()->set_every_versions(10);
+  if (c->checkpoint().keep() == 0) c->mutable_checkpoint()->set_keep(3);
   auto* transport = c->mutable_transport();
   if (transport->codec() == v1::CODEC_UNSPECIFIED) transport->set_codec(v1::CODEC_FP32);
   if (transport->int8_block_size() == 0) transport->set_int8_block_size(256);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -23,6 +24,7 @@
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
+#include "server/core/checkpoint_store.h"
 #include "server/core/server_core.h"
 #include "server/core/server_metrics.h"
 #include "server/service/core_handle.h"
@@ -34,6 +36,9 @@ ABSL_FLAG(std::string, metrics, "", "Override metrics_address (host:port, or 'of
 ABSL_FLAG(std::string, corpus_dir, "", "Override corpus_dir");
 ABSL_FLAG(int64_t, max_versions, -1, "Override max_versions (outer steps before stopping)");
 ABSL_FLAG(double, max_seconds, -1, "Override max_seconds (training time before stopping)");
+ABSL_FLAG(std::string, checkpoint_dir, "", "Override checkpoint.dir");
+ABSL_FLAG(bool, resume, false,
+          "Resume from the newest whole checkpoint in checkpoint.dir (fresh start when none)");
 ABSL_FLAG(std::string, summary_file, "",
           "At exit write 'version=N', 'updates_applied=N' and one 'eval=VERSION:LOSS' per line");
 ABSL_FLAG(std::string, port_file, "",
@@ -60,6 +65,12 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
     config.set_max_versions(absl::GetFlag(FLAGS_max_versions));
   }
   if (absl::GetFlag(FLAGS_max_seconds) >= 0) config.set_max_seconds(absl::GetFlag(FLAGS_max_seconds));
+  if (!absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
+    config.mutable_checkpoint()->set_dir(absl::GetFlag(FLAGS_checkpoint_dir));
+  }
+  if (absl::GetFlag(FLAGS_resume) && config.checkpoint().dir().empty()) {
+    return absl::InvalidArgumentError("--resume needs checkpoint.dir (or --checkpoint_dir)");
+  }
   ALOE_RETURN_IF_ERROR(ValidateServerConfig(config));
   return config;
 }
@@ -75,6 +86,25 @@ absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_p
     return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path));
   }
   return absl::OkStatus();
+}
+
+// Writes one checkpoint and records it in the metrics. Logs and carries on when the disk fails:
+// training continues, the next checkpoint tries again.
+void WriteCheckpoint(CheckpointStore& store, const v1::ServerCheckpoint& checkpoint,
+                     MetricsSink& metrics) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> path = store.Write(checkpoint);
+  if (!path.ok()) {
+    ALOE_LOG_ERROR("server", "checkpoint of version %d failed: %s", checkpoint.version(),
+                   path.status().message());
+    return;
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  metrics.Observe(kCheckpointSeconds, seconds);
+  metrics.Set(kCheckpointTimestamp, absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+  metrics.Set(kCheckpointVersion, static_cast<double>(checkpoint.version()));
+  ALOE_LOG_INFO("server", "checkpoint of version %d written to %s (%.1f MB, %.0f ms)",
+                checkpoint.version(), *path, checkpoint.ByteSizeLong() / 1e6, seconds * 1e3);
 }
 
 absl::Status Run() {
@@ -111,6 +141,22 @@ absl::Status Run() {
   }
   ALOE_ASSIGN_OR_RETURN(auto core, ServerCore::Create(config, std::move(train), heldout_file,
                                                       clock, executor, *metrics));
+  std::unique_ptr<CheckpointStore> checkpoints;
+  if (!config.checkpoint().dir().empty()) {
+    checkpoints = std::make_unique<CheckpointStore>(config.checkpoint().dir(),
+                                                    config.checkpoint().keep());
+  }
+  if (absl::GetFlag(FLAGS_resume)) {
+    absl::StatusOr<CheckpointStore::Loaded> loaded = checkpoints->LoadLatest();
+    if (loaded.status().code() == absl::StatusCode::kNotFound) {
+      ALOE_LOG_WARNING("server", "--resume: %s; starting from the initial model",
+                       loaded.status().message());
+    } else {
+      ALOE_RETURN_IF_ERROR(loaded.status());
+      ALOE_RETURN_IF_ERROR(core->RestoreCheckpoint(loaded->checkpoint));
+      ALOE_LOG_INFO("server", "resumed from %s", loaded->path);
+    }
+  }
   const v1::ModelSpec spec = core->spec();
   uint64_t params = 0;
   for (const auto& layer : spec.layers()) params += layer.num_elements();
@@ -147,15 +193,25 @@ absl::Status Run() {
   signal(SIGTERM, OnSignal);
   bool finished = false;
   while (g_signal.load() == 0) {
-    finished = handle.Run([](ServerCore& core) {
+    std::optional<v1::ServerCheckpoint> due;
+    finished = handle.Run([&](ServerCore& core) {
       core.Tick();
+      due = core.TakeDueCheckpoint();
       return core.Finished();
     });
+    // Written outside the core lock: training goes on meanwhile.
+    if (due && checkpoints) WriteCheckpoint(*checkpoints, *due, *metrics);
     if (finished) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   if (!finished) ALOE_LOG_INFO("server", "signal %d: shutting down", g_signal.load());
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (checkpoints) {
+    // The final state (on SIGTERM/SIGINT too), so a restart loses nothing that was applied.
+    const v1::ServerCheckpoint last =
+        handle.Run([](ServerCore& core) { return core.CaptureCheckpoint(); });
+    WriteCheckpoint(*checkpoints, last, *metrics);
+  }
 
   const std::string summary = handle.Run([&](ServerCore& core) {
     const auto& evals = core.eval_history();

@@ -3,6 +3,7 @@
 // Not thread-safe: the owner serialises calls.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -43,6 +44,9 @@ class Membership {
   size_t size() const { return members_.size(); }
   absl::Duration lease() const { return lease_; }
 
+  uint64_t next_id() const { return next_id_; }
+  // After a restart: ids keep increasing past those handed out before it.
+  void set_next_id(uint64_t id) { next_id_ = std::max(next_id_, id); }
   uint64_t joined_total() const { return next_id_ - 1; }
   uint64_t left_total() const { return left_total_; }
   uint64_t expired_total() const { return expired_total_; }

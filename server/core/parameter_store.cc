@@ -114,4 +114,42 @@ absl::Status ParameterStore::ApplyLayer(size_t layer,
   return absl::OkStatus();
 }
 
+void ParameterStore::SaveOptimizerState(size_t layer, std::string* out) const {
+  optimizers_[layer]->SaveState(out);
+}
+
+absl::Status ParameterStore::Restore(uint64_t version,
+                                     const std::vector<std::vector<float>>& params,
+                                     const std::vector<std::string>& optimizer_states) {
+  if (params.size() != layers_.size() || optimizer_states.size() != layers_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint has %d layers of parameters and %d optimizer states, the model %d layers",
+        params.size(), optimizer_states.size(), layers_.size()));
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (params[i].size() != layers_[i]->size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("checkpoint layer %d (%s): %d parameters, expected %d", i,
+                          spec_.layers(i).name(), params[i].size(), layers_[i]->size()));
+    }
+  }
+  // Optimizer states are restored into fresh instances first, so a bad blob changes nothing.
+  std::vector<std::string> old_states(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) optimizers_[i]->SaveState(&old_states[i]);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    absl::Status s = optimizers_[i]->LoadState(optimizer_states[i]);
+    if (!s.ok()) {
+      for (size_t j = 0; j < i; ++j) (void)optimizers_[j]->LoadState(old_states[j]);
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "checkpoint optimizer state of layer %d (%s): %s", i, spec_.layers(i).name(),
+          s.message()));
+    }
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    layers_[i] = std::make_shared<std::vector<float>>(params[i]);
+  }
+  version_ = version;
+  return absl::OkStatus();
+}
+
 }  // namespace aloe::server

@@ -62,6 +62,14 @@ class ParameterStore {
   absl::Status ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
                               const std::vector<float>& weights);
 
+  // Appends layer `layer`'s optimizer state blob to out (checkpoints).
+  void SaveOptimizerState(size_t layer, std::string* out) const;
+
+  // Replaces the parameters, optimizer states and version (resume from a checkpoint). All or
+  // nothing: kInvalidArgument naming the layer when a size or blob does not fit, state unchanged.
+  absl::Status Restore(uint64_t version, const std::vector<std::vector<float>>& params,
+                       const std::vector<std::string>& optimizer_states);
+
  private:
   ParameterStore(v1::ModelSpec spec, Executor& executor) : spec_(std::move(spec)), executor_(executor) {}
   absl::Status ApplyLayer(size_t layer, const std::vector<const PendingUpdate*>& updates,

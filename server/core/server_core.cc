@@ -10,6 +10,7 @@
 #include "common/logging.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
+#include "common/tensor_codec.h"
 #include "kernels/cpu/outer_kernels.h"
 #include "server/core/grace_period_aggregation.h"
 #include "server/core/server_metrics.h"
@@ -360,6 +361,10 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
   metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
+  const uint32_t every = config_.checkpoint().every_versions();
+  if (!config_.checkpoint().dir().empty() && every > 0 && store_->version() % every == 0) {
+    due_checkpoint_ = CaptureCheckpoint();
+  }
   ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f",
                 store_->version(), batch.updates.size(),
                 loss_sum / static_cast<double>(batch.updates.size()));
@@ -499,8 +504,8 @@ void ServerCore::Tick() {
 void ServerCore::UpdateStopping() {
   if (stopping_) return;
   if (config_.max_versions() > 0 && store_->version() >= config_.max_versions()) stopping_ = true;
-  if (config_.max_seconds() > 0 && started_ &&
-      clock_.Now() - *started_ >= absl::Seconds(config_.max_seconds())) {
+  if (config_.max_seconds() > 0 && (started_ || restored_seconds_ > 0) &&
+      TrainedSeconds() >= config_.max_seconds()) {
     stopping_ = true;
   }
 }
@@ -511,6 +516,112 @@ void ServerCore::PublishMembership() {
 
 bool ServerCore::Finished() const {
   return stopping_ && membership_.size() == 0 && !aggregation_->InProgress();
+}
+
+double ServerCore::TrainedSeconds() const {
+  return restored_seconds_ + (started_ ? absl::ToDoubleSeconds(clock_.Now() - *started_) : 0.0);
+}
+
+std::string ServerCore::Fingerprint() const {
+  std::string f = absl::StrFormat("outer=%s/N=%d;", v1::OuterOptimizerType_Name(
+                                                        config_.outer_optimizer().type()),
+                                  config_.outer_optimizer().dn_buffer_size());
+  for (const v1::LayerSpec& layer : store_->spec().layers()) {
+    absl::StrAppendFormat(&f, "%s:%d;", layer.name(), layer.num_elements());
+  }
+  absl::StrAppendFormat(&f, "penalty=%d;shards=%d", config_.penalty().enabled(), sampler_.size());
+  return f;
+}
+
+v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {
+  v1::ServerCheckpoint c;
+  c.set_format(1);
+  c.set_fingerprint(Fingerprint());
+  c.set_version(store_->version());
+  c.set_updates_applied(updates_applied_);
+  c.set_next_task_id(next_task_id_);
+  c.set_next_worker_id(membership_.next_id());
+  const ModelSnapshot snapshot = store_->Snapshot();
+  for (size_t l = 0; l < snapshot.layers.size(); ++l) {
+    AppendFloats(*snapshot.layers[l], c.add_layer_params());
+    store_->SaveOptimizerState(l, c.add_optimizer_state());
+  }
+  if (penalty_ != nullptr) penalty_->SaveState(c.mutable_penalty_state());
+  for (size_t i = 0; i < sampler_.size(); ++i) {
+    c.add_shard_steps(sampler_.lr_step(i));
+    c.add_shard_tokens(sampler_.tokens_learned(i));
+  }
+  c.set_sampler_rng(sampler_.RngState());
+  for (const EvalPoint& e : eval_history_) {
+    c.add_eval_versions(e.version);
+    c.add_eval_losses(e.loss);
+  }
+  c.set_trained_seconds(TrainedSeconds());
+  c.set_stopping(stopping_);
+  return c;
+}
+
+std::optional<v1::ServerCheckpoint> ServerCore::TakeDueCheckpoint() {
+  std::optional<v1::ServerCheckpoint> due = std::move(due_checkpoint_);
+  due_checkpoint_.reset();
+  return due;
+}
+
+absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
+  if (c.format() != 1) {
+    return absl::InvalidArgumentError(absl::StrFormat("checkpoint format %d is unknown", c.format()));
+  }
+  if (c.fingerprint() != Fingerprint()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "checkpoint is for another model or optimizer (%s) than this config (%s)",
+        c.fingerprint(), Fingerprint()));
+  }
+  if (c.eval_versions_size() != c.eval_losses_size()) {
+    return absl::InvalidArgumentError("checkpoint evaluation history is malformed");
+  }
+  std::vector<std::vector<float>> params(c.layer_params_size());
+  for (int l = 0; l < c.layer_params_size(); ++l) {
+    params[l].resize(c.layer_params(l).size() / sizeof(float));
+    absl::Status s = DecodeFloats(c.layer_params(l), absl::MakeSpan(params[l]));
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("checkpoint parameters of layer %d: %s", l, s.message()));
+    }
+  }
+  std::vector<std::string> states(c.optimizer_state().begin(), c.optimizer_state().end());
+  std::vector<uint64_t> steps(c.shard_steps().begin(), c.shard_steps().end());
+  std::vector<uint64_t> tokens(c.shard_tokens().begin(), c.shard_tokens().end());
+  // Validate everything that can fail before changing anything.
+  ShardSampler sampler = sampler_;
+  ALOE_RETURN_IF_ERROR(sampler.Restore(steps, tokens, c.sampler_rng()));
+  std::string old_penalty;
+  if (penalty_ != nullptr) {
+    penalty_->SaveState(&old_penalty);
+    ALOE_RETURN_IF_ERROR(penalty_->LoadState(c.penalty_state()));
+  }
+  absl::Status restored = store_->Restore(c.version(), params, states);
+  if (!restored.ok()) {
+    if (penalty_ != nullptr) (void)penalty_->LoadState(old_penalty);
+    return restored;
+  }
+  sampler_ = std::move(sampler);
+  updates_applied_ = c.updates_applied();
+  next_task_id_ = std::max<uint64_t>(1, c.next_task_id());
+  membership_.set_next_id(c.next_worker_id());
+  eval_history_.clear();
+  for (int i = 0; i < c.eval_versions_size(); ++i) {
+    eval_history_.push_back(EvalPoint{c.eval_versions(i), c.eval_losses(i)});
+  }
+  last_eval_version_.reset();
+  if (!eval_history_.empty()) last_eval_version_ = eval_history_.back().version;
+  restored_seconds_ = c.trained_seconds();
+  started_.reset();
+  stopping_ = c.stopping();
+  retained_.clear();
+  metrics_.Set(kModelVersion, static_cast<double>(store_->version()));
+  ALOE_LOG_INFO("server", "resumed at version %d (%d updates applied, %.1f s trained)",
+                store_->version(), updates_applied_, restored_seconds_);
+  return absl::OkStatus();
 }
 
 }  // namespace aloe::server

@@ -78,6 +78,17 @@ class ServerCore {
   std::optional<absl::Time> NextDeadline() const { return aggregation_->Deadline(); }
   const LocalWorkPlanner& local_work() const { return planner_; }
   const ShardSampler& sampler() const { return sampler_; }
+  // --- Checkpoints (exact resume). The state right after the last outer step; tasks handed out
+  // since then are not part of it.
+  v1::ServerCheckpoint CaptureCheckpoint() const;
+  // The checkpoint captured right after an outer step that reached a multiple of
+  // checkpoint.every_versions, once; nullopt when none is waiting.
+  std::optional<v1::ServerCheckpoint> TakeDueCheckpoint();
+  // Replaces the model, optimizer, penalty, shard progress, counters and evaluation history.
+  // Call before any worker joins. kFailedPrecondition when the checkpoint belongs to another
+  // model or optimizer, kInvalidArgument when it is malformed; state unchanged on error.
+  absl::Status RestoreCheckpoint(const v1::ServerCheckpoint& checkpoint);
+
   // Training is over (stop condition met) and every worker is gone.
   bool Finished() const;
   bool stopping() const { return stopping_; }
@@ -105,6 +116,8 @@ class ServerCore {
   void CloseDueWindows();
   // Drops retained snapshots that no open task or released worker will start from.
   void PruneRetained();
+  std::string Fingerprint() const;
+  double TrainedSeconds() const;
 
   const v1::ServerConfig config_;
   const Clock& clock_;
@@ -126,6 +139,8 @@ class ServerCore {
   std::optional<uint64_t> last_eval_version_;   // latest version handed out for evaluation
   std::vector<EvalPoint> eval_history_;
   std::optional<absl::Time> started_;  // when the first round opened
+  double restored_seconds_ = 0;          // training time before a resume
+  std::optional<v1::ServerCheckpoint> due_checkpoint_;
   bool stopping_ = false;
   uint64_t updates_applied_ = 0;
 };

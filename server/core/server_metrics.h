@@ -26,6 +26,9 @@ inline constexpr char kApplyLatency[] = "aloe_apply_latency_seconds";
 inline constexpr char kPushLatency[] = "aloe_push_latency_seconds";
 inline constexpr char kTrainLoss[] = "aloe_train_loss";
 inline constexpr char kUpdateStaleness[] = "aloe_update_staleness";
+inline constexpr char kCheckpointSeconds[] = "aloe_checkpoint_duration_seconds";
+inline constexpr char kCheckpointTimestamp[] = "aloe_checkpoint_last_timestamp_seconds";
+inline constexpr char kCheckpointVersion[] = "aloe_checkpoint_version";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
 // no per-worker labels.
 inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";

@@ -1,6 +1,9 @@
 #include "server/core/shard_sampler.h"
 
 #include <algorithm>
+#include <sstream>
+
+#include "absl/strings/str_format.h"
 
 namespace aloe::server {
 
@@ -63,6 +66,31 @@ void ShardSampler::RecordLearned(size_t i, uint64_t assigned, uint64_t steps, ui
   Release(i, assigned);
   steps_[i] += steps;
   learned_[i] += tokens;
+}
+
+std::string ShardSampler::RngState() const {
+  std::ostringstream out;
+  out << rng_;
+  return out.str();
+}
+
+absl::Status ShardSampler::Restore(const std::vector<uint64_t>& steps,
+                                   const std::vector<uint64_t>& tokens,
+                                   const std::string& rng_state) {
+  if (steps.size() != shards_.size() || tokens.size() != shards_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint has progress for %d/%d data shards, the corpus has %d", steps.size(),
+        tokens.size(), shards_.size()));
+  }
+  std::mt19937_64 rng;
+  std::istringstream in(rng_state);
+  in >> rng;
+  if (in.fail()) return absl::InvalidArgumentError("checkpoint: bad shard sampler state");
+  steps_ = steps;
+  learned_ = tokens;
+  std::fill(in_flight_.begin(), in_flight_.end(), 0);
+  rng_ = rng;
+  return absl::OkStatus();
 }
 
 }  // namespace aloe::server

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+
 namespace aloe::server {
 
 struct DataShard {
@@ -44,6 +46,13 @@ class ShardSampler {
   // An applied update of a task that had `assigned` tokens in flight on shard i learned
   // `tokens` in `steps` local steps.
   void RecordLearned(size_t i, uint64_t assigned, uint64_t steps, uint64_t tokens);
+
+  // Checkpoint support: the generator state, and a restore of the learned counters and the
+  // generator (in-flight counts restart at zero: tasks do not survive a restart).
+  // kInvalidArgument when the sizes do not match the shards or the generator state is bad.
+  std::string RngState() const;
+  absl::Status Restore(const std::vector<uint64_t>& steps, const std::vector<uint64_t>& tokens,
+                       const std::string& rng_state);
 
   const DataShard& shard(size_t i) const { return shards_[i]; }
   size_t size() const { return shards_.size(); }

@@ -1,0 +1,189 @@
+#include "server/core/checkpoint_store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+
+namespace aloe::server {
+namespace {
+
+constexpr char kMagic[8] = {'A', 'L', 'O', 'E', 'C', 'K', 'P', 'T'};
+constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 4;
+constexpr char kPrefix[] = "checkpoint-";
+constexpr char kSuffix[] = ".aloeckpt";
+
+std::array<uint32_t, 256> MakeCrcTable() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    table[i] = c;
+  }
+  return table;
+}
+
+template <typename T>
+void Put(std::string* out, T value) {
+  out->append(reinterpret_cast<const char*>(&value), sizeof(value));
+}
+
+template <typename T>
+T Get(const char* p) {
+  T value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
+absl::Status WriteAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::UnavailableError(std::strerror(errno));
+    }
+    done += n;
+  }
+  return absl::OkStatus();
+}
+
+// Version encoded in a checkpoint file name, or -1.
+int64_t VersionOf(const std::string& name) {
+  if (!absl::StartsWith(name, kPrefix) || !absl::EndsWith(name, kSuffix)) return -1;
+  const std::string digits =
+      name.substr(sizeof(kPrefix) - 1, name.size() - (sizeof(kPrefix) - 1) - (sizeof(kSuffix) - 1));
+  int64_t v = -1;
+  return absl::SimpleAtoi(digits, &v) ? v : -1;
+}
+
+}  // namespace
+
+uint32_t Crc32c(std::string_view data) {
+  static const std::array<uint32_t, 256> table = MakeCrcTable();
+  uint32_t crc = 0xFFFFFFFFu;
+  for (unsigned char c : data) crc = table[(crc ^ c) & 0xFF] ^ (crc >> 8);
+  return crc ^ 0xFFFFFFFFu;
+}
+
+std::vector<std::string> CheckpointStore::List() const {
+  std::vector<std::pair<int64_t, std::string>> found;
+  if (DIR* d = ::opendir(dir_.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      const int64_t v = VersionOf(name);
+      if (v >= 0) found.emplace_back(v, dir_ + "/" + name);
+    }
+    ::closedir(d);
+  }
+  std::sort(found.rbegin(), found.rend());
+  std::vector<std::string> paths;
+  for (auto& [v, path] : found) paths.push_back(std::move(path));
+  return paths;
+}
+
+absl::StatusOr<std::string> CheckpointStore::Write(const v1::ServerCheckpoint& checkpoint) {
+  if (::mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::UnavailableError(
+        absl::StrFormat("checkpoint dir %s: %s", dir_, std::strerror(errno)));
+  }
+  std::string payload;
+  if (!checkpoint.SerializeToString(&payload)) {
+    return absl::InternalError("checkpoint does not serialise");
+  }
+  std::string file(kMagic, sizeof(kMagic));
+  Put<uint32_t>(&file, 1);
+  Put<uint32_t>(&file, 0);
+  Put<uint64_t>(&file, payload.size());
+  Put<uint32_t>(&file, Crc32c(payload));
+  file += payload;
+
+  const std::string path =
+      absl::StrFormat("%s/%s%012d%s", dir_, kPrefix, checkpoint.version(), kSuffix);
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrFormat("%s: %s", tmp, std::strerror(errno)));
+  }
+  absl::Status s = WriteAll(fd, file);
+  if (s.ok() && ::fsync(fd) != 0) s = absl::UnavailableError(std::strerror(errno));
+  ::close(fd);
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrFormat("%s: %s", tmp, s.message()));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(
+        absl::StrFormat("rename %s -> %s: %s", tmp, path, std::strerror(errno)));
+  }
+  if (const int dfd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  const std::vector<std::string> all = List();
+  for (size_t i = std::max<uint32_t>(1, keep_); i < all.size(); ++i) ::unlink(all[i].c_str());
+  return path;
+}
+
+absl::StatusOr<v1::ServerCheckpoint> CheckpointStore::ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string file = buffer.str();
+  if (file.size() < kHeaderBytes) {
+    return absl::DataLossError(absl::StrFormat("%s: truncated header (%d bytes)", path, file.size()));
+  }
+  if (std::memcmp(file.data(), kMagic, sizeof(kMagic)) != 0) {
+    return absl::DataLossError(absl::StrCat(path, ": bad magic"));
+  }
+  const uint32_t format = Get<uint32_t>(file.data() + 8);
+  if (format != 1) return absl::DataLossError(absl::StrFormat("%s: format %d", path, format));
+  const uint64_t length = Get<uint64_t>(file.data() + 16);
+  const uint32_t crc = Get<uint32_t>(file.data() + 24);
+  if (file.size() - kHeaderBytes != length) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: truncated: header says %d payload bytes, file has %d", path, length,
+        file.size() - kHeaderBytes));
+  }
+  const std::string_view payload(file.data() + kHeaderBytes, length);
+  if (Crc32c(payload) != crc) return absl::DataLossError(absl::StrCat(path, ": checksum mismatch"));
+  v1::ServerCheckpoint checkpoint;
+  if (!checkpoint.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+    return absl::DataLossError(absl::StrCat(path, ": payload does not parse"));
+  }
+  return checkpoint;
+}
+
+absl::StatusOr<CheckpointStore::Loaded> CheckpointStore::LoadLatest() const {
+  const std::vector<std::string> paths = List();
+  if (paths.empty()) return absl::NotFoundError(absl::StrCat("no checkpoints in ", dir_));
+  Loaded loaded;
+  for (const std::string& path : paths) {
+    absl::StatusOr<v1::ServerCheckpoint> c = ReadFile(path);
+    if (c.ok()) {
+      loaded.checkpoint = *std::move(c);
+      loaded.path = path;
+      return loaded;
+    }
+    ALOE_LOG_WARNING("checkpoint", "%s; trying the previous checkpoint", c.status().message());
+    loaded.skipped.push_back(std::string(c.status().message()));
+  }
+  return absl::DataLossError(
+      absl::StrFormat("all %d checkpoints in %s are corrupt", paths.size(), dir_));
+}
+
+}  // namespace aloe::server
