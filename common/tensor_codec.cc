@@ -75,6 +75,13 @@ absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t
       out->resize(old + kernels::Bf16EncodedSize(values.size()));
       return kernels::Bf16Encode(values.data(), values.size(), out->data() + old, residual);
     case v1::CODEC_INT8_BLOCKWISE:
+      // Checked before sizing the output: Int8EncodedSize divides by the block size.
+      if (int8_block_size < kernels::kInt8MinBlockSize ||
+          int8_block_size > kernels::kInt8MaxBlockSize) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("int8 block size %d outside [%d, %d]", int8_block_size,
+                            kernels::kInt8MinBlockSize, kernels::kInt8MaxBlockSize));
+      }
       out->resize(old + kernels::Int8EncodedSize(values.size(), int8_block_size));
       return kernels::Int8BlockwiseEncode(values.data(), values.size(), int8_block_size,
                                           out->data() + old, residual);

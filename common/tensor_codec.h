@@ -38,7 +38,7 @@ size_t MaxChunkElements(v1::Codec codec, size_t int8_block_size);
 
 // Appends the encoding of values to out. When residual is not null it receives
 // values - decode(encode(values)) (error feedback; zeros for FP32). kInvalidArgument for NaN/Inf
-// in values or an unknown codec.
+// in values, an unknown codec, or (INT8_BLOCKWISE) a block size outside [1, 65536].
 absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t int8_block_size,
                          std::string* out, float* residual);
 

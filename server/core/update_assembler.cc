@@ -1,9 +1,26 @@
 #include "server/core/update_assembler.h"
 
+#include <cmath>
+
 #include "absl/strings/str_format.h"
 #include "common/tensor_codec.h"
 
 namespace aloe::server {
+namespace {
+
+// Index of the first element of `values` with |x| > kMaxPushMagnitude, or values.size().
+// Values are finite here (the decoders reject NaN/Inf).
+size_t FirstOversized(absl::Span<const float> values) {
+  bool all_small = true;
+  for (float v : values) all_small &= std::fabs(v) <= kMaxPushMagnitude;
+  if (all_small) return values.size();
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!(std::fabs(values[i]) <= kMaxPushMagnitude)) return i;
+  }
+  return values.size();
+}
+
+}  // namespace
 
 UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header)
     : spec_(spec), filled_(spec.layers_size(), 0) {
@@ -50,10 +67,16 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   }
   std::vector<float>& buffer = update_.layers[layer_id];
   if (buffer.empty()) buffer.resize(layer.num_elements());
-  absl::Status s = DecodeChunk(codec, payload, absl::MakeSpan(buffer.data() + offset, count));
+  const absl::Span<float> out = absl::MakeSpan(buffer.data() + offset, count);
+  absl::Status s = DecodeChunk(codec, payload, out);
   if (!s.ok()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "layer %d (%s) at offset %d: %s", layer_id, layer.name(), offset, s.message()));
+  }
+  if (const size_t i = FirstOversized(out); i != out.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
+        layer_id, layer.name(), out[i], offset + i, kMaxPushMagnitude));
   }
   filled_[layer_id] += count;
   bytes_received_ += payload.size();

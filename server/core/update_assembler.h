@@ -1,8 +1,9 @@
 // Assembles the chunks of one Push stream into a PendingUpdate, validating every chunk as it
 // arrives so that a bad stream fails fast and nothing half-received reaches the model:
-// unknown layer ids, chunks out of order or past the layer's end, non-finite values, a
-// payload that is not float32, and layers left incomplete are all kInvalidArgument naming the
-// layer. Pure logic, no I/O. Not thread-safe (one assembler per stream).
+// unknown layer ids, unknown codecs, chunks out of order or past the layer's end, malformed
+// encodings, non-finite values or values beyond kMaxPushMagnitude, and layers left incomplete
+// are all kInvalidArgument naming the layer. Pure logic, no I/O. Not thread-safe (one assembler
+// per stream).
 #pragma once
 
 #include <string_view>
@@ -14,6 +15,15 @@
 
 namespace aloe::server {
 
+// The largest |element| a pushed pseudo-gradient may hold. g = theta_base - theta_end is the
+// parameter change of H inner steps (AdamW moves a weight by about lr per step: |g| ~ lr * H,
+// about 0.15 with the defaults), so 1e6 is far above anything training produces, and far below
+// where the outer step's float32 arithmetic overflows (momentum accumulates g / (1 - beta), an
+// aggregate sums thousands of workers). Without it a finite value near FLT_MAX (also what bf16
+// saturates to, or an int8 block at its largest valid scale) passes the finiteness checks and
+// turns the model and its momentum into Inf in one outer step.
+inline constexpr float kMaxPushMagnitude = 1e6f;
+
 class UpdateAssembler {
  public:
   // `spec` must outlive the assembler.
@@ -21,7 +31,9 @@ class UpdateAssembler {
 
   // Adds the elements [offset, offset + count) of layer `layer_id` that `payload` encodes with
   // `codec` (CODEC_UNSPECIFIED = the header's codec, or FP32). Chunks of a layer must arrive in
-  // offset order without gaps or overlap.
+  // offset order without gaps or overlap. kInvalidArgument (naming the layer) for anything
+  // malformed; a rejected chunk changes nothing the caller can observe, and the stream may go on
+  // with a corrected chunk at the same offset.
   absl::Status AddChunk(uint32_t layer_id, uint64_t offset, std::string_view payload,
                         v1::Codec codec = v1::CODEC_UNSPECIFIED);
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of aloe_fuzz_push_decoder (the input format is documented at the top of
+tests/fuzz/push_decoder_fuzzer.cc). Deterministic; rerun after changing the format:
+    python3 tests/fuzz/make_push_seeds.py tests/fuzz/corpus/push_decoder
+"""
+import os
+import struct
+import sys
+
+SIZES = [3, 40, 257]  # the fuzzer's fixed ModelSpec
+FP32, BF16, INT8 = 1, 2, 3
+
+
+def op(layer=0, raw_offset=False, codec=0, kind=0):
+    return bytes([layer | (4 if raw_offset else 0) | (codec << 3) | (kind << 6)])
+
+
+def raw(layer, data, codec=0, offset=None):
+    head = op(layer, offset is not None, codec, 0)
+    if layer == 3:
+        raise ValueError("use raw_layer")
+    if offset is not None:
+        head += struct.pack("<Q", offset)
+    return head + struct.pack("<H", len(data)) + data
+
+
+def fill(layer, count, value, codec=0):
+    return op(layer, False, codec, 3) + struct.pack("<Hf", count, value)
+
+
+def encoded(layer, values, codec, block=256):
+    return (op(layer, False, codec, 2) + struct.pack("<HH", len(values), block) +
+            struct.pack("<%df" % len(values), *values))
+
+
+def int8(layer, n, block, scales, q, corruption=0):
+    return (op(layer, False, INT8, 1) + struct.pack("<IHB", block, n, corruption) +
+            struct.pack("<%df" % len(scales), *scales) + bytes(x & 0xff for x in q))
+
+
+def bf16(values):
+    return b"".join(struct.pack("<f", v)[2:] for v in values)
+
+
+def seeds():
+    ramp = lambda n: [0.01 * i - 0.2 for i in range(n)]
+    yield "valid_fp32_fill", bytes([0]) + b"".join(fill(i, n, 0.25) for i, n in enumerate(SIZES))
+    yield "valid_fp32_raw", bytes([FP32]) + b"".join(
+        raw(i, struct.pack("<%df" % n, *ramp(n))) for i, n in enumerate(SIZES))
+    yield "valid_bf16_header_codec", bytes([BF16]) + b"".join(
+        raw(i, bf16(ramp(n))) for i, n in enumerate(SIZES))
+    yield "valid_encoded_mixed", bytes([0]) + encoded(0, ramp(3), INT8, 2) + \
+        encoded(1, ramp(20), BF16) + encoded(1, ramp(20), FP32) + encoded(2, ramp(257), INT8, 64)
+    yield "valid_int8_builder", bytes([INT8]) + int8(0, 3, 4, [0.01], [1, -2, 127]) + \
+        int8(1, 40, 16, [0.1, 0.2, 0.3], list(range(-20, 20))) + \
+        int8(2, 257, 256, [1e-3, 2e-3], [i % 255 - 127 for i in range(257)])
+    yield "chunks_split", bytes([0]) + fill(2, 100, 1.0) + fill(2, 100, -1.0) + fill(2, 57, 0.5) + \
+        fill(0, 3, 0.0) + fill(1, 39, 2.0) + fill(1, 1, 3.0)
+    # Malformed: each of these is rejected somewhere.
+    yield "unknown_layer", bytes([0]) + op(3) + struct.pack("<I", 4242) + struct.pack("<H", 4) + \
+        b"\0\0\0\0"
+    yield "offset_past_end", bytes([0]) + raw(1, b"\0" * 8, offset=39) + raw(1, b"\0" * 8, offset=1 << 63)
+    yield "nan_inf_fp32", bytes([0]) + raw(0, struct.pack("<3f", 1.0, float("nan"), float("inf")))
+    yield "nan_bf16", bytes([BF16]) + raw(0, b"\x80\x3f\xc0\x7f\x80\x7f")
+    yield "nan_scale_int8", bytes([0]) + int8(0, 3, 2, [float("nan"), 1.0], [1, 2, 3]) + \
+        int8(0, 3, 2, [-1.0, 1.0], [1, 2, 3]) + int8(0, 3, 2, [3e38, 1.0], [1, 2, 3])
+    yield "int8_corrupt", bytes([0]) + b"".join(
+        int8(1, 40, 16, [0.1, 0.2, 0.3], [1] * 40, corruption=c) for c in range(1, 5))
+    yield "huge_finite", bytes([0]) + fill(0, 3, 3.0e38) + raw(0, bf16([1.0, 3.0e38, 1.0]), BF16)
+    yield "unknown_codec", bytes([0x7f]) + fill(0, 3, 1.0) + op(0, False, 7, 0) + \
+        struct.pack("<iH", -5, 4) + b"\0" * 4
+    yield "truncated_odd", bytes([0]) + raw(2, b"\0" * 7) + raw(2, b"\0" * 3, BF16)
+    yield "oversized", bytes([0]) + fill(0, 4, 1.0) + fill(1, 41, 1.0) + fill(2, 60000, 1.0)
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(
+        os.path.dirname(__file__), "corpus", "push_decoder")
+    os.makedirs(out, exist_ok=True)
+    for name, data in seeds():
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
+
+
+if __name__ == "__main__":
+    main()

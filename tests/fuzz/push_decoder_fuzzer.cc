@@ -1,0 +1,328 @@
+// libFuzzer target for the push decoder: the bytes of one input describe a Push stream (a
+// header codec, then chunk records: layer id, offset, codec, payload) that is fed to an
+// UpdateAssembler over a small fixed ModelSpec, then Finish. Built with ASan + UBSan
+// (tests/fuzz/CMakeLists.txt), so an out-of-bounds write or undefined behaviour is a crash.
+//
+// Oracle, checked on every input (a violation aborts, which libFuzzer reports as a crash):
+//   - Every AddChunk is accepted exactly when an independent model of the contract says so:
+//     known layer, offset == elements received so far, a known codec, a well-framed payload
+//     that fits the layer, and values that the scalar reference decoders
+//     (kernels::reference) decode to finite numbers with |x| <= kMaxPushMagnitude.
+//     Rejections are kInvalidArgument with a message naming the layer.
+//   - Finish succeeds exactly when every layer is complete; the accepted update has exactly
+//     the spec's layer sizes, only finite values within the limit, bit-identical to what the
+//     reference decoders produced for the accepted chunks, and the header's fields.
+//
+// Input format (little-endian; reading past the end yields zero bytes, so every input is
+// valid; tests/fuzz/make_push_seeds.py writes the seeds):
+//   u8 header codec (as a signed byte: negative and > 3 are unknown codec values)
+//   records until the input ends, each:
+//     u8 op: bits 0-1 layer (0-2 = that layer, 3 = a raw u32 layer id follows)
+//            bit  2   offset (0 = the expected offset, 1 = a raw u64 offset follows)
+//            bits 3-5 codec (0-3 = that Codec value, 4-6 = 0-2, 7 = a raw i32 follows)
+//            bits 6-7 payload kind:
+//              0 raw:       u16 length, then that many payload bytes
+//              1 int8:      u32 block size, u16 n, u8 corruption, then ceil(n / B) f32 scales
+//                           and n int8 values: a framed int8 buffer with arbitrary scales;
+//                           corruption 1 = bad magic, 2 = n + 1 in the header, 3 = drop the
+//                           last byte, 4 = one extra byte
+//              2 encoded:   u16 count, u16 block size, count raw f32 values, encoded with
+//                           EncodeChunk (with a residual buffer); the raw bytes when it fails
+//              3 fill fp32: u16 count, f32 value: count copies as float32 bytes
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "common/tensor_codec.h"
+#include "kernels/cpu/codec_kernels.h"
+#include "proto/aloe.pb.h"
+#include "server/core/update_assembler.h"
+
+namespace aloe {
+namespace {
+
+#define FUZZ_CHECK(cond, ...)                                        \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      std::fprintf(stderr, "FUZZ_CHECK failed: %s: ", #cond);        \
+      std::fprintf(stderr, __VA_ARGS__);                             \
+      std::fprintf(stderr, "\n");                                    \
+      std::abort();                                                  \
+    }                                                                \
+  } while (0)
+
+// Three layers: smaller than one int8 block, a few blocks, and more than 256 elements (the
+// default int8 block size) so that multi-block and short-last-block layouts occur.
+const v1::ModelSpec& Spec() {
+  static const v1::ModelSpec* spec = [] {
+    auto* s = new v1::ModelSpec;
+    const uint64_t sizes[] = {3, 40, 257};
+    const char* names[] = {"embed", "blocks.0", "head"};
+    for (int i = 0; i < 3; ++i) {
+      v1::LayerSpec* layer = s->add_layers();
+      layer->set_id(i);
+      layer->set_name(names[i]);
+      layer->set_num_elements(sizes[i]);
+    }
+    s->set_num_shards(1);
+    return s;
+  }();
+  return *spec;
+}
+
+// Sequential little-endian reader; zero bytes past the end.
+class Reader {
+ public:
+  Reader(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  bool done() const { return pos_ >= size_; }
+  template <typename T>
+  T Read() {
+    unsigned char buf[sizeof(T)] = {};
+    for (size_t i = 0; i < sizeof(T) && pos_ < size_; ++i) buf[i] = data_[pos_++];
+    T v;
+    std::memcpy(&v, buf, sizeof(T));
+    return v;
+  }
+  std::string Bytes(size_t n) {
+    const size_t take = std::min(n, size_ - std::min(pos_, size_));
+    std::string out(reinterpret_cast<const char*>(data_ + pos_), take);
+    pos_ += take;
+    out.resize(n, '\0');
+    return out;
+  }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+};
+
+std::string Int8Payload(Reader& in) {
+  const uint32_t block = in.Read<uint32_t>();
+  const uint16_t n = in.Read<uint16_t>();
+  const uint8_t corruption = in.Read<uint8_t>();
+  // A zero or absurd block size still gets a framed buffer (one scale per element), so that
+  // the decoder's own block-size check is what rejects it.
+  const size_t b = block == 0 || block > 65536 ? 1 : block;
+  const size_t blocks = kernels::Int8BlockCount(n, b);
+  std::string out(reinterpret_cast<const char*>(kernels::kInt8Magic), 4);
+  uint64_t header_n = n + (corruption == 2 ? 1 : 0);
+  out.append(reinterpret_cast<const char*>(&block), 4);
+  out.append(reinterpret_cast<const char*>(&header_n), 8);
+  out += in.Bytes(4 * blocks);
+  out += in.Bytes(n);
+  if (corruption == 1) out[3] = 0x02;
+  if (corruption == 3 && !out.empty()) out.pop_back();
+  if (corruption == 4) out.push_back('\x7f');
+  return out;
+}
+
+std::string EncodedPayload(Reader& in, v1::Codec codec) {
+  const uint16_t count = in.Read<uint16_t>();
+  const uint16_t block = in.Read<uint16_t>();
+  std::string raw = in.Bytes(4 * size_t{count});
+  std::vector<float> values(count);
+  if (count > 0) std::memcpy(values.data(), raw.data(), raw.size());
+  std::vector<float> residual(count);
+  std::string out;
+  absl::Status s = EncodeChunk(codec, values, block, &out, residual.data());
+  if (!s.ok()) {
+    FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument, "EncodeChunk: %s",
+               s.ToString().c_str());
+    return raw;
+  }
+  // Error feedback: decode(encode(x)) + residual reproduces x up to one float rounding.
+  absl::StatusOr<size_t> n = EncodedElementCount(codec, out);
+  FUZZ_CHECK(n.ok() && *n == count, "encoded payload does not describe itself");
+  std::vector<float> back(count);
+  absl::Status d = DecodeChunk(codec, out, absl::MakeSpan(back));
+  FUZZ_CHECK(d.ok(), "cannot decode what EncodeChunk wrote: %s", d.ToString().c_str());
+  for (size_t i = 0; i < count; ++i) {
+    FUZZ_CHECK(std::isfinite(back[i]) && std::isfinite(residual[i]),
+               "encode/decode of finite x[%zu] = %g produced %g (residual %g)", i, values[i],
+               back[i], residual[i]);
+  }
+  return out;
+}
+
+std::string FillPayload(Reader& in) {
+  const uint16_t count = in.Read<uint16_t>();
+  const float value = in.Read<float>();
+  std::vector<float> values(count, value);
+  std::string out;
+  AppendFloats(values, &out);
+  return out;
+}
+
+// The reference model of AddChunk: decodes with the scalar reference kernels into `out` and
+// says whether the chunk must be accepted.
+bool ReferenceDecode(v1::Codec codec, std::string_view payload, std::vector<float>* out) {
+  switch (codec) {
+    case v1::CODEC_FP32: {
+      if (payload.size() % 4 != 0) return false;
+      out->resize(payload.size() / 4);
+      if (!out->empty()) std::memcpy(out->data(), payload.data(), payload.size());
+      break;
+    }
+    case v1::CODEC_BF16: {
+      if (payload.size() % 2 != 0) return false;
+      out->resize(payload.size() / 2);
+      if (!kernels::reference::Bf16Decode(payload.data(), payload.size(), out->data(),
+                                          out->size())
+               .ok()) {
+        return false;
+      }
+      break;
+    }
+    case v1::CODEC_INT8_BLOCKWISE: {
+      if (payload.size() < kernels::kInt8HeaderBytes) return false;
+      uint64_t n;
+      std::memcpy(&n, payload.data() + 8, 8);
+      if (n > payload.size()) return false;
+      out->resize(n);
+      if (!kernels::reference::Int8BlockwiseDecode(payload.data(), payload.size(), out->data(),
+                                                   out->size())
+               .ok()) {
+        return false;
+      }
+      break;
+    }
+    default:
+      return false;
+  }
+  for (float v : *out) {
+    if (!std::isfinite(v) || std::fabs(v) > server::kMaxPushMagnitude) return false;
+  }
+  return true;
+}
+
+void CheckRejection(const absl::Status& s, uint32_t layer_id) {
+  FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument, "rejection with code %s",
+             s.ToString().c_str());
+  FUZZ_CHECK(absl::StrContains(s.message(), "layer"), "rejection does not name the layer: %s",
+             s.ToString().c_str());
+  (void)layer_id;
+}
+
+void Run(const uint8_t* data, size_t size) {
+  const v1::ModelSpec& spec = Spec();
+  const int num_layers = spec.layers_size();
+  Reader in(data, size);
+  v1::PushHeader header;
+  header.set_worker_id(7);
+  header.set_task_id(11);
+  header.set_update_id(13);
+  header.set_base_version(3);
+  header.set_steps_done(5);
+  header.set_codec(static_cast<v1::Codec>(in.Read<int8_t>()));
+  const v1::Codec default_codec =
+      header.codec() == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32 : header.codec();
+
+  server::UpdateAssembler assembler(spec, header);
+  std::vector<uint64_t> filled(num_layers, 0);
+  std::vector<std::vector<float>> expected(num_layers);
+  for (int i = 0; i < num_layers; ++i) expected[i].resize(spec.layers(i).num_elements());
+  uint64_t accepted_bytes = 0;
+
+  for (int records = 0; !in.done() && records < 4096; ++records) {
+    const uint8_t op = in.Read<uint8_t>();
+    uint32_t layer_id = op & 3;
+    if (layer_id == 3) layer_id = in.Read<uint32_t>();
+    const bool known_layer = layer_id < static_cast<uint32_t>(num_layers);
+    uint64_t offset = known_layer ? filled[layer_id] : 0;
+    if (op & 4) offset = in.Read<uint64_t>();
+    int32_t codec_value = (op >> 3) & 7;
+    if (codec_value >= 4 && codec_value <= 6) codec_value -= 4;
+    if (codec_value == 7) codec_value = in.Read<int32_t>();
+    const v1::Codec codec = static_cast<v1::Codec>(codec_value);
+    const v1::Codec effective = codec == v1::CODEC_UNSPECIFIED ? default_codec : codec;
+
+    std::string payload;
+    switch (op >> 6) {
+      case 0:
+        payload = in.Bytes(in.Read<uint16_t>());
+        break;
+      case 1:
+        payload = Int8Payload(in);
+        break;
+      case 2:
+        payload = EncodedPayload(in, v1::Codec_IsValid(effective) ? effective : v1::CODEC_FP32);
+        break;
+      default:
+        payload = FillPayload(in);
+        break;
+    }
+
+    std::vector<float> ref;
+    bool should_accept = known_layer && v1::Codec_IsValid(effective) &&
+                         effective != v1::CODEC_UNSPECIFIED &&
+                         ReferenceDecode(effective, payload, &ref);
+    if (should_accept) {
+      should_accept = offset == filled[layer_id] &&
+                      offset + ref.size() <= spec.layers(layer_id).num_elements();
+    }
+    const absl::Status s = assembler.AddChunk(layer_id, offset, payload, codec);
+    FUZZ_CHECK(s.ok() == should_accept,
+               "layer %u offset %llu codec %d (effective %d), %zu payload bytes: assembler "
+               "says %s, the reference model says %s",
+               layer_id, static_cast<unsigned long long>(offset), codec_value,
+               static_cast<int>(effective), payload.size(), s.ToString().c_str(),
+               should_accept ? "accept" : "reject");
+    if (!s.ok()) {
+      CheckRejection(s, layer_id);
+      continue;
+    }
+    if (!ref.empty()) {
+      std::memcpy(expected[layer_id].data() + offset, ref.data(), ref.size() * sizeof(float));
+    }
+    filled[layer_id] += ref.size();
+    accepted_bytes += payload.size();
+    FUZZ_CHECK(assembler.bytes_received() == accepted_bytes, "bytes_received %llu != %llu",
+               static_cast<unsigned long long>(assembler.bytes_received()),
+               static_cast<unsigned long long>(accepted_bytes));
+  }
+
+  bool complete = true;
+  for (int i = 0; i < num_layers; ++i) complete &= filled[i] == spec.layers(i).num_elements();
+  absl::StatusOr<server::PendingUpdate> update = std::move(assembler).Finish();
+  FUZZ_CHECK(update.ok() == complete, "Finish says %s but the layers are %scomplete",
+             update.status().ToString().c_str(), complete ? "" : "in");
+  if (!update.ok()) {
+    CheckRejection(update.status(), 0);
+    FUZZ_CHECK(absl::StrContains(update.status().message(), "incomplete"), "%s",
+               update.status().ToString().c_str());
+    return;
+  }
+  FUZZ_CHECK(update->worker_id == 7 && update->task_id == 11 && update->update_id == 13 &&
+                 update->base_version == 3 && update->steps_done == 5,
+             "header fields not carried into the update");
+  FUZZ_CHECK(update->layers.size() == static_cast<size_t>(num_layers), "%zu layers",
+             update->layers.size());
+  for (int i = 0; i < num_layers; ++i) {
+    const std::vector<float>& got = update->layers[i];
+    FUZZ_CHECK(got.size() == spec.layers(i).num_elements(), "layer %d has %zu elements", i,
+               got.size());
+    for (size_t j = 0; j < got.size(); ++j) {
+      FUZZ_CHECK(std::isfinite(got[j]) && std::fabs(got[j]) <= server::kMaxPushMagnitude,
+                 "layer %d element %zu is %g", i, j, got[j]);
+    }
+    FUZZ_CHECK(got.empty() || std::memcmp(got.data(), expected[i].data(),
+                                          got.size() * sizeof(float)) == 0,
+               "layer %d differs from the reference decode", i);
+  }
+}
+
+}  // namespace
+}  // namespace aloe
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  aloe::Run(data, size);
+  return 0;
+}
