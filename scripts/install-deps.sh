@@ -9,7 +9,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev googletest
   libtorch-dev libgloo-dev libopenblas0-openmp
-  prometheus curl
+  prometheus curl openssl
 )
 
 missing=()

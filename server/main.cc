@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -27,6 +28,7 @@
 #include "server/core/checkpoint_store.h"
 #include "server/core/server_core.h"
 #include "server/core/server_metrics.h"
+#include "server/service/auth.h"
 #include "server/service/core_handle.h"
 #include "server/service/grpc_services.h"
 
@@ -37,6 +39,8 @@ ABSL_FLAG(std::string, corpus_dir, "", "Override corpus_dir");
 ABSL_FLAG(int64_t, max_versions, -1, "Override max_versions (outer steps before stopping)");
 ABSL_FLAG(double, max_seconds, -1, "Override max_seconds (training time before stopping)");
 ABSL_FLAG(std::string, checkpoint_dir, "", "Override checkpoint.dir");
+ABSL_FLAG(bool, insecure, false,
+          "Allow a non-loopback listen address without TLS and a token file (security.insecure)");
 ABSL_FLAG(bool, resume, false,
           "Resume from the newest whole checkpoint in checkpoint.dir (fresh start when none)");
 ABSL_FLAG(std::string, summary_file, "",
@@ -68,11 +72,55 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
   if (!absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
     config.mutable_checkpoint()->set_dir(absl::GetFlag(FLAGS_checkpoint_dir));
   }
+  if (absl::GetFlag(FLAGS_insecure)) config.mutable_security()->set_insecure(true);
   if (absl::GetFlag(FLAGS_resume) && config.checkpoint().dir().empty()) {
     return absl::InvalidArgumentError("--resume needs checkpoint.dir (or --checkpoint_dir)");
   }
   ALOE_RETURN_IF_ERROR(ValidateServerConfig(config));
   return config;
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& what, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(what, " ", path, ": cannot open"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+bool IsLoopback(const std::string& address) {
+  const std::string host = address.substr(0, address.rfind(':'));
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]" || host == "::1";
+}
+
+// TLS (optionally mutual) when configured, else plaintext. A non-loopback address needs TLS and
+// a token file unless security.insecure is set.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
+    const v1::ServerConfig& config) {
+  const v1::SecurityConfig& security = config.security();
+  const bool tls = !security.tls_cert_file().empty();
+  if (!IsLoopback(config.listen_address()) && !security.insecure() &&
+      (!tls || security.token_file().empty())) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "refusing to listen on non-loopback address %s without TLS (security.tls_cert_file) "
+        "and a token file (security.token_file); pass --insecure to do it anyway",
+        config.listen_address()));
+  }
+  if (!tls) return grpc::InsecureServerCredentials();
+  if (security.tls_key_file().empty()) {
+    return absl::InvalidArgumentError("security.tls_key_file is required with tls_cert_file");
+  }
+  grpc::SslServerCredentialsOptions options;
+  ALOE_ASSIGN_OR_RETURN(std::string cert, ReadWholeFile("TLS certificate", security.tls_cert_file()));
+  ALOE_ASSIGN_OR_RETURN(std::string key, ReadWholeFile("TLS key", security.tls_key_file()));
+  options.pem_key_cert_pairs.push_back({key, cert});
+  if (!security.tls_client_ca_file().empty()) {
+    ALOE_ASSIGN_OR_RETURN(options.pem_root_certs,
+                          ReadWholeFile("TLS client CA", security.tls_client_ca_file()));
+    options.client_certificate_request =
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
 }
 
 absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {
@@ -161,13 +209,18 @@ absl::Status Run() {
   uint64_t params = 0;
   for (const auto& layer : spec.layers()) params += layer.num_elements();
 
+  std::unique_ptr<Authenticator> auth = std::make_unique<Authenticator>();
+  if (!config.security().token_file().empty()) {
+    ALOE_ASSIGN_OR_RETURN(auth, Authenticator::FromTokenFile(config.security().token_file()));
+  }
+  ALOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                        ServerCredentials(config));
   CoreHandle handle(std::move(core));
-  CoordinatorService coordinator(handle);
-  ParameterServiceImpl parameters(handle, *metrics);
+  CoordinatorService coordinator(handle, *auth);
+  ParameterServiceImpl parameters(handle, *auth, *metrics);
   grpc::ServerBuilder builder;
   int grpc_port = 0;
-  builder.AddListeningPort(config.listen_address(), grpc::InsecureServerCredentials(),
-                           &grpc_port);
+  builder.AddListeningPort(config.listen_address(), credentials, &grpc_port);
   // Chunks are <= 1 MiB; anything much larger is hostile or broken.
   builder.SetMaxReceiveMessageSize(2 << 20);
   builder.RegisterService(&coordinator);
@@ -177,6 +230,11 @@ absl::Status Run() {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", config.listen_address(), " (address in use?)"));
   }
+  ALOE_LOG_INFO("server", "security: %s, %s, %s",
+                config.security().tls_cert_file().empty() ? "plaintext" : "TLS",
+                config.security().tls_client_ca_file().empty() ? "no client certificates"
+                                                               : "client certificates required",
+                auth->enabled() ? "token auth" : "no token auth");
   ALOE_LOG_INFO("server",
                 "listening on %s (grpc port %d, metrics port %d); model %d layers, %d parameters "
                 "in %d shards; %d training shards; outer %s lr %g momentum %g; H=%d",

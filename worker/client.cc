@@ -23,24 +23,35 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-ServerClient::ServerClient(const std::string& address) {
+ServerClient::ServerClient(const ClientOptions& options) : token_(options.token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(2 << 20);
-  channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options.tls_ca_pem.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_ca_pem;
+    ssl.pem_cert_chain = options.tls_cert_pem;
+    ssl.pem_private_key = options.tls_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+    if (!options.tls_server_name.empty()) {
+      args.SetSslTargetNameOverride(options.tls_server_name);
+    }
+  }
+  channel_ = grpc::CreateCustomChannel(options.address, credentials, args);
   coordinator_ = v1::Coordinator::NewStub(channel_);
   parameters_ = v1::ParameterService::NewStub(channel_);
 }
 
 namespace {
 
-// One unary Coordinator call with the control deadline.
+// One unary Coordinator call with the control deadline and the token.
 template <typename Request, typename Reply>
-absl::StatusOr<Reply> Unary(v1::Coordinator::Stub* stub,
+absl::StatusOr<Reply> Unary(const ServerClient& client, v1::Coordinator::Stub* stub,
                             grpc::Status (v1::Coordinator::Stub::*method)(grpc::ClientContext*,
                                                                           const Request&, Reply*),
                             const Request& request) {
   grpc::ClientContext context;
-  SetDeadline(&context, kControlDeadlineSeconds);
+  client.PrepareContext(&context, kControlDeadlineSeconds);
   Reply reply;
   absl::Status s = FromGrpcStatus((stub->*method)(&context, request, &reply));
   if (!s.ok()) return s;
@@ -49,28 +60,33 @@ absl::StatusOr<Reply> Unary(v1::Coordinator::Stub* stub,
 
 }  // namespace
 
+void ServerClient::PrepareContext(grpc::ClientContext* context, int seconds) const {
+  SetDeadline(context, seconds);
+  if (!token_.empty()) context->AddMetadata("x-aloe-token", token_);
+}
+
 absl::StatusOr<v1::JoinReply> ServerClient::Join(const v1::JoinRequest& request) {
-  return Unary(coordinator_.get(), &v1::Coordinator::Stub::Join, request);
+  return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::Join, request);
 }
 
 absl::StatusOr<v1::HeartbeatReply> ServerClient::Heartbeat(const v1::HeartbeatRequest& request) {
-  return Unary(coordinator_.get(), &v1::Coordinator::Stub::Heartbeat, request);
+  return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::Heartbeat, request);
 }
 
 absl::StatusOr<v1::Task> ServerClient::RequestTask(uint64_t worker_id) {
   v1::TaskRequest request;
   request.set_worker_id(worker_id);
-  return Unary(coordinator_.get(), &v1::Coordinator::Stub::RequestTask, request);
+  return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::RequestTask, request);
 }
 
 absl::Status ServerClient::ReportEval(const v1::EvalReport& report) {
-  return Unary(coordinator_.get(), &v1::Coordinator::Stub::ReportEval, report).status();
+  return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::ReportEval, report).status();
 }
 
 absl::Status ServerClient::Leave(uint64_t worker_id) {
   v1::LeaveRequest request;
   request.set_worker_id(worker_id);
-  return Unary(coordinator_.get(), &v1::Coordinator::Stub::Leave, request).status();
+  return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::Leave, request).status();
 }
 
 absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version, bool latest,
@@ -78,7 +94,7 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
                                             std::vector<std::vector<float>>* layers,
                                             uint64_t* bytes) {
   grpc::ClientContext context;
-  SetDeadline(&context, kTransferDeadlineSeconds);
+  PrepareContext(&context, kTransferDeadlineSeconds);
   v1::PullRequest request;
   request.set_worker_id(worker_id);
   request.set_version(version);
@@ -165,7 +181,7 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(const v1::PushHeader& header,
   *chunks.front().mutable_header() = header;
 
   grpc::ClientContext context;
-  SetDeadline(&context, kTransferDeadlineSeconds);
+  PrepareContext(&context, kTransferDeadlineSeconds);
   v1::PushReply reply;
   std::unique_ptr<grpc::ClientWriter<v1::PushChunk>> writer =
       parameters_->Push(&context, &reply);

@@ -17,9 +17,23 @@ namespace aloe::worker {
 // The one place where grpc::Status becomes absl::Status on the worker side.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+// How to reach the server: plaintext, or TLS verified against a CA (with an optional client
+// certificate for mutual TLS), plus the shared token sent as x-aloe-token on every call.
+struct ClientOptions {
+  std::string address;
+  std::string token;             // "" = none
+  std::string tls_ca_pem;        // "" = plaintext
+  std::string tls_cert_pem;      // client certificate chain (mutual TLS), optional
+  std::string tls_key_pem;
+  std::string tls_server_name;   // overrides the name checked in the server certificate
+};
+
 class ServerClient {
  public:
-  explicit ServerClient(const std::string& address);
+  explicit ServerClient(const ClientOptions& options);
+
+  // Sets a call's deadline and token.
+  void PrepareContext(grpc::ClientContext* context, int seconds) const;
 
   absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
   absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
@@ -44,6 +58,8 @@ class ServerClient {
                                      std::vector<std::vector<float>>* residuals, uint64_t* bytes);
 
  private:
+
+  std::string token_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
   std::unique_ptr<v1::ParameterService::Stub> parameters_;

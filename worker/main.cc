@@ -7,7 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <memory>
 #include <thread>
 
@@ -16,6 +18,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/flags_usage.h"
@@ -38,6 +41,11 @@ ABSL_FLAG(double, slowdown, 1.0,
 ABSL_FLAG(std::string, metrics, "127.0.0.1:0", "Prometheus endpoint host:port, or 'off'");
 ABSL_FLAG(int32_t, eval_sequences, 64, "Held-out sequences per evaluation (evaluator role)");
 ABSL_FLAG(double, connect_timeout, 60, "Seconds to keep retrying while the server is unreachable");
+ABSL_FLAG(std::string, token_file, "", "File whose first line is this worker's access token");
+ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA that signed the server certificate (enables TLS)");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual TLS)");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM client private key (mutual TLS)");
+ABSL_FLAG(std::string, tls_server_name, "", "Name to verify in the server certificate");
 
 namespace aloe::worker {
 namespace {
@@ -359,7 +367,25 @@ absl::Status Main() {
     ALOE_LOG_INFO("worker", "metrics on port %d", prometheus->port());
     metrics = std::move(prometheus);
   }
-  ServerClient client(absl::GetFlag(FLAGS_server));
+  ClientOptions options;
+  options.address = absl::GetFlag(FLAGS_server);
+  auto read = [](const char* what, const std::string& path, std::string* out) -> absl::Status {
+    if (path.empty()) return absl::OkStatus();
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError(absl::StrCat(what, " ", path, ": cannot open"));
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    *out = buffer.str();
+    return absl::OkStatus();
+  };
+  ALOE_RETURN_IF_ERROR(read("--token_file", absl::GetFlag(FLAGS_token_file), &options.token));
+  options.token = std::string(absl::StripAsciiWhitespace(options.token.substr(0, options.token.find('\n'))));
+  ALOE_RETURN_IF_ERROR(read("--tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &options.tls_ca_pem));
+  ALOE_RETURN_IF_ERROR(
+      read("--tls_cert_file", absl::GetFlag(FLAGS_tls_cert_file), &options.tls_cert_pem));
+  ALOE_RETURN_IF_ERROR(read("--tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls_key_pem));
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  ServerClient client(options);
   Worker worker(client, *metrics);
   return worker.Run();
 }

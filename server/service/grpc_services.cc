@@ -1,5 +1,7 @@
 #include "server/service/grpc_services.h"
 
+#include <optional>
+
 #include "absl/strings/str_format.h"
 #include "common/tensor_codec.h"
 #include "server/core/server_metrics.h"
@@ -21,37 +23,62 @@ grpc::Status Reply(absl::StatusOr<T> result, T* out) {
   return ToGrpcStatus(result.status());
 }
 
-}  // namespace
-
-grpc::Status CoordinatorService::Join(grpc::ServerContext*, const v1::JoinRequest* request,
-                                      v1::JoinReply* reply) {
-  return Reply(handle_.Run([&](ServerCore& core) { return core.Join(*request); }), reply);
+// The caller's identity, and that it owns worker_id (when given).
+absl::StatusOr<std::string> Authorize(const Authenticator& auth,
+                                      const grpc::ServerContext& context,
+                                      std::optional<uint64_t> worker_id) {
+  absl::StatusOr<std::string> who = auth.Identify(context);
+  if (who.ok() && worker_id) {
+    absl::Status owner = auth.CheckOwner(*worker_id, *who);
+    if (!owner.ok()) return owner;
+  }
+  return who;
 }
 
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+}  // namespace
+
+#define ALOE_AUTHORIZE(worker_id)                                        \
+  absl::StatusOr<std::string> identity = Authorize(auth_, *context, worker_id); \
+  if (!identity.ok()) return ToGrpcStatus(identity.status())
+
+grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
+                                      const v1::JoinRequest* request, v1::JoinReply* reply) {
+  ALOE_AUTHORIZE(std::nullopt);
+  absl::StatusOr<v1::JoinReply> joined =
+      handle_.Run([&](ServerCore& core) { return core.Join(*request); });
+  if (joined.ok()) auth_.Bind(joined->worker_id(), *identity);
+  return Reply(std::move(joined), reply);
+}
+
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
                                            const v1::HeartbeatRequest* request,
                                            v1::HeartbeatReply* reply) {
+  ALOE_AUTHORIZE(request->worker_id());
   return Reply(handle_.Run([&](ServerCore& core) { return core.Heartbeat(*request); }), reply);
 }
 
-grpc::Status CoordinatorService::RequestTask(grpc::ServerContext*,
+grpc::Status CoordinatorService::RequestTask(grpc::ServerContext* context,
                                              const v1::TaskRequest* request, v1::Task* reply) {
+  ALOE_AUTHORIZE(request->worker_id());
   return Reply(handle_.RequestTask(*request, absl::Seconds(1)), reply);
 }
 
-grpc::Status CoordinatorService::ReportEval(grpc::ServerContext*, const v1::EvalReport* request,
-                                            v1::EvalAck*) {
+grpc::Status CoordinatorService::ReportEval(grpc::ServerContext* context,
+                                            const v1::EvalReport* request, v1::EvalAck*) {
+  ALOE_AUTHORIZE(request->worker_id());
   return ToGrpcStatus(handle_.Run([&](ServerCore& core) { return core.ReportEval(*request); }));
 }
 
-grpc::Status CoordinatorService::Leave(grpc::ServerContext*, const v1::LeaveRequest* request,
-                                       v1::LeaveReply*) {
+grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,
+                                       const v1::LeaveRequest* request, v1::LeaveReply*) {
+  ALOE_AUTHORIZE(request->worker_id());
   return ToGrpcStatus(handle_.Run([&](ServerCore& core) { return core.Leave(*request); }));
 }
 
 grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
                                         const v1::PullRequest* request,
                                         grpc::ServerWriter<v1::ParamChunk>* writer) {
+  ALOE_AUTHORIZE(request->worker_id());
   absl::StatusOr<ModelSnapshot> snapshot =
       handle_.Run([&](ServerCore& core) { return core.SnapshotFor(*request); });
   if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
@@ -77,10 +104,12 @@ grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status ParameterServiceImpl::Push(grpc::ServerContext*,
+grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
                                         grpc::ServerReader<v1::PushChunk>* reader,
                                         v1::PushReply* reply) {
   const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> identity = Authorize(auth_, *context, std::nullopt);
+  if (!identity.ok()) return ToGrpcStatus(identity.status());
   auto reject = [&](const absl::Status& status) {
     handle_.Run([](ServerCore& core) { core.CountRejected(); });
     return ToGrpcStatus(status);
@@ -93,6 +122,9 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext*,
     return reject(absl::InvalidArgumentError("the first push message must carry the header"));
   }
   const v1::PushHeader header = chunk.header();
+  if (absl::Status owner = auth_.CheckOwner(header.worker_id(), *identity); !owner.ok()) {
+    return reject(owner);
+  }
   absl::Status status =
       handle_.Run([&](ServerCore& core) { return core.CheckPushHeader(header); });
   if (!status.ok()) return reject(status);

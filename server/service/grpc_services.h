@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "common/metrics.h"
 #include "proto/aloe.grpc.pb.h"
+#include "server/service/auth.h"
 #include "server/service/core_handle.h"
 
 namespace aloe::server {
@@ -17,8 +18,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
-  // handle must outlive the service.
-  explicit CoordinatorService(CoreHandle& handle) : handle_(handle) {}
+  // handle and auth must outlive the service.
+  CoordinatorService(CoreHandle& handle, Authenticator& auth) : handle_(handle), auth_(auth) {}
 
   grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest*, v1::JoinReply*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
@@ -29,13 +30,14 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
  private:
   CoreHandle& handle_;
+  Authenticator& auth_;
 };
 
 class ParameterServiceImpl final : public v1::ParameterService::Service {
  public:
-  // handle and metrics must outlive the service.
-  ParameterServiceImpl(CoreHandle& handle, MetricsSink& metrics)
-      : handle_(handle), metrics_(metrics) {}
+  // handle, auth and metrics must outlive the service.
+  ParameterServiceImpl(CoreHandle& handle, Authenticator& auth, MetricsSink& metrics)
+      : handle_(handle), auth_(auth), metrics_(metrics) {}
 
   grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
                     grpc::ServerWriter<v1::ParamChunk>*) override;
@@ -44,6 +46,7 @@ class ParameterServiceImpl final : public v1::ParameterService::Service {
 
  private:
   CoreHandle& handle_;
+  Authenticator& auth_;
   MetricsSink& metrics_;
 };
 

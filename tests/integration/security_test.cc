@@ -1,0 +1,177 @@
+// Security on real processes: shared-token auth with per-worker identities, TLS and mutual TLS
+// (certificates from scripts/make-test-ca.sh), and the refusal to listen on a non-loopback
+// address without TLS and a token.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/corpus_manifest.h"
+#include "common/token_shard.h"
+#include "proto/aloe.grpc.pb.h"
+#include "tests/testing/subprocess.h"
+
+namespace aloe {
+namespace {
+
+using ::aloe::testing::ReadFile;
+using ::aloe::testing::Subprocess;
+using ::aloe::testing::WaitForFile;
+
+constexpr char kTokenA[] = "alpha-0123456789abcdef";
+constexpr char kTokenB[] = "bravo-0123456789abcdef";
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/aloe_security_" + std::to_string(::getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    ASSERT_EQ(std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_ + "/shards").c_str()), 0);
+    std::vector<uint32_t> tokens(4000);
+    for (size_t t = 0; t < tokens.size(); ++t) tokens[t] = (t * 7) % 256;
+    ASSERT_TRUE(WriteTokenShard(dir_ + "/shards/a.tok", tokens, 256).ok());
+    ASSERT_TRUE(WriteTokenShard(dir_ + "/heldout.tok", tokens, 256).ok());
+    ASSERT_TRUE(WriteCorpusManifest(dir_, {{"a", "shards/a.tok", tokens.size(), false},
+                                           {"heldout", "heldout.tok", tokens.size(), true}})
+                    .ok());
+    ASSERT_EQ(std::system((std::string(ALOE_SOURCE_DIR) + "/scripts/make-test-ca.sh " + dir_ +
+                           "/ca > /dev/null")
+                              .c_str()),
+              0);
+    std::ofstream(dir_ + "/tokens") << "# identity token\nalpha " << kTokenA << "\nbravo "
+                                    << kTokenB << "\n";
+    std::ofstream(dir_ + "/token_a") << kTokenA << "\n";
+  }
+
+  // Starts aloe-server with `security` (a SecurityConfig body); returns the gRPC port or 0.
+  int Start(const std::string& security, const std::string& listen = "127.0.0.1:0",
+            std::vector<std::string> extra_flags = {}) {
+    std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
+      listen_address: ")", listen, R"("
+      metrics_address: "off"
+      corpus_dir: ")", dir_, R"("
+      model { vocab_size: 256 seq_len: 16 d_model: 32 num_layers: 1 num_heads: 2 }
+      local_steps: 3
+      max_versions: 3
+      security { )", security, " }\n");
+    std::vector<std::string> argv = {std::string(ALOE_BIN_DIR) + "/aloe-server",
+                                     "--config=" + dir_ + "/server.textproto",
+                                     "--port_file=" + dir_ + "/ports"};
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+    std::remove((dir_ + "/ports").c_str());
+    server_ = std::make_unique<Subprocess>(argv, dir_ + "/server.log");
+    // Up to 20 s, but not past the server's exit (a refused configuration exits at once).
+    bool up = false;
+    for (int i = 0; i < 200 && !up; ++i) {
+      up = WaitForFile(dir_ + "/ports", absl::Milliseconds(100));
+      if (!up && server_->Wait(absl::ZeroDuration()).has_value()) return 0;
+    }
+    if (!up) return 0;
+    const std::string ports = ReadFile(dir_ + "/ports");
+    int port = 0;
+    absl::SimpleAtoi(ports.substr(5, ports.find(' ') - 5), &port);
+    return port;
+  }
+
+  std::string Pem(const std::string& name) { return ReadFile(dir_ + "/ca/" + name); }
+
+  std::unique_ptr<v1::Coordinator::Stub> Stub(int port, bool tls, bool client_cert) {
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+    if (tls) {
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = Pem("ca.pem");
+      if (client_cert) {
+        ssl.pem_cert_chain = Pem("client.pem");
+        ssl.pem_private_key = Pem("client.key");
+      }
+      credentials = grpc::SslCredentials(ssl);
+    }
+    return v1::Coordinator::NewStub(
+        grpc::CreateChannel(absl::StrCat("localhost:", port), credentials));
+  }
+
+  grpc::Status Join(v1::Coordinator::Stub& stub, const std::string& token, v1::JoinReply* reply) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!token.empty()) context.AddMetadata("x-aloe-token", token);
+    v1::JoinRequest request;
+    request.set_name("probe");
+    return stub.Join(&context, request, reply);
+  }
+
+  std::string dir_;
+  std::unique_ptr<Subprocess> server_;
+};
+
+TEST_F(SecurityTest, TokensIdentifyCallersAndWorkerIdsBelongToTheirIdentity) {
+  const int port = Start(absl::StrCat("token_file: \"", dir_, "/tokens\""));
+  ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
+  auto stub = Stub(port, false, false);
+  v1::JoinReply joined;
+  grpc::Status s = Join(*stub, "", &joined);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  EXPECT_NE(s.error_message().find("x-aloe-token"), std::string::npos);
+  s = Join(*stub, "not-a-valid-token-at-all", &joined);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  ASSERT_TRUE(Join(*stub, kTokenA, &joined).ok());
+  // bravo may not act for alpha's worker.
+  grpc::ClientContext context;
+  context.AddMetadata("x-aloe-token", kTokenB);
+  v1::TaskRequest request;
+  request.set_worker_id(joined.worker_id());
+  v1::Task task;
+  s = stub->RequestTask(&context, request, &task);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("alpha"), std::string::npos) << s.error_message();
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(SecurityTest, MutualTlsWorkerTrainsAndClientsWithoutCertificatesAreRefused) {
+  const int port = Start(absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"", dir_,
+                                      "/ca/server.pem\" tls_key_file: \"", dir_,
+                                      "/ca/server.key\" tls_client_ca_file: \"", dir_,
+                                      "/ca/ca.pem\""));
+  ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
+  v1::JoinReply joined;
+  // Plaintext and TLS without a client certificate both fail the handshake.
+  auto plain = Stub(port, false, false);
+  EXPECT_EQ(Join(*plain, kTokenA, &joined).error_code(), grpc::StatusCode::UNAVAILABLE);
+  auto no_cert = Stub(port, true, false);
+  EXPECT_EQ(Join(*no_cert, kTokenA, &joined).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // A real worker with the client certificate and token trains to the end.
+  Subprocess worker({std::string(ALOE_BIN_DIR) + "/aloe-worker",
+                     absl::StrCat("--server=localhost:", port), "--corpus_dir=" + dir_,
+                     "--metrics=off", "--token_file=" + dir_ + "/token_a",
+                     "--tls_ca_file=" + dir_ + "/ca/ca.pem",
+                     "--tls_cert_file=" + dir_ + "/ca/client.pem",
+                     "--tls_key_file=" + dir_ + "/ca/client.key"},
+                    dir_ + "/worker.log");
+  EXPECT_EQ(worker.Wait(absl::Seconds(60)), std::optional<int>(0)) << ReadFile(dir_ + "/worker.log");
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0))
+      << ReadFile(dir_ + "/server.log");
+  EXPECT_NE(ReadFile(dir_ + "/server.log").find("summary: version 3"), std::string::npos)
+      << ReadFile(dir_ + "/server.log");
+  EXPECT_NE(ReadFile(dir_ + "/server.log").find("TLS, client certificates required, token auth"),
+            std::string::npos);
+}
+
+TEST_F(SecurityTest, NonLoopbackWithoutTlsAndTokenIsRefusedUnlessInsecure) {
+  EXPECT_EQ(Start("", "0.0.0.0:0"), 0);
+  EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1));
+  EXPECT_NE(ReadFile(dir_ + "/server.log").find("refusing to listen on non-loopback address"),
+            std::string::npos)
+      << ReadFile(dir_ + "/server.log");
+  const int port = Start("", "0.0.0.0:0", {"--insecure"});
+  EXPECT_GT(port, 0) << ReadFile(dir_ + "/server.log");
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
+}  // namespace
+}  // namespace aloe
