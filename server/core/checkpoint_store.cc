@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/byte_io.h"
 #include "common/logging.h"
 
 namespace aloe::server {
@@ -34,18 +35,6 @@ std::array<uint32_t, 256> MakeCrcTable() {
     table[i] = c;
   }
   return table;
-}
-
-template <typename T>
-void Put(std::string* out, T value) {
-  out->append(reinterpret_cast<const char*>(&value), sizeof(value));
-}
-
-template <typename T>
-T Get(const char* p) {
-  T value;
-  std::memcpy(&value, p, sizeof(value));
-  return value;
 }
 
 absl::Status WriteAll(int fd, const std::string& data) {
@@ -105,10 +94,10 @@ absl::StatusOr<std::string> CheckpointStore::Write(const v1::ServerCheckpoint& c
     return absl::InternalError("checkpoint does not serialise");
   }
   std::string file(kMagic, sizeof(kMagic));
-  Put<uint32_t>(&file, 1);
-  Put<uint32_t>(&file, 0);
-  Put<uint64_t>(&file, payload.size());
-  Put<uint32_t>(&file, Crc32c(payload));
+  AppendPod<uint32_t>(1, &file);
+  AppendPod<uint32_t>(0, &file);
+  AppendPod<uint64_t>(payload.size(), &file);
+  AppendPod<uint32_t>(Crc32c(payload), &file);
   file += payload;
 
   const std::string path =
@@ -150,10 +139,14 @@ absl::StatusOr<v1::ServerCheckpoint> CheckpointStore::ReadFile(const std::string
   if (std::memcmp(file.data(), kMagic, sizeof(kMagic)) != 0) {
     return absl::DataLossError(absl::StrCat(path, ": bad magic"));
   }
-  const uint32_t format = Get<uint32_t>(file.data() + 8);
+  std::string_view header(file.data() + sizeof(kMagic), kHeaderBytes - sizeof(kMagic));
+  uint32_t format = 0, reserved = 0, crc = 0;
+  uint64_t length = 0;
+  ReadPod(&header, &format);
+  ReadPod(&header, &reserved);
+  ReadPod(&header, &length);
+  ReadPod(&header, &crc);
   if (format != 1) return absl::DataLossError(absl::StrFormat("%s: format %d", path, format));
-  const uint64_t length = Get<uint64_t>(file.data() + 16);
-  const uint32_t crc = Get<uint32_t>(file.data() + 24);
   if (file.size() - kHeaderBytes != length) {
     return absl::DataLossError(absl::StrFormat(
         "%s: truncated: header says %d payload bytes, file has %d", path, length,

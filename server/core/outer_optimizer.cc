@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/byte_io.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -28,11 +29,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "state blobs are little
 constexpr char kStateMagic[4] = {'A', 'O', 'O', 'S'};
 constexpr uint32_t kStateFormatVersion = 2;
 
-template <typename T>
-void AppendPod(T value, std::string* out) {
-  out->append(reinterpret_cast<const char*>(&value), sizeof(T));
-}
-
 void AppendState(std::string_view kind, size_t num_elements,
                  std::initializer_list<absl::Span<const float>> buffers,
                  std::initializer_list<uint64_t> counters, std::string* out) {
@@ -47,15 +43,6 @@ void AppendState(std::string_view kind, size_t num_elements,
   for (absl::Span<const float> b : buffers) {
     out->append(reinterpret_cast<const char*>(b.data()), b.size() * sizeof(float));
   }
-}
-
-// Reads a T from the front of *in and advances it; false when too short.
-template <typename T>
-bool ReadPod(std::string_view* in, T* value) {
-  if (in->size() < sizeof(T)) return false;
-  std::memcpy(value, in->data(), sizeof(T));
-  in->remove_prefix(sizeof(T));
-  return true;
 }
 
 // Validates a blob written by AppendState for `kind` with exactly `buffers.size()` buffers of

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/byte_io.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -24,20 +25,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "state blobs are little
 constexpr char kStateMagic[4] = {'A', 'P', 'G', 'P'};
 constexpr uint32_t kStateFormatVersion = 1;
 constexpr size_t kEntryBytes = 2 * sizeof(uint64_t) + 2 * sizeof(double);
-
-template <typename T>
-void AppendPod(T value, std::string* out) {
-  out->append(reinterpret_cast<const char*>(&value), sizeof(T));
-}
-
-// Reads a T from the front of *in and advances it; false when too short.
-template <typename T>
-bool ReadPod(std::string_view* in, T* value) {
-  if (in->size() < sizeof(T)) return false;
-  std::memcpy(value, in->data(), sizeof(T));
-  in->remove_prefix(sizeof(T));
-  return true;
-}
 
 absl::Status CheckPositive(const char* field, float value) {
   if (!(value > 0) || !std::isfinite(value)) {
