@@ -1,9 +1,10 @@
 #include "common/metrics.h"
 
-#include <prometheus/counter.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
@@ -18,35 +19,56 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 
 namespace aloe {
 
-void RecordingMetrics::Add(std::string_view counter, double delta) {
-  absl::MutexLock lock(&mu_);
-  values_[std::string(counter)] += delta;
+std::string RecordingMetrics::Key(std::string_view name, const LabelValues& labels) {
+  std::string key(name);
+  if (!labels.empty()) key += "{" + absl::StrJoin(labels, ",") + "}";
+  return key;
 }
 
-void RecordingMetrics::Set(std::string_view gauge, double value) {
+void RecordingMetrics::Add(std::string_view counter, double delta, const LabelValues& labels) {
   absl::MutexLock lock(&mu_);
-  values_[std::string(gauge)] = value;
+  values_[Key(counter, labels)] += delta;
 }
 
-void RecordingMetrics::Observe(std::string_view histogram, double value) {
+void RecordingMetrics::Set(std::string_view gauge, double value, const LabelValues& labels) {
   absl::MutexLock lock(&mu_);
-  observations_[std::string(histogram)].push_back(value);
+  values_[Key(gauge, labels)] = value;
 }
 
-double RecordingMetrics::Value(std::string_view name) const {
+void RecordingMetrics::Observe(std::string_view histogram, double value,
+                               const LabelValues& labels) {
   absl::MutexLock lock(&mu_);
-  auto it = values_.find(name);
+  observations_[Key(histogram, labels)].push_back(value);
+}
+
+void RecordingMetrics::Remove(std::string_view name, const LabelValues& labels) {
+  absl::MutexLock lock(&mu_);
+  values_.erase(Key(name, labels));
+  observations_.erase(Key(name, labels));
+}
+
+double RecordingMetrics::Value(std::string_view name, const LabelValues& labels) const {
+  absl::MutexLock lock(&mu_);
+  auto it = values_.find(Key(name, labels));
   return it == values_.end() ? 0.0 : it->second;
 }
 
-std::vector<double> RecordingMetrics::Observations(std::string_view name) const {
+bool RecordingMetrics::Has(std::string_view name, const LabelValues& labels) const {
   absl::MutexLock lock(&mu_);
-  auto it = observations_.find(name);
+  const std::string key = Key(name, labels);
+  return values_.count(key) > 0 || observations_.count(key) > 0;
+}
+
+std::vector<double> RecordingMetrics::Observations(std::string_view name,
+                                                   const LabelValues& labels) const {
+  absl::MutexLock lock(&mu_);
+  auto it = observations_.find(Key(name, labels));
   return it == observations_.end() ? std::vector<double>{} : it->second;
 }
 
@@ -161,6 +183,23 @@ class MetricsHttpServer {
   int port_ = 0;
 };
 
+// One catalogue entry: its family (exactly one of the three pointers is set), the label names,
+// and for an unlabelled metric its single series.
+struct PrometheusMetrics::Entry {
+  MetricKind kind;
+  std::vector<std::string> label_names;
+  std::vector<double> buckets;
+  prometheus::Family<prometheus::Counter>* counters = nullptr;
+  prometheus::Family<prometheus::Gauge>* gauges = nullptr;
+  prometheus::Family<prometheus::Histogram>* histograms = nullptr;
+
+  prometheus::Labels LabelsOf(const LabelValues& values) const {
+    prometheus::Labels labels;
+    for (size_t i = 0; i < label_names.size(); ++i) labels[label_names[i]] = values[i];
+    return labels;
+  }
+};
+
 absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Start(
     const std::string& address, const std::vector<MetricDef>& catalogue) {
   std::unique_ptr<PrometheusMetrics> m(new PrometheusMetrics());
@@ -170,24 +209,31 @@ absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Start(
       return absl::InvalidArgumentError(
           absl::StrFormat("metric %s: names must start with aloe_", def.name));
     }
+    if (m->entries_.count(def.name) > 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("metric %s: defined twice", def.name));
+    }
+    auto entry = std::make_unique<Entry>();
+    entry->kind = def.kind;
+    entry->label_names = def.labels;
+    entry->buckets = def.buckets;
     switch (def.kind) {
       case MetricKind::kCounter:
-        m->counters_[def.name] =
-            &prometheus::BuildCounter().Name(def.name).Help(def.help).Register(*m->registry_).Add(
-                {});
+        entry->counters =
+            &prometheus::BuildCounter().Name(def.name).Help(def.help).Register(*m->registry_);
+        if (def.labels.empty()) entry->counters->Add({});
         break;
       case MetricKind::kGauge:
-        m->gauges_[def.name] =
-            &prometheus::BuildGauge().Name(def.name).Help(def.help).Register(*m->registry_).Add({});
+        entry->gauges =
+            &prometheus::BuildGauge().Name(def.name).Help(def.help).Register(*m->registry_);
+        if (def.labels.empty()) entry->gauges->Add({});
         break;
       case MetricKind::kHistogram:
-        m->histograms_[def.name] = &prometheus::BuildHistogram()
-                                        .Name(def.name)
-                                        .Help(def.help)
-                                        .Register(*m->registry_)
-                                        .Add({}, def.buckets);
+        entry->histograms =
+            &prometheus::BuildHistogram().Name(def.name).Help(def.help).Register(*m->registry_);
+        if (def.labels.empty()) entry->histograms->Add({}, def.buckets);
         break;
     }
+    m->entries_[def.name] = std::move(entry);
   }
   auto http = MetricsHttpServer::Start(address, m->registry_);
   if (!http.ok()) return http.status();
@@ -198,26 +244,53 @@ absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Start(
 
 PrometheusMetrics::~PrometheusMetrics() = default;  // stops the HTTP server first
 
-void PrometheusMetrics::Unknown(std::string_view name) {
-  ALOE_LOG_ERROR("metrics", "metric %s is not in the catalogue", name);
+const PrometheusMetrics::Entry* PrometheusMetrics::Find(std::string_view name, MetricKind kind,
+                                                        const LabelValues& labels) {
+  auto it = entries_.find(name);
+  if (it == entries_.end() || it->second->kind != kind) {
+    ALOE_LOG_ERROR("metrics", "metric %s is not in the catalogue (as this kind)", name);
+    return nullptr;
+  }
+  if (it->second->label_names.size() != labels.size()) {
+    ALOE_LOG_ERROR("metrics", "metric %s takes %d labels, got %d", name,
+                   it->second->label_names.size(), labels.size());
+    return nullptr;
+  }
+  return it->second.get();
 }
 
-void PrometheusMetrics::Add(std::string_view counter, double delta) {
-  auto it = counters_.find(counter);
-  if (it == counters_.end()) return Unknown(counter);
-  it->second->Increment(delta);
+// Family::Add returns the existing series for labels it already has (buckets are then ignored).
+void PrometheusMetrics::Add(std::string_view counter, double delta, const LabelValues& labels) {
+  if (const Entry* e = Find(counter, MetricKind::kCounter, labels)) {
+    e->counters->Add(e->LabelsOf(labels)).Increment(delta);
+  }
 }
 
-void PrometheusMetrics::Set(std::string_view gauge, double value) {
-  auto it = gauges_.find(gauge);
-  if (it == gauges_.end()) return Unknown(gauge);
-  it->second->Set(value);
+void PrometheusMetrics::Set(std::string_view gauge, double value, const LabelValues& labels) {
+  if (const Entry* e = Find(gauge, MetricKind::kGauge, labels)) {
+    e->gauges->Add(e->LabelsOf(labels)).Set(value);
+  }
 }
 
-void PrometheusMetrics::Observe(std::string_view histogram, double value) {
-  auto it = histograms_.find(histogram);
-  if (it == histograms_.end()) return Unknown(histogram);
-  it->second->Observe(value);
+void PrometheusMetrics::Observe(std::string_view histogram, double value,
+                                const LabelValues& labels) {
+  if (const Entry* e = Find(histogram, MetricKind::kHistogram, labels)) {
+    e->histograms->Add(e->LabelsOf(labels), e->buckets).Observe(value);
+  }
+}
+
+void PrometheusMetrics::Remove(std::string_view name, const LabelValues& labels) {
+  auto it = entries_.find(name);
+  if (it == entries_.end() || labels.empty() || it->second->label_names.size() != labels.size()) {
+    return;
+  }
+  const Entry& e = *it->second;
+  const prometheus::Labels l = e.LabelsOf(labels);
+  if (e.counters != nullptr && e.counters->Has(l)) e.counters->Remove(&e.counters->Add(l));
+  if (e.gauges != nullptr && e.gauges->Has(l)) e.gauges->Remove(&e.gauges->Add(l));
+  if (e.histograms != nullptr && e.histograms->Has(l)) {
+    e.histograms->Remove(&e.histograms->Add(l, e.buckets));
+  }
 }
 
 std::vector<double> LatencyBucketsSeconds() {

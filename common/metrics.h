@@ -21,46 +21,74 @@ class Histogram;
 
 namespace aloe {
 
-// Thread-safe. A name not in the sink's catalogue is ignored (a programming error, logged once
-// by PrometheusMetrics).
+enum class MetricKind { kCounter, kGauge, kHistogram };
+
+// Label values of one series, in the order of its metric's label names (MetricDef::labels).
+// Empty for an unlabelled metric.
+using LabelValues = std::vector<std::string>;
+
+// Thread-safe. A name not in the sink's catalogue, or label values that do not match the
+// metric's label names, are ignored (a programming error, logged by PrometheusMetrics).
+// Label values must come from bounded sets (a reason, a codec, a data shard, a live worker whose
+// series is Remove()d when it goes), so that the number of series stays bounded.
 class MetricsSink {
  public:
   virtual ~MetricsSink() = default;
-  virtual void Add(std::string_view counter, double delta) = 0;
-  virtual void Set(std::string_view gauge, double value) = 0;
-  virtual void Observe(std::string_view histogram, double value) = 0;
+  virtual void Add(std::string_view counter, double delta, const LabelValues& labels) = 0;
+  virtual void Set(std::string_view gauge, double value, const LabelValues& labels) = 0;
+  virtual void Observe(std::string_view histogram, double value, const LabelValues& labels) = 0;
+  // Drops one series of a labelled metric (e.g. of a worker that left). No-op when absent.
+  virtual void Remove(std::string_view name, const LabelValues& labels) = 0;
+
+  // Unlabelled metrics.
+  void Add(std::string_view counter, double delta) { Add(counter, delta, {}); }
+  void Set(std::string_view gauge, double value) { Set(gauge, value, {}); }
+  void Observe(std::string_view histogram, double value) { Observe(histogram, value, {}); }
 };
 
 // Discards everything.
 class NullMetrics final : public MetricsSink {
  public:
-  void Add(std::string_view, double) override {}
-  void Set(std::string_view, double) override {}
-  void Observe(std::string_view, double) override {}
+  using MetricsSink::Add;
+  using MetricsSink::Observe;
+  using MetricsSink::Set;
+  void Add(std::string_view, double, const LabelValues&) override {}
+  void Set(std::string_view, double, const LabelValues&) override {}
+  void Observe(std::string_view, double, const LabelValues&) override {}
+  void Remove(std::string_view, const LabelValues&) override {}
 };
 
-// Keeps the last gauge value, counter sums and all observations. For tests. Thread-safe.
+// Keeps the last gauge value, counter sums and all observations per series. For tests.
+// Thread-safe.
 class RecordingMetrics final : public MetricsSink {
  public:
-  void Add(std::string_view counter, double delta) override;
-  void Set(std::string_view gauge, double value) override;
-  void Observe(std::string_view histogram, double value) override;
-  double Value(std::string_view name) const;  // counter sum or last gauge value; 0 if never set
-  std::vector<double> Observations(std::string_view name) const;
+  using MetricsSink::Add;
+  using MetricsSink::Observe;
+  using MetricsSink::Set;
+  void Add(std::string_view counter, double delta, const LabelValues& labels) override;
+  void Set(std::string_view gauge, double value, const LabelValues& labels) override;
+  void Observe(std::string_view histogram, double value, const LabelValues& labels) override;
+  void Remove(std::string_view name, const LabelValues& labels) override;
+  // Counter sum or last gauge value of one series; 0 if never set (or removed).
+  double Value(std::string_view name, const LabelValues& labels = {}) const;
+  // Whether the series exists (set and not removed).
+  bool Has(std::string_view name, const LabelValues& labels = {}) const;
+  std::vector<double> Observations(std::string_view name, const LabelValues& labels = {}) const;
 
  private:
+  static std::string Key(std::string_view name, const LabelValues& labels);
+
   mutable absl::Mutex mu_;
   std::map<std::string, double, std::less<>> values_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<double>, std::less<>> observations_ ABSL_GUARDED_BY(mu_);
 };
 
-enum class MetricKind { kCounter, kGauge, kHistogram };
-
 struct MetricDef {
   std::string name;
   MetricKind kind;
   std::string help;
-  std::vector<double> buckets;  // histograms only
+  std::vector<double> buckets;      // histograms only
+  std::vector<std::string> labels;  // label names; empty = one unlabelled series
 };
 
 class MetricsHttpServer;
@@ -80,22 +108,27 @@ class PrometheusMetrics final : public MetricsSink {
 
   int port() const { return port_; }
 
-  void Add(std::string_view counter, double delta) override;
-  void Set(std::string_view gauge, double value) override;
-  void Observe(std::string_view histogram, double value) override;
+  using MetricsSink::Add;
+  using MetricsSink::Observe;
+  using MetricsSink::Set;
+  void Add(std::string_view counter, double delta, const LabelValues& labels) override;
+  void Set(std::string_view gauge, double value, const LabelValues& labels) override;
+  void Observe(std::string_view histogram, double value, const LabelValues& labels) override;
+  void Remove(std::string_view name, const LabelValues& labels) override;
 
  private:
+  struct Entry;
   PrometheusMetrics() = default;
-  void Unknown(std::string_view name);
+  // The catalogue entry of `name` if it has `kind` and as many label names as `labels` has
+  // values; logs and returns null otherwise.
+  const Entry* Find(std::string_view name, MetricKind kind, const LabelValues& labels);
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsHttpServer> http_;
-  // Written only in Start(); read-only afterwards, so lookups need no lock.
-  // (Debian's absl::string_view is not std::string_view, so std::map with std::less<> gives the
-  // heterogeneous lookup.)
-  std::map<std::string, prometheus::Counter*, std::less<>> counters_;
-  std::map<std::string, prometheus::Gauge*, std::less<>> gauges_;
-  std::map<std::string, prometheus::Histogram*, std::less<>> histograms_;
+  // Written only in Start(); read-only afterwards, so lookups need no lock (prometheus-cpp's
+  // families lock themselves). (Debian's absl::string_view is not std::string_view, so std::map
+  // with std::less<> gives the heterogeneous lookup.)
+  std::map<std::string, std::unique_ptr<Entry>, std::less<>> entries_;
   int port_ = 0;
 };
 

@@ -45,6 +45,10 @@ ABSL_FLAG(bool, resume, false,
           "Resume from the newest whole checkpoint in checkpoint.dir (fresh start when none)");
 ABSL_FLAG(std::string, summary_file, "",
           "At exit write 'version=N', 'updates_applied=N' and one 'eval=VERSION:LOSS' per line");
+ABSL_FLAG(double, drain_seconds, 10,
+          "On SIGTERM/SIGINT: hand out no new work and wait up to this long for the tasks already "
+          "handed out to be pushed (or reported) before the final checkpoint; a second signal "
+          "ends the wait");
 ABSL_FLAG(std::string, port_file, "",
           "Write 'grpc=PORT metrics=PORT' here once listening (for scripts and tests)");
 
@@ -73,6 +77,11 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
     config.mutable_checkpoint()->set_dir(absl::GetFlag(FLAGS_checkpoint_dir));
   }
   if (absl::GetFlag(FLAGS_insecure)) config.mutable_security()->set_insecure(true);
+  const double drain = absl::GetFlag(FLAGS_drain_seconds);
+  if (!(drain >= 0) || !std::isfinite(drain)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--drain_seconds must be a finite number >= 0, got %g", drain));
+  }
   if (absl::GetFlag(FLAGS_resume) && config.checkpoint().dir().empty()) {
     return absl::InvalidArgumentError("--resume needs checkpoint.dir (or --checkpoint_dir)");
   }
@@ -153,6 +162,39 @@ void WriteCheckpoint(CheckpointStore& store, const v1::ServerCheckpoint& checkpo
   metrics.Set(kCheckpointVersion, static_cast<double>(checkpoint.version()));
   ALOE_LOG_INFO("server", "checkpoint of version %d written to %s (%.1f MB, %.0f ms)",
                 checkpoint.version(), *path, checkpoint.ByteSizeLong() / 1e6, seconds * 1e3);
+}
+
+// Graceful shutdown after SIGTERM/SIGINT: no new work is handed out (workers see WAIT with
+// draining set), while tasks already handed out may still push or report — each push is
+// applied as usual — for up to --drain_seconds, or until a second signal. Periodic checkpoints
+// that fall due meanwhile are written; the caller writes the final one.
+void Drain(CoreHandle& handle, CheckpointStore* checkpoints, MetricsSink& metrics) {
+  const int first_signal = g_signal.exchange(0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
+  size_t open = handle.Run([](ServerCore& core) {
+    core.BeginDrain();
+    return core.open_tasks();
+  });
+  ALOE_LOG_INFO("server",
+                "signal %d: draining: no new work; waiting up to %.0f s for %d open "
+                "task(s)",
+                first_signal, absl::GetFlag(FLAGS_drain_seconds), open);
+  while (open > 0 && absl::Now() < deadline && g_signal.load() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::optional<v1::ServerCheckpoint> due;
+    open = handle.Run([&](ServerCore& core) {
+      core.Tick();
+      due = core.TakeDueCheckpoint();
+      return core.open_tasks();
+    });
+    if (due && checkpoints) WriteCheckpoint(*checkpoints, *due, metrics);
+  }
+  if (open == 0) {
+    ALOE_LOG_INFO("server", "drained: every open task finished");
+  } else {
+    ALOE_LOG_WARNING("server", "drain %s with %d task(s) still open: their work is lost",
+                     g_signal.load() != 0 ? "cut short by a second signal" : "timed out", open);
+  }
 }
 
 absl::Status Run() {
@@ -262,7 +304,9 @@ absl::Status Run() {
     if (finished) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  if (!finished) ALOE_LOG_INFO("server", "signal %d: shutting down", g_signal.load());
+  if (!finished) {
+    Drain(handle, checkpoints.get(), *metrics);
+  }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (checkpoints) {
     // The final state (on SIGTERM/SIGINT too), so a restart loses nothing that was applied.

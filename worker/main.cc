@@ -51,7 +51,13 @@ namespace aloe::worker {
 namespace {
 
 std::atomic<int> g_signal{0};
-void OnSignal(int sig) { g_signal.store(sig); }
+// Ends a training round at the next step end (LocalTrainer::Train), so that the steps done are
+// pushed before the worker leaves.
+std::atomic<bool> g_interrupt{false};
+void OnSignal(int sig) {
+  g_signal.store(sig);
+  g_interrupt.store(true);
+}
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -121,6 +127,7 @@ class Worker {
   ServerClient& client_;
   MetricsSink& metrics_;
   bool evaluator_ = false;
+  bool server_draining_ = false;
   v1::JoinReply joined_;
   std::unique_ptr<LocalTrainer> trainer_;
   std::unique_ptr<Heartbeater> heartbeat_;
@@ -206,10 +213,15 @@ absl::Status Worker::Run() {
       ALOE_RETURN_IF_ERROR(JoinServer());
       continue;
     }
+    if (!task.ok() && g_signal.load() != 0) break;  // stopping while the server is away
     if (!task.ok()) return task.status();
     absl::Status status;
     switch (task->kind()) {
       case v1::Task::WAIT:
+        if (task->draining() && !server_draining_) {
+          ALOE_LOG_INFO("worker", "server is draining (shutdown or restart): waiting for it");
+        }
+        server_draining_ = task->draining();
         continue;
       case v1::Task::STOP:
         ALOE_LOG_INFO("worker", "server says training is over");
@@ -225,8 +237,10 @@ absl::Status Worker::Run() {
     }
     if (task->kind() == v1::Task::STOP) break;
     if (status.code() == absl::StatusCode::kFailedPrecondition ||
-        status.code() == absl::StatusCode::kNotFound) {
-      // The server dropped this round (stale version, expired lease): log and ask again.
+        status.code() == absl::StatusCode::kNotFound ||
+        status.code() == absl::StatusCode::kUnavailable) {
+      // The server dropped this round (stale version, expired lease) or went away meanwhile
+      // (restart): log and ask again; asking retries until the server is back.
       ALOE_LOG_WARNING("worker", "task %d dropped: %s", task->task_id(), status.message());
       continue;
     }
@@ -255,11 +269,20 @@ absl::Status Worker::Train(const v1::Task& task) {
   const auto t1 = std::chrono::steady_clock::now();
   ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
   ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
-  ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats,
-                        trainer_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
-                                        absl::GetFlag(FLAGS_slowdown),
-                                        task.time_budget_seconds()));
+  ALOE_ASSIGN_OR_RETURN(
+      LocalTrainer::RoundStats stats,
+      trainer_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
+                      absl::GetFlag(FLAGS_slowdown), task.time_budget_seconds(), &g_interrupt));
   const auto t2 = std::chrono::steady_clock::now();
+  if (stats.steps == 0) {
+    // Stopped before the first step: nothing to push; leaving hands the task back.
+    ALOE_LOG_INFO("worker", "task %d abandoned before its first step (stopping)", task.task_id());
+    return absl::OkStatus();
+  }
+  if (stats.steps < task.local_steps() && task.time_budget_seconds() == 0) {
+    ALOE_LOG_INFO("worker", "stopping: pushing the %d of %d steps done", stats.steps,
+                  task.local_steps());
+  }
   ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(base_, &delta_));
   v1::PushHeader header;
   header.set_worker_id(joined_.worker_id());
@@ -398,7 +421,8 @@ int main(int argc, char** argv) {
       "aloe-worker --server HOST:PORT [--role trainer|evaluator] [flags]\n"
       "Training daemon for ALOE: joins aloe-server, pulls the global model, trains H local AdamW\n"
       "steps per task with LibTorch and pushes the pseudo-gradient; as an evaluator it reports\n"
-      "held-out loss of new model versions. Leaves gracefully on SIGINT/SIGTERM.");
+      "held-out loss of new model versions. On SIGINT/SIGTERM it ends the current round at the\n"
+      "next step end, pushes the steps done, leaves and exits.");
   absl::ParseCommandLine(argc, argv);
   signal(SIGINT, aloe::worker::OnSignal);
   signal(SIGTERM, aloe::worker::OnSignal);

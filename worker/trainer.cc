@@ -186,7 +186,8 @@ absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>&
 absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& data,
                                                              uint32_t steps, uint64_t lr_step,
                                                              uint64_t seed, double slowdown,
-                                                             double time_budget_seconds) {
+                                                             double time_budget_seconds,
+                                                             const std::atomic<bool>* interrupt) {
   if (!(time_budget_seconds >= 0) || !std::isfinite(time_budget_seconds)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "time budget must be a finite number >= 0, got %g", time_budget_seconds));
@@ -213,6 +214,7 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
     impl_->model->train();
     const auto round_start = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < steps; ++i) {
+      if (interrupt != nullptr && interrupt->load()) break;
       const auto t0 = std::chrono::steady_clock::now();
       for (uint64_t& s : starts) s = start_dist(rng);
       ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,

@@ -8,6 +8,7 @@
 // LibTorch exception is caught inside and returned as kInternal.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -82,12 +83,16 @@ class LocalTrainer {
   // (slowdown - 1) x that step's compute time (not counted in compute_seconds).
   // `time_budget_seconds` > 0 (A-EDiT, paper 000 Sec. 3.3) ends the round at the first step end
   // at or after that much wall time (sleeps included); `steps` is then the cap.
+  // `interrupt` (may be null; e.g. set by a SIGTERM handler) ends the round at the first step
+  // end after it becomes true, so a worker that is asked to stop can push the steps it has
+  // done; no step is taken when it is already true.
   // Errors: kInvalidArgument when data has fewer than seq_len + 1 tokens, a sampled token is
   // >= vocab_size (steps before it have already been applied), or slowdown is not finite >= 1;
   // kInternal on a LibTorch error.
   absl::StatusOr<RoundStats> Train(const TokenSource& data, uint32_t steps, uint64_t lr_step,
                                    uint64_t seed, double slowdown = 1.0,
-                                   double time_budget_seconds = 0);
+                                   double time_budget_seconds = 0,
+                                   const std::atomic<bool>* interrupt = nullptr);
 
   // Mean per-token cross-entropy (nats) over the first min(max_sequences,
   // num_tokens / (seq_len + 1)) non-overlapping windows of seq_len + 1 tokens of `heldout`,

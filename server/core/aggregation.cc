@@ -63,6 +63,7 @@ ApplyBatch SyncRoundAggregation::CompleteIfDone() {
   batch.weights.assign(received_.size(), w);
   batch.updates = std::move(received_);
   received_.clear();
+  RecordReleasedGroup(batch.updates.size());
   return batch;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -55,6 +56,18 @@ class AggregationPolicy {
   virtual std::optional<absl::Time> Deadline() const { return std::nullopt; }
   // A version released workers will start from that is not yet handed out in a task.
   virtual std::optional<uint64_t> PendingStartVersion() const { return std::nullopt; }
+
+  // Sizes of the groups of workers released together since the last call, oldest first: each
+  // completed sync round's pushers, each closed grace window's members (for metrics).
+  std::vector<size_t> TakeReleasedGroups() { return std::exchange(released_groups_, {}); }
+
+ protected:
+  void RecordReleasedGroup(size_t workers) {
+    if (workers > 0) released_groups_.push_back(workers);
+  }
+
+ private:
+  std::vector<size_t> released_groups_;
 };
 
 // Sync DiLoCo: a round opens at version v over the live trainers (the first round waits for

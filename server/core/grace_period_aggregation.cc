@@ -28,6 +28,7 @@ bool GracePeriodAggregation::CloseExpired(uint64_t current_version) {
 }
 
 void GracePeriodAggregation::Close(uint64_t current_version) {
+  RecordReleasedGroup(window_members_.size());
   released_.insert(window_members_.begin(), window_members_.end());
   window_members_.clear();
   window_open_.reset();

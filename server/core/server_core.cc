@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
@@ -98,10 +99,15 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   core->planner_ = LocalWorkPlanner(PlannerOptions(config));
   core->heldout_file_ = std::move(heldout_file);
   metrics.Set(kModelVersion, 0);
+  // Every reason's series exists from the start, so rates and alerts see zeros, not gaps.
+  for (const char* reason : kRejectReasons) metrics.Add(kUpdatesRejected, 0, {reason});
+  core->PublishShards();
   return core;
 }
 
-void ServerCore::CountRejected() { metrics_.Add(kUpdatesRejected, 1); }
+void ServerCore::CountRejected(const absl::Status& status) {
+  metrics_.Add(kUpdatesRejected, 1, {RejectReason(status)});
+}
 
 absl::StatusOr<const Member*> ServerCore::LiveMember(uint64_t worker_id) const {
   const Member* m = membership_.Find(worker_id);
@@ -122,6 +128,9 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   }
   const uint64_t id = membership_.Join(request.name(), request.role());
   metrics_.Add(kWorkersJoined, 1);
+  if (request.role() != v1::ROLE_EVALUATOR) {
+    trainer_labels_[id] = {absl::StrCat(id), request.name()};
+  }
   v1::JoinReply reply;
   reply.set_worker_id(id);
   reply.set_lease_seconds(config_.lease_seconds());
@@ -144,6 +153,7 @@ absl::StatusOr<v1::HeartbeatReply> ServerCore::Heartbeat(const v1::HeartbeatRequ
   }
   ALOE_RETURN_IF_ERROR(membership_.Renew(request.worker_id(), request.steps_per_second()));
   planner_.ReportSpeed(request.worker_id(), request.steps_per_second());
+  PublishSpeed(request.worker_id());
   v1::HeartbeatReply reply;
   reply.set_version(store_->version());
   return reply;
@@ -168,6 +178,11 @@ absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request)
   if (open != open_tasks_.end()) return open->second.task;
   CloseDueWindows();
   UpdateStopping();
+  if (draining_ && !stopping_) {
+    v1::Task wait = NewTask(v1::Task::WAIT);
+    wait.set_draining(true);
+    return wait;
+  }
   if (member->role == v1::ROLE_EVALUATOR) return EvaluatorTask(member->id);
   return TrainerTask(member->id);
 }
@@ -207,6 +222,11 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
                             config_.inner_optimizer().batch_size() * config_.model().seq_len();
   sampler_.Assign(shard, assigned);
   open_tasks_[worker] = OpenTask{task, shard, assigned};
+  if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
+    metrics_.Set(kTrainerPlannedSteps, plan.steps, labels->second);
+  }
+  PublishShards();
+  ObserveReleases();
   return task;
 }
 
@@ -277,7 +297,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   absl::Status status = CheckPushHeader(header);
   if (status.ok()) status = store_->CheckShapes(update);
   if (!status.ok()) {
-    CountRejected();
+    CountRejected(status);
     return status;
   }
   const uint64_t worker = update.worker_id;
@@ -289,7 +309,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   absl::StatusOr<float> scale = StalenessScale(config_.outer_optimizer(), staleness);
   if (!scale.ok()) {
     // Too stale: dropped like the work of a departed worker; the worker starts afresh.
-    CountRejected();
+    metrics_.Add(kUpdatesRejected, 1, {"too_stale"});
     metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
     const OpenTask& open = open_tasks_[worker];
     sampler_.Release(open.shard, open.assigned_tokens);
@@ -297,6 +317,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     ApplyBatch completed = aggregation_->OnWorkerGone(worker);
     if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
     PruneRetained();
+    PublishShards();
     return scale.status();
   }
   if (*scale != 1.0f) {
@@ -304,14 +325,15 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
       kernels::Scale(layer.data(), layer.size(), *scale);
     }
   }
-  planner_.ReportSpeed(worker, update.compute_seconds > 0
-                                   ? update.steps_done / update.compute_seconds
-                                   : 0.0);
   absl::StatusOr<ApplyBatch> batch = aggregation_->Submit(std::move(update), store_->version());
   if (!batch.ok()) {
-    CountRejected();
+    CountRejected(batch.status());
     return batch.status();
   }
+  // Only an accepted update's speed counts (a rejected push must leave the state unchanged).
+  planner_.ReportSpeed(
+      worker, header.compute_seconds() > 0 ? header.steps_done() / header.compute_seconds() : 0.0);
+  PublishSpeed(worker);
   metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
   submitted_[task_id] = open_tasks_[worker];
   open_tasks_.erase(worker);
@@ -331,6 +353,16 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   std::vector<const PendingUpdate*> updates;
   for (const PendingUpdate& u : batch.updates) updates.push_back(&u);
   absl::Status status;
+  ObserveReleases();
+  if (penalty_ == nullptr) {
+    // Per (update, layer) norms; with the penalty on, it reports them itself.
+    for (const PendingUpdate* u : updates) {
+      for (const std::vector<float>& layer : u->layers) {
+        metrics_.Observe(kPseudoGradientNorm,
+                         std::sqrt(kernels::SquaredL2Norm(layer.data(), layer.size())));
+      }
+    }
+  }
   if (penalty_ != nullptr) {
     // The penalty's per-layer weights replace the batch's (paper 000 Alg. 2).
     PenaltyAggregation aggregation(*penalty_);
@@ -361,6 +393,7 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
   metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
+  PublishShards();
   const uint32_t every = config_.checkpoint().every_versions();
   if (!config_.checkpoint().dir().empty() && every > 0 && store_->version() % every == 0) {
     due_checkpoint_ = CaptureCheckpoint();
@@ -461,6 +494,11 @@ void ServerCore::WorkerGone(uint64_t worker) {
     open_tasks_.erase(open);
   }
   planner_.Forget(worker);
+  if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
+    metrics_.Remove(kTrainerStepsPerSecond, labels->second);
+    metrics_.Remove(kTrainerPlannedSteps, labels->second);
+    trainer_labels_.erase(labels);
+  }
   ApplyBatch batch = aggregation_->OnWorkerGone(worker);
   if (!batch.updates.empty()) {
     absl::Status s = Apply(std::move(batch));
@@ -471,6 +509,7 @@ void ServerCore::WorkerGone(uint64_t worker) {
   if (penalty_ != nullptr) penalty_->ForgetStream(worker);
   PruneRetained();
   PublishMembership();
+  PublishShards();
 }
 
 void ServerCore::CloseDueWindows() {
@@ -478,6 +517,32 @@ void ServerCore::CloseDueWindows() {
     // The released workers all start from this version, whatever is applied meanwhile.
     retained_[store_->version()] = store_->Snapshot();
     PruneRetained();
+  }
+  ObserveReleases();
+}
+
+void ServerCore::ObserveReleases() {
+  for (size_t workers : aggregation_->TakeReleasedGroups()) {
+    metrics_.Observe(kGraceWindowWorkers, static_cast<double>(workers));
+  }
+}
+
+void ServerCore::PublishSpeed(uint64_t worker) {
+  auto labels = trainer_labels_.find(worker);
+  if (labels == trainer_labels_.end()) return;
+  metrics_.Set(kTrainerStepsPerSecond, planner_.speed(worker), labels->second);
+}
+
+void ServerCore::PublishShards() {
+  const std::vector<double> p = sampler_.Probabilities();
+  for (size_t i = 0; i < sampler_.size(); ++i) {
+    const LabelValues shard = {sampler_.shard(i).name};
+    metrics_.Set(kShardTokensLearned, static_cast<double>(sampler_.tokens_learned(i)), shard);
+    metrics_.Set(kShardTokensInFlight, static_cast<double>(sampler_.tokens_in_flight(i)), shard);
+    metrics_.Set(kShardSamplingProbability, p[i], shard);
+    metrics_.Set(kShardLrStep, static_cast<double>(sampler_.lr_step(i)), shard);
+    metrics_.Set(kShardLearningRate,
+                 InnerLearningRate(config_.inner_optimizer(), sampler_.lr_step(i)), shard);
   }
 }
 
@@ -619,6 +684,7 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   stopping_ = c.stopping();
   retained_.clear();
   metrics_.Set(kModelVersion, static_cast<double>(store_->version()));
+  PublishShards();
   ALOE_LOG_INFO("server", "resumed at version %d (%d updates applied, %.1f s trained)",
                 store_->version(), updates_applied_, restored_seconds_);
   return absl::OkStatus();

@@ -61,8 +61,9 @@ class ServerCore {
 
   // Expires leases and re-evaluates the stop condition. Call periodically.
   void Tick();
-  // Records a rejected push (the service calls it for pushes that fail before SubmitUpdate).
-  void CountRejected();
+  // Records a rejected push under the reason its status names (the service calls it for pushes
+  // that fail before SubmitUpdate).
+  void CountRejected(const absl::Status& status);
 
   ModelSnapshot Snapshot() const { return store_->Snapshot(); }
   // The snapshot a Pull streams: the requested version — the current one, or an older one that
@@ -91,6 +92,13 @@ class ServerCore {
 
   // Training is over (stop condition met) and every worker is gone.
   bool Finished() const;
+  // Graceful shutdown (SIGTERM): from now on RequestTask answers WAIT with draining = true
+  // (STOP once training is over), so no new work starts; pushes and evaluation reports of tasks
+  // already handed out are still accepted. Irreversible.
+  void BeginDrain() { draining_ = true; }
+  bool draining() const { return draining_; }
+  // Tasks handed out and not yet pushed, reported or dropped (what a drain waits for).
+  size_t open_tasks() const { return open_tasks_.size(); }
   bool stopping() const { return stopping_; }
   // The EDiT pseudo-gradient penalty; null unless config.penalty().enabled().
   const PseudoGradientPenalty* penalty() const { return penalty_.get(); }
@@ -112,6 +120,12 @@ class ServerCore {
   void ReportPenalty(const std::vector<PenaltyModuleReport>& reports);
   void UpdateStopping();
   void PublishMembership();
+  // Per data shard: learning progress, sampling probability and LR schedule position.
+  void PublishShards();
+  // The trainer's measured speed (after a report) into its labelled gauge.
+  void PublishSpeed(uint64_t worker);
+  // Observes the groups of workers the aggregation released since the last call.
+  void ObserveReleases();
   // Lets the aggregation policy close what is due and keeps the released version available.
   void CloseDueWindows();
   // Drops retained snapshots that no open task or released worker will start from.
@@ -141,7 +155,10 @@ class ServerCore {
   std::optional<absl::Time> started_;  // when the first round opened
   double restored_seconds_ = 0;          // training time before a resume
   std::optional<v1::ServerCheckpoint> due_checkpoint_;
+  // Label values {worker id, name} of each live trainer's per-worker series.
+  std::map<uint64_t, LabelValues> trainer_labels_;
   bool stopping_ = false;
+  bool draining_ = false;
   uint64_t updates_applied_ = 0;
 };
 

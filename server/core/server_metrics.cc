@@ -1,6 +1,34 @@
 #include "server/core/server_metrics.h"
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+
 namespace aloe::server {
+
+const char* RejectReason(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      return "invalid_argument";
+    case absl::StatusCode::kFailedPrecondition:
+      return "stale";
+    case absl::StatusCode::kNotFound:
+      return "unknown_worker";
+    case absl::StatusCode::kUnauthenticated:
+      return "unauthenticated";
+    case absl::StatusCode::kPermissionDenied:
+      return "permission_denied";
+    default:
+      return "other";
+  }
+}
+
+std::string CodecLabel(v1::Codec codec) {
+  if (codec == v1::CODEC_UNSPECIFIED) codec = v1::CODEC_FP32;
+  std::string name = v1::Codec_Name(codec);
+  if (absl::StartsWith(name, "CODEC_")) name = name.substr(6);
+  return absl::AsciiStrToLower(name);
+}
 
 std::vector<MetricDef> ServerMetricCatalogue() {
   using K = MetricKind;
@@ -8,7 +36,7 @@ std::vector<MetricDef> ServerMetricCatalogue() {
       {kModelVersion, K::kGauge, "Global model version (outer steps applied since init)", {}},
       {kOuterSteps, K::kCounter, "Outer optimizer steps applied", {}},
       {kUpdatesApplied, K::kCounter, "Worker pseudo-gradients aggregated into outer steps", {}},
-      {kUpdatesRejected, K::kCounter, "Pushes rejected (bad input, stale, unknown worker)", {}},
+      {kUpdatesRejected, K::kCounter, "Pushes rejected, by reason", {}, {"reason"}},
       {kTokensLearned, K::kCounter, "Training tokens in applied updates", {}},
       {kLiveWorkers, K::kGauge, "Live members (trainers and evaluators)", {}},
       {kWorkersJoined, K::kCounter, "Workers that joined", {}},
@@ -18,13 +46,22 @@ std::vector<MetricDef> ServerMetricCatalogue() {
       {kEvalLoss, K::kGauge, "Held-out loss (nats/token) of the latest evaluated version", {}},
       {kEvalPerplexity, K::kGauge, "Held-out perplexity of the latest evaluated version", {}},
       {kEvalVersion, K::kGauge, "Model version of the latest evaluation", {}},
-      {kReceivedBytes, K::kCounter, "Pseudo-gradient payload bytes received", {}},
-      {kSentBytes, K::kCounter, "Parameter payload bytes sent by Pull", {}},
+      {kReceivedBytes,
+       K::kCounter,
+       "Pseudo-gradient payload bytes received, by wire codec",
+       {},
+       {"codec"}},
+      {kSentBytes,
+       K::kCounter,
+       "Parameter payload bytes sent by Pull, by wire codec",
+       {},
+       {"codec"}},
       {kApplyLatency, K::kHistogram, "Time to aggregate and apply one outer step",
        LatencyBucketsSeconds()},
       {kPushLatency, K::kHistogram, "Time from a push's first chunk to its reply",
        LatencyBucketsSeconds()},
-      {kUpdateStaleness, K::kHistogram,
+      {kUpdateStaleness,
+       K::kHistogram,
        "Versions applied between an update's base version and its own application",
        {0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128}},
       {kCheckpointSeconds, K::kHistogram, "Time to serialise and write one checkpoint",
@@ -54,8 +91,45 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        {0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1}},
       {kPseudoGradientNorm,
        K::kHistogram,
-       "EDiT penalty: L2 norm of each update's pseudo-gradient per layer",
+       "L2 norm of each applied update's pseudo-gradient per layer",
        {1e-4, 1e-3, 0.01, 0.1, 0.3, 1, 3, 10, 30, 100, 1000}},
+      {kGraceWindowWorkers,
+       K::kHistogram,
+       "Workers released together with one model version: per closed grace window (async) or "
+       "completed round (sync)",
+       {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256}},
+      {kTrainerStepsPerSecond,
+       K::kGauge,
+       "Measured local steps/s of each live trainer (EMA of heartbeats and pushes; DyLU input)",
+       {},
+       {"worker", "name"}},
+      {kTrainerPlannedSteps,
+       K::kGauge,
+       "Local steps of each live trainer's latest task (DyLU: floor(v/v_max * H); time budget: "
+       "the cap)",
+       {},
+       {"worker", "name"}},
+      {kShardTokensLearned, K::kGauge, "Tokens learned from each data shard (n_i)", {}, {"shard"}},
+      {kShardTokensInFlight,
+       K::kGauge,
+       "Tokens of each data shard assigned to open tasks, not yet returned",
+       {},
+       {"shard"}},
+      {kShardSamplingProbability,
+       K::kGauge,
+       "Probability that the next task draws each data shard (learning progress)",
+       {},
+       {"shard"}},
+      {kShardLrStep,
+       K::kGauge,
+       "Inner LR schedule position t of each data shard (steps)",
+       {},
+       {"shard"}},
+      {kShardLearningRate,
+       K::kGauge,
+       "Inner learning rate at each data shard's position",
+       {},
+       {"shard"}},
   };
 }
 

@@ -1,9 +1,12 @@
 // The server's metrics catalogue (names, kinds, help). README.md documents the same list.
 #pragma once
 
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "common/metrics.h"
+#include "proto/aloe.pb.h"
 
 namespace aloe::server {
 
@@ -37,6 +40,33 @@ inline constexpr char kPenaltyClipCoefficient[] = "aloe_penalty_clip_coefficient
 inline constexpr char kPenaltyZScore[] = "aloe_penalty_z_score";
 inline constexpr char kPenaltyWeight[] = "aloe_penalty_weight";
 inline constexpr char kPseudoGradientNorm[] = "aloe_pseudo_gradient_norm";
+// Workers released together: each closed grace window (async) or completed round (sync).
+inline constexpr char kGraceWindowWorkers[] = "aloe_grace_window_workers";
+// Per live trainer, labels {worker (id), name}; removed when the worker leaves or expires.
+inline constexpr char kTrainerStepsPerSecond[] = "aloe_trainer_steps_per_second";
+inline constexpr char kTrainerPlannedSteps[] = "aloe_trainer_planned_steps";
+// Per data shard of the corpus, label {shard}: learning progress (paper 002 Eq. 2) and the
+// per-shard LR schedule (Eq. 3).
+inline constexpr char kShardTokensLearned[] = "aloe_data_shard_tokens_learned";
+inline constexpr char kShardTokensInFlight[] = "aloe_data_shard_tokens_in_flight";
+inline constexpr char kShardSamplingProbability[] = "aloe_data_shard_sampling_probability";
+inline constexpr char kShardLrStep[] = "aloe_data_shard_lr_step";
+inline constexpr char kShardLearningRate[] = "aloe_data_shard_learning_rate";
+
+// Label values of aloe_updates_rejected_total{reason}.
+inline constexpr const char* kRejectReasons[] = {
+    "invalid_argument",   // malformed push: shapes, codec, NaN/Inf, sizes, header fields
+    "stale",              // not the worker's open task / version, or a second push
+    "too_stale",          // dropped by outer_optimizer.max_staleness
+    "unknown_worker",     // not a live member
+    "unauthenticated",    // missing or unknown token
+    "permission_denied",  // another identity's worker id
+    "other",
+};
+// The reason label of a rejected push's status.
+const char* RejectReason(const absl::Status& status);
+// Label value of a codec in aloe_{received,sent}_bytes_total{codec}: fp32, bf16, int8_blockwise.
+std::string CodecLabel(v1::Codec codec);
 
 std::vector<MetricDef> ServerMetricCatalogue();
 

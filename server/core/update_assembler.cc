@@ -80,6 +80,7 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   }
   filled_[layer_id] += count;
   bytes_received_ += payload.size();
+  bytes_by_codec_[codec] += payload.size();
   return absl::OkStatus();
 }
 

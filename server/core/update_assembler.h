@@ -6,6 +6,8 @@
 // per stream).
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <string_view>
 
 #include "absl/status/status.h"
@@ -41,12 +43,18 @@ class UpdateAssembler {
   absl::StatusOr<PendingUpdate> Finish() &&;
 
   uint64_t bytes_received() const { return bytes_received_; }
+  // Accepted payload bytes per wire codec, indexed by v1::Codec (the resolved codec: never
+  // CODEC_UNSPECIFIED).
+  const std::array<uint64_t, v1::Codec_ARRAYSIZE>& bytes_by_codec() const {
+    return bytes_by_codec_;
+  }
 
  private:
   const v1::ModelSpec& spec_;
   PendingUpdate update_;
   std::vector<uint64_t> filled_;  // elements received per layer
   uint64_t bytes_received_ = 0;
+  std::array<uint64_t, v1::Codec_ARRAYSIZE> bytes_by_codec_{};
   v1::Codec default_codec_ = v1::CODEC_FP32;
 };
 

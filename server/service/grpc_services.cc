@@ -100,7 +100,7 @@ grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
       }
     }
   }
-  metrics_.Add(kSentBytes, static_cast<double>(bytes));
+  metrics_.Add(kSentBytes, static_cast<double>(bytes), {CodecLabel(v1::CODEC_FP32)});
   return grpc::Status::OK;
 }
 
@@ -108,12 +108,12 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
                                         grpc::ServerReader<v1::PushChunk>* reader,
                                         v1::PushReply* reply) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> identity = Authorize(auth_, *context, std::nullopt);
-  if (!identity.ok()) return ToGrpcStatus(identity.status());
   auto reject = [&](const absl::Status& status) {
-    handle_.Run([](ServerCore& core) { core.CountRejected(); });
+    handle_.Run([&](ServerCore& core) { core.CountRejected(status); });
     return ToGrpcStatus(status);
   };
+  absl::StatusOr<std::string> identity = Authorize(auth_, *context, std::nullopt);
+  if (!identity.ok()) return reject(identity.status());
   v1::PushChunk chunk;
   if (!reader->Read(&chunk)) {
     return reject(absl::InvalidArgumentError("empty push stream"));
@@ -139,7 +139,12 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
     status = assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data(), chunk.codec());
     if (!status.ok()) return reject(status);
   } while (reader->Read(&chunk));
-  metrics_.Add(kReceivedBytes, static_cast<double>(assembler.bytes_received()));
+  for (int codec = 0; codec < v1::Codec_ARRAYSIZE; ++codec) {
+    if (const uint64_t bytes = assembler.bytes_by_codec()[codec]; bytes > 0) {
+      metrics_.Add(kReceivedBytes, static_cast<double>(bytes),
+                   {CodecLabel(static_cast<v1::Codec>(codec))});
+    }
+  }
 
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();
   if (!update.ok()) return reject(update.status());

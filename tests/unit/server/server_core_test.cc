@@ -181,12 +181,87 @@ TEST_F(ServerCoreTest, BadPushesAreRejectedAndLeaveParametersUnchanged) {
 
   EXPECT_EQ(core_->version(), 0u);
   EXPECT_EQ(Params(), before);
-  EXPECT_EQ(metrics_.Value("aloe_updates_rejected_total"), 4);
+  EXPECT_EQ(metrics_.Value("aloe_updates_rejected_total", {"stale"}), 2);
+  EXPECT_EQ(metrics_.Value("aloe_updates_rejected_total", {"invalid_argument"}), 1);
+  EXPECT_EQ(metrics_.Value("aloe_updates_rejected_total", {"unknown_worker"}), 1);
+  EXPECT_TRUE(metrics_.Has("aloe_updates_rejected_total", {"permission_denied"}));  // zero
+  EXPECT_EQ(metrics_.Value("aloe_updates_rejected_total", {"permission_denied"}), 0);
 
   // The valid push of the same task still goes through afterwards; a second one is refused.
   EXPECT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());
   EXPECT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
+}
+
+// The labelled catalogue: per data shard (learning progress, Eq. 2 probabilities, Eq. 3 LR),
+// per live trainer (speed, planned steps; removed on leave), released groups and norms.
+TEST_F(ServerCoreTest, PublishesShardTrainerReleaseAndNormMetrics) {
+  // Nothing learned yet: p ∝ |D| = (1000, 3000) / 4000; t = 0 is the start of warmup: eta 0.
+  EXPECT_DOUBLE_EQ(metrics_.Value("aloe_data_shard_sampling_probability", {"a"}), 0.25);
+  EXPECT_DOUBLE_EQ(metrics_.Value("aloe_data_shard_sampling_probability", {"b"}), 0.75);
+  EXPECT_TRUE(metrics_.Has("aloe_data_shard_learning_rate", {"a"}));
+  EXPECT_EQ(metrics_.Value("aloe_data_shard_learning_rate", {"a"}), 0.0);
+
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const std::string ida = std::to_string(a);
+  const std::string idb = std::to_string(b);
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id(a);
+  hb.set_steps_per_second(2.0);
+  ASSERT_THAT(core_->Heartbeat(hb), IsOk());
+  EXPECT_EQ(metrics_.Value("aloe_trainer_steps_per_second", {ida, "w"}), 2.0);
+  hb.set_steps_per_second(4.0);
+  ASSERT_THAT(core_->Heartbeat(hb), IsOk());
+  // EMA with alpha 0.3: 0.3 * 4 + 0.7 * 2 = 2.6.
+  EXPECT_NEAR(metrics_.Value("aloe_trainer_steps_per_second", {ida, "w"}), 2.6, 1e-12);
+
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  ASSERT_EQ(ta.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(metrics_.Value("aloe_trainer_planned_steps", {ida, "w"}), 5);
+  EXPECT_EQ(metrics_.Value("aloe_trainer_planned_steps", {idb, "w"}), 5);
+  // Two tasks of 5 steps x 8 sequences x 8 tokens in flight.
+  EXPECT_EQ(metrics_.Value("aloe_data_shard_tokens_in_flight", {"a"}) +
+                metrics_.Value("aloe_data_shard_tokens_in_flight", {"b"}),
+            2 * 5 * 8 * 8);
+
+  PendingUpdate ua = Update(a, ta, 1.0f);
+  ua.compute_seconds = 1.0;  // 5 steps in 1 s
+  ASSERT_THAT(core_->SubmitUpdate(ua), IsOk());
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 3.0f)), IsOk());
+  // 0.3 * 5 + 0.7 * 2.6 = 3.32.
+  EXPECT_NEAR(metrics_.Value("aloe_trainer_steps_per_second", {ida, "w"}), 3.32, 1e-12);
+  EXPECT_EQ(metrics_.Observations("aloe_grace_window_workers"), std::vector<double>{2});
+  EXPECT_EQ(metrics_.Value("aloe_data_shard_tokens_in_flight", {"a"}), 0);
+  EXPECT_EQ(metrics_.Value("aloe_data_shard_tokens_in_flight", {"b"}), 0);
+  EXPECT_EQ(metrics_.Value("aloe_data_shard_tokens_learned", {"a"}) +
+                metrics_.Value("aloe_data_shard_tokens_learned", {"b"}),
+            200);
+  // Each shard's LR position advanced by the 5 steps of each update applied on it, and the
+  // rate is Eq. 3's warmup value there (lr 3e-3, warmup 50).
+  for (const char* shard : {"a", "b"}) {
+    const double t = metrics_.Value("aloe_data_shard_lr_step", {shard});
+    EXPECT_EQ(std::fmod(t, 5.0), 0.0) << shard;
+    EXPECT_NEAR(metrics_.Value("aloe_data_shard_learning_rate", {shard}),
+                t * static_cast<double>(3e-3f) / 50, 1e-12);
+  }
+  EXPECT_EQ(metrics_.Value("aloe_data_shard_lr_step", {"a"}) +
+                metrics_.Value("aloe_data_shard_lr_step", {"b"}),
+            10);
+  // One norm per (update, layer): a constant update of value v has norm v * sqrt(n).
+  const std::vector<double> norms = metrics_.Observations("aloe_pseudo_gradient_norm");
+  const int layers = core_->spec().layers_size();
+  ASSERT_EQ(norms.size(), 2u * layers);
+  EXPECT_NEAR(norms[0], std::sqrt(double(core_->spec().layers(0).num_elements())), 1e-4);
+  EXPECT_NEAR(norms[layers], 3 * std::sqrt(double(core_->spec().layers(0).num_elements())), 1e-4);
+
+  v1::LeaveRequest leave;
+  leave.set_worker_id(a);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  EXPECT_FALSE(metrics_.Has("aloe_trainer_steps_per_second", {ida, "w"}));
+  EXPECT_FALSE(metrics_.Has("aloe_trainer_planned_steps", {ida, "w"}));
+  EXPECT_TRUE(metrics_.Has("aloe_trainer_planned_steps", {idb, "w"}));
 }
 
 TEST_F(ServerCoreTest, ExpiredWorkerIsNotWaitedForAndItsLatePushIsRejected) {

@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -169,6 +170,45 @@ TEST(LocalTrainerTest, PseudoGradientIsBaseMinusEnd) {
     }
   }
   EXPECT_TRUE(any_nonzero);
+}
+
+// Raises `flag` once `after` windows have been read (batch size 8: 16 windows = during step 2).
+class InterruptingSource final : public TokenSource {
+ public:
+  InterruptingSource(const TokenSource& inner, std::atomic<bool>& flag, int after)
+      : inner_(inner), flag_(flag), after_(after) {}
+  uint64_t num_tokens() const override { return inner_.num_tokens(); }
+  uint32_t vocab_size() const override { return inner_.vocab_size(); }
+  void Read(uint64_t offset, uint64_t count, int64_t* out) const override {
+    if (++reads_ >= after_) flag_.store(true);
+    inner_.Read(offset, count, out);
+  }
+
+ private:
+  const TokenSource& inner_;
+  std::atomic<bool>& flag_;
+  const int after_;
+  mutable std::atomic<int> reads_{0};
+};
+
+TEST(LocalTrainerTest, InterruptEndsTheRoundAtTheNextStepEnd) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource data = PeriodicTokens(500);
+  const Layers base = Params(*trainer);
+  std::atomic<bool> stop{true};
+  auto none = trainer->Train(data, 5, /*lr_step=*/10, /*seed=*/7, 1.0, 0, &stop);
+  ASSERT_THAT(none, IsOk());
+  EXPECT_EQ(none->steps, 0u);
+  EXPECT_EQ(Params(*trainer), base);  // no step taken
+
+  stop.store(false);
+  const InterruptingSource interrupting(data, stop, 16);
+  auto two = trainer->Train(interrupting, 5, /*lr_step=*/10, /*seed=*/7, 1.0, 0, &stop);
+  ASSERT_THAT(two, IsOk());
+  EXPECT_EQ(two->steps, 2u);  // step 2 completes, step 3 never starts
+  EXPECT_EQ(two->tokens, 2u * 8 * 16);
+  EXPECT_NE(Params(*trainer), base);
 }
 
 TEST(LocalTrainerTest, FollowsTheLrScheduleStepByStep) {

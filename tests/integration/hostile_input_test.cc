@@ -1,0 +1,274 @@
+// Hostile input over real gRPC: 1,000 malformed pushes, drawn deterministically from 21 kinds of
+// damage (bad layer ids, offsets, sizes, codecs, encodings, NaN/Inf and oversized values,
+// stale or foreign headers, broken stream framing), each sent to a live aloe-server by a raw
+// client. Every one must be rejected with the right status code and a message naming the
+// problem, counted in aloe_updates_rejected_total, and leave the model bytes unchanged; the
+// well-formed push that follows is applied.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "tests/integration/loopback_cluster.h"
+#include "tests/testing/subprocess.h"
+
+namespace aloe {
+namespace {
+
+using ::aloe::testing::HttpGet;
+using ::aloe::testing::RawClientTest;
+
+constexpr int kPushes = 1000;
+
+// One malformed push: the messages exactly as sent, and what the server must answer.
+struct Malformed {
+  std::string what;
+  std::vector<v1::PushChunk> messages;
+  grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
+  std::string message;  // a substring of the error message
+};
+
+class HostileInputTest : public RawClientTest {
+ protected:
+  // Sends `messages` as one Push stream, as they are (no header added).
+  grpc::Status PushRaw(const std::vector<v1::PushChunk>& messages) {
+    grpc::ClientContext context;
+    v1::PushReply reply;
+    auto writer = parameters_->Push(&context, &reply);
+    for (const v1::PushChunk& m : messages) {
+      if (!writer->Write(m)) break;  // the server already answered
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  // Writes float `value` over element `index` of a float32 chunk.
+  static void PutFloat(v1::PushChunk* chunk, size_t index, float value) {
+    chunk->mutable_data()->replace(index * 4, 4, reinterpret_cast<const char*>(&value), 4);
+  }
+
+  // The i-th malformed push, damaging a well-formed one (`header` + `chunks`) with kind i % 21.
+  Malformed Make(int i, std::mt19937_64& rng, const v1::PushHeader& header,
+                 const std::vector<v1::PushChunk>& good) {
+    Malformed m;
+    v1::PushHeader h = header;
+    std::vector<v1::PushChunk> c = good;
+    auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+    const size_t r = pick(c.size());
+    const size_t elements = c[r].data().size() / 4;
+    bool with_header = true;
+    switch (i % 21) {
+      case 0:
+        m.what = "unknown layer id";
+        c[r].set_layer_id(spec_.layers_size() + static_cast<uint32_t>(pick(1000000)));
+        m.message = "unknown layer";
+        break;
+      case 1:
+        m.what = "chunk offset skips elements";
+        c[r].set_offset(c[r].offset() + 1 + pick(1000));
+        m.message = "expected offset";
+        break;
+      case 2:
+        m.what = "payload not a whole number of float32";
+        c[r].mutable_data()->resize(c[r].data().size() - 1 - pick(3));
+        m.message = "not float32";
+        break;
+      case 3:
+        m.what = "chunk runs past the layer's end";
+        c.back().mutable_data()->append(std::string(4 * (1 + pick(64)), '\0'));
+        m.message = "wrong size";
+        break;
+      case 4:
+        m.what = "a chunk is missing";
+        c.erase(c.begin() + r);
+        m.message = "layer";  // "incomplete" or "expected offset", both naming the layer
+        break;
+      case 5:
+        m.what = "NaN";
+        PutFloat(&c[r], pick(elements), std::nanf(""));
+        m.message = "non-finite";
+        break;
+      case 6:
+        m.what = "infinity";
+        PutFloat(&c[r], pick(elements), pick(2) ? INFINITY : -INFINITY);
+        m.message = "non-finite";
+        break;
+      case 7: {
+        m.what = "finite value beyond the magnitude limit";
+        const float big = pick(4) == 0 ? FLT_MAX : 1e6f * static_cast<float>(2 + pick(1000));
+        PutFloat(&c[r], pick(elements), pick(2) ? big : -big);
+        m.message = "magnitude limit";
+        break;
+      }
+      case 8:
+        m.what = "stale base version";
+        h.set_base_version(header.base_version() + 1 + pick(1000));
+        m.code = grpc::StatusCode::FAILED_PRECONDITION;
+        m.message = "stale version";
+        break;
+      case 9:
+        m.what = "task that is not the worker's";
+        h.set_task_id(header.task_id() + 1 + pick(1000));
+        m.code = grpc::StatusCode::FAILED_PRECONDITION;
+        m.message = "no open training task";
+        break;
+      case 10:
+        m.what = "unknown worker";
+        h.set_worker_id(header.worker_id() + 1000 + pick(1000000));
+        m.code = grpc::StatusCode::NOT_FOUND;
+        m.message = "not a live member";
+        break;
+      case 11:
+        m.what = "unknown chunk codec";
+        c[r].set_codec(static_cast<v1::Codec>(4 + pick(1000)));
+        m.message = "unknown codec";
+        break;
+      case 12:
+        m.what = "unknown header codec";
+        h.set_codec(static_cast<v1::Codec>(4 + pick(1000)));
+        m.message = "unsupported codec";
+        break;
+      case 13:
+        m.what = "absurd step count";
+        h.set_steps_done(pick(2) ? 0 : 1000 * header.steps_done() + 1 + pick(1000));
+        m.message = "steps_done";
+        break;
+      case 14:
+        m.what = "non-finite loss or negative compute time";
+        if (pick(2)) {
+          h.set_train_loss(pick(2) ? std::nan("") : INFINITY);
+        } else {
+          h.set_compute_seconds(-1.0 - static_cast<double>(pick(100)));
+        }
+        m.message = "must be finite";
+        break;
+      case 15: {
+        m.what = "header repeated in a later message";
+        v1::PushChunk again;
+        *again.mutable_header() = h;
+        c.insert(c.begin() + pick(c.size() + 1), again);
+        m.message = "header repeated";
+        break;
+      }
+      case 16:
+        m.what = "no header";
+        with_header = false;
+        m.message = "must carry the header";
+        break;
+      case 17:
+        m.what = "empty stream";
+        with_header = false;
+        c.clear();
+        m.message = "empty push stream";
+        break;
+      case 18:
+        m.what = "chunk sent twice";
+        c.insert(c.begin() + r, c[r]);
+        m.message = "expected offset";
+        break;
+      case 19: {
+        m.what = "int8 payload that is not a framed int8 buffer";
+        std::string junk(1 + pick(64), '\0');
+        for (char& b : junk) b = static_cast<char>(rng());
+        c[r].set_codec(v1::CODEC_INT8_BLOCKWISE);
+        *c[r].mutable_data() = junk;
+        m.message = "INT8";
+        break;
+      }
+      case 20:
+        m.what = "bf16 payload of an odd byte count";
+        c[r].set_codec(v1::CODEC_BF16);
+        c[r].mutable_data()->resize(2 * pick(elements) + 1);
+        m.message = "BF16";
+        break;
+    }
+    if (with_header) {
+      v1::PushChunk first;
+      *first.mutable_header() = h;
+      m.messages.push_back(first);
+    }
+    m.messages.insert(m.messages.end(), c.begin(), c.end());
+    return m;
+  }
+
+  void Heartbeat(uint64_t worker) {
+    grpc::ClientContext context;
+    v1::HeartbeatRequest request;
+    request.set_worker_id(worker);
+    v1::HeartbeatReply reply;
+    ASSERT_TRUE(coordinator_->Heartbeat(&context, request, &reply).ok());
+  }
+
+  // Sum over every series of aloe_updates_rejected_total in a fresh scrape.
+  double RejectedTotal() {
+    double sum = 0;
+    for (absl::string_view line : absl::StrSplit(HttpGet(metrics_port_, "/metrics"), '\n')) {
+      if (!absl::StartsWith(line, "aloe_updates_rejected_total{")) continue;
+      double value = 0;
+      if (absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &value)) sum += value;
+    }
+    return sum;
+  }
+};
+
+TEST_F(HostileInputTest, AThousandMalformedPushesAreRejectedAndChangeNothing) {
+  const int port = StartServer("local_steps: 3\n");
+  ASSERT_GT(port, 0);
+  Connect(port);
+  v1::JoinReply joined;
+  v1::Task task;
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("hostile", &joined, &task));
+  const auto before = PullLatest(joined.worker_id());
+  const v1::PushHeader header = HeaderFor(joined, task);
+  const std::vector<v1::PushChunk> good = FullUpdate(0.25f);
+
+  std::mt19937_64 rng(20261123);
+  std::map<std::string, int> rejected_by_kind;
+  for (int i = 0; i < kPushes; ++i) {
+    const Malformed m = Make(i, rng, header, good);
+    const grpc::Status status = PushRaw(m.messages);
+    ASSERT_EQ(status.error_code(), m.code)
+        << "push " << i << " (" << m.what << "): " << status.error_message();
+    ASSERT_TRUE(absl::StrContains(status.error_message(), m.message))
+        << "push " << i << " (" << m.what << "): \"" << status.error_message()
+        << "\" does not name the problem (\"" << m.message << "\")";
+    ++rejected_by_kind[m.what];
+    if (i % 100 == 99) {
+      ASSERT_EQ(PullLatest(joined.worker_id()), before) << "model changed by push " << i;
+      ASSERT_NO_FATAL_FAILURE(Heartbeat(joined.worker_id()));  // keep the lease
+    }
+  }
+  EXPECT_EQ(rejected_by_kind.size(), 21u);
+  for (const auto& [what, n] : rejected_by_kind) EXPECT_GE(n, kPushes / 21) << what;
+  EXPECT_EQ(RejectedTotal(), kPushes);
+  EXPECT_EQ(Scraped("aloe_model_version"), 0);
+  EXPECT_EQ(Scraped("aloe_updates_applied_total"), 0);
+  EXPECT_EQ(PullLatest(joined.worker_id()), before);
+
+  // The task is still open: its well-formed push goes through and moves the model.
+  const grpc::Status ok = PushRaw([&] {
+    std::vector<v1::PushChunk> messages(1);
+    *messages[0].mutable_header() = header;
+    messages.insert(messages.end(), good.begin(), good.end());
+    return messages;
+  }());
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(Scraped("aloe_model_version"), 1);
+  EXPECT_NE(PullLatest(joined.worker_id()), before);
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+}  // namespace
+}  // namespace aloe

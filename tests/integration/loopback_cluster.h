@@ -1,0 +1,315 @@
+// Shared fixtures of the loopback integration tests: a small corpus of real text, a real
+// aloe-server on OS-chosen ports (LoopbackTest), workers as real processes, and a raw gRPC client
+// for hostile input (RawClientTest).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/corpus_manifest.h"
+#include "common/model_spec.h"
+#include "common/tensor_codec.h"
+#include "common/token_shard.h"
+#include "proto/aloe.grpc.pb.h"
+#include "tests/testing/subprocess.h"
+
+namespace aloe::testing {
+
+// Public-domain text (Lincoln, Gettysburg Address, 1863), split into paragraphs as shards.
+inline constexpr const char* kParagraphs[] = {
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, "
+    "conceived in Liberty, and dedicated to the proposition that all men are created equal. ",
+    "Now we are engaged in a great civil war, testing whether that nation, or any nation so "
+    "conceived and so dedicated, can long endure. We are met on a great battle-field of that "
+    "war. We have come to dedicate a portion of that field, as a final resting place for those "
+    "who here gave their lives that that nation might live. It is altogether fitting and proper "
+    "that we should do this. ",
+    "But, in a larger sense, we can not dedicate -- we can not consecrate -- we can not hallow "
+    "-- this ground. The brave men, living and dead, who struggled here, have consecrated it, far "
+    "above our poor power to add or detract. The world will little note, nor long remember what "
+    "we say here, but it can never forget what they did here. ",
+    "It is for us the living, rather, to be dedicated here to the unfinished work which they who "
+    "fought here have thus far so nobly advanced. It is rather for us to be here dedicated to the "
+    "great task remaining before us -- that from these honored dead we take increased devotion to "
+    "that cause for which they gave the last full measure of devotion -- that we here highly "
+    "resolve that these dead shall not have died in vain -- that this nation, under God, shall "
+    "have a new birth of freedom -- and that government of the people, by the people, for the "
+    "people, shall not perish from the earth.",
+};
+
+inline std::vector<uint32_t> Bytes(const std::string& text, int repeat) {
+  std::vector<uint32_t> tokens;
+  for (int r = 0; r < repeat; ++r) {
+    for (unsigned char c : text) tokens.push_back(c);
+  }
+  return tokens;
+}
+
+class LoopbackTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/aloe_it_" + std::to_string(::getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    ASSERT_EQ(std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_ + "/shards").c_str()), 0);
+    std::vector<CorpusShardInfo> shards;
+    std::string all;
+    for (size_t i = 0; i < std::size(kParagraphs); ++i) {
+      const std::string file = absl::StrCat("shards/p", i, ".tok");
+      std::vector<uint32_t> tokens = Bytes(kParagraphs[i], 8);
+      ASSERT_TRUE(WriteTokenShard(dir_ + "/" + file, tokens, 256).ok());
+      shards.push_back({absl::StrCat("p", i), file, tokens.size(), false});
+      all += kParagraphs[i];
+    }
+    std::vector<uint32_t> heldout = Bytes(all, 2);
+    ASSERT_TRUE(WriteTokenShard(dir_ + "/heldout.tok", heldout, 256).ok());
+    shards.push_back({"heldout", "heldout.tok", heldout.size(), true});
+    ASSERT_TRUE(WriteCorpusManifest(dir_, shards).ok());
+  }
+
+  std::string Bin(const std::string& name) { return std::string(ALOE_BIN_DIR) + "/" + name; }
+
+  static constexpr char kNesterov[] =
+      "outer_optimizer { type: OUTER_NESTEROV lr: 0.7 momentum: 0.9 }";
+
+  // Starts aloe-server with the given extra config text and outer optimizer block; returns the
+  // gRPC port.
+  int StartServer(const std::string& extra_config, const std::string& outer_optimizer = kNesterov) {
+    std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
+      listen_address: "127.0.0.1:0"
+      metrics_address: "127.0.0.1:0"
+      corpus_dir: ")",
+                                                              dir_, R"("
+      model { vocab_size: 256 seq_len: 32 d_model: 64 num_layers: 2 num_heads: 2 }
+      inner_optimizer { lr: 0.003 min_lr: 0.0003 warmup_steps: 5 total_steps: 400 batch_size: 8 }
+      lease_seconds: 20
+    )",
+                                                              outer_optimizer, "\n", extra_config);
+    server_ = std::make_unique<Subprocess>(
+        std::vector<std::string>{Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
+                                 "--port_file=" + dir_ + "/ports",
+                                 "--summary_file=" + dir_ + "/summary"},
+        dir_ + "/server.log");
+    EXPECT_GT(server_->pid(), 0);
+    if (!WaitForFile(dir_ + "/ports", absl::Seconds(30))) {
+      ADD_FAILURE() << "server did not start:\n" << ReadFile(dir_ + "/server.log");
+      return 0;
+    }
+    std::map<std::string, int> ports;
+    for (absl::string_view kv :
+         absl::StrSplit(ReadFile(dir_ + "/ports"), absl::ByAnyChar(" \n"), absl::SkipEmpty())) {
+      std::pair<std::string, std::string> p = absl::StrSplit(kv, '=');
+      absl::SimpleAtoi(p.second, &ports[p.first]);
+    }
+    metrics_port_ = ports["metrics"];
+    return ports["grpc"];
+  }
+
+  std::unique_ptr<Subprocess> StartWorker(int port, const std::string& role, int index,
+                                          double slowdown = 1.0) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{Bin("aloe-worker"), absl::StrCat("--server=127.0.0.1:", port),
+                                 "--role=" + role, "--corpus_dir=" + dir_, "--metrics=off",
+                                 absl::StrCat("--slowdown=", slowdown), "--eval_sequences=16",
+                                 absl::StrCat("--name=", role, index)},
+        absl::StrCat(dir_, "/", role, index, ".log"));
+  }
+
+  std::string Logs() {
+    std::string all;
+    for (const char* f : {"server.log", "trainer0.log", "trainer1.log", "evaluator0.log"}) {
+      all += absl::StrCat("==== ", f, "\n", ReadFile(dir_ + "/" + f));
+    }
+    return all;
+  }
+
+  struct TrainingRun {
+    std::map<std::string, std::string> summary;  // the server's --summary_file
+    std::vector<std::pair<int, double>> evals;   // (version, held-out loss)
+    std::string scrape;  // a /metrics scrape taken once training moved past version 0
+  };
+
+  // Sync training with an evaluator and two trainers (one 1.5x slower) until the server's stop
+  // condition; every process must exit with 0.
+  void TrainTwoWorkers(const std::string& extra_config, const std::string& outer_optimizer,
+                       TrainingRun* run, double slowdown = 1.5) {
+    const int port = StartServer(extra_config, outer_optimizer);
+    ASSERT_GT(port, 0);
+    auto evaluator = StartWorker(port, "evaluator", 0);
+    auto w0 = StartWorker(port, "trainer", 0);
+    auto w1 = StartWorker(port, "trainer", 1, slowdown);
+
+    // A real scrape of the Prometheus endpoint while training runs.
+    // Keeps the last successful scrape taken once training has moved past version 0.
+    for (int i = 0; i < 400; ++i) {
+      const std::string body = HttpGet(metrics_port_, "/metrics");
+      if (!body.empty()) run->scrape = body;
+      if (!run->scrape.empty() && run->scrape.find("aloe_model_version 0") == std::string::npos) {
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+
+    std::optional<int> code = server_->Wait(absl::Seconds(240));
+    ASSERT_TRUE(code.has_value()) << "server did not finish\n" << Logs();
+    ASSERT_EQ(*code, 0) << Logs();
+    EXPECT_EQ(w0->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+    EXPECT_EQ(w1->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+    EXPECT_EQ(evaluator->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+
+    for (absl::string_view line :
+         absl::StrSplit(ReadFile(dir_ + "/summary"), '\n', absl::SkipEmpty())) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(line, '=');
+      if (kv.first == "eval") {
+        std::pair<std::string, std::string> ve = absl::StrSplit(kv.second, ':');
+        int v = 0;
+        double loss = 0;
+        ASSERT_TRUE(absl::SimpleAtoi(ve.first, &v) && absl::SimpleAtod(ve.second, &loss));
+        run->evals.emplace_back(v, loss);
+      } else {
+        run->summary[kv.first] = kv.second;
+      }
+    }
+  }
+
+  // 8 sync rounds of 2 workers each, evaluated at versions 0 and 8, and the model must clearly
+  // learn the text: byte-level start is ln(256) = 5.55 nats.
+  void ExpectEightRoundsAndEvalLossFalls(const TrainingRun& run) {
+    EXPECT_EQ(run.summary.count("version") ? run.summary.at("version") : "", "8") << Logs();
+    EXPECT_EQ(run.summary.count("updates_applied") ? run.summary.at("updates_applied") : "", "16")
+        << Logs();
+    ASSERT_GE(run.evals.size(), 2u) << Logs();
+    EXPECT_EQ(run.evals.front().first, 0);
+    EXPECT_EQ(run.evals.back().first, 8);
+    EXPECT_GT(run.evals.front().second, 5.0);
+    EXPECT_LT(run.evals.back().second, run.evals.front().second - 1.5)
+        << "eval loss " << run.evals.front().second << " -> " << run.evals.back().second << "\n"
+        << Logs();
+  }
+
+  // The value of the series `series` (e.g. aloe_model_version or
+  // aloe_updates_rejected_total{reason="stale"}) in a fresh scrape; NaN when absent.
+  double Scraped(const std::string& series) {
+    const std::string scrape = HttpGet(metrics_port_, "/metrics");
+    for (absl::string_view line : absl::StrSplit(scrape, '\n')) {
+      if (absl::StartsWith(line, series + " ")) {
+        double value = 0;
+        if (absl::SimpleAtod(line.substr(series.size() + 1), &value)) return value;
+      }
+    }
+    return std::nan("");
+  }
+
+  std::string dir_;
+  int metrics_port_ = 0;
+  std::unique_ptr<Subprocess> server_;
+};
+
+// A raw client joins as a trainer and sends malformed pushes over real gRPC.
+class RawClientTest : public LoopbackTest {
+ protected:
+  void Connect(int port) {
+    channel_ =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    coordinator_ = v1::Coordinator::NewStub(channel_);
+    parameters_ = v1::ParameterService::NewStub(channel_);
+  }
+
+  std::vector<std::vector<float>> PullLatest(uint64_t worker) {
+    grpc::ClientContext context;
+    v1::PullRequest request;
+    request.set_worker_id(worker);
+    request.set_latest(true);
+    auto reader = parameters_->Pull(&context, request);
+    std::vector<std::vector<float>> layers(spec_.layers_size());
+    v1::ParamChunk chunk;
+    while (reader->Read(&chunk)) {
+      auto& layer = layers[chunk.layer_id()];
+      const size_t n = chunk.data().size() / 4;
+      layer.resize(chunk.offset() + n);
+      EXPECT_TRUE(
+          DecodeFloats(chunk.data(), absl::MakeSpan(layer.data() + chunk.offset(), n)).ok());
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    return layers;
+  }
+
+  // Pushes `chunks` after a header; returns the final status.
+  grpc::Status Push(const v1::PushHeader& header, const std::vector<v1::PushChunk>& chunks) {
+    grpc::ClientContext context;
+    v1::PushReply reply;
+    auto writer = parameters_->Push(&context, &reply);
+    v1::PushChunk first;
+    *first.mutable_header() = header;
+    writer->Write(first);
+    for (const auto& c : chunks) {
+      if (!writer->Write(c)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  std::vector<v1::PushChunk> FullUpdate(float value) {
+    std::vector<v1::PushChunk> chunks;
+    for (const auto& layer : spec_.layers()) {
+      std::vector<float> g(layer.num_elements(), value);
+      for (auto [b, e] : ChunkRanges(g.size())) {
+        v1::PushChunk c;
+        c.set_layer_id(layer.id());
+        c.set_offset(b);
+        AppendFloats(absl::MakeConstSpan(g.data() + b, e - b), c.mutable_data());
+        chunks.push_back(c);
+      }
+    }
+    return chunks;
+  }
+
+  // Joins as a trainer named `name` and takes the first task (which must be TRAIN); sets spec_.
+  void JoinTrainer(const std::string& name, v1::JoinReply* joined, v1::Task* task) {
+    {
+      grpc::ClientContext context;
+      v1::JoinRequest request;
+      request.set_name(name);
+      ASSERT_TRUE(coordinator_->Join(&context, request, joined).ok());
+    }
+    spec_ = joined->model_spec();
+    grpc::ClientContext context;
+    v1::TaskRequest request;
+    request.set_worker_id(joined->worker_id());
+    ASSERT_TRUE(coordinator_->RequestTask(&context, request, task).ok());
+    ASSERT_EQ(task->kind(), v1::Task::TRAIN);
+  }
+
+  // The header of a well-formed push for `task`.
+  static v1::PushHeader HeaderFor(const v1::JoinReply& joined, const v1::Task& task) {
+    v1::PushHeader header;
+    header.set_worker_id(joined.worker_id());
+    header.set_task_id(task.task_id());
+    header.set_update_id(1);
+    header.set_base_version(task.base_version());
+    header.set_steps_done(task.local_steps());
+    return header;
+  }
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> coordinator_;
+  std::unique_ptr<v1::ParameterService::Stub> parameters_;
+  v1::ModelSpec spec_;
+};
+
+}  // namespace aloe::testing
