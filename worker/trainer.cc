@@ -18,6 +18,7 @@
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
+#include "worker/torch_util.h"
 #include "worker/transformer.h"
 
 namespace aloe::worker {
@@ -25,48 +26,12 @@ namespace {
 
 std::atomic<int> g_trainer_threads{1};
 
-// torch::set_num_threads sets the calling thread's OpenMP thread count, so it is applied on the
-// thread that trains, not only where the flag was parsed.
+}  // namespace
+
 void ApplyTrainerThreads() {
   const int want = g_trainer_threads.load(std::memory_order_relaxed);
   if (torch::get_num_threads() != want) torch::set_num_threads(want);
 }
-
-absl::Status LibTorchError(const char* what, const std::exception& e) {
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) {
-    return absl::InternalError(absl::StrFormat("%s: %s", what, c10->what_without_backtrace()));
-  }
-  return absl::InternalError(absl::StrFormat("%s: %s", what, e.what()));
-}
-
-// Returns kInvalidArgument naming the first token >= vocab_size among `count` tokens.
-absl::Status CheckTokens(const int64_t* tokens, int64_t count, uint32_t vocab_size,
-                         uint64_t window_start) {
-  for (int64_t i = 0; i < count; ++i) {
-    if (tokens[i] < 0 || static_cast<uint64_t>(tokens[i]) >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "token %d in the window starting at offset %d is outside the model vocabulary of %d",
-          tokens[i], window_start, vocab_size));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Reads `starts.size()` windows of `window` tokens into a fresh [rows, window] int64 tensor.
-absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
-                                        const std::vector<uint64_t>& starts, int64_t window,
-                                        uint32_t vocab_size) {
-  torch::Tensor batch = torch::empty({static_cast<int64_t>(starts.size()), window}, torch::kInt64);
-  int64_t* out = batch.data_ptr<int64_t>();
-  for (size_t r = 0; r < starts.size(); ++r) {
-    int64_t* row = out + static_cast<int64_t>(r) * window;
-    data.Read(starts[r], window, row);
-    ALOE_RETURN_IF_ERROR(CheckTokens(row, window, vocab_size, starts[r]));
-  }
-  return batch;
-}
-
-}  // namespace
 
 void SetTrainerThreads(int num_threads) {
   g_trainer_threads.store(std::max(num_threads, 1), std::memory_order_relaxed);

@@ -1,0 +1,446 @@
+#include "worker/fsdp.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "common/lr_schedule.h"
+#include "common/model_spec.h"
+#include "common/status_macros.h"
+#include "worker/torch_util.h"
+#include "worker/transformer.h"
+
+namespace aloe::worker {
+namespace {
+
+// Gloo collectives. Gloo in LibTorch 1.13 has no reduce_scatter: it is an all-to-all of the
+// ranks' chunks followed by a local sum in rank order (deterministic).
+class GlooCollectives final : public Collectives {
+ public:
+  GlooCollectives(c10::intrusive_ptr<c10d::ProcessGroupGloo> group, int rank, int size)
+      : group_(std::move(group)), rank_(rank), size_(size) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  absl::Status AllGather(const float* shard, size_t n, float* full) override {
+    try {
+      std::vector<at::Tensor> input = {
+          torch::from_blob(const_cast<float*>(shard), {static_cast<int64_t>(n)}, torch::kFloat32)};
+      std::vector<std::vector<at::Tensor>> output(1);
+      for (int r = 0; r < size_; ++r) {
+        output[0].push_back(
+            torch::from_blob(full + r * n, {static_cast<int64_t>(n)}, torch::kFloat32));
+      }
+      group_->allgather(output, input)->wait();
+    } catch (const std::exception& e) {
+      return LibTorchError("all-gather", e);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReduceScatterSum(const float* full, size_t n, float* shard) override {
+    try {
+      const int64_t total = static_cast<int64_t>(n) * size_;
+      at::Tensor input = torch::from_blob(const_cast<float*>(full), {total}, torch::kFloat32);
+      if (received_.numel() != total) received_ = torch::empty({total}, torch::kFloat32);
+      std::vector<int64_t> splits;  // equal chunks
+      group_->alltoall_base(received_, input, splits, splits)->wait();
+      const float* in = received_.data_ptr<float>();
+      std::memcpy(shard, in, n * sizeof(float));
+      for (int r = 1; r < size_; ++r) {
+        const float* chunk = in + r * n;
+        for (size_t i = 0; i < n; ++i) shard[i] += chunk[i];
+      }
+    } catch (const std::exception& e) {
+      return LibTorchError("reduce-scatter", e);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<double> AllReduceSum(double value) override {
+    try {
+      std::vector<at::Tensor> t = {torch::full({1}, value, torch::kFloat64)};
+      group_->allreduce(t)->wait();
+      return t[0].item<double>();
+    } catch (const std::exception& e) {
+      return LibTorchError("all-reduce", e);
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  const int rank_;
+  const int size_;
+  at::Tensor received_;  // reused all-to-all output
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& store_path, int rank,
+                                                         int size, double timeout_seconds) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rank %d of %d: need 0 <= rank < size and size >= 1", rank, size));
+  }
+  if (!(timeout_seconds > 0)) {
+    return absl::InvalidArgumentError("the rendezvous timeout must be > 0 seconds");
+  }
+  try {
+    auto store = c10::make_intrusive<c10d::FileStore>(store_path, size);
+    auto options = c10d::ProcessGroupGloo::Options::create();
+    options->timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    return std::make_unique<GlooCollectives>(std::move(group), rank, size);
+  } catch (const std::exception& e) {
+    return LibTorchError("forming the Gloo process group", e);
+  }
+}
+
+ShardLayout::ShardLayout(const v1::ModelSpec& spec, int num_ranks, int rank)
+    : num_ranks(num_ranks), rank(rank) {
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    const size_t n = layer.num_elements();
+    elements_.push_back(n);
+    slice_.push_back((n + num_ranks - 1) / num_ranks);
+  }
+}
+
+size_t ShardLayout::begin(int layer) const {
+  return std::min(elements_[layer], static_cast<size_t>(rank) * slice_[layer]);
+}
+
+size_t ShardLayout::end(int layer) const {
+  return std::min(elements_[layer], static_cast<size_t>(rank + 1) * slice_[layer]);
+}
+
+size_t ShardLayout::total_owned() const {
+  size_t total = 0;
+  for (size_t l = 0; l < slice_.size(); ++l) total += owned(static_cast<int>(l));
+  return total;
+}
+
+struct FsdpTrainer::Impl {
+  v1::TransformerConfig model_config;
+  v1::InnerOptimizerConfig inner;
+  v1::ModelSpec spec;
+  Collectives* collectives = nullptr;
+  ShardLayout layout{v1::ModelSpec(), 1, 0};
+  TransformerLM model{nullptr};
+  std::vector<torch::Tensor> params;           // module parameters in spec order
+  std::vector<std::vector<int>> layer_params;  // indices into params, per layer
+  std::vector<std::vector<int64_t>> shapes;    // per parameter, from the spec
+  std::vector<int64_t> numels;                 // per parameter
+  // Per layer, padded to the slice length (elements past owned() stay 0):
+  std::vector<std::vector<float>> shard;    // owned parameters
+  std::vector<std::vector<float>> grad;     // owned gradient of the last step
+  std::vector<std::vector<float>> m, v;     // AdamW moments
+  std::vector<std::vector<uint8_t>> decay;  // 1 where the element's tensor is a matrix
+  std::vector<torch::Tensor> full;          // gathered layers during a step
+  uint64_t step = 0;
+
+  int N() const { return layout.num_ranks; }
+
+  // Gathers every layer and points the module's parameters at the gathered buffers.
+  absl::Status Materialize() {
+    full.resize(spec.layers_size());
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      const size_t slice = layout.slice(l);
+      full[l] = torch::empty({static_cast<int64_t>(slice * N())}, torch::kFloat32);
+      ALOE_RETURN_IF_ERROR(
+          collectives->AllGather(shard[l].data(), slice, full[l].data_ptr<float>()));
+      int64_t offset = 0;
+      for (int index : layer_params[l]) {
+        const int64_t numel = numels[index];
+        params[index].set_data(full[l].narrow(0, offset, numel).view(shapes[index]));
+        offset += numel;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Drops the gathered parameters and the full gradients: between steps only slices remain.
+  void Release() {
+    for (torch::Tensor& p : params) {
+      p.mutable_grad() = torch::Tensor();
+      p.set_data(torch::empty({0}, torch::kFloat32));
+    }
+    full.clear();
+  }
+
+  // Reduce-scatters the gradients of the module into `grad` (mean over ranks) and returns the
+  // squared L2 norm of this rank's owned part.
+  absl::StatusOr<double> ScatterGradients() {
+    double squared = 0;
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      const size_t slice = layout.slice(l);
+      torch::Tensor flat = torch::zeros({static_cast<int64_t>(slice * N())}, torch::kFloat32);
+      int64_t offset = 0;
+      for (int index : layer_params[l]) {
+        const torch::Tensor& p = params[index];
+        const int64_t numel = p.numel();
+        if (p.grad().defined()) flat.narrow(0, offset, numel).copy_(p.grad().reshape({numel}));
+        offset += numel;
+      }
+      std::vector<float>& g = grad[l];
+      ALOE_RETURN_IF_ERROR(collectives->ReduceScatterSum(flat.data_ptr<float>(), slice, g.data()));
+      const float inv = 1.0f / static_cast<float>(N());
+      for (float& x : g) {
+        x *= inv;
+        squared += static_cast<double>(x) * x;
+      }
+    }
+    return squared;
+  }
+
+  // One AdamW step on the owned slices with learning rate `lr`, as LibTorch's AdamW computes it
+  // (float32 arithmetic, scalars rounded to float): p *= 1 - lr * wd (matrices only);
+  // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) +
+  // eps).
+  void AdamWStep(double lr) {
+    ++step;
+    const double b1 = inner.beta1();
+    const double b2 = inner.beta2();
+    const double bc1 = 1 - std::pow(b1, static_cast<double>(step));
+    const double bc2 = 1 - std::pow(b2, static_cast<double>(step));
+    const float decay_factor = static_cast<float>(1 - lr * inner.weight_decay());
+    const float fb1 = static_cast<float>(b1), f1mb1 = static_cast<float>(1 - b1);
+    const float fb2 = static_cast<float>(b2), f1mb2 = static_cast<float>(1 - b2);
+    const float sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
+    const float eps = static_cast<float>(inner.eps());
+    const float step_size = static_cast<float>(lr / bc1);
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      const size_t n = layout.owned(l);
+      float* p = shard[l].data();
+      const float* g = grad[l].data();
+      float* ml = m[l].data();
+      float* vl = v[l].data();
+      const uint8_t* d = decay[l].data();
+      for (size_t i = 0; i < n; ++i) {
+        if (d[i]) p[i] *= decay_factor;
+        ml[i] = ml[i] * fb1 + f1mb1 * g[i];
+        vl[i] = vl[i] * fb2 + f1mb2 * g[i] * g[i];
+        const float denom = std::sqrt(vl[i]) / sqrt_bc2 + eps;
+        p[i] = p[i] - step_size * (ml[i] / denom);
+      }
+    }
+  }
+};
+
+FsdpTrainer::FsdpTrainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+FsdpTrainer::~FsdpTrainer() = default;
+
+const ShardLayout& FsdpTrainer::layout() const { return impl_->layout; }
+
+size_t FsdpTrainer::optimizer_state_elements() const { return 2 * impl_->layout.total_owned(); }
+
+uint64_t FsdpTrainer::optimizer_steps() const { return impl_->step; }
+
+absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::Create(
+    const v1::TransformerConfig& model, const v1::InnerOptimizerConfig& inner,
+    const v1::ModelSpec& spec, uint64_t seed, Collectives& collectives) {
+  ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(model));
+  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
+  const int ranks = collectives.size();
+  if (inner.batch_size() % ranks != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "inner_optimizer.batch_size %d (the node's batch per step) must be a multiple of the %d "
+        "ranks",
+        inner.batch_size(), ranks));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->model_config = model;
+  impl->inner = inner;
+  impl->spec = spec;
+  impl->collectives = &collectives;
+  impl->layout = ShardLayout(spec, ranks, collectives.rank());
+  try {
+    ApplyTrainerThreads();
+    impl->model = TransformerLM(model);
+  } catch (const std::exception& e) {
+    return LibTorchError("building the model", e);
+  }
+  ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
+  impl->params = impl->model->parameters();
+  const std::vector<std::vector<float>> initial = InitializeParameters(spec, seed);
+  int index = 0;
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    const ShardLayout& layout = impl->layout;
+    const size_t slice = layout.slice(l);
+    impl->layer_params.emplace_back();
+    std::vector<uint8_t> decay_full(spec.layers(l).num_elements());
+    size_t offset = 0;
+    for (const v1::TensorSpec& t : spec.layers(l).tensors()) {
+      impl->layer_params.back().push_back(index++);
+      impl->shapes.emplace_back(t.shape().begin(), t.shape().end());
+      size_t numel = 1;
+      for (int64_t d : t.shape()) numel *= static_cast<size_t>(d);
+      impl->numels.push_back(static_cast<int64_t>(numel));
+      // Decoupled weight decay on matrices only, as LocalTrainer's parameter groups.
+      std::fill_n(decay_full.begin() + offset, numel, t.shape_size() >= 2 ? 1 : 0);
+      offset += numel;
+    }
+    const size_t b = layout.begin(l), e = layout.end(l);
+    impl->shard.emplace_back(slice, 0.0f);
+    std::copy(initial[l].begin() + b, initial[l].begin() + e, impl->shard.back().begin());
+    impl->decay.emplace_back(slice, 0);
+    std::copy(decay_full.begin() + b, decay_full.begin() + e, impl->decay.back().begin());
+    impl->grad.emplace_back(slice, 0.0f);
+    impl->m.emplace_back(slice, 0.0f);
+    impl->v.emplace_back(slice, 0.0f);
+  }
+  impl->Release();  // the module's own full-size initial tensors are not kept
+  return std::unique_ptr<FsdpTrainer>(new FsdpTrainer(std::move(impl)));
+}
+
+absl::Status FsdpTrainer::SetParameterShards(const std::vector<std::vector<float>>& shards) {
+  const v1::ModelSpec& spec = impl_->spec;
+  if (shards.size() != static_cast<size_t>(spec.layers_size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "got %d layer slices, the model spec has %d layers", shards.size(), spec.layers_size()));
+  }
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    if (shards[l].size() != impl_->layout.owned(l)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "slice of layer %d \"%s\" has %d elements, rank %d owns %d", l, spec.layers(l).name(),
+          shards[l].size(), impl_->layout.rank, impl_->layout.owned(l)));
+    }
+  }
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    std::copy(shards[l].begin(), shards[l].end(), impl_->shard[l].begin());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsdpTrainer::GetParameterShards(std::vector<std::vector<float>>* shards) const {
+  shards->resize(impl_->spec.layers_size());
+  for (int l = 0; l < impl_->spec.layers_size(); ++l) {
+    (*shards)[l].assign(impl_->shard[l].begin(), impl_->shard[l].begin() + impl_->layout.owned(l));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsdpTrainer::PseudoGradientShards(const std::vector<std::vector<float>>& base,
+                                               std::vector<std::vector<float>>* out) const {
+  const v1::ModelSpec& spec = impl_->spec;
+  if (base.size() != static_cast<size_t>(spec.layers_size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "base has %d layer slices, the model spec has %d layers", base.size(), spec.layers_size()));
+  }
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    if (base[l].size() != impl_->layout.owned(l)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "base slice of layer %d \"%s\" has %d elements, rank %d owns %d", l,
+          spec.layers(l).name(), base[l].size(), impl_->layout.rank, impl_->layout.owned(l)));
+    }
+  }
+  out->resize(base.size());
+  for (size_t l = 0; l < base.size(); ++l) {
+    (*out)[l].resize(base[l].size());
+    for (size_t i = 0; i < base[l].size(); ++i) {
+      (*out)[l][i] = base[l][i] - impl_->shard[l][i];
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsdpTrainer::GatherParameters(std::vector<std::vector<float>>* layers) {
+  const v1::ModelSpec& spec = impl_->spec;
+  layers->resize(spec.layers_size());
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    const size_t slice = impl_->layout.slice(l);
+    std::vector<float> full(slice * impl_->N());
+    ALOE_RETURN_IF_ERROR(impl_->collectives->AllGather(impl_->shard[l].data(), slice, full.data()));
+    full.resize(spec.layers(l).num_elements());
+    (*layers)[l] = std::move(full);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& data, uint32_t steps,
+                                                            uint64_t lr_step, uint64_t seed,
+                                                            double time_budget_seconds,
+                                                            const std::atomic<bool>* interrupt) {
+  Impl& s = *impl_;
+  if (!(time_budget_seconds >= 0) || !std::isfinite(time_budget_seconds)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("time budget must be a finite number >= 0, got %g", time_budget_seconds));
+  }
+  const int64_t seq_len = s.model_config.seq_len();
+  const int64_t window = seq_len + 1;
+  const uint32_t batch = s.inner.batch_size();
+  const uint32_t rows = batch / s.N();
+  const uint64_t n = data.num_tokens();
+  if (n < static_cast<uint64_t>(window)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "training data has %d tokens, fewer than one window of seq_len + 1 = %d", n, window));
+  }
+  // Every rank draws the node's whole batch from the task seed (the same windows LocalTrainer
+  // draws) and trains on its rows of it.
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<uint64_t> start_dist(0, n - window);
+  std::vector<uint64_t> starts(batch);
+  LocalTrainer::RoundStats stats;
+  double loss_sum = 0;
+  const bool may_stop_early = time_budget_seconds > 0 || interrupt != nullptr;
+  const auto round_start = std::chrono::steady_clock::now();
+  try {
+    ApplyTrainerThreads();
+    s.model->train();
+    for (uint32_t i = 0; i < steps; ++i) {
+      if (may_stop_early) {
+        // Every rank takes part in the vote, so they all stop after the same step.
+        bool stop = interrupt != nullptr && interrupt->load();
+        if (time_budget_seconds > 0 && i > 0) {
+          stop |= std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start)
+                      .count() >= time_budget_seconds;
+        }
+        ALOE_ASSIGN_OR_RETURN(double votes, s.collectives->AllReduceSum(stop ? 1.0 : 0.0));
+        if (votes > 0) break;
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      for (uint64_t& start : starts) start = start_dist(rng);
+      const std::vector<uint64_t> mine(starts.begin() + s.layout.rank * rows,
+                                       starts.begin() + (s.layout.rank + 1) * rows);
+      ALOE_ASSIGN_OR_RETURN(torch::Tensor tokens,
+                            ReadBatch(data, mine, window, s.model_config.vocab_size()));
+      const double lr = InnerLearningRate(s.inner, lr_step + i);  // paper 002 Eq. 3
+      ALOE_RETURN_IF_ERROR(s.Materialize());
+      torch::Tensor loss = s.model->Loss(tokens);
+      loss.backward();
+      ALOE_ASSIGN_OR_RETURN(double squared, s.ScatterGradients());
+      ALOE_ASSIGN_OR_RETURN(double node_loss, s.collectives->AllReduceSum(loss.item<double>()));
+      s.Release();
+      if (s.inner.grad_clip() > 0) {
+        ALOE_ASSIGN_OR_RETURN(double total, s.collectives->AllReduceSum(squared));
+        const double clip = s.inner.grad_clip() / (std::sqrt(total) + 1e-6);
+        if (clip < 1) {
+          const float c = static_cast<float>(clip);
+          for (std::vector<float>& g : s.grad) {
+            for (float& x : g) x *= c;
+          }
+        }
+      }
+      s.AdamWStep(lr);
+      loss_sum += node_loss / s.N();
+      ++stats.steps;
+      stats.compute_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  } catch (const std::exception& e) {
+    s.Release();
+    return LibTorchError("training step", e);
+  }
+  stats.tokens = static_cast<uint64_t>(stats.steps) * batch * seq_len;
+  stats.mean_loss = stats.steps > 0 ? loss_sum / stats.steps : 0.0;
+  return stats;
+}
+
+}  // namespace aloe::worker

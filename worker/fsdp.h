@@ -1,0 +1,132 @@
+// Intra-node fully sharded data parallelism (FSDP, ZeRO-3 style) for the inner loop: the N ranks
+// of one node (processes or threads; Gloo on CPU, NCCL on GPUs) train one model replica
+// together. Every spec layer's flat float32 buffer is cut into N equal slices (the last padded),
+// and rank r owns slice r of every layer:
+//
+//   state          held by each rank                       without FSDP (LocalTrainer)
+//   parameters     its slice, between steps (1/N)          the whole model, always
+//   AdamW m, v     its slice (1/N), never gathered         the whole model
+//   gradients      its slice after the step (1/N)          the whole model
+//   during a step  the whole model's parameters and gradients (gathered, then released)
+//
+// One step on rank r: all-gather every layer's parameters into the module; forward and backward
+// on rows [r*B/N, (r+1)*B/N) of the node's batch of B sequences (every rank draws the same B
+// windows from the task seed, so the node's batch does not depend on N); reduce-scatter the
+// gradients (sum / N = the gradient of the mean loss over the node's batch); clip by the global
+// gradient norm (all-reduced); AdamW on the owned slice; release the gathered parameters and
+// gradients. So N ranks compute the same steps as one rank with the whole batch, up to float
+// summation order (tests/unit/worker/fsdp_test.cc). AdamW is implemented on the flat slices and
+// follows LibTorch's AdamW step for step (decoupled decay on matrices only).
+//
+// The pseudo-gradient of a round is per slice too (PseudoGradientShards), so no rank ever holds a
+// full pseudo-gradient.
+//
+// LibTorch stays out of this header (pimpl). Not thread-safe: one caller per rank.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/token_source.h"
+#include "proto/aloe.pb.h"
+#include "worker/trainer.h"
+
+namespace aloe::worker {
+
+// The collectives a sharded trainer needs over the ranks of one node. Every rank must make the
+// same calls in the same order with the same sizes. Errors are kInternal (a rank died, a
+// transport failed); after one the group is unusable.
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // full[r * n + i] = shard[i] of rank r; `full` holds size() * n floats.
+  virtual absl::Status AllGather(const float* shard, size_t n, float* full) = 0;
+  // shard[i] = sum over ranks r of rank r's full[rank() * n + i]; `full` holds size() * n floats.
+  virtual absl::Status ReduceScatterSum(const float* full, size_t n, float* shard) = 0;
+  // The sum over ranks of `value`.
+  virtual absl::StatusOr<double> AllReduceSum(double value) = 0;
+};
+
+// Connects rank `rank` of `size` to a Gloo process group (CPU, loopback TCP) that meets through
+// a c10d FileStore at `store_path` (a path every rank can reach: the ranks of one node share it;
+// the file must not exist before the group forms and is left behind for the caller to remove).
+// Blocks until every rank has connected, up to `timeout_seconds`. kInvalidArgument for a bad
+// rank/size, kInternal when the group cannot form.
+absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& store_path, int rank,
+                                                         int size, double timeout_seconds = 60);
+
+// How spec layers are cut into per-rank slices: layer l of n_l elements has slices of
+// ceil(n_l / N) elements; rank r owns [r * slice, min((r + 1) * slice, n_l)).
+struct ShardLayout {
+  ShardLayout(const v1::ModelSpec& spec, int num_ranks, int rank);
+  size_t slice(int layer) const { return slice_[layer]; }  // padded slice length
+  size_t begin(int layer) const;                           // first owned element
+  size_t end(int layer) const;                             // one past the last owned element
+  size_t owned(int layer) const { return end(layer) - begin(layer); }
+  size_t total_owned() const;  // elements this rank owns over all layers
+
+  int num_ranks;
+  int rank;
+
+ private:
+  std::vector<size_t> slice_;
+  std::vector<size_t> elements_;
+};
+
+class FsdpTrainer {
+ public:
+  // As LocalTrainer::Create, over `collectives` (which must outlive the trainer); every rank
+  // calls it with the same arguments. inner.batch_size is the node's batch per step and must be
+  // a multiple of the number of ranks (kInvalidArgument otherwise). Each rank keeps only its
+  // slices of the initial parameters InitializeParameters(spec, seed).
+  static absl::StatusOr<std::unique_ptr<FsdpTrainer>> Create(const v1::TransformerConfig& model,
+                                                             const v1::InnerOptimizerConfig& inner,
+                                                             const v1::ModelSpec& spec,
+                                                             uint64_t seed,
+                                                             Collectives& collectives);
+  ~FsdpTrainer();
+  FsdpTrainer(const FsdpTrainer&) = delete;
+  FsdpTrainer& operator=(const FsdpTrainer&) = delete;
+
+  const ShardLayout& layout() const;
+
+  // This rank's slices of the parameters: shards[l] holds layout().owned(l) elements.
+  // kInvalidArgument on a wrong layer count or slice size (nothing changed then).
+  absl::Status SetParameterShards(const std::vector<std::vector<float>>& shards);
+  absl::Status GetParameterShards(std::vector<std::vector<float>>* shards) const;
+  // out[l] = base[l] - current slice of layer l (base: this rank's slices of theta_base).
+  absl::Status PseudoGradientShards(const std::vector<std::vector<float>>& base,
+                                    std::vector<std::vector<float>>* out) const;
+  // The whole model, gathered from every rank (a collective: every rank must call it). For
+  // evaluation and tests.
+  absl::Status GatherParameters(std::vector<std::vector<float>>* layers);
+
+  // LocalTrainer::Train over the node (a collective). The round's step count is the same on
+  // every rank: with a time budget or an interrupt the ranks agree (all-reduce) after each step
+  // whether any of them wants to stop. mean_loss is the node's mean; tokens count the node's
+  // whole batch.
+  absl::StatusOr<LocalTrainer::RoundStats> Train(const TokenSource& data, uint32_t steps,
+                                                 uint64_t lr_step, uint64_t seed,
+                                                 double time_budget_seconds = 0,
+                                                 const std::atomic<bool>* interrupt = nullptr);
+
+  // AdamW state elements (m and v) held by this rank: 2 * layout().total_owned().
+  size_t optimizer_state_elements() const;
+  // AdamW steps taken.
+  uint64_t optimizer_steps() const;
+
+ private:
+  struct Impl;
+  explicit FsdpTrainer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace aloe::worker

@@ -1,0 +1,30 @@
+// LibTorch helpers shared by the worker's trainers (LocalTrainer, FsdpTrainer). Includes
+// <torch/torch.h>: only for translation units that use LibTorch anyway.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <exception>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/token_source.h"
+
+namespace aloe::worker {
+
+// Applies SetTrainerThreads (worker/trainer.h) on the calling thread: torch::set_num_threads
+// sets the calling thread's OpenMP thread count, so it is applied on the thread that trains.
+void ApplyTrainerThreads();
+
+// A LibTorch exception as kInternal "what: message" (without the C++ backtrace).
+absl::Status LibTorchError(const char* what, const std::exception& e);
+
+// Reads `starts.size()` windows of `window` tokens into a fresh [rows, window] int64 tensor.
+// kInvalidArgument naming the first token outside [0, vocab_size).
+absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
+                                        const std::vector<uint64_t>& starts, int64_t window,
+                                        uint32_t vocab_size);
+
+}  // namespace aloe::worker
