@@ -172,4 +172,9 @@ std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, 
   return params;
 }
 
+std::pair<uint64_t, uint64_t> SliceRange(uint64_t elements, uint32_t slices, uint32_t slice) {
+  const uint64_t length = (elements + slices - 1) / slices;
+  return {std::min(elements, slice * length), std::min(elements, (slice + 1) * length)};
+}
+
 }  // namespace aloe

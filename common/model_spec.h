@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -45,5 +46,14 @@ uint64_t TotalElements(const v1::ModelSpec& spec);
 // for a given (spec, seed) and standard library: layer l draws from its own std::mt19937_64
 // seeded with a mix of (seed, l), so a layer's values do not depend on the other layers.
 std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed);
+
+// The most slices a layer may be cut into (FSDP ranks of one node).
+inline constexpr uint32_t kMaxSlices = 1024;
+
+// Element range [first, second) of slice `slice` of `slices` of a layer of `elements` elements:
+// slices of ceil(elements / slices) elements, the last ones shorter or empty. The rule shared by
+// FSDP ranks (worker/fsdp.h), sliced pulls and sliced pushes (proto PullRequest, PushHeader).
+// Precondition: slice < slices.
+std::pair<uint64_t, uint64_t> SliceRange(uint64_t elements, uint32_t slices, uint32_t slice);
 
 }  // namespace aloe

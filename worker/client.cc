@@ -1,9 +1,11 @@
 #include "worker/client.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/model_spec.h"
 #include "common/tensor_codec.h"
 
 namespace aloe::worker {
@@ -92,18 +94,29 @@ absl::Status ServerClient::Leave(uint64_t worker_id) {
 absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version, bool latest,
                                             const v1::ModelSpec& spec,
                                             std::vector<std::vector<float>>* layers,
-                                            uint64_t* bytes) {
+                                            uint64_t* bytes, uint32_t slice, uint32_t slices) {
   grpc::ClientContext context;
   PrepareContext(&context, kTransferDeadlineSeconds);
   v1::PullRequest request;
   request.set_worker_id(worker_id);
   request.set_version(version);
   request.set_latest(latest);
+  slices = std::max<uint32_t>(1, slices);
+  if (slices > 1) {
+    request.set_slice(slice);
+    request.set_slices(slices);
+  }
   std::unique_ptr<grpc::ClientReader<v1::ParamChunk>> reader =
       parameters_->Pull(&context, request);
   layers->resize(spec.layers_size());
-  std::vector<uint64_t> filled(spec.layers_size(), 0);
-  for (int i = 0; i < spec.layers_size(); ++i) (*layers)[i].resize(spec.layers(i).num_elements());
+  std::vector<uint64_t> filled(spec.layers_size(), 0);  // elements received, from the slice start
+  std::vector<uint64_t> first(spec.layers_size()), length(spec.layers_size());
+  for (int i = 0; i < spec.layers_size(); ++i) {
+    const auto [begin, end] = SliceRange(spec.layers(i).num_elements(), slices, slice);
+    first[i] = begin;
+    length[i] = end - begin;
+    (*layers)[i].resize(length[i]);
+  }
   bool have_version = false;
   uint64_t received_version = 0;
   v1::ParamChunk chunk;
@@ -118,13 +131,14 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
       bad = absl::DataLossError("pull stream mixes model versions");
     } else if (id >= static_cast<uint32_t>(spec.layers_size()) ||
                chunk.layer_elements() != spec.layers(id).num_elements() ||
-               chunk.offset() != filled[id] || chunk.data().size() % sizeof(float) != 0 ||
-               chunk.offset() + chunk.data().size() / sizeof(float) > chunk.layer_elements()) {
+               chunk.offset() != first[id] + filled[id] ||
+               chunk.data().size() % sizeof(float) != 0 ||
+               filled[id] + chunk.data().size() / sizeof(float) > length[id]) {
       bad = absl::DataLossError(absl::StrFormat("pull stream: bad chunk for layer %d", id));
     } else {
       const size_t count = chunk.data().size() / sizeof(float);
       absl::Status s =
-          DecodeFloats(chunk.data(), absl::MakeSpan((*layers)[id].data() + chunk.offset(), count));
+          DecodeFloats(chunk.data(), absl::MakeSpan((*layers)[id].data() + filled[id], count));
       if (!s.ok()) bad = absl::DataLossError(absl::StrCat("pull stream: ", s.message()));
       filled[id] += count;
       *bytes += chunk.data().size();
@@ -138,19 +152,17 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
   absl::Status s = FromGrpcStatus(reader->Finish());
   if (!s.ok()) return s;
   for (int i = 0; i < spec.layers_size(); ++i) {
-    if (filled[i] != spec.layers(i).num_elements()) {
+    if (filled[i] != length[i]) {
       return absl::DataLossError(absl::StrFormat("pull stream: layer %d incomplete", i));
     }
   }
   return received_version;
 }
 
-absl::StatusOr<v1::PushReply> ServerClient::Push(const v1::PushHeader& header,
-                                                 const std::vector<std::vector<float>>& layers,
-                                                 const std::vector<v1::Codec>& codecs,
-                                                 size_t int8_block_size,
-                                                 std::vector<std::vector<float>>* residuals,
-                                                 uint64_t* bytes) {
+absl::StatusOr<v1::PushReply> ServerClient::Push(
+    const v1::PushHeader& header, const v1::ModelSpec& spec,
+    const std::vector<std::vector<float>>& layers, const std::vector<v1::Codec>& codecs,
+    size_t int8_block_size, std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
   if (residuals != nullptr) {
     residuals->resize(layers.size());
     for (size_t l = 0; l < layers.size(); ++l) (*residuals)[l].resize(layers[l].size());
@@ -161,10 +173,15 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(const v1::PushHeader& header,
   for (size_t layer = 0; layer < layers.size(); ++layer) {
     const v1::Codec codec = layer < codecs.size() ? codecs[layer] : v1::CODEC_FP32;
     const size_t max_elements = MaxChunkElements(codec, int8_block_size);
+    // Where this buffer starts in the layer: a slice's first element, or 0.
+    uint64_t first = 0;
+    if (header.slices() > 1 && layer < static_cast<size_t>(spec.layers_size())) {
+      first = SliceRange(spec.layers(layer).num_elements(), header.slices(), header.slice()).first;
+    }
     for (auto [begin, end] : ChunkRanges(layers[layer].size(), max_elements)) {
       v1::PushChunk chunk;
       chunk.set_layer_id(static_cast<uint32_t>(layer));
-      chunk.set_offset(begin);
+      chunk.set_offset(first + begin);
       chunk.set_codec(codec);
       float* residual = residuals ? (*residuals)[layer].data() + begin : nullptr;
       absl::Status s =

@@ -41,18 +41,20 @@ class ServerClient {
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status Leave(uint64_t worker_id);
 
-  // Pulls `version` (or the latest when latest is true) into layers, resized per spec. Returns
-  // the version received. kDataLoss when the stream is inconsistent (mixed versions, gaps,
-  // wrong sizes, non-finite values).
+  // Pulls `version` (or the latest when latest is true) into layers, resized per spec. With
+  // slices > 1 only slice `slice` of every layer is pulled (SliceRange, common/model_spec.h) and
+  // layers[l] holds just that slice. Returns the version received. kDataLoss when the stream is
+  // inconsistent (mixed versions, gaps, wrong sizes, non-finite values).
   absl::StatusOr<uint64_t> Pull(uint64_t worker_id, uint64_t version, bool latest,
                                 const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
-                                uint64_t* bytes);
+                                uint64_t* bytes, uint32_t slice = 0, uint32_t slices = 1);
 
   // Pushes a pseudo-gradient (one buffer per spec layer) under `header`, layer l encoded with
-  // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB. When residuals is not null it
-  // receives, per layer, layers - decode(encode(layers)) for error feedback. kInvalidArgument
-  // (nothing sent) when a value cannot be encoded.
-  absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header,
+  // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB. With header.slices() > 1, layers[l]
+  // is slice header.slice() of layer l and the chunk offsets are placed accordingly. When
+  // residuals is not null it receives, per layer, layers - decode(encode(layers)) for error
+  // feedback. kInvalidArgument (nothing sent) when a value cannot be encoded.
+  absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header, const v1::ModelSpec& spec,
                                      const std::vector<std::vector<float>>& layers,
                                      const std::vector<v1::Codec>& codecs, size_t int8_block_size,
                                      std::vector<std::vector<float>>* residuals, uint64_t* bytes);

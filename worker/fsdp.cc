@@ -64,6 +64,24 @@ class GlooCollectives final : public Collectives {
     return absl::OkStatus();
   }
 
+  absl::Status Broadcast(std::string* bytes, int root) override {
+    try {
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      std::vector<at::Tensor> size = {
+          torch::full({1}, static_cast<int64_t>(bytes->size()), torch::kInt64)};
+      group_->broadcast(size, options)->wait();
+      const int64_t n = size[0].item<int64_t>();
+      if (rank_ != root) bytes->resize(n);
+      if (n == 0) return absl::OkStatus();
+      std::vector<at::Tensor> data = {torch::from_blob(bytes->data(), {n}, torch::kUInt8)};
+      group_->broadcast(data, options)->wait();
+    } catch (const std::exception& e) {
+      return LibTorchError("broadcast", e);
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<double> AllReduceSum(double value) override {
     try {
       std::vector<at::Tensor> t = {torch::full({1}, value, torch::kFloat64)};
@@ -114,11 +132,11 @@ ShardLayout::ShardLayout(const v1::ModelSpec& spec, int num_ranks, int rank)
 }
 
 size_t ShardLayout::begin(int layer) const {
-  return std::min(elements_[layer], static_cast<size_t>(rank) * slice_[layer]);
+  return SliceRange(elements_[layer], num_ranks, rank).first;
 }
 
 size_t ShardLayout::end(int layer) const {
-  return std::min(elements_[layer], static_cast<size_t>(rank + 1) * slice_[layer]);
+  return SliceRange(elements_[layer], num_ranks, rank).second;
 }
 
 size_t ShardLayout::total_owned() const {

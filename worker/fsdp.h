@@ -53,6 +53,8 @@ class Collectives {
   virtual absl::Status ReduceScatterSum(const float* full, size_t n, float* shard) = 0;
   // The sum over ranks of `value`.
   virtual absl::StatusOr<double> AllReduceSum(double value) = 0;
+  // Every rank's *bytes becomes rank `root`'s (a serialised message: the node's task).
+  virtual absl::Status Broadcast(std::string* bytes, int root) = 0;
 };
 
 // Connects rank `rank` of `size` to a Gloo process group (CPU, loopback TCP) that meets through
@@ -63,8 +65,9 @@ class Collectives {
 absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& store_path, int rank,
                                                          int size, double timeout_seconds = 60);
 
-// How spec layers are cut into per-rank slices: layer l of n_l elements has slices of
-// ceil(n_l / N) elements; rank r owns [r * slice, min((r + 1) * slice, n_l)).
+// How spec layers are cut into per-rank slices (common/model_spec.h SliceRange): layer l of n_l
+// elements has slices of ceil(n_l / N) elements; rank r owns [r * slice, min((r + 1) * slice,
+// n_l)).
 struct ShardLayout {
   ShardLayout(const v1::ModelSpec& spec, int num_ranks, int rank);
   size_t slice(int layer) const { return slice_[layer]; }  // padded slice length

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <memory>
+#include <sstream>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -24,10 +24,13 @@
 #include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/metrics.h"
+#include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "common/token_shard.h"
 #include "kernels/cpu/outer_kernels.h"
 #include "worker/client.h"
+#include "worker/fsdp.h"
+#include "worker/launcher.h"
 #include "worker/trainer.h"
 #include "worker/worker_metrics.h"
 
@@ -46,6 +49,13 @@ ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA that signed the server certifica
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual TLS)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM client private key (mutual TLS)");
 ABSL_FLAG(std::string, tls_server_name, "", "Name to verify in the server certificate");
+ABSL_FLAG(int32_t, nproc, 1,
+          "Ranks of this node (trainers): N > 1 starts N processes that train one model replica "
+          "together with FSDP over Gloo (each rank holds 1/N of the parameters, gradients and "
+          "AdamW state, and pulls and pushes only its slice of every layer); "
+          "inner_optimizer.batch_size is the node's batch and must be a multiple of N");
+ABSL_FLAG(int32_t, rank, -1, "Internal (set by --nproc): this process' rank in the node");
+ABSL_FLAG(std::string, rendezvous, "", "Internal (set by --nproc): the node's rendezvous file");
 
 namespace aloe::worker {
 namespace {
@@ -112,12 +122,27 @@ class Heartbeater {
 
 class Worker {
  public:
-  Worker(ServerClient& client, MetricsSink& metrics) : client_(client), metrics_(metrics) {}
+  // node: null for a one-process worker; else this process is rank node->rank() of a multi-rank
+  // node (FSDP), and must outlive the worker.
+  Worker(ServerClient& client, MetricsSink& metrics, Collectives* node = nullptr)
+      : client_(client), metrics_(metrics), node_(node) {}
 
   absl::Status Run();
 
  private:
+  bool leader() const { return node_ == nullptr || node_->rank() == 0; }
+  static std::string Name() {
+    const std::string name = absl::GetFlag(FLAGS_name);
+    return name.empty() ? absl::StrFormat("%s-%d", absl::GetFlag(FLAGS_role), getpid()) : name;
+  }
   absl::Status JoinServer();
+  absl::StatusOr<v1::JoinReply> JoinRpc();
+  // Sets up for a join reply: the trainer (once), the heartbeat (leader), the push codecs.
+  absl::Status Joined(const v1::JoinReply& joined);
+  // The multi-rank loop: the leader asks the server and tells every rank what to do.
+  absl::Status RunNode();
+  v1::NodeDirective NextDirective();
+  absl::Status Finish();
   absl::StatusOr<const TokenSource*> Shard(const std::string& file);
   absl::Status Train(const v1::Task& task);
   absl::Status Evaluate(const v1::Task& task);
@@ -126,6 +151,9 @@ class Worker {
 
   ServerClient& client_;
   MetricsSink& metrics_;
+  Collectives* const node_;
+  std::unique_ptr<FsdpTrainer> fsdp_;  // instead of trainer_ in a multi-rank node
+  bool need_join_ = true;
   bool evaluator_ = false;
   bool server_draining_ = false;
   v1::JoinReply joined_;
@@ -159,22 +187,38 @@ absl::StatusOr<T> Worker::Retry(const std::function<absl::StatusOr<T>()>& call) 
   }
 }
 
-absl::Status Worker::JoinServer() {
+absl::StatusOr<v1::JoinReply> Worker::JoinRpc() {
   v1::JoinRequest request;
-  std::string name = absl::GetFlag(FLAGS_name);
-  if (name.empty()) name = absl::StrFormat("%s-%d", absl::GetFlag(FLAGS_role), getpid());
-  request.set_name(name);
+  request.set_name(Name());
   request.set_role(evaluator_ ? v1::ROLE_EVALUATOR : v1::ROLE_TRAINER);
   request.set_num_threads(absl::GetFlag(FLAGS_threads));
-  ALOE_ASSIGN_OR_RETURN(joined_, Retry<v1::JoinReply>([&] { return client_.Join(request); }));
-  if (trainer_ == nullptr) {
+  return Retry<v1::JoinReply>([&] { return client_.Join(request); });
+}
+
+absl::Status Worker::JoinServer() {
+  ALOE_ASSIGN_OR_RETURN(v1::JoinReply joined, JoinRpc());
+  return Joined(joined);
+}
+
+absl::Status Worker::Joined(const v1::JoinReply& joined) {
+  joined_ = joined;
+  need_join_ = false;
+  if (node_ != nullptr) {
+    if (fsdp_ == nullptr) {
+      ALOE_ASSIGN_OR_RETURN(fsdp_,
+                            FsdpTrainer::Create(joined_.model(), joined_.inner_optimizer(),
+                                                joined_.model_spec(), joined_.seed(), *node_));
+    }
+  } else if (trainer_ == nullptr) {
     ALOE_ASSIGN_OR_RETURN(trainer_, LocalTrainer::Create(joined_.model(), joined_.inner_optimizer(),
                                                          joined_.model_spec(), joined_.seed()));
   }
-  if (heartbeat_ == nullptr) {
-    heartbeat_ = std::make_unique<Heartbeater>(client_, joined_.lease_seconds());
+  if (leader()) {
+    if (heartbeat_ == nullptr) {
+      heartbeat_ = std::make_unique<Heartbeater>(client_, joined_.lease_seconds());
+    }
+    heartbeat_->Set(joined_.worker_id(), 0);
   }
-  heartbeat_->Set(joined_.worker_id(), 0);
   const v1::TransportConfig& transport = joined_.transport();
   codecs_.clear();
   for (const v1::LayerSpec& layer : joined_.model_spec().layers()) {
@@ -185,8 +229,11 @@ absl::Status Worker::JoinServer() {
     }
     codecs_.push_back(codec);
   }
-  ALOE_LOG_INFO("worker", "%s joined as worker %d at version %d", name, joined_.worker_id(),
-                joined_.version());
+  if (leader()) {
+    ALOE_LOG_INFO("worker", "%s joined as worker %d at version %d%s", Name(), joined_.worker_id(),
+                  joined_.version(),
+                  node_ != nullptr ? absl::StrFormat(" (%d ranks)", node_->size()) : "");
+  }
   return absl::OkStatus();
 }
 
@@ -202,6 +249,7 @@ absl::StatusOr<const TokenSource*> Worker::Shard(const std::string& file) {
 
 absl::Status Worker::Run() {
   evaluator_ = absl::GetFlag(FLAGS_role) == "evaluator";
+  if (node_ != nullptr) return RunNode();
   ALOE_RETURN_IF_ERROR(JoinServer());
   while (g_signal.load() == 0) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -246,9 +294,105 @@ absl::Status Worker::Run() {
     }
     ALOE_RETURN_IF_ERROR(status);
   }
+  return Finish();
+}
+
+v1::NodeDirective Worker::NextDirective() {
+  v1::NodeDirective d;
+  if (g_signal.load() != 0) {
+    d.set_kind(v1::NodeDirective::STOP);
+    return d;
+  }
+  if (!need_join_) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<v1::Task> task =
+        Retry<v1::Task>([&] { return client_.RequestTask(joined_.worker_id()); });
+    network_s_ += Seconds(t0, std::chrono::steady_clock::now());
+    if (task.ok()) {
+      d.set_kind(task->kind() == v1::Task::STOP ? v1::NodeDirective::STOP
+                                                : v1::NodeDirective::TASK);
+      if (task->kind() == v1::Task::STOP) ALOE_LOG_INFO("worker", "server says training is over");
+      *d.mutable_task() = *std::move(task);
+      return d;
+    }
+    if (g_signal.load() != 0) {
+      d.set_kind(v1::NodeDirective::STOP);
+      return d;
+    }
+    if (task.status().code() != absl::StatusCode::kNotFound) {
+      d.set_kind(v1::NodeDirective::FAIL);
+      d.set_error(task.status().ToString());
+      return d;
+    }
+    ALOE_LOG_WARNING("worker", "%s; joining again", task.status().message());
+  }
+  absl::StatusOr<v1::JoinReply> joined = JoinRpc();
+  if (!joined.ok()) {
+    d.set_kind(g_signal.load() != 0 ? v1::NodeDirective::STOP : v1::NodeDirective::FAIL);
+    d.set_error(joined.status().ToString());
+    return d;
+  }
+  d.set_kind(v1::NodeDirective::REJOIN);
+  *d.mutable_joined() = *std::move(joined);
+  return d;
+}
+
+absl::Status Worker::RunNode() {
+  while (true) {
+    v1::NodeDirective d;
+    std::string bytes;
+    if (leader()) {
+      d = NextDirective();
+      d.SerializeToString(&bytes);
+    }
+    // Every rank learns the leader's decision (the same bytes), so they act in lockstep.
+    ALOE_RETURN_IF_ERROR(node_->Broadcast(&bytes, /*root=*/0));
+    if (!leader() && !d.ParseFromString(bytes)) {
+      return absl::DataLossError("rank 0 sent a malformed node directive");
+    }
+    if (d.kind() == v1::NodeDirective::STOP) break;
+    if (d.kind() == v1::NodeDirective::FAIL) {
+      return absl::UnavailableError(absl::StrCat("the node's leader failed: ", d.error()));
+    }
+    if (d.kind() == v1::NodeDirective::REJOIN) {
+      ALOE_RETURN_IF_ERROR(Joined(d.joined()));
+      continue;
+    }
+    const v1::Task& task = d.task();
+    if (task.kind() == v1::Task::WAIT) {
+      if (leader() && task.draining() && !server_draining_) {
+        ALOE_LOG_INFO("worker", "server is draining (shutdown or restart): waiting for it");
+      }
+      server_draining_ = task.draining();
+      continue;
+    }
+    if (task.kind() != v1::Task::TRAIN) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("a multi-rank node cannot run task kind %d", task.kind()));
+    }
+    absl::Status status = Train(task);
+    // Barrier: every rank's slice has been answered before the leader asks for the next task
+    // (else the server, still missing a slice, would hand out this task again).
+    ALOE_RETURN_IF_ERROR(node_->AllReduceSum(0).status());
+    if (status.code() == absl::StatusCode::kFailedPrecondition ||
+        status.code() == absl::StatusCode::kNotFound ||
+        status.code() == absl::StatusCode::kUnavailable) {
+      ALOE_LOG_WARNING("worker", "rank %d: task %d dropped: %s", node_->rank(), task.task_id(),
+                       status.message());
+      continue;
+    }
+    ALOE_RETURN_IF_ERROR(status);
+  }
+  return Finish();
+}
+
+absl::Status Worker::Finish() {
   heartbeat_.reset();
-  absl::Status left = client_.Leave(joined_.worker_id());
-  if (!left.ok()) ALOE_LOG_WARNING("worker", "leave: %s", left.ToString());
+  if (leader() && !need_join_) {
+    absl::Status left = client_.Leave(joined_.worker_id());
+    if (!left.ok()) ALOE_LOG_WARNING("worker", "leave: %s", left.ToString());
+  }
+
   const double wall = rounds_ > 0 ? Seconds(first_task_, std::chrono::steady_clock::now()) : 0;
   ALOE_LOG_INFO("worker",
                 "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
@@ -262,28 +406,44 @@ absl::Status Worker::Train(const v1::Task& task) {
   if (rounds_ == 0) first_task_ = std::chrono::steady_clock::now();
   const auto t0 = std::chrono::steady_clock::now();
   uint64_t pulled = 0;
+  // A rank of a multi-rank node pulls, trains and pushes only its slice of every layer.
+  const uint32_t slice = node_ != nullptr ? node_->rank() : 0;
+  const uint32_t slices = node_ != nullptr ? node_->size() : 1;
   ALOE_RETURN_IF_ERROR(client_
                            .Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
-                                 joined_.model_spec(), &base_, &pulled)
+                                 joined_.model_spec(), &base_, &pulled, slice, slices)
                            .status());
   const auto t1 = std::chrono::steady_clock::now();
-  ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
   ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
-  ALOE_ASSIGN_OR_RETURN(
-      LocalTrainer::RoundStats stats,
-      trainer_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
-                      absl::GetFlag(FLAGS_slowdown), task.time_budget_seconds(), &g_interrupt));
+  LocalTrainer::RoundStats stats;
+  if (fsdp_ != nullptr) {
+    ALOE_RETURN_IF_ERROR(fsdp_->SetParameterShards(base_));
+    ALOE_ASSIGN_OR_RETURN(stats,
+                          fsdp_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
+                                       task.time_budget_seconds(), &g_interrupt));
+  } else {
+    ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
+    ALOE_ASSIGN_OR_RETURN(stats, trainer_->Train(*data, task.local_steps(), task.lr_step(),
+                                                 task.seed(), absl::GetFlag(FLAGS_slowdown),
+                                                 task.time_budget_seconds(), &g_interrupt));
+  }
   const auto t2 = std::chrono::steady_clock::now();
   if (stats.steps == 0) {
     // Stopped before the first step: nothing to push; leaving hands the task back.
-    ALOE_LOG_INFO("worker", "task %d abandoned before its first step (stopping)", task.task_id());
+    if (leader()) {
+      ALOE_LOG_INFO("worker", "task %d abandoned before its first step (stopping)", task.task_id());
+    }
     return absl::OkStatus();
   }
-  if (stats.steps < task.local_steps() && task.time_budget_seconds() == 0) {
+  if (stats.steps < task.local_steps() && task.time_budget_seconds() == 0 && leader()) {
     ALOE_LOG_INFO("worker", "stopping: pushing the %d of %d steps done", stats.steps,
                   task.local_steps());
   }
-  ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(base_, &delta_));
+  if (fsdp_ != nullptr) {
+    ALOE_RETURN_IF_ERROR(fsdp_->PseudoGradientShards(base_, &delta_));
+  } else {
+    ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(base_, &delta_));
+  }
   v1::PushHeader header;
   header.set_worker_id(joined_.worker_id());
   header.set_task_id(task.task_id());
@@ -294,6 +454,10 @@ absl::Status Worker::Train(const v1::Task& task) {
   header.set_train_loss(stats.mean_loss);
   header.set_compute_seconds(stats.compute_seconds);
   header.set_codec(v1::CODEC_FP32);
+  if (slices > 1) {
+    header.set_slice(slice);
+    header.set_slices(slices);
+  }
   const v1::TransportConfig& transport = joined_.transport();
   if (transport.error_feedback() && !residual_.empty()) {
     // Error feedback: what earlier rounds' quantisation lost is sent now.
@@ -303,7 +467,8 @@ absl::Status Worker::Train(const v1::Task& task) {
   }
   uint64_t pushed = 0;
   absl::StatusOr<v1::PushReply> reply =
-      client_.Push(header, delta_, codecs_, std::max<uint32_t>(1, transport.int8_block_size()),
+      client_.Push(header, joined_.model_spec(), delta_, codecs_,
+                   std::max<uint32_t>(1, transport.int8_block_size()),
                    transport.error_feedback() ? &residual_ : nullptr, &pushed);
   const auto t3 = std::chrono::steady_clock::now();
   if (!reply.ok()) return reply.status();
@@ -315,9 +480,10 @@ absl::Status Worker::Train(const v1::Task& task) {
   tokens_ += stats.tokens;
   compute_s_ += stats.compute_seconds;
   network_s_ += network_s;
-  heartbeat_->Set(joined_.worker_id(), stats.compute_seconds > 0
-                                           ? stats.steps / Seconds(t1, t2)
-                                           : 0);
+  pushed_bytes_ += pushed;
+  if (!leader()) return absl::OkStatus();  // rank 0 reports for the node
+  heartbeat_->Set(joined_.worker_id(),
+                  stats.compute_seconds > 0 ? stats.steps / Seconds(t1, t2) : 0);
   metrics_.Set(kLoss, stats.mean_loss);
   metrics_.Set(kTokensPerSecond, stats.tokens / round_s);
   metrics_.Set(kStepsPerRound, stats.steps);
@@ -327,15 +493,19 @@ absl::Status Worker::Train(const v1::Task& task) {
   metrics_.Add(kRounds, 1);
   metrics_.Add(kPulledBytes, static_cast<double>(pulled));
   metrics_.Add(kPushedBytes, static_cast<double>(pushed));
-  pushed_bytes_ += pushed;
   metrics_.Add(kComputeSeconds, stats.compute_seconds);
   metrics_.Add(kNetworkSeconds, network_s);
+  std::string outcome;
+  if (reply->applied()) {
+    outcome = absl::StrFormat(" -> version %d", reply->version());
+  } else if (reply->staged()) {
+    outcome = absl::StrFormat(" (%d of %d slices in)", reply->slices_received(), slices);
+  }
   ALOE_LOG_INFO("worker",
                 "round %d: version %d shard %s steps %d loss %.4f tokens/s %.0f "
                 "(compute %.2fs, network %.3fs)%s",
                 rounds_, task.base_version(), task.shard_name(), stats.steps, stats.mean_loss,
-                stats.tokens / round_s, stats.compute_seconds, network_s,
-                reply->applied() ? absl::StrFormat(" -> version %d", reply->version()) : "");
+                stats.tokens / round_s, stats.compute_seconds, network_s, outcome);
   return absl::OkStatus();
 }
 
@@ -379,6 +549,23 @@ absl::Status Main() {
   if (absl::GetFlag(FLAGS_eval_sequences) < 1) {
     return absl::InvalidArgumentError("--eval_sequences must be >= 1");
   }
+  const int nproc = absl::GetFlag(FLAGS_nproc);
+  const int rank = absl::GetFlag(FLAGS_rank);
+  if (nproc < 1 || nproc > static_cast<int>(kMaxSlices)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--nproc must be in [1, %d], got %d", kMaxSlices, nproc));
+  }
+  if (nproc > 1) {
+    if (role != "trainer") return absl::InvalidArgumentError("--nproc > 1 is for trainers only");
+    if (absl::GetFlag(FLAGS_slowdown) != 1.0) {
+      return absl::InvalidArgumentError("--slowdown is not supported with --nproc > 1");
+    }
+    if (rank >= nproc || (rank >= 0 && absl::GetFlag(FLAGS_rendezvous).empty())) {
+      return absl::InvalidArgumentError("--rank and --rendezvous are set by --nproc, not by hand");
+    }
+  } else if (rank >= 0) {
+    return absl::InvalidArgumentError("--rank is set by --nproc > 1, not by hand");
+  }
   SetTrainerThreads(absl::GetFlag(FLAGS_threads));
   ConfigureAllocatorForTraining();
   std::unique_ptr<MetricsSink> metrics;
@@ -409,7 +596,12 @@ absl::Status Main() {
   ALOE_RETURN_IF_ERROR(read("--tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls_key_pem));
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   ServerClient client(options);
-  Worker worker(client, *metrics);
+  std::unique_ptr<Collectives> node;
+  if (nproc > 1) {
+    ALOE_ASSIGN_OR_RETURN(node, ConnectGloo(absl::GetFlag(FLAGS_rendezvous), rank, nproc));
+    ALOE_LOG_INFO("worker", "rank %d of %d connected", rank, nproc);
+  }
+  Worker worker(client, *metrics, node.get());
   return worker.Run();
 }
 
@@ -424,6 +616,15 @@ int main(int argc, char** argv) {
       "held-out loss of new model versions. On SIGINT/SIGTERM it ends the current round at the\n"
       "next step end, pushes the steps done, leaves and exits.");
   absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_nproc) > 1 && absl::GetFlag(FLAGS_rank) < 0) {
+    // The launcher of a multi-rank node: every rank is a copy of this binary.
+    absl::StatusOr<int> code = aloe::worker::LaunchRanks(argc, argv, absl::GetFlag(FLAGS_nproc));
+    if (!code.ok()) {
+      ALOE_LOG_ERROR("worker", "%s", code.status().ToString());
+      return 1;
+    }
+    return *code;
+  }
   signal(SIGINT, aloe::worker::OnSignal);
   signal(SIGTERM, aloe::worker::OnSignal);
   absl::Status status = aloe::worker::Main();

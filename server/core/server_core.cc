@@ -245,8 +245,22 @@ v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
   return task;
 }
 
+namespace {
+
+absl::Status CheckSlice(uint32_t slice, uint32_t slices) {
+  if (slices > kMaxSlices || (slices > 1 && slice >= slices) || (slices <= 1 && slice != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("slice %d of %d: need slice < slices <= %d (slices 0 or 1 = whole layers)",
+                        slice, slices, kMaxSlices));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ModelSnapshot> ServerCore::SnapshotFor(const v1::PullRequest& request) const {
   ALOE_RETURN_IF_ERROR(LiveMember(request.worker_id()).status());
+  ALOE_RETURN_IF_ERROR(CheckSlice(request.slice(), request.slices()));
   if (request.latest() || request.version() == store_->version()) return store_->Snapshot();
   auto it = retained_.find(request.version());
   if (it == retained_.end()) {
@@ -274,6 +288,7 @@ absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
   if (!v1::Codec_IsValid(header.codec())) {
     return absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec()));
   }
+  ALOE_RETURN_IF_ERROR(CheckSlice(header.slice(), header.slices()));
   const uint32_t limit = 1000 * std::max<uint32_t>(1, open->second.task.local_steps());
   if (header.steps_done() == 0 || header.steps_done() > limit) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -294,11 +309,28 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   header.set_steps_done(update.steps_done);
   header.set_train_loss(update.train_loss);
   header.set_compute_seconds(update.compute_seconds);
+  header.set_slice(update.slice);
+  header.set_slices(update.slices);
   absl::Status status = CheckPushHeader(header);
   if (status.ok()) status = store_->CheckShapes(update);
   if (!status.ok()) {
     CountRejected(status);
     return status;
+  }
+  if (update.slices > 1) {
+    absl::StatusOr<std::optional<PendingUpdate>> whole = StageSlice(std::move(update));
+    if (!whole.ok()) {
+      CountRejected(whole.status());
+      return whole.status();
+    }
+    if (!whole->has_value()) {
+      v1::PushReply reply;
+      reply.set_staged(true);
+      reply.set_slices_received(staged_[header.worker_id()].count);
+      reply.set_version(store_->version());
+      return reply;
+    }
+    update = **std::move(whole);
   }
   const uint64_t worker = update.worker_id;
   const uint64_t task_id = update.task_id;
@@ -314,6 +346,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     const OpenTask& open = open_tasks_[worker];
     sampler_.Release(open.shard, open.assigned_tokens);
     open_tasks_.erase(worker);
+    staged_.erase(worker);
     ApplyBatch completed = aggregation_->OnWorkerGone(worker);
     if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
     PruneRetained();
@@ -346,6 +379,52 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   reply.set_version(store_->version());
   reply.set_staleness(staleness);
   return reply;
+}
+
+absl::StatusOr<std::optional<PendingUpdate>> ServerCore::StageSlice(PendingUpdate update) {
+  auto it = staged_.find(update.worker_id);
+  if (it != staged_.end() && (it->second.merged.task_id != update.task_id ||
+                              it->second.merged.update_id != update.update_id ||
+                              it->second.received.size() != update.slices)) {
+    staged_.erase(it);  // a new update (or task) supersedes the slices staged so far
+    it = staged_.end();
+  }
+  if (it != staged_.end()) {
+    const PendingUpdate& first = it->second.merged;
+    if (update.steps_done != first.steps_done || update.tokens_learned != first.tokens_learned) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "slice %d of update %d reports %d steps and %d tokens; its other slices reported %d "
+          "and %d",
+          update.slice, update.update_id, update.steps_done, update.tokens_learned,
+          first.steps_done, first.tokens_learned));
+    }
+  }
+  if (it == staged_.end()) {
+    StagedUpdate staged;
+    staged.received.assign(update.slices, false);
+    staged.received[update.slice] = true;
+    staged.count = 1;
+    staged.merged = std::move(update);
+    it = staged_.emplace(staged.merged.worker_id, std::move(staged)).first;
+  } else {
+    // Copy this slice in (again, for a retried slice: the newer copy wins).
+    StagedUpdate& staged = it->second;
+    for (size_t l = 0; l < update.layers.size(); ++l) {
+      const auto [first, last] = SliceRange(update.layers[l].size(), update.slices, update.slice);
+      std::copy(update.layers[l].begin() + first, update.layers[l].begin() + last,
+                staged.merged.layers[l].begin() + first);
+    }
+    if (!staged.received[update.slice]) {
+      staged.received[update.slice] = true;
+      ++staged.count;
+    }
+  }
+  if (it->second.count < it->second.received.size()) return std::optional<PendingUpdate>();
+  PendingUpdate whole = std::move(it->second.merged);
+  staged_.erase(it);
+  whole.slice = 0;
+  whole.slices = 1;
+  return std::optional<PendingUpdate>(std::move(whole));
 }
 
 absl::Status ServerCore::Apply(ApplyBatch batch) {
@@ -494,6 +573,7 @@ void ServerCore::WorkerGone(uint64_t worker) {
     open_tasks_.erase(open);
   }
   planner_.Forget(worker);
+  staged_.erase(worker);
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
     metrics_.Remove(kTrainerStepsPerSecond, labels->second);
     metrics_.Remove(kTrainerPlannedSteps, labels->second);

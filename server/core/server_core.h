@@ -54,7 +54,9 @@ class ServerCore {
   absl::StatusOr<v1::Task> RequestTask(const v1::TaskRequest& request);
   // Cheap checks of a push header before its chunks are read (live worker, open task, version).
   absl::Status CheckPushHeader(const v1::PushHeader& header) const;
-  // Takes a fully assembled update; aggregates and applies when it completes a batch.
+  // Takes a fully assembled update; aggregates and applies when it completes a batch. A slice of
+  // a sliced update (update.slices > 1) is staged until every slice has arrived (reply staged);
+  // the slice that completes it submits the merged update.
   absl::StatusOr<v1::PushReply> SubmitUpdate(PendingUpdate update);
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status Leave(const v1::LeaveRequest& request);
@@ -68,7 +70,7 @@ class ServerCore {
   ModelSnapshot Snapshot() const { return store_->Snapshot(); }
   // The snapshot a Pull streams: the requested version — the current one, or an older one that
   // an open or released task starts from (kFailedPrecondition for any other) — or the latest.
-  // kNotFound for an unknown worker.
+  // kNotFound for an unknown worker; kInvalidArgument for a bad slice request.
   absl::StatusOr<ModelSnapshot> SnapshotFor(const v1::PullRequest& request) const;
   const v1::ModelSpec& spec() const { return store_->spec(); }
   uint64_t version() const { return store_->version(); }
@@ -104,6 +106,13 @@ class ServerCore {
   const PseudoGradientPenalty* penalty() const { return penalty_.get(); }
 
  private:
+  // The slices of one sliced update received so far (one per worker at a time).
+  struct StagedUpdate {
+    std::vector<bool> received;
+    uint32_t count = 0;
+    PendingUpdate merged;  // header fields of the first slice, layers merged slice by slice
+  };
+
   struct OpenTask {
     v1::Task task;
     size_t shard = 0;
@@ -112,6 +121,8 @@ class ServerCore {
 
   ServerCore(const v1::ServerConfig& config, const Clock& clock, MetricsSink& metrics);
   absl::StatusOr<const Member*> LiveMember(uint64_t worker_id) const;
+  // Stages one slice; returns the merged update once every slice is in, else nullopt.
+  absl::StatusOr<std::optional<PendingUpdate>> StageSlice(PendingUpdate update);
   v1::Task NewTask(v1::Task::Kind kind);
   absl::StatusOr<v1::Task> TrainerTask(uint64_t worker);
   v1::Task EvaluatorTask(uint64_t worker);
@@ -150,6 +161,7 @@ class ServerCore {
   uint64_t next_task_id_ = 1;
   std::map<uint64_t, OpenTask> open_tasks_;   // by worker
   std::map<uint64_t, OpenTask> submitted_;   // task id -> its task, until applied
+  std::map<uint64_t, StagedUpdate> staged_;  // by worker: a sliced update being received
   std::optional<uint64_t> last_eval_version_;   // latest version handed out for evaluation
   std::vector<EvalPoint> eval_history_;
   std::optional<absl::Time> started_;  // when the first round opened

@@ -16,6 +16,10 @@ struct PendingUpdate {
   uint64_t tokens_learned = 0;
   double train_loss = 0;
   double compute_seconds = 0;
+  // A sliced push (PushHeader.slices > 1) carries slice `slice` of every layer; the others
+  // elements of `layers` are 0 until the slices are merged.
+  uint32_t slice = 0;
+  uint32_t slices = 1;
   // g = theta_base - theta_end, one flat float32 buffer per layer of the ModelSpec.
   std::vector<std::vector<float>> layers;
 };

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_format.h"
+#include "common/model_spec.h"
 #include "common/tensor_codec.h"
 
 namespace aloe::server {
@@ -34,6 +35,17 @@ UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader
   update_.compute_seconds = header.compute_seconds();
   update_.layers.resize(spec.layers_size());
   if (header.codec() != v1::CODEC_UNSPECIFIED) default_codec_ = header.codec();
+  if (header.slices() > 1) {
+    update_.slice = header.slice();
+    update_.slices = header.slices();
+  }
+  end_.resize(spec.layers_size());
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    const auto [first, last] =
+        SliceRange(spec.layers(l).num_elements(), update_.slices, update_.slice);
+    filled_[l] = first;
+    end_[l] = last;
+  }
 }
 
 absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
@@ -60,7 +72,13 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
         absl::StrFormat("layer %d (%s): chunk at offset %d, expected offset %d", layer_id,
                         layer.name(), offset, filled_[layer_id]));
   }
-  if (offset + count > layer.num_elements()) {
+  if (offset + count > end_[layer_id]) {
+    if (update_.slices > 1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d (%s): wrong size: chunk [%d, %d) exceeds slice %d of %d, which ends at %d",
+          layer_id, layer.name(), offset, offset + count, update_.slice, update_.slices,
+          end_[layer_id]));
+    }
     return absl::InvalidArgumentError(absl::StrFormat(
         "layer %d (%s): wrong size: chunk [%d, %d) exceeds the layer's %d elements", layer_id,
         layer.name(), offset, offset + count, layer.num_elements()));
@@ -86,11 +104,15 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
 
 absl::StatusOr<PendingUpdate> UpdateAssembler::Finish() && {
   for (int i = 0; i < spec_.layers_size(); ++i) {
-    if (filled_[i] != spec_.layers(i).num_elements()) {
+    if (filled_[i] != end_[i]) {
+      const uint64_t first =
+          SliceRange(spec_.layers(i).num_elements(), update_.slices, update_.slice).first;
       return absl::InvalidArgumentError(
           absl::StrFormat("layer %d (%s) incomplete: received %d of %d elements", i,
-                          spec_.layers(i).name(), filled_[i], spec_.layers(i).num_elements()));
+                          spec_.layers(i).name(), filled_[i] - first, end_[i] - first));
     }
+    // A layer with nothing to send in this slice still gets its (zero) buffer.
+    if (update_.layers[i].empty()) update_.layers[i].resize(spec_.layers(i).num_elements());
   }
   return std::move(update_);
 }

@@ -33,13 +33,15 @@ class UpdateAssembler {
 
   // Adds the elements [offset, offset + count) of layer `layer_id` that `payload` encodes with
   // `codec` (CODEC_UNSPECIFIED = the header's codec, or FP32). Chunks of a layer must arrive in
-  // offset order without gaps or overlap. kInvalidArgument (naming the layer) for anything
+  // offset order without gaps or overlap. A sliced push (header.slices() > 1; the caller has
+  // checked slice < slices <= kMaxSlices) covers exactly SliceRange(n, slices, slice) of each
+  // layer, starting at its first element. kInvalidArgument (naming the layer) for anything
   // malformed; a rejected chunk changes nothing the caller can observe, and the stream may go on
   // with a corrected chunk at the same offset.
   absl::Status AddChunk(uint32_t layer_id, uint64_t offset, std::string_view payload,
                         v1::Codec codec = v1::CODEC_UNSPECIFIED);
 
-  // Returns the update when every layer is complete; kInvalidArgument otherwise.
+  // Returns the update when every layer (or its slice) is complete; kInvalidArgument otherwise.
   absl::StatusOr<PendingUpdate> Finish() &&;
 
   uint64_t bytes_received() const { return bytes_received_; }
@@ -52,7 +54,8 @@ class UpdateAssembler {
  private:
   const v1::ModelSpec& spec_;
   PendingUpdate update_;
-  std::vector<uint64_t> filled_;  // elements received per layer
+  std::vector<uint64_t> filled_;  // next expected element per layer
+  std::vector<uint64_t> end_;     // one past the last element expected per layer
   uint64_t bytes_received_ = 0;
   std::array<uint64_t, v1::Codec_ARRAYSIZE> bytes_by_codec_{};
   v1::Codec default_codec_ = v1::CODEC_FP32;

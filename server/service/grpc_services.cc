@@ -1,8 +1,10 @@
 #include "server/service/grpc_services.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "absl/strings/str_format.h"
+#include "common/model_spec.h"
 #include "common/tensor_codec.h"
 #include "server/core/server_metrics.h"
 #include "server/core/update_assembler.h"
@@ -84,9 +86,14 @@ grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
   if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
   uint64_t bytes = 0;
   v1::ParamChunk chunk;
+  // Whole layers, or one slice of each (validated by SnapshotFor).
+  const uint32_t slices = std::max<uint32_t>(1, request->slices());
   for (size_t layer = 0; layer < snapshot->layers.size(); ++layer) {
     const std::vector<float>& params = *snapshot->layers[layer];
-    for (auto [begin, end] : ChunkRanges(params.size())) {
+    const auto [first, last] = SliceRange(params.size(), slices, request->slice());
+    for (auto [chunk_begin, chunk_end] : ChunkRanges(last - first)) {
+      const size_t begin = first + chunk_begin;
+      const size_t end = first + chunk_end;
       if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "pull cancelled");
       chunk.set_version(snapshot->version);
       chunk.set_layer_id(static_cast<uint32_t>(layer));

@@ -121,13 +121,15 @@ class LoopbackTest : public ::testing::Test {
   }
 
   std::unique_ptr<Subprocess> StartWorker(int port, const std::string& role, int index,
-                                          double slowdown = 1.0) {
-    return std::make_unique<Subprocess>(
-        std::vector<std::string>{Bin("aloe-worker"), absl::StrCat("--server=127.0.0.1:", port),
-                                 "--role=" + role, "--corpus_dir=" + dir_, "--metrics=off",
-                                 absl::StrCat("--slowdown=", slowdown), "--eval_sequences=16",
-                                 absl::StrCat("--name=", role, index)},
-        absl::StrCat(dir_, "/", role, index, ".log"));
+                                          double slowdown = 1.0,
+                                          const std::vector<std::string>& extra_flags = {}) {
+    std::vector<std::string> argv = {
+        Bin("aloe-worker"),    absl::StrCat("--server=127.0.0.1:", port),
+        "--role=" + role,      "--corpus_dir=" + dir_,
+        "--metrics=off",       absl::StrCat("--slowdown=", slowdown),
+        "--eval_sequences=16", absl::StrCat("--name=", role, index)};
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+    return std::make_unique<Subprocess>(argv, absl::StrCat(dir_, "/", role, index, ".log"));
   }
 
   std::string Logs() {

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "common/config.h"
+#include "common/model_spec.h"
 #include "common/status_matchers.h"
 #include "server/core/update_assembler.h"
 
@@ -262,6 +263,70 @@ TEST_F(ServerCoreTest, PublishesShardTrainerReleaseAndNormMetrics) {
   EXPECT_FALSE(metrics_.Has("aloe_trainer_steps_per_second", {ida, "w"}));
   EXPECT_FALSE(metrics_.Has("aloe_trainer_planned_steps", {ida, "w"}));
   EXPECT_TRUE(metrics_.Has("aloe_trainer_planned_steps", {idb, "w"}));
+}
+
+// FSDP workers push one slice of every layer per rank; the server stages the slices of an
+// update, accepts a retried slice idempotently, and aggregates the merged update once complete.
+TEST_F(ServerCoreTest, SlicedUpdateIsStagedUntilEverySliceArrived) {
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  auto slice_of = [&](uint32_t slice, float value) {
+    PendingUpdate u = Update(a, ta, value);
+    u.update_id = 9;
+    u.slice = slice;
+    u.slices = 2;
+    for (auto& layer : u.layers) {
+      const auto [first, last] = SliceRange(layer.size(), 2, slice);
+      for (size_t i = 0; i < layer.size(); ++i) {
+        if (i < first || i >= last) layer[i] = 0;
+      }
+    }
+    return u;
+  };
+  const auto before = Params();
+  auto r0 = core_->SubmitUpdate(slice_of(0, 7.0f));  // superseded below by the retry
+  ASSERT_THAT(r0, IsOk());
+  EXPECT_TRUE(r0->staged());
+  EXPECT_EQ(r0->slices_received(), 1u);
+  auto retry = core_->SubmitUpdate(slice_of(0, 1.0f));
+  ASSERT_THAT(retry, IsOk());
+  EXPECT_EQ(retry->slices_received(), 1u);
+  // A slice that disagrees about the work done is refused; the staged slice stays.
+  PendingUpdate odd = slice_of(1, 1.0f);
+  odd.steps_done += 1;
+  EXPECT_THAT(core_->SubmitUpdate(odd),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("other slices reported")));
+  PendingUpdate out_of_range = slice_of(1, 1.0f);
+  out_of_range.slice = 2;
+  EXPECT_THAT(core_->SubmitUpdate(out_of_range),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("slice 2 of 2")));
+  EXPECT_EQ(core_->version(), 0u);
+  EXPECT_EQ(Params(), before);
+
+  auto r1 = core_->SubmitUpdate(slice_of(1, 1.0f));
+  ASSERT_THAT(r1, IsOk());
+  EXPECT_FALSE(r1->staged());
+  EXPECT_FALSE(r1->applied());  // the round still waits for b
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 3.0f)), IsOk());
+  EXPECT_EQ(core_->version(), 1u);
+  // SGD lr 0.5 on the average of the merged all-ones update and b's 3: every parameter -1.
+  const auto after = Params();
+  for (size_t l = 0; l < after.size(); ++l) {
+    for (size_t i = 0; i < after[l].size(); ++i) {
+      ASSERT_FLOAT_EQ(after[l][i], before[l][i] - 1.0f) << "layer " << l << " element " << i;
+    }
+  }
+  v1::PullRequest pull;
+  pull.set_worker_id(a);
+  pull.set_latest(true);
+  pull.set_slice(3);
+  pull.set_slices(3);
+  EXPECT_THAT(core_->SnapshotFor(pull),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("slice 3 of 3")));
+  pull.set_slice(2);
+  EXPECT_THAT(core_->SnapshotFor(pull), IsOk());
 }
 
 TEST_F(ServerCoreTest, ExpiredWorkerIsNotWaitedForAndItsLatePushIsRejected) {

@@ -69,6 +69,12 @@ TEST(GlooCollectivesTest, AllGatherReduceScatterAndAllReduceOverThreeRanks) {
     auto sum = c.AllReduceSum(r + 0.5);
     ASSERT_THAT(sum, IsOk());
     EXPECT_EQ(*sum, 4.5);
+    std::string message = r == 1 ? std::string("task\0bytes\xff", 11) : "stale";
+    ASSERT_THAT(c.Broadcast(&message, /*root=*/1), IsOk());
+    EXPECT_EQ(message, std::string("task\0bytes\xff", 11)) << "rank " << r;
+    std::string empty = r == 0 ? "" : "not yet";
+    ASSERT_THAT(c.Broadcast(&empty, /*root=*/0), IsOk());
+    EXPECT_EQ(empty, "");
   });
 }
 
@@ -283,6 +289,7 @@ class UnusedCollectives final : public Collectives {
   absl::Status AllGather(const float*, size_t, float*) override { return Fail(); }
   absl::Status ReduceScatterSum(const float*, size_t, float*) override { return Fail(); }
   absl::StatusOr<double> AllReduceSum(double) override { return Fail(); }
+  absl::Status Broadcast(std::string*, int) override { return Fail(); }
 
  private:
   static absl::Status Fail() {
