@@ -153,6 +153,12 @@ class LoopbackTest : public ::testing::Test {
     const int port = StartServer(extra_config, outer_optimizer);
     ASSERT_GT(port, 0);
     auto evaluator = StartWorker(port, "evaluator", 0);
+    // Trainers start once the evaluator is in, so that it is handed version 0 before any
+    // training (a loaded machine can take seconds to start a LibTorch process).
+    for (int i = 0; i < 600; ++i) {
+      if (ReadFile(dir_ + "/evaluator0.log").find("joined as worker") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
     auto w0 = StartWorker(port, "trainer", 0);
     auto w1 = StartWorker(port, "trainer", 1, slowdown);
 
