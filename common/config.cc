@@ -1,12 +1,16 @@
 #include "common/config.h"
 
+#include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 #include <google/protobuf/util/json_util.h>
 
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -52,6 +56,72 @@ absl::Status Positive(const char* field, double v) {
   return absl::OkStatus();
 }
 
+// True when `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
+bool IsValidUtf8(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = s[i];
+    int extra = 0;
+    uint32_t min = 0, cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      extra = 1, min = 0x80, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      extra = 2, min = 0x800, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      extra = 3, min = 0x10000, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + extra >= s.size()) return false;
+    for (int k = 1; k <= extra; ++k) {
+      const unsigned char next = s[i + k];
+      if ((next & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (next & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += extra + 1;
+  }
+  return true;
+}
+
+// The path of the first string field (at any depth) that is not UTF-8, or "" when all are. The
+// text-format parser accepts any bytes in a string, but proto3 strings must be UTF-8: such a
+// config cannot be written as JSON or serialised, so it is refused when loaded.
+std::string FirstNonUtf8Field(const google::protobuf::Message& m, const std::string& prefix) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* r = m.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  for (const FieldDescriptor* f : fields) {
+    const std::string name = prefix.empty() ? f->name() : absl::StrCat(prefix, ".", f->name());
+    if (f->cpp_type() == FieldDescriptor::CPPTYPE_STRING &&
+        f->type() == FieldDescriptor::TYPE_STRING) {
+      if (f->is_repeated()) {
+        for (int i = 0; i < r->FieldSize(m, f); ++i) {
+          if (!IsValidUtf8(r->GetRepeatedString(m, f, i))) return absl::StrCat(name, "[", i, "]");
+        }
+      } else if (!IsValidUtf8(r->GetString(m, f))) {
+        return name;
+      }
+    } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+      if (f->is_repeated()) {
+        for (int i = 0; i < r->FieldSize(m, f); ++i) {
+          std::string bad =
+              FirstNonUtf8Field(r->GetRepeatedMessage(m, f, i), absl::StrCat(name, "[", i, "]"));
+          if (!bad.empty()) return bad;
+        }
+      } else {
+        std::string bad = FirstNonUtf8Field(r->GetMessage(m, f), name);
+        if (!bad.empty()) return bad;
+      }
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
@@ -72,6 +142,10 @@ absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
   parser.RecordErrorsTo(&errors);
   if (!parser.ParseFromString(text, &config)) {
     return absl::InvalidArgumentError(absl::StrCat(path_for_format, ": ", errors.first()));
+  }
+  if (std::string bad = FirstNonUtf8Field(config, ""); !bad.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_for_format, ": ", bad, " is not valid UTF-8 text"));
   }
   return config;
 }

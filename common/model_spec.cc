@@ -69,7 +69,26 @@ absl::Status ValidateTransformerConfig(const v1::TransformerConfig& c) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "model.num_heads (%d) must divide model.d_model (%d)", c.num_heads(), c.d_model()));
   }
+  if (c.num_layers() > kMaxTransformerBlocks) {
+    return absl::InvalidArgumentError(absl::StrFormat("model.num_layers must be at most %d, got %d",
+                                                      kMaxTransformerBlocks, c.num_layers()));
+  }
+  if (const double n = TransformerParameters(c); n > kMaxModelParameters) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "model describes %.3g parameters, more than the limit of %.3g (check vocab_size, "
+        "seq_len, d_model, ffn_mult)",
+        n, kMaxModelParameters));
+  }
   return absl::OkStatus();
+}
+
+double TransformerParameters(const v1::TransformerConfig& c) {
+  const double vocab = c.vocab_size(), seq = c.seq_len(), d = c.d_model();
+  const double f = static_cast<double>(c.ffn_mult()) * d;
+  // Per block: ln1, qkv (weight + bias), proj, ln2, fc1, fc2.
+  const double block =
+      2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (f * d + f) + (d * f + d);
+  return (vocab + seq) * d + c.num_layers() * block + 2 * d + vocab * d;
 }
 
 v1::ModelSpec BuildTransformerSpec(const v1::TransformerConfig& c, uint32_t num_shards) {

@@ -27,9 +27,19 @@ namespace aloe {
 // num_layers 4, num_heads 4, ffn_mult 4, init_std 0.02.
 void FillTransformerDefaults(v1::TransformerConfig* c);
 
+// Bounds on what a config may describe: the server allocates the whole model (and its optimizer
+// state) at startup, so an absurd size must be a config error, not an allocation failure.
+inline constexpr uint32_t kMaxTransformerBlocks = 4096;
+inline constexpr double kMaxModelParameters = 1e12;
+
 // Returns kInvalidArgument, naming the field as "model.<field>", unless every size field is > 0,
-// init_std is finite and > 0, and num_heads divides d_model.
+// init_std is finite and > 0, num_heads divides d_model, num_layers <= kMaxTransformerBlocks
+// and the model has at most kMaxModelParameters parameters.
 absl::Status ValidateTransformerConfig(const v1::TransformerConfig& c);
+
+// The number of parameters of the model configured by `c` (the layout in the file comment),
+// computed in double so that any config can be sized without overflow.
+double TransformerParameters(const v1::TransformerConfig& c);
 
 // Describes the parameters of the model configured by `c` (layout in the file comment), with
 // num_elements filled and each layer assigned to one of `num_shards` parameter shards (0 is

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # Installs dependencies if missing, builds everything and runs every test suite under ctest
-# (labels: unit, integration; gpu tests skip without a device).
+# (labels: unit, integration; gpu tests skip without a device), then, on a full run, fuzzes for
+# ALOE_FUZZ_SECONDS (default 60) per target.
 # Usage: scripts/test.sh [ctest args...]   e.g. scripts/test.sh -L unit
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
 
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-  sed -n '2,4p' "$0"; exit 0
+  sed -n '2,5p' "$0"; exit 0
 fi
 
 "$ALOE_ROOT/scripts/install-deps.sh"
 aloe_blas_env
 aloe_log "building in $ALOE_BUILD_DIR"
 start=$(date +%s)
+# No targets: everything (the script's own arguments are for ctest).
+# shellcheck disable=SC2119
 aloe_build
 aloe_log "build took $(( $(date +%s) - start ))s; running tests"
-cd "$ALOE_BUILD_DIR"
-ctest --output-on-failure --timeout 600 -j2 "$@"
+(cd "$ALOE_BUILD_DIR" && ctest --output-on-failure --timeout 600 -j2 "$@")
+# The full run also fuzzes the push decoder and the config loader for a bounded time (a separate
+# clang build of the fuzz targets only; tests/fuzz/README.md). ALOE_FUZZ_SECONDS=0 skips it.
+fuzz_seconds="${ALOE_FUZZ_SECONDS:-60}"
+if [ $# -eq 0 ] && [ "$fuzz_seconds" != 0 ]; then
+  "$ALOE_ROOT/scripts/fuzz.sh" --seconds "$fuzz_seconds"
+fi

@@ -11,6 +11,11 @@ SIZES = [3, 40, 257]  # the fuzzer's fixed ModelSpec
 FP32, BF16, INT8 = 1, 2, 3
 
 
+def head(codec, slices=0, slice_=0):
+    """The header codec (a signed byte) and the slicing bytes (0 slices = unsliced)."""
+    return struct.pack("<bBB", codec, slices, slice_)
+
+
 def op(layer=0, raw_offset=False, codec=0, kind=0):
     return bytes([layer | (4 if raw_offset else 0) | (codec << 3) | (kind << 6)])
 
@@ -44,33 +49,43 @@ def bf16(values):
 
 def seeds():
     ramp = lambda n: [0.01 * i - 0.2 for i in range(n)]
-    yield "valid_fp32_fill", bytes([0]) + b"".join(fill(i, n, 0.25) for i, n in enumerate(SIZES))
-    yield "valid_fp32_raw", bytes([FP32]) + b"".join(
+    yield "valid_fp32_fill", head(0) + b"".join(fill(i, n, 0.25) for i, n in enumerate(SIZES))
+    yield "valid_fp32_raw", head(FP32) + b"".join(
         raw(i, struct.pack("<%df" % n, *ramp(n))) for i, n in enumerate(SIZES))
-    yield "valid_bf16_header_codec", bytes([BF16]) + b"".join(
+    yield "valid_bf16_header_codec", head(BF16) + b"".join(
         raw(i, bf16(ramp(n))) for i, n in enumerate(SIZES))
-    yield "valid_encoded_mixed", bytes([0]) + encoded(0, ramp(3), INT8, 2) + \
+    yield "valid_encoded_mixed", head(0) + encoded(0, ramp(3), INT8, 2) + \
         encoded(1, ramp(20), BF16) + encoded(1, ramp(20), FP32) + encoded(2, ramp(257), INT8, 64)
-    yield "valid_int8_builder", bytes([INT8]) + int8(0, 3, 4, [0.01], [1, -2, 127]) + \
+    yield "valid_int8_builder", head(INT8) + int8(0, 3, 4, [0.01], [1, -2, 127]) + \
         int8(1, 40, 16, [0.1, 0.2, 0.3], list(range(-20, 20))) + \
         int8(2, 257, 256, [1e-3, 2e-3], [i % 255 - 127 for i in range(257)])
-    yield "chunks_split", bytes([0]) + fill(2, 100, 1.0) + fill(2, 100, -1.0) + fill(2, 57, 0.5) + \
+    yield "chunks_split", head(0) + fill(2, 100, 1.0) + fill(2, 100, -1.0) + fill(2, 57, 0.5) + \
         fill(0, 3, 0.0) + fill(1, 39, 2.0) + fill(1, 1, 3.0)
     # Malformed: each of these is rejected somewhere.
-    yield "unknown_layer", bytes([0]) + op(3) + struct.pack("<I", 4242) + struct.pack("<H", 4) + \
+    yield "unknown_layer", head(0) + op(3) + struct.pack("<I", 4242) + struct.pack("<H", 4) + \
         b"\0\0\0\0"
-    yield "offset_past_end", bytes([0]) + raw(1, b"\0" * 8, offset=39) + raw(1, b"\0" * 8, offset=1 << 63)
-    yield "nan_inf_fp32", bytes([0]) + raw(0, struct.pack("<3f", 1.0, float("nan"), float("inf")))
-    yield "nan_bf16", bytes([BF16]) + raw(0, b"\x80\x3f\xc0\x7f\x80\x7f")
-    yield "nan_scale_int8", bytes([0]) + int8(0, 3, 2, [float("nan"), 1.0], [1, 2, 3]) + \
+    yield "offset_past_end", head(0) + raw(1, b"\0" * 8, offset=39) + raw(1, b"\0" * 8, offset=1 << 63)
+    yield "nan_inf_fp32", head(0) + raw(0, struct.pack("<3f", 1.0, float("nan"), float("inf")))
+    yield "nan_bf16", head(BF16) + raw(0, b"\x80\x3f\xc0\x7f\x80\x7f")
+    yield "nan_scale_int8", head(0) + int8(0, 3, 2, [float("nan"), 1.0], [1, 2, 3]) + \
         int8(0, 3, 2, [-1.0, 1.0], [1, 2, 3]) + int8(0, 3, 2, [3e38, 1.0], [1, 2, 3])
-    yield "int8_corrupt", bytes([0]) + b"".join(
+    yield "int8_corrupt", head(0) + b"".join(
         int8(1, 40, 16, [0.1, 0.2, 0.3], [1] * 40, corruption=c) for c in range(1, 5))
-    yield "huge_finite", bytes([0]) + fill(0, 3, 3.0e38) + raw(0, bf16([1.0, 3.0e38, 1.0]), BF16)
-    yield "unknown_codec", bytes([0x7f]) + fill(0, 3, 1.0) + op(0, False, 7, 0) + \
+    yield "huge_finite", head(0) + fill(0, 3, 3.0e38) + raw(0, bf16([1.0, 3.0e38, 1.0]), BF16)
+    yield "unknown_codec", head(0x7f) + fill(0, 3, 1.0) + op(0, False, 7, 0) + \
         struct.pack("<iH", -5, 4) + b"\0" * 4
-    yield "truncated_odd", bytes([0]) + raw(2, b"\0" * 7) + raw(2, b"\0" * 3, BF16)
-    yield "oversized", bytes([0]) + fill(0, 4, 1.0) + fill(1, 41, 1.0) + fill(2, 60000, 1.0)
+    yield "truncated_odd", head(0) + raw(2, b"\0" * 7) + raw(2, b"\0" * 3, BF16)
+    # Sliced pushes: slice 1 of 3 of every layer ([1, 2), [14, 28), [86, 172)), a chunk that
+    # runs past its slice ([172, 257) of the head), a chunk at offset 0 instead of the slice's
+    # start, and 200 slices (slice 100: [200, 202) of the head, empty for the other layers).
+    yield "sliced_valid", head(0, 3, 1) + fill(0, 1, 0.5) + fill(1, 14, 0.25) + \
+        raw(2, struct.pack("<86f", *ramp(86)))
+    yield "sliced_past_end", head(0, 3, 2) + fill(0, 1, 0.5) + fill(1, 12, 0.5) + \
+        fill(2, 86, 1.0) + fill(2, 85, 1.0)
+    yield "sliced_wrong_offset", head(0, 3, 1) + raw(0, struct.pack("<f", 1.0), offset=0) + \
+        fill(0, 1, 1.0) + fill(1, 14, 1.0) + fill(2, 86, 1.0)
+    yield "sliced_many", head(BF16, 200, 100) + fill(2, 2, 1.0, FP32) + raw(2, bf16([1.0]))
+    yield "oversized", head(0) + fill(0, 4, 1.0) + fill(1, 41, 1.0) + fill(2, 60000, 1.0)
 
 
 def main():

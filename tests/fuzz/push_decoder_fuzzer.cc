@@ -1,34 +1,46 @@
 // libFuzzer target for the push decoder: the bytes of one input describe a Push stream (a
-// header codec, then chunk records: layer id, offset, codec, payload) that is fed to an
-// UpdateAssembler over a small fixed ModelSpec, then Finish. Built with ASan + UBSan
+// header codec and slicing, then chunk records: layer id, offset, codec, payload) that is fed to
+// an UpdateAssembler over a small fixed ModelSpec, then Finish. Built with ASan + UBSan
 // (tests/fuzz/CMakeLists.txt), so an out-of-bounds write or undefined behaviour is a crash.
 //
 // Oracle, checked on every input (a violation aborts, which libFuzzer reports as a crash):
 //   - Every AddChunk is accepted exactly when an independent model of the contract says so:
-//     known layer, offset == elements received so far, a known codec, a well-framed payload
-//     that fits the layer, and values that the scalar reference decoders
+//     known layer, offset == the next expected element (the start of the layer's slice, then
+//     the elements received so far), a known codec, a well-framed payload that fits the layer
+//     (its slice), and values that the scalar reference decoders
 //     (kernels::reference) decode to finite numbers with |x| <= kMaxPushMagnitude.
 //     Rejections are kInvalidArgument with a message naming the layer.
-//   - Finish succeeds exactly when every layer is complete; the accepted update has exactly
-//     the spec's layer sizes, only finite values within the limit, bit-identical to what the
-//     reference decoders produced for the accepted chunks, and the header's fields.
+//   - Finish succeeds exactly when every layer (slice) is complete; the accepted update has
+//     exactly the spec's layer sizes, only finite values within the limit, bit-identical to
+//     what the reference decoders produced for the accepted chunks (zeros outside the slice),
+//     and the header's fields, slice and slices included.
+//   - The slices of every layer are contiguous, in order, and cover it exactly once.
 //
 // Input format (little-endian; reading past the end yields zero bytes, so every input is
 // valid; tests/fuzz/make_push_seeds.py writes the seeds):
 //   u8 header codec (as a signed byte: negative and > 3 are unknown codec values)
+//   u8 slices (0 and 1 = an unsliced push), u8 slice (taken modulo slices: the service checks
+//      slice < slices <= kMaxSlices before it builds an assembler)
 //   records until the input ends, each:
 //     u8 op: bits 0-1 layer (0-2 = that layer, 3 = a raw u32 layer id follows)
 //            bit  2   offset (0 = the expected offset, 1 = a raw u64 offset follows)
 //            bits 3-5 codec (0-3 = that Codec value, 4-6 = 0-2, 7 = a raw i32 follows)
 //            bits 6-7 payload kind:
-//              0 raw:       u16 length, then that many payload bytes
-//              1 int8:      u32 block size, u16 n, u8 corruption, then ceil(n / B) f32 scales
+//              0 raw:       u16 length (at most kMaxRawBytes), then that many payload bytes
+//              1 int8:      u32 block size, u16 n (at most kMaxElements), u8 corruption,
+//                           then ceil(n / B) f32 scales
 //                           and n int8 values: a framed int8 buffer with arbitrary scales;
 //                           corruption 1 = bad magic, 2 = n + 1 in the header, 3 = drop the
 //                           last byte, 4 = one extra byte
-//              2 encoded:   u16 count, u16 block size, count raw f32 values, encoded with
-//                           EncodeChunk (with a residual buffer); the raw bytes when it fails
-//              3 fill fp32: u16 count, f32 value: count copies as float32 bytes
+//              2 encoded:   u16 count (at most kMaxElements), u16 block size, count raw f32
+//                           values, encoded with EncodeChunk (with a residual buffer); the raw
+//                           bytes when it fails
+//              3 fill fp32: u16 count (at most kMaxElements), f32 value: count copies as
+//                           float32 bytes
+// Counts and lengths above the limits are clamped to them: the largest layer has 257 elements,
+// so anything longer is simply oversized, and generating 64K-element chunks made every input
+// cost milliseconds under ASan (about 300 executions per second instead of thousands).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -40,6 +52,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "common/model_spec.h"
 #include "common/tensor_codec.h"
 #include "kernels/cpu/codec_kernels.h"
 #include "proto/aloe.pb.h"
@@ -57,6 +70,11 @@ namespace {
       std::abort();                                                  \
     }                                                                \
   } while (0)
+
+// Generated chunks hold at most this many elements (4x the largest layer), raw payloads at most
+// this many bytes (an int8 header and kMaxElements values and scales fit).
+constexpr uint16_t kMaxElements = 1024;
+constexpr uint16_t kMaxRawBytes = 8192;
 
 // Three layers: smaller than one int8 block, a few blocks, and more than 256 elements (the
 // default int8 block size) so that multi-block and short-last-block layouts occur.
@@ -106,7 +124,7 @@ class Reader {
 
 std::string Int8Payload(Reader& in) {
   const uint32_t block = in.Read<uint32_t>();
-  const uint16_t n = in.Read<uint16_t>();
+  const uint16_t n = std::min(in.Read<uint16_t>(), kMaxElements);
   const uint8_t corruption = in.Read<uint8_t>();
   // A zero or absurd block size still gets a framed buffer (one scale per element), so that
   // the decoder's own block-size check is what rejects it.
@@ -125,7 +143,7 @@ std::string Int8Payload(Reader& in) {
 }
 
 std::string EncodedPayload(Reader& in, v1::Codec codec) {
-  const uint16_t count = in.Read<uint16_t>();
+  const uint16_t count = std::min(in.Read<uint16_t>(), kMaxElements);
   const uint16_t block = in.Read<uint16_t>();
   std::string raw = in.Bytes(4 * size_t{count});
   std::vector<float> values(count);
@@ -153,7 +171,7 @@ std::string EncodedPayload(Reader& in, v1::Codec codec) {
 }
 
 std::string FillPayload(Reader& in) {
-  const uint16_t count = in.Read<uint16_t>();
+  const uint16_t count = std::min(in.Read<uint16_t>(), kMaxElements);
   const float value = in.Read<float>();
   std::vector<float> values(count, value);
   std::string out;
@@ -211,6 +229,37 @@ void CheckRejection(const absl::Status& s, uint32_t layer_id) {
   (void)layer_id;
 }
 
+// The elements [first, end) of a layer of n elements that slice `slice` of `slices` carries
+// (proto/aloe.proto, PullRequest: ceil(n / slices) elements per slice, the last ones shorter or
+// empty), computed here on its own rather than with SliceRange.
+struct Range {
+  uint64_t first, end;
+};
+Range ExpectedSlice(uint64_t n, uint32_t slices, uint32_t slice) {
+  if (slices <= 1) return {0, n};
+  const uint64_t per = n / slices + (n % slices != 0 ? 1 : 0);
+  return {std::min(n, per * slice), std::min(n, per * (slice + 1))};
+}
+
+void CheckSliceRange(uint64_t n, uint32_t slices) {
+  uint64_t next = 0;
+  for (uint32_t s = 0; s < slices; ++s) {
+    const auto [first, last] = SliceRange(n, slices, s);
+    const Range want = ExpectedSlice(n, slices, s);
+    FUZZ_CHECK(first == want.first && last == want.end,
+               "SliceRange(%llu, %u, %u) = [%llu, %llu), expected [%llu, %llu)",
+               static_cast<unsigned long long>(n), slices, s,
+               static_cast<unsigned long long>(first), static_cast<unsigned long long>(last),
+               static_cast<unsigned long long>(want.first),
+               static_cast<unsigned long long>(want.end));
+    FUZZ_CHECK(first == next && last >= first, "slice %u of %u does not follow slice %u", s, slices,
+               s - 1);
+    next = last;
+  }
+  FUZZ_CHECK(next == n, "the %u slices of %llu elements end at %llu", slices,
+             static_cast<unsigned long long>(n), static_cast<unsigned long long>(next));
+}
+
 void Run(const uint8_t* data, size_t size) {
   const v1::ModelSpec& spec = Spec();
   const int num_layers = spec.layers_size();
@@ -224,11 +273,26 @@ void Run(const uint8_t* data, size_t size) {
   header.set_codec(static_cast<v1::Codec>(in.Read<int8_t>()));
   const v1::Codec default_codec =
       header.codec() == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32 : header.codec();
+  const uint8_t slices = in.Read<uint8_t>();
+  const uint8_t slice = in.Read<uint8_t>();
+  const bool sliced = slices > 1;
+  if (sliced) {
+    header.set_slices(slices);
+    header.set_slice(slice % slices);
+  }
 
   server::UpdateAssembler assembler(spec, header);
-  std::vector<uint64_t> filled(num_layers, 0);
+  std::vector<uint64_t> filled(num_layers);
+  std::vector<uint64_t> end(num_layers);
   std::vector<std::vector<float>> expected(num_layers);
-  for (int i = 0; i < num_layers; ++i) expected[i].resize(spec.layers(i).num_elements());
+  for (int i = 0; i < num_layers; ++i) {
+    const uint64_t n = spec.layers(i).num_elements();
+    if (sliced) CheckSliceRange(n, header.slices());
+    const Range range = ExpectedSlice(n, header.slices(), header.slice());
+    filled[i] = range.first;
+    end[i] = range.end;
+    expected[i].resize(n);
+  }
   uint64_t accepted_bytes = 0;
 
   for (int records = 0; !in.done() && records < 4096; ++records) {
@@ -247,7 +311,7 @@ void Run(const uint8_t* data, size_t size) {
     std::string payload;
     switch (op >> 6) {
       case 0:
-        payload = in.Bytes(in.Read<uint16_t>());
+        payload = in.Bytes(std::min(in.Read<uint16_t>(), kMaxRawBytes));
         break;
       case 1:
         payload = Int8Payload(in);
@@ -265,8 +329,7 @@ void Run(const uint8_t* data, size_t size) {
                          effective != v1::CODEC_UNSPECIFIED &&
                          ReferenceDecode(effective, payload, &ref);
     if (should_accept) {
-      should_accept = offset == filled[layer_id] &&
-                      offset + ref.size() <= spec.layers(layer_id).num_elements();
+      should_accept = offset == filled[layer_id] && offset + ref.size() <= end[layer_id];
     }
     const absl::Status s = assembler.AddChunk(layer_id, offset, payload, codec);
     FUZZ_CHECK(s.ok() == should_accept,
@@ -290,7 +353,7 @@ void Run(const uint8_t* data, size_t size) {
   }
 
   bool complete = true;
-  for (int i = 0; i < num_layers; ++i) complete &= filled[i] == spec.layers(i).num_elements();
+  for (int i = 0; i < num_layers; ++i) complete &= filled[i] == end[i];
   absl::StatusOr<server::PendingUpdate> update = std::move(assembler).Finish();
   FUZZ_CHECK(update.ok() == complete, "Finish says %s but the layers are %scomplete",
              update.status().ToString().c_str(), complete ? "" : "in");
@@ -303,6 +366,10 @@ void Run(const uint8_t* data, size_t size) {
   FUZZ_CHECK(update->worker_id == 7 && update->task_id == 11 && update->update_id == 13 &&
                  update->base_version == 3 && update->steps_done == 5,
              "header fields not carried into the update");
+  FUZZ_CHECK(sliced ? update->slices == header.slices() && update->slice == header.slice()
+                    : update->slices == 1 && update->slice == 0,
+             "update has slice %u of %u, the header %u of %u", update->slice, update->slices,
+             header.slice(), header.slices());
   FUZZ_CHECK(update->layers.size() == static_cast<size_t>(num_layers), "%zu layers",
              update->layers.size());
   for (int i = 0; i < num_layers; ++i) {

@@ -27,22 +27,13 @@ class FsdpWorkerTest : public LoopbackTest {
   // Runs a 3-round sync job with one worker started with `worker_flags`; returns the final
   // parameters (from the checkpoint written at exit) as floats.
   std::vector<float> RunJob(const std::string& name, const std::vector<std::string>& worker_flags) {
-    std::remove((dir_ + "/ports").c_str());
-    const std::string ckpt = dir_ + "/ckpt_" + name;
-    const int port = StartServer(absl::StrCat("local_steps: 6\nmax_versions: 3\n",
-                                              "aggregation { min_workers: 1 }\n",
-                                              "checkpoint { dir: \"", ckpt, "\" keep: 1 }\n"));
-    EXPECT_GT(port, 0);
-    if (port == 0) return {};
-    auto worker = StartWorker(port, "trainer", 0, 1.0, worker_flags);
-    const std::optional<int> code = server_->Wait(absl::Seconds(120));
-    EXPECT_EQ(code, std::optional<int>(0)) << Logs();
-    EXPECT_EQ(worker->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
+    const std::string ckpt =
+        RunSingleTrainerJob(name, "local_steps: 6\nmax_versions: 3\n", worker_flags);
     const std::string summary = ReadFile(dir_ + "/summary");
     EXPECT_TRUE(absl::StrContains(summary, "version=3")) << summary << Logs();
     // One update per round: the two slices of each round were merged, not counted twice.
     EXPECT_TRUE(absl::StrContains(summary, "updates_applied=3")) << summary << Logs();
-    logs_[name] = Logs();
+    logs_[name] = ReadFile(dir_ + "/" + name + ".log");
     auto loaded = server::CheckpointStore(ckpt, 1).LoadLatest();
     EXPECT_TRUE(loaded.ok()) << loaded.status();
     if (!loaded.ok()) return {};

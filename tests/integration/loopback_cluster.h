@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -87,9 +88,10 @@ class LoopbackTest : public ::testing::Test {
   static constexpr char kNesterov[] =
       "outer_optimizer { type: OUTER_NESTEROV lr: 0.7 momentum: 0.9 }";
 
-  // Starts aloe-server with the given extra config text and outer optimizer block; returns the
-  // gRPC port.
-  int StartServer(const std::string& extra_config, const std::string& outer_optimizer = kNesterov) {
+  // Starts aloe-server with the given extra config text, outer optimizer block and extra
+  // command-line flags; returns the gRPC port.
+  int StartServer(const std::string& extra_config, const std::string& outer_optimizer = kNesterov,
+                  const std::vector<std::string>& extra_flags = {}) {
     std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
       listen_address: "127.0.0.1:0"
       metrics_address: "127.0.0.1:0"
@@ -100,11 +102,12 @@ class LoopbackTest : public ::testing::Test {
       lease_seconds: 20
     )",
                                                               outer_optimizer, "\n", extra_config);
-    server_ = std::make_unique<Subprocess>(
-        std::vector<std::string>{Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
-                                 "--port_file=" + dir_ + "/ports",
-                                 "--summary_file=" + dir_ + "/summary"},
-        dir_ + "/server.log");
+    std::remove((dir_ + "/ports").c_str());
+    std::vector<std::string> argv = {Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
+                                     "--port_file=" + dir_ + "/ports",
+                                     "--summary_file=" + dir_ + "/summary"};
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+    server_ = std::make_unique<Subprocess>(argv, dir_ + "/server.log");
     EXPECT_GT(server_->pid(), 0);
     if (!WaitForFile(dir_ + "/ports", absl::Seconds(30))) {
       ADD_FAILURE() << "server did not start:\n" << ReadFile(dir_ + "/server.log");
@@ -221,6 +224,52 @@ class LoopbackTest : public ::testing::Test {
       }
     }
     return std::nan("");
+  }
+
+  // A deterministic job: one trainer (started with `worker_flags`), sync rounds until
+  // max_versions, with `config` (which must set local_steps and max_versions) and a checkpoint
+  // directory dir_/ckpt_<name> that receives the final state. With `evaluate`, an evaluator joins
+  // first and measures versions 0 and the final one (evaluation reads the model, so the training
+  // stays deterministic); FinalEvalLoss() then reads the last. Returns the checkpoint directory;
+  // the trainer's log is kept as <name>.log.
+  std::string RunSingleTrainerJob(const std::string& name, const std::string& config,
+                                  const std::vector<std::string>& worker_flags = {},
+                                  bool evaluate = false) {
+    const std::string ckpt = dir_ + "/ckpt_" + name;
+    const int port = StartServer(absl::StrCat(config, "\naggregation { min_workers: 1 }\n",
+                                              evaluate ? "eval_every: 1000000\n" : "",
+                                              "checkpoint { dir: \"", ckpt, "\" keep: 1 }\n"));
+    EXPECT_GT(port, 0);
+    if (port == 0) return ckpt;
+    std::unique_ptr<Subprocess> evaluator;
+    if (evaluate) {
+      evaluator = StartWorker(port, "evaluator", 0, 1.0, {"--eval_sequences=64"});
+      for (int i = 0; i < 600; ++i) {
+        if (absl::StrContains(ReadFile(dir_ + "/evaluator0.log"), "joined as worker")) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+    auto worker = StartWorker(port, "trainer", 0, 1.0, worker_flags);
+    EXPECT_EQ(server_->Wait(absl::Seconds(180)), std::optional<int>(0)) << Logs();
+    EXPECT_EQ(worker->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
+    if (evaluator) {
+      EXPECT_EQ(evaluator->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
+    }
+    std::rename((dir_ + "/trainer0.log").c_str(), (dir_ + "/" + name + ".log").c_str());
+    return ckpt;
+  }
+
+  // The held-out loss of the last evaluation in the server's summary; NaN when there is none.
+  double FinalEvalLoss() {
+    const std::string summary = ReadFile(dir_ + "/summary");
+    const size_t at = summary.rfind("eval=");
+    double loss = std::nan("");
+    if (at != std::string::npos) {
+      const std::string value = summary.substr(summary.find(':', at) + 1);
+      absl::SimpleAtod(value.substr(0, value.find('\n')), &loss);
+    }
+    EXPECT_FALSE(std::isnan(loss)) << summary << Logs();
+    return loss;
   }
 
   std::string dir_;

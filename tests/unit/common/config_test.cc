@@ -76,6 +76,30 @@ TEST(ConfigTest, SyntaxErrorsAndUnknownFieldsGiveLineNumbers) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("noSuchField")));
 }
 
+// The text parser takes any bytes in a string field; proto3 strings must be UTF-8 (found by the
+// config fuzzer: such a config cannot be written as JSON). Refused, naming the field.
+TEST(ConfigTest, StringsThatAreNotUtf8AreRefused) {
+  const std::pair<std::string, std::string> bad[] = {
+      {"corpus_dir: 'data/\\377sotu'", "corpus_dir is not valid UTF-8"},
+      {"corpus_dir: 'c' listen_address: '127.0.0\\314.1:0'", "listen_address"},
+      {"corpus_dir: '\\300\\257'", "corpus_dir"},            // overlong '/'
+      {"corpus_dir: '\\355\\240\\200'", "corpus_dir"},       // surrogate U+D800
+      {"corpus_dir: '\\364\\220\\200\\200'", "corpus_dir"},  // U+110000
+      {"corpus_dir: 'ab\\342\\202'", "corpus_dir"},          // truncated sequence
+  };
+  int i = 0;
+  for (const auto& [text, expected] : bad) {
+    EXPECT_THAT(LoadServerConfig(WriteFile("utf" + std::to_string(i++) + ".textproto", text)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(expected)))
+        << text;
+  }
+  // Multi-byte text is fine: 2, 3 and 4-byte sequences.
+  auto ok = LoadServerConfig(WriteFile(
+      "utf-ok.textproto", "corpus_dir: 'data/caf\\303\\251-\\342\\202\\254-\\360\\237\\230\\200'"));
+  ASSERT_THAT(ok, IsOk());
+  EXPECT_EQ(ok->corpus_dir(), "data/caf\u00e9-\u20ac-\U0001F600");
+}
+
 TEST(ConfigTest, MissingFileIsNotFound) {
   EXPECT_THAT(LoadServerConfig("/nonexistent/aloe.textproto"),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/aloe.textproto")));

@@ -52,6 +52,7 @@ TEST(ModelSpecTest, ElementCountsByHand) {
   EXPECT_EQ(spec.layers(3).name(), "head");
   EXPECT_EQ(spec.layers(3).num_elements(), 8u + 44u);
   EXPECT_EQ(TotalElements(spec), 64u + 2 * 208u + 52u);
+  EXPECT_EQ(TransformerParameters(TinyConfig()), 64.0 + 2 * 208.0 + 52.0);
   for (int l = 0; l < spec.layers_size(); ++l) EXPECT_EQ(spec.layers(l).id(), uint32_t(l));
 }
 
@@ -60,6 +61,7 @@ TEST(ModelSpecTest, DefaultModelHasThreePointThreeMillionParameters) {
   // 512 + 196608 + 768 + 65536 + 256 + 512 + 262144 + 1024 + 262144 + 256 = 789760.
   const uint64_t expected = 98304 + 4 * 789760 + (512 + 65536);
   EXPECT_EQ(TotalElements(BuildTransformerSpec(DefaultConfig(), 2)), expected);
+  EXPECT_EQ(TransformerParameters(DefaultConfig()), static_cast<double>(expected));
 }
 
 TEST(ModelSpecTest, TensorNamesShapesAndInitKinds) {
@@ -190,6 +192,25 @@ TEST(ModelSpecTest, ValidationNamesTheField) {
   c.set_init_std(-0.1f);
   EXPECT_THAT(ValidateTransformerConfig(c),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.init_std")));
+}
+
+// Found by the config fuzzer: a config that validated could describe billions of layers, and
+// the server died allocating it. Sizes are bounded; the limit is inclusive.
+TEST(ModelSpecTest, AbsurdSizesAreConfigErrors) {
+  v1::TransformerConfig c = TinyConfig();
+  c.set_num_layers(4000000000u);
+  EXPECT_THAT(ValidateTransformerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("model.num_layers")));
+  c.set_num_layers(kMaxTransformerBlocks);
+  EXPECT_THAT(ValidateTransformerConfig(c), IsOk());
+  c = TinyConfig();
+  c.set_vocab_size(4000000000u);
+  c.set_d_model(1u << 20);
+  c.set_num_heads(1);
+  // (V + S) d + L (4 d^2 + 2 f d + 8 d + f) + 2 d + V d with d = 2^20: about 8.4e15.
+  EXPECT_GT(TransformerParameters(c), 8e15);
+  EXPECT_THAT(ValidateTransformerConfig(c),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("parameters")));
 }
 
 }  // namespace
