@@ -3,6 +3,7 @@
 # `NAME: <what> ratio=<X.XX> (<baseline>)`. One file per benchmark in scripts/bench/NAME.sh.
 # Usage: scripts/bench.sh NAME
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
 
 usage() {
@@ -23,4 +24,6 @@ fi
 
 cd "$ALOE_ROOT"
 "$ALOE_ROOT/scripts/install-deps.sh" >/dev/null
+# Not followed: scripts/lint.sh checks each benchmark file on its own.
+# shellcheck source=/dev/null
 . "$ALOE_ROOT/scripts/bench/$NAME.sh"

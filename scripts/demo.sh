@@ -11,6 +11,7 @@
 #   --slowdown F   the second worker runs F times slower (default 2)
 #   --config FILE  server config (default deploy/configs/demo.textproto or demo-async.textproto)
 set -euo pipefail
+# shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
 
 SECONDS_TO_TRAIN=180

@@ -10,6 +10,10 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest
   libtorch-dev libgloo-dev libopenblas0-openmp
   prometheus curl openssl
+  # scripts/fuzz.sh: clang, libFuzzer and the sanitizer runtimes, llvm-symbolizer
+  clang libclang-rt-dev llvm
+  # scripts/lint.sh
+  shellcheck yamllint
 )
 
 missing=()

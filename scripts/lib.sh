@@ -1,4 +1,5 @@
 # Shared helpers for ALOE scripts. Source it: . "$(dirname "$0")/lib.sh"
+# shellcheck shell=bash
 
 ALOE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$ALOE_ROOT/build}"

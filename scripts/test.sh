@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs dependencies if missing, builds everything and runs every test suite under ctest
-# (labels: unit, integration; gpu tests skip without a device), then, on a full run, fuzzes for
-# ALOE_FUZZ_SECONDS (default 60) per target.
+# Installs dependencies if missing, lints (scripts/lint.sh), builds everything and runs every
+# test suite under ctest (labels: unit, integration; gpu tests skip without a device), then, on
+# a full run, fuzzes for ALOE_FUZZ_SECONDS (default 60) per target.
 # Usage: scripts/test.sh [ctest args...]   e.g. scripts/test.sh -L unit
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -12,6 +12,7 @@ if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
 fi
 
 "$ALOE_ROOT/scripts/install-deps.sh"
+"$ALOE_ROOT/scripts/lint.sh"
 aloe_blas_env
 aloe_log "building in $ALOE_BUILD_DIR"
 start=$(date +%s)

@@ -1,6 +1,7 @@
 # scripts/bench.sh codec: GB/s of fp32 input of the bf16 / int8-blockwise codecs vs memcpy
 # (256 MiB tensor, 2 threads over 1 MiB chunks), compression ratio and measured max error.
 # Sourced by scripts/bench.sh (lib.sh loaded, cwd = repository root).
+# shellcheck shell=bash
 bench_main() {
   aloe_build aloe-bench-codec >/dev/null
   # Timings on a shared host depend on what else runs: record the load next to them.

@@ -3,6 +3,7 @@
 # are counted (triad 16 B/element including the write-allocate read of a; DN 24 B/parameter: read
 # theta, g, m, D, write theta, D): tests/bench/optimizer_bench_main.cc. The machine's load average
 # is printed before and after, since other processes share the memory bus.
+# shellcheck shell=bash
 bench_main() {
   aloe_build aloe-bench-optimizer >/dev/null
   local dir="$ALOE_ROOT/out/bench-optimizer"

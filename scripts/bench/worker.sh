@@ -2,6 +2,7 @@
 # live aloe-server) vs a bare LibTorch loop of the same model, batch and step count; then the
 # same job on a 2-rank FSDP node (aloe-worker --nproc 2, Gloo on CPU) and its scaling ratio.
 # Sourced by scripts/bench.sh (lib.sh loaded, cwd = repository root).
+# shellcheck shell=bash
 
 # Runs the benchmark job against a fresh aloe-server with one worker started with the given extra
 # flags; prints the worker's tokens/s (from its closing summary; rank 0's for a node).

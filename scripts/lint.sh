@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Static checks of everything in the repository that is not C++: shell scripts (shellcheck),
+# YAML under deploy/ and .github/ (yamllint, settings in .yamllint), the Prometheus configs,
+# recording rules and rule tests (promtool), the Grafana dashboard (JSON) and the Kubernetes
+# manifests (kubectl kustomize). Prints one line per check, then `lint: N passed, M failed`, and
+# exits 1 when a check failed. A tool that is not installed is skipped with a message
+# (scripts/install-deps.sh installs all but the optional kubectl). scripts/test.sh runs this
+# before building.
+# Usage: scripts/lint.sh [--help]
+set -euo pipefail
+
+if [ $# -gt 0 ]; then
+  case "$1" in
+    -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "lint.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+fi
+# Paths in the output and in shellcheck's source= directives are relative to the root.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+passed=0
+failed=0
+# check NAME COMMAND...: runs COMMAND; one PASS line, or a FAIL line and its indented output.
+check() {
+  local name="$1" out
+  shift
+  if out="$("$@" 2>&1)"; then
+    passed=$((passed + 1))
+    echo "PASS  $name"
+  else
+    failed=$((failed + 1))
+    echo "FAIL  $name"
+    printf '%s\n' "$out" | sed 's/^/      /'
+  fi
+}
+# have TOOL WHAT [WHERE]: true if TOOL is installed, else says which checks are skipped.
+have() {
+  command -v "$1" >/dev/null 2>&1 && return 0
+  echo "SKIP  $2: $1 is not installed (${3:-scripts/install-deps.sh installs it})"
+  return 1
+}
+
+# Shell: *.sh and *.sbatch files, and extensionless files whose first line is a sh/bash shebang.
+mapfile -t shell_files < <(
+  find scripts deploy .ci -type f 2>/dev/null |
+    while read -r f; do
+      case "${f##*/}" in
+        *.sh|*.sbatch) echo "$f" ;;
+        *.*) ;;
+        *) if head -n 1 "$f" | grep -qE '^#!.*[/ ](ba)?sh$'; then echo "$f"; fi ;;
+      esac
+    done | sort)
+if have shellcheck "shell scripts"; then
+  for f in "${shell_files[@]}"; do check "shellcheck $f" shellcheck -x "$f"; done
+fi
+
+mapfile -t yaml_files < <(find deploy .github -type f \( -name '*.yml' -o -name '*.yaml' \) \
+  2>/dev/null | sort)
+if have yamllint "YAML files"; then
+  for f in "${yaml_files[@]}"; do check "yamllint $f" yamllint --strict -c .yamllint "$f"; done
+fi
+
+if have promtool "Prometheus configuration"; then
+  for f in deploy/prometheus/prometheus*.yml; do
+    check "promtool check config $f" promtool check config "$f"
+  done
+  for f in deploy/prometheus/rules/*.yml; do
+    case "$f" in
+      *.test.yml) check "promtool test rules $f" promtool test rules "$f" ;;  # rule unit tests
+      *) check "promtool check rules $f" promtool check rules "$f" ;;
+    esac
+  done
+fi
+
+if have python3 "JSON files"; then
+  for f in deploy/grafana/*.json; do check "json $f" python3 -m json.tool "$f" /dev/null; done
+fi
+
+# Optional: Debian 12 has no current kubectl, so install-deps.sh does not install one.
+if have kubectl "kubectl kustomize deploy/k8s" "optional: Kubernetes' own packages"; then
+  check "kubectl kustomize deploy/k8s" kubectl kustomize deploy/k8s
+fi
+
+echo "lint: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
