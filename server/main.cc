@@ -49,6 +49,8 @@ ABSL_FLAG(double, drain_seconds, 10,
           "On SIGTERM/SIGINT: hand out no new work and wait up to this long for the tasks already "
           "handed out to be pushed (or reported) before the final checkpoint; a second signal "
           "ends the wait");
+ABSL_FLAG(double, pull_delay_ms, 0,
+          "Testing: delay every Pull by this many milliseconds (emulates a slow link)");
 ABSL_FLAG(std::string, port_file, "",
           "Write 'grpc=PORT metrics=PORT' here once listening (for scripts and tests)");
 
@@ -259,7 +261,11 @@ absl::Status Run() {
                         ServerCredentials(config));
   CoreHandle handle(std::move(core));
   CoordinatorService coordinator(handle, *auth);
-  ParameterServiceImpl parameters(handle, *auth, *metrics);
+  const double pull_delay_ms = absl::GetFlag(FLAGS_pull_delay_ms);
+  if (!(pull_delay_ms >= 0) || pull_delay_ms > 600000) {
+    return absl::InvalidArgumentError("--pull_delay_ms must be in [0, 600000]");
+  }
+  ParameterServiceImpl parameters(handle, *auth, *metrics, absl::Milliseconds(pull_delay_ms));
   grpc::ServerBuilder builder;
   int grpc_port = 0;
   builder.AddListeningPort(config.listen_address(), credentials, &grpc_port);

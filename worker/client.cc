@@ -75,9 +75,10 @@ absl::StatusOr<v1::HeartbeatReply> ServerClient::Heartbeat(const v1::HeartbeatRe
   return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::Heartbeat, request);
 }
 
-absl::StatusOr<v1::Task> ServerClient::RequestTask(uint64_t worker_id) {
+absl::StatusOr<v1::Task> ServerClient::RequestTask(uint64_t worker_id, bool ahead) {
   v1::TaskRequest request;
   request.set_worker_id(worker_id);
+  request.set_ahead(ahead);
   return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::RequestTask, request);
 }
 

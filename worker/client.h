@@ -37,7 +37,8 @@ class ServerClient {
 
   absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
   absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
-  absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id);
+  // ahead: a look-ahead task while the open one is still to be pushed (TaskRequest.ahead).
+  absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id, bool ahead = false);
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status Leave(uint64_t worker_id);
 

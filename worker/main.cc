@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -54,6 +56,11 @@ ABSL_FLAG(int32_t, nproc, 1,
           "together with FSDP over Gloo (each rank holds 1/N of the parameters, gradients and "
           "AdamW state, and pulls and pushes only its slice of every layer); "
           "inner_optimizer.batch_size is the node's batch and must be a multiple of N");
+ABSL_FLAG(std::string, overlap, "off",
+          "off | delayed | eager: push round r and pull the next model in the background while "
+          "round r+1 trains (one-step delay); eager also applies round r's pseudo-gradient "
+          "locally at once until the global model with it arrives (paper 004). Needs a plain "
+          "async server (grace_seconds 0); one-process trainers only");
 ABSL_FLAG(int32_t, rank, -1, "Internal (set by --nproc): this process' rank in the node");
 ABSL_FLAG(std::string, rendezvous, "", "Internal (set by --nproc): the node's rendezvous file");
 
@@ -145,6 +152,21 @@ class Worker {
   absl::Status Finish();
   absl::StatusOr<const TokenSource*> Shard(const std::string& file);
   absl::Status Train(const v1::Task& task);
+  // Overlapped rounds (--overlap) from `task`, a TRAIN task just handed out, until the server
+  // hands out no look-ahead task or the worker stops.
+  absl::Status TrainOverlapped(v1::Task task);
+  // Local work of one round from `start` (the task's base, or for an eager round the base minus
+  // the previous round's fresh pseudo-gradient); leaves start - end in delta_.
+  absl::StatusOr<LocalTrainer::RoundStats> TrainRound(const v1::Task& task,
+                                                      const std::vector<std::vector<float>>& start);
+  v1::PushHeader HeaderFor(const v1::Task& task, const LocalTrainer::RoundStats& stats);
+  // Pushes `delta` under `header` (error feedback: adds and refreshes residual_).
+  absl::StatusOr<v1::PushReply> PushDelta(const v1::PushHeader& header,
+                                          std::vector<std::vector<float>>& delta, uint64_t* pushed);
+  // Totals, metrics and the log line of a round whose push was answered.
+  void ReportRound(const v1::Task& task, const LocalTrainer::RoundStats& stats,
+                   const v1::PushReply& reply, uint64_t pulled, uint64_t pushed, double train_s,
+                   double round_s, double network_s);
   absl::Status Evaluate(const v1::Task& task);
   template <typename T>
   absl::StatusOr<T> Retry(const std::function<absl::StatusOr<T>()>& call);
@@ -165,6 +187,9 @@ class Worker {
   std::vector<v1::Codec> codecs_;                   // per layer, from the server's transport
   std::vector<std::vector<float>> residual_;        // error feedback, per layer
   uint64_t update_id_ = 0;
+  // --overlap: 0 off, 1 delayed, 2 eager; refused once the server grants no look-ahead task.
+  int overlap_ = 0;
+  bool overlap_refused_ = false;
   // Totals for the closing summary.
   uint64_t rounds_ = 0, steps_ = 0, tokens_ = 0, pushed_bytes_ = 0;
   double compute_s_ = 0, network_s_ = 0;
@@ -249,6 +274,8 @@ absl::StatusOr<const TokenSource*> Worker::Shard(const std::string& file) {
 
 absl::Status Worker::Run() {
   evaluator_ = absl::GetFlag(FLAGS_role) == "evaluator";
+  const std::string overlap = absl::GetFlag(FLAGS_overlap);
+  overlap_ = overlap == "delayed" ? 1 : overlap == "eager" ? 2 : 0;
   if (node_ != nullptr) return RunNode();
   ALOE_RETURN_IF_ERROR(JoinServer());
   while (g_signal.load() == 0) {
@@ -275,7 +302,7 @@ absl::Status Worker::Run() {
         ALOE_LOG_INFO("worker", "server says training is over");
         break;
       case v1::Task::TRAIN:
-        status = Train(*task);
+        status = overlap_ != 0 && !overlap_refused_ ? TrainOverlapped(*task) : Train(*task);
         break;
       case v1::Task::EVAL:
         status = Evaluate(*task);
@@ -396,14 +423,18 @@ absl::Status Worker::Finish() {
   const double wall = rounds_ > 0 ? Seconds(first_task_, std::chrono::steady_clock::now()) : 0;
   ALOE_LOG_INFO("worker",
                 "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
-                "network_seconds=%.2f tokens_per_second=%.1f pushed_bytes=%d",
+                "network_seconds=%.2f tokens_per_second=%.1f pushed_bytes=%d "
+                "blocked_on_network=%.4f",
                 rounds_, steps_, tokens_, wall, compute_s_, network_s_,
-                wall > 0 ? static_cast<double>(tokens_) / wall : 0.0, pushed_bytes_);
+                wall > 0 ? static_cast<double>(tokens_) / wall : 0.0, pushed_bytes_,
+                wall > 0 ? network_s_ / wall : 0.0);
   return absl::OkStatus();
 }
 
 absl::Status Worker::Train(const v1::Task& task) {
-  if (rounds_ == 0) first_task_ = std::chrono::steady_clock::now();
+  if (first_task_ == std::chrono::steady_clock::time_point{}) {
+    first_task_ = std::chrono::steady_clock::now();
+  }
   const auto t0 = std::chrono::steady_clock::now();
   uint64_t pulled = 0;
   // A rank of a multi-rank node pulls, trains and pushes only its slice of every layer.
@@ -414,36 +445,53 @@ absl::Status Worker::Train(const v1::Task& task) {
                                  joined_.model_spec(), &base_, &pulled, slice, slices)
                            .status());
   const auto t1 = std::chrono::steady_clock::now();
+  ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats, TrainRound(task, base_));
+  const auto t2 = std::chrono::steady_clock::now();
+  if (stats.steps == 0) return absl::OkStatus();
+  uint64_t pushed = 0;
+  absl::StatusOr<v1::PushReply> reply = PushDelta(HeaderFor(task, stats), delta_, &pushed);
+  const auto t3 = std::chrono::steady_clock::now();
+  if (!reply.ok()) return reply.status();
+  ReportRound(task, stats, *reply, pulled, pushed, Seconds(t1, t2), Seconds(t0, t3),
+              Seconds(t0, t1) + Seconds(t2, t3));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LocalTrainer::RoundStats> Worker::TrainRound(
+    const v1::Task& task, const std::vector<std::vector<float>>& start) {
   ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
   LocalTrainer::RoundStats stats;
   if (fsdp_ != nullptr) {
-    ALOE_RETURN_IF_ERROR(fsdp_->SetParameterShards(base_));
+    ALOE_RETURN_IF_ERROR(fsdp_->SetParameterShards(start));
     ALOE_ASSIGN_OR_RETURN(stats,
                           fsdp_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
                                        task.time_budget_seconds(), &g_interrupt));
   } else {
-    ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
+    ALOE_RETURN_IF_ERROR(trainer_->SetParameters(start));
     ALOE_ASSIGN_OR_RETURN(stats, trainer_->Train(*data, task.local_steps(), task.lr_step(),
                                                  task.seed(), absl::GetFlag(FLAGS_slowdown),
                                                  task.time_budget_seconds(), &g_interrupt));
   }
-  const auto t2 = std::chrono::steady_clock::now();
   if (stats.steps == 0) {
     // Stopped before the first step: nothing to push; leaving hands the task back.
     if (leader()) {
       ALOE_LOG_INFO("worker", "task %d abandoned before its first step (stopping)", task.task_id());
     }
-    return absl::OkStatus();
+    return stats;
   }
   if (stats.steps < task.local_steps() && task.time_budget_seconds() == 0 && leader()) {
     ALOE_LOG_INFO("worker", "stopping: pushing the %d of %d steps done", stats.steps,
                   task.local_steps());
   }
   if (fsdp_ != nullptr) {
-    ALOE_RETURN_IF_ERROR(fsdp_->PseudoGradientShards(base_, &delta_));
+    ALOE_RETURN_IF_ERROR(fsdp_->PseudoGradientShards(start, &delta_));
   } else {
-    ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(base_, &delta_));
+    ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(start, &delta_));
   }
+  return stats;
+}
+
+v1::PushHeader Worker::HeaderFor(const v1::Task& task, const LocalTrainer::RoundStats& stats) {
   v1::PushHeader header;
   header.set_worker_id(joined_.worker_id());
   header.set_task_id(task.task_id());
@@ -454,36 +502,40 @@ absl::Status Worker::Train(const v1::Task& task) {
   header.set_train_loss(stats.mean_loss);
   header.set_compute_seconds(stats.compute_seconds);
   header.set_codec(v1::CODEC_FP32);
-  if (slices > 1) {
-    header.set_slice(slice);
-    header.set_slices(slices);
+  if (node_ != nullptr && node_->size() > 1) {
+    header.set_slice(node_->rank());
+    header.set_slices(node_->size());
   }
+  return header;
+}
+
+absl::StatusOr<v1::PushReply> Worker::PushDelta(const v1::PushHeader& header,
+                                                std::vector<std::vector<float>>& delta,
+                                                uint64_t* pushed) {
   const v1::TransportConfig& transport = joined_.transport();
   if (transport.error_feedback() && !residual_.empty()) {
     // Error feedback: what earlier rounds' quantisation lost is sent now.
-    for (size_t l = 0; l < delta_.size(); ++l) {
-      kernels::WeightedAccumulate(residual_[l].data(), 1.0f, delta_[l].data(), delta_[l].size());
+    for (size_t l = 0; l < delta.size(); ++l) {
+      kernels::WeightedAccumulate(residual_[l].data(), 1.0f, delta[l].data(), delta[l].size());
     }
   }
-  uint64_t pushed = 0;
-  absl::StatusOr<v1::PushReply> reply =
-      client_.Push(header, joined_.model_spec(), delta_, codecs_,
-                   std::max<uint32_t>(1, transport.int8_block_size()),
-                   transport.error_feedback() ? &residual_ : nullptr, &pushed);
-  const auto t3 = std::chrono::steady_clock::now();
-  if (!reply.ok()) return reply.status();
+  return client_.Push(header, joined_.model_spec(), delta, codecs_,
+                      std::max<uint32_t>(1, transport.int8_block_size()),
+                      transport.error_feedback() ? &residual_ : nullptr, pushed);
+}
 
-  const double round_s = Seconds(t0, t3);
-  const double network_s = Seconds(t0, t1) + Seconds(t2, t3);
+void Worker::ReportRound(const v1::Task& task, const LocalTrainer::RoundStats& stats,
+                         const v1::PushReply& reply, uint64_t pulled, uint64_t pushed,
+                         double train_s, double round_s, double network_s) {
   ++rounds_;
   steps_ += stats.steps;
   tokens_ += stats.tokens;
   compute_s_ += stats.compute_seconds;
   network_s_ += network_s;
   pushed_bytes_ += pushed;
-  if (!leader()) return absl::OkStatus();  // rank 0 reports for the node
-  heartbeat_->Set(joined_.worker_id(),
-                  stats.compute_seconds > 0 ? stats.steps / Seconds(t1, t2) : 0);
+  if (!leader()) return;  // rank 0 reports for the node
+  // Wall time of the steps (an emulated --slowdown included): what DyLU should plan with.
+  heartbeat_->Set(joined_.worker_id(), train_s > 0 ? stats.steps / train_s : 0);
   metrics_.Set(kLoss, stats.mean_loss);
   metrics_.Set(kTokensPerSecond, stats.tokens / round_s);
   metrics_.Set(kStepsPerRound, stats.steps);
@@ -496,17 +548,137 @@ absl::Status Worker::Train(const v1::Task& task) {
   metrics_.Add(kComputeSeconds, stats.compute_seconds);
   metrics_.Add(kNetworkSeconds, network_s);
   std::string outcome;
-  if (reply->applied()) {
-    outcome = absl::StrFormat(" -> version %d", reply->version());
-  } else if (reply->staged()) {
-    outcome = absl::StrFormat(" (%d of %d slices in)", reply->slices_received(), slices);
+  if (reply.applied()) {
+    outcome = absl::StrFormat(" -> version %d", reply.version());
+  } else if (reply.staged()) {
+    outcome = absl::StrFormat(" (%d of %d slices in)", reply.slices_received(),
+                              node_ != nullptr ? node_->size() : 1);
   }
   ALOE_LOG_INFO("worker",
                 "round %d: version %d shard %s steps %d loss %.4f tokens/s %.0f "
                 "(compute %.2fs, network %.3fs)%s",
                 rounds_, task.base_version(), task.shard_name(), stats.steps, stats.mean_loss,
                 stats.tokens / round_s, stats.compute_seconds, network_s, outcome);
-  return absl::OkStatus();
+}
+
+// What the background half of an overlapped round did: the previous round's push, the
+// look-ahead task and the pull of its base.
+struct Communicated {
+  std::optional<absl::StatusOr<v1::PushReply>> push;
+  uint64_t pushed = 0;
+  absl::StatusOr<v1::Task> next = absl::UnknownError("not asked");
+  std::vector<std::vector<float>> base;
+  uint64_t pulled = 0;
+};
+
+absl::Status Worker::TrainOverlapped(v1::Task task) {
+  if (first_task_ == std::chrono::steady_clock::time_point{}) {
+    first_task_ = std::chrono::steady_clock::now();
+  }
+  const auto pull0 = std::chrono::steady_clock::now();
+  uint64_t pulled = 0;
+  ALOE_RETURN_IF_ERROR(client_
+                           .Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
+                                 joined_.model_spec(), &base_, &pulled)
+                           .status());
+  double pull_s = Seconds(pull0, std::chrono::steady_clock::now());
+  std::vector<std::vector<float>> start = base_;
+  // The previous round, pushed in the background while this one trains.
+  struct Pending {
+    v1::Task task;
+    v1::PushHeader header;
+    std::vector<std::vector<float>> delta;
+    LocalTrainer::RoundStats stats;
+    uint64_t pulled = 0;
+    double train = 0;    // its training time
+    double seconds = 0;  // its training time plus the waits for the network
+    double blocked = 0;  // of which waiting for the network
+  };
+  std::optional<Pending> pending;
+  while (true) {
+    // The background thread owns `previous` (its delta and error-feedback residual) until get().
+    std::optional<Pending> previous = std::move(pending);
+    pending.reset();
+    Pending* const push = previous.has_value() ? &*previous : nullptr;
+    std::future<Communicated> background = std::async(std::launch::async, [this, push] {
+      Communicated c;
+      if (push != nullptr) {
+        c.push = PushDelta(push->header, push->delta, &c.pushed);
+        if (!c.push->ok()) return c;
+      }
+      c.next = client_.RequestTask(joined_.worker_id(), /*ahead=*/true);
+      if (c.next.ok() && c.next->kind() == v1::Task::TRAIN) {
+        absl::Status pulled = client_
+                                  .Pull(joined_.worker_id(), c.next->base_version(),
+                                        /*latest=*/false, joined_.model_spec(), &c.base, &c.pulled)
+                                  .status();
+        if (!pulled.ok()) c.next = pulled;
+      }
+      return c;
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<LocalTrainer::RoundStats> stats = TrainRound(task, start);
+    const auto t1 = std::chrono::steady_clock::now();
+    Communicated c = background.get();
+    const double blocked = Seconds(t1, std::chrono::steady_clock::now());
+    if (previous.has_value()) {
+      // The previous round's push was answered while this round trained.
+      previous->blocked += blocked;
+      if (!c.push->ok()) {
+        ALOE_LOG_WARNING("worker", "task %d dropped: %s", previous->task.task_id(),
+                         c.push->status().message());
+        network_s_ += previous->blocked;
+      } else {
+        ReportRound(previous->task, previous->stats, **c.push, previous->pulled, c.pushed,
+                    previous->train, previous->seconds + blocked, previous->blocked);
+      }
+    } else {
+      network_s_ += blocked;
+    }
+    if (!stats.ok()) return stats.status();
+    if (c.push.has_value() && !c.push->ok() &&
+        c.push->status().code() == absl::StatusCode::kNotFound) {
+      return c.push->status();  // the lease is gone: the caller joins again
+    }
+    if (stats->steps == 0) return absl::OkStatus();  // stopping before the first step
+    pending = Pending{task,   HeaderFor(task, *stats), std::move(delta_),        *stats,
+                      pulled, Seconds(t0, t1),         Seconds(t0, t1) + pull_s, pull_s};
+    pull_s = 0;
+    const bool next_train =
+        c.next.ok() && c.next->kind() == v1::Task::TRAIN && c.next->task_id() != task.task_id();
+    if (g_signal.load() != 0 || !next_train) {
+      // No task ahead (stopping, draining, a server without look-ahead, an error): this round
+      // is pushed now and the caller asks for work as usual.
+      if (c.next.ok() && c.next->kind() == v1::Task::WAIT && !c.next->draining() &&
+          !overlap_refused_) {
+        overlap_refused_ = true;
+        ALOE_LOG_WARNING("worker",
+                         "the server hands out no look-ahead tasks (sync rounds or a grace "
+                         "window): --overlap is off from now on");
+      }
+      const auto p0 = std::chrono::steady_clock::now();
+      uint64_t pushed = 0;
+      absl::StatusOr<v1::PushReply> reply = PushDelta(pending->header, pending->delta, &pushed);
+      const double push_s = Seconds(p0, std::chrono::steady_clock::now());
+      if (!reply.ok()) return reply.status();
+      ReportRound(pending->task, pending->stats, *reply, pending->pulled, pushed, pending->train,
+                  pending->seconds + push_s, pending->blocked + push_s);
+      return absl::OkStatus();
+    }
+    // The next round starts from the newest global model, which lacks this round's update
+    // (one-step delay); eager applies it locally at once, scaled by the outer lr, and the global
+    // model that includes it replaces this proxy one round later (paper 004).
+    task = *std::move(c.next);
+    start = std::move(c.base);
+    pulled = c.pulled;
+    if (overlap_ == 2) {
+      const float lr = joined_.outer_optimizer().lr();
+      for (size_t l = 0; l < start.size(); ++l) {
+        kernels::WeightedAccumulate(pending->delta[l].data(), -lr, start[l].data(),
+                                    start[l].size());
+      }
+    }
+  }
 }
 
 absl::Status Worker::Evaluate(const v1::Task& task) {
@@ -551,6 +723,15 @@ absl::Status Main() {
   }
   const int nproc = absl::GetFlag(FLAGS_nproc);
   const int rank = absl::GetFlag(FLAGS_rank);
+  const std::string overlap = absl::GetFlag(FLAGS_overlap);
+  if (overlap != "off" && overlap != "delayed" && overlap != "eager") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--overlap must be off, delayed or eager, got \"%s\"", overlap));
+  }
+  if (overlap != "off" && (nproc > 1 || role != "trainer")) {
+    return absl::InvalidArgumentError(
+        "--overlap is for one-process trainers (not evaluators, not --nproc > 1 yet)");
+  }
   if (nproc < 1 || nproc > static_cast<int>(kMaxSlices)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--nproc must be in [1, %d], got %d", kMaxSlices, nproc));

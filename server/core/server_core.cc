@@ -141,6 +141,7 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   reply.set_seed(config_.seed());
   reply.set_heldout_file(heldout_file_);
   *reply.mutable_transport() = config_.transport();
+  *reply.mutable_outer_optimizer() = config_.outer_optimizer();
   PublishMembership();
   return reply;
 }
@@ -173,8 +174,11 @@ v1::Task ServerCore::NewTask(v1::Task::Kind kind) {
 absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request) {
   ALOE_ASSIGN_OR_RETURN(const Member* member, LiveMember(request.worker_id()));
   ALOE_RETURN_IF_ERROR(membership_.Renew(member->id, 0));
-  // A repeated request (e.g. a lost reply) gets the same open task back.
   auto open = open_tasks_.find(member->id);
+  if (request.ahead() && open != open_tasks_.end() && open->second.task.kind() == v1::Task::TRAIN) {
+    return AheadTask(member->id);
+  }
+  // A repeated request (e.g. a lost reply) gets the same open task back.
   if (open != open_tasks_.end()) return open->second.task;
   CloseDueWindows();
   UpdateStopping();
@@ -202,8 +206,16 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   if (*base == current && retained_.count(current) == 0) retained_[current] = store_->Snapshot();
   if (!started_) started_ = clock_.Now();
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
+  OpenTask open = NewTrainTask(worker, *base);
+  open_tasks_[worker] = open;
+  PublishShards();
+  ObserveReleases();
+  return open.task;
+}
+
+ServerCore::OpenTask ServerCore::NewTrainTask(uint64_t worker, uint64_t base) {
   v1::Task task = NewTask(v1::Task::TRAIN);
-  task.set_base_version(*base);
+  task.set_base_version(base);
   const size_t shard = sampler_.Next();
   const LocalWorkPlanner::Plan plan = planner_.PlanFor(worker);
   task.set_shard_name(sampler_.shard(shard).name);
@@ -221,13 +233,56 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   const uint64_t assigned = static_cast<uint64_t>(expected_steps) *
                             config_.inner_optimizer().batch_size() * config_.model().seq_len();
   sampler_.Assign(shard, assigned);
-  open_tasks_[worker] = OpenTask{task, shard, assigned};
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
     metrics_.Set(kTrainerPlannedSteps, plan.steps, labels->second);
   }
+  return OpenTask{task, shard, assigned};
+}
+
+absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
+  if (auto ahead = ahead_tasks_.find(worker); ahead != ahead_tasks_.end()) {
+    return ahead->second.task;  // a repeated request
+  }
+  CloseDueWindows();
+  UpdateStopping();
+  if (stopping_) return NewTask(v1::Task::STOP);
+  if (config_.max_versions() > 0) {
+    // The tasks already out reach the last version: no work beyond them (else every
+    // overlapping worker would add one update past the stop).
+    uint64_t in_flight = ahead_tasks_.size();
+    for (const auto& [id, open] : open_tasks_) in_flight += open.task.kind() == v1::Task::TRAIN;
+    if (store_->version() + in_flight >= config_.max_versions()) return NewTask(v1::Task::STOP);
+  }
+  // Only plain async hands out work ahead: a sync round or a grace window decides when and from
+  // which version a worker starts, which a task running ahead of its push would bypass.
+  const bool plain_async = config_.aggregation().mode() == v1::AGGREGATION_ASYNC &&
+                           config_.aggregation().grace_seconds() == 0;
+  if (draining_ || !plain_async) {
+    v1::Task wait = NewTask(v1::Task::WAIT);
+    wait.set_draining(draining_);
+    return wait;
+  }
+  const uint64_t current = store_->version();
+  if (retained_.count(current) == 0) retained_[current] = store_->Snapshot();
+  OpenTask ahead = NewTrainTask(worker, current);
+  ahead_tasks_[worker] = ahead;
+  metrics_.Add(kTasksAhead, 1);
   PublishShards();
+  return ahead.task;
+}
+
+void ServerCore::PromoteAhead(uint64_t worker) {
+  auto ahead = ahead_tasks_.find(worker);
+  if (ahead == ahead_tasks_.end()) return;
+  open_tasks_[worker] = std::move(ahead->second);
+  ahead_tasks_.erase(ahead);
+  // The policy releases the worker (plain async: at once) and counts its work in progress; the
+  // version it would start from is ignored: the task already started from an older one.
+  if (!aggregation_->StartVersion(worker, store_->version(),
+                                  membership_.LiveIds(v1::ROLE_TRAINER))) {
+    ALOE_LOG_ERROR("server", "aggregation refused the look-ahead task of worker %d", worker);
+  }
   ObserveReleases();
-  return task;
 }
 
 v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
@@ -349,6 +404,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     staged_.erase(worker);
     ApplyBatch completed = aggregation_->OnWorkerGone(worker);
     if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
+    PromoteAhead(worker);
     PruneRetained();
     PublishShards();
     return scale.status();
@@ -376,6 +432,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   if (reply.applied()) ALOE_RETURN_IF_ERROR(Apply(*std::move(batch)));
   // With nobody else left to arrive a window closes at once (paper 002 Alg. 2, else branch).
   CloseDueWindows();
+  PromoteAhead(worker);
   reply.set_version(store_->version());
   reply.set_staleness(staleness);
   return reply;
@@ -572,6 +629,10 @@ void ServerCore::WorkerGone(uint64_t worker) {
     }
     open_tasks_.erase(open);
   }
+  if (auto ahead = ahead_tasks_.find(worker); ahead != ahead_tasks_.end()) {
+    sampler_.Release(ahead->second.shard, ahead->second.assigned_tokens);
+    ahead_tasks_.erase(ahead);
+  }
   planner_.Forget(worker);
   staged_.erase(worker);
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
@@ -629,6 +690,7 @@ void ServerCore::PublishShards() {
 void ServerCore::PruneRetained() {
   std::set<uint64_t> needed;
   for (const auto& [worker, open] : open_tasks_) needed.insert(open.task.base_version());
+  for (const auto& [worker, ahead] : ahead_tasks_) needed.insert(ahead.task.base_version());
   if (auto pending = aggregation_->PendingStartVersion()) needed.insert(*pending);
   for (auto it = retained_.begin(); it != retained_.end();) {
     it = needed.count(it->first) ? std::next(it) : retained_.erase(it);

@@ -51,6 +51,7 @@ class ServerCore {
   absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
   absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
   // Returns WAIT when the worker cannot start now (sync round in progress, waiting for peers).
+  // request.ahead: a look-ahead task while the open one is still to be pushed (aloe.proto).
   absl::StatusOr<v1::Task> RequestTask(const v1::TaskRequest& request);
   // Cheap checks of a push header before its chunks are read (live worker, open task, version).
   absl::Status CheckPushHeader(const v1::PushHeader& header) const;
@@ -100,7 +101,7 @@ class ServerCore {
   void BeginDrain() { draining_ = true; }
   bool draining() const { return draining_; }
   // Tasks handed out and not yet pushed, reported or dropped (what a drain waits for).
-  size_t open_tasks() const { return open_tasks_.size(); }
+  size_t open_tasks() const { return open_tasks_.size() + ahead_tasks_.size(); }
   bool stopping() const { return stopping_; }
   // The EDiT pseudo-gradient penalty; null unless config.penalty().enabled().
   const PseudoGradientPenalty* penalty() const { return penalty_.get(); }
@@ -125,6 +126,13 @@ class ServerCore {
   absl::StatusOr<std::optional<PendingUpdate>> StageSlice(PendingUpdate update);
   v1::Task NewTask(v1::Task::Kind kind);
   absl::StatusOr<v1::Task> TrainerTask(uint64_t worker);
+  // A TRAIN task from `base` for `worker`: data shard, local work and LR position chosen and its
+  // tokens counted in flight.
+  OpenTask NewTrainTask(uint64_t worker, uint64_t base);
+  absl::StatusOr<v1::Task> AheadTask(uint64_t worker);
+  // After the open task of `worker` was pushed (or dropped as too stale), its look-ahead task, if
+  // any, becomes the open one and the aggregation policy counts the worker as started.
+  void PromoteAhead(uint64_t worker);
   v1::Task EvaluatorTask(uint64_t worker);
   void WorkerGone(uint64_t worker);
   absl::Status Apply(ApplyBatch batch);
@@ -160,6 +168,7 @@ class ServerCore {
 
   uint64_t next_task_id_ = 1;
   std::map<uint64_t, OpenTask> open_tasks_;   // by worker
+  std::map<uint64_t, OpenTask> ahead_tasks_;  // by worker: handed out while its open one runs
   std::map<uint64_t, OpenTask> submitted_;   // task id -> its task, until applied
   std::map<uint64_t, StagedUpdate> staged_;  // by worker: a sliced update being received
   std::optional<uint64_t> last_eval_version_;   // latest version handed out for evaluation

@@ -98,6 +98,8 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        "Workers released together with one model version: per closed grace window (async) or "
        "completed round (sync)",
        {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256}},
+      {kTasksAhead, K::kCounter,
+       "Look-ahead tasks handed out to overlapping workers (they start one version staler)"},
       {kTrainerStepsPerSecond,
        K::kGauge,
        "Measured local steps/s of each live trainer (EMA of heartbeats and pushes; DyLU input)",

@@ -81,6 +81,7 @@ grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
                                         const v1::PullRequest* request,
                                         grpc::ServerWriter<v1::ParamChunk>* writer) {
   ALOE_AUTHORIZE(request->worker_id());
+  if (pull_delay_ > absl::ZeroDuration()) absl::SleepFor(pull_delay_);
   absl::StatusOr<ModelSnapshot> snapshot =
       handle_.Run([&](ServerCore& core) { return core.SnapshotFor(*request); });
   if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());

@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "common/metrics.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/service/auth.h"
@@ -35,9 +36,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
 class ParameterServiceImpl final : public v1::ParameterService::Service {
  public:
-  // handle, auth and metrics must outlive the service.
-  ParameterServiceImpl(CoreHandle& handle, Authenticator& auth, MetricsSink& metrics)
-      : handle_(handle), auth_(auth), metrics_(metrics) {}
+  // handle, auth and metrics must outlive the service. pull_delay: every Pull waits this long
+  // before it streams (a slow link, for tests of overlapped communication).
+  ParameterServiceImpl(CoreHandle& handle, Authenticator& auth, MetricsSink& metrics,
+                       absl::Duration pull_delay = absl::ZeroDuration())
+      : handle_(handle), auth_(auth), metrics_(metrics), pull_delay_(pull_delay) {}
 
   grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
                     grpc::ServerWriter<v1::ParamChunk>*) override;
@@ -48,6 +51,7 @@ class ParameterServiceImpl final : public v1::ParameterService::Service {
   CoreHandle& handle_;
   Authenticator& auth_;
   MetricsSink& metrics_;
+  const absl::Duration pull_delay_;
 };
 
 }  // namespace aloe::server

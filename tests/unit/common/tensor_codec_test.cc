@@ -94,8 +94,12 @@ TEST(CodecChunkTest, EveryCodecRoundTripsWithinItsBoundAndStaysUnderTheChunkLimi
     ASSERT_THAT(DecodeChunk(codec, bytes, absl::MakeSpan(y)), IsOk());
     for (size_t i = 0; i < n; ++i) {
       ASSERT_EQ(residual[i], x[i] - y[i]) << v1::Codec_Name(codec) << " element " << i;
-      if (codec == v1::CODEC_FP32) ASSERT_EQ(y[i], x[i]);
-      if (codec == v1::CODEC_BF16) ASSERT_LE(std::abs(y[i] - x[i]), std::abs(x[i]) / 256);
+      if (codec == v1::CODEC_FP32) {
+        ASSERT_EQ(y[i], x[i]);
+      }
+      if (codec == v1::CODEC_BF16) {
+        ASSERT_LE(std::abs(y[i] - x[i]), std::abs(x[i]) / 256);
+      }
     }
     if (codec == v1::CODEC_INT8_BLOCKWISE) {
       for (size_t b = 0; b < n; b += 256) {

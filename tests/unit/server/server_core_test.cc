@@ -618,6 +618,66 @@ TEST_F(AsyncServerCoreTest, ZeroGraceAppliesOnArrivalAndServesOlderBaseVersions)
   EXPECT_EQ(metrics_.Observations("aloe_update_staleness"), (std::vector<double>{0, 1}));
 }
 
+// Overlap (TaskRequest.ahead): a look-ahead task while the open one runs, from the current
+// version; pushes must come in task order; the look-ahead task becomes the open one when its
+// predecessor is pushed, and its update counts one more version of staleness.
+TEST_F(AsyncServerCoreTest,
+       LookAheadTaskStartsFromTheCurrentVersionAndIsPushedAfterItsPredecessor) {
+  Make(AsyncConfig(0));
+  const uint64_t a = Join();
+  const v1::Task t1 = Request(a);
+  v1::TaskRequest ahead;
+  ahead.set_worker_id(a);
+  ahead.set_ahead(true);
+  auto t2 = core_->RequestTask(ahead);
+  ASSERT_THAT(t2, IsOk());
+  ASSERT_EQ(t2->kind(), v1::Task::TRAIN);
+  EXPECT_NE(t2->task_id(), t1.task_id());
+  EXPECT_EQ(t2->base_version(), 0u);
+  EXPECT_EQ(core_->RequestTask(ahead)->task_id(), t2->task_id());  // a retry: the same task
+  EXPECT_EQ(Request(a).task_id(), t1.task_id());                   // the open task is still t1
+  EXPECT_EQ(core_->open_tasks(), 2u);
+  EXPECT_EQ(metrics_.Value("aloe_tasks_ahead_total"), 1);
+  const auto before = Params();
+  EXPECT_THAT(core_->SubmitUpdate(Update(a, *t2, 1.0f)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
+  EXPECT_EQ(Params(), before);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, t1, 1.0f)), IsOk());  // v1
+  auto r2 = core_->SubmitUpdate(Update(a, *t2, 1.0f));
+  ASSERT_THAT(r2, IsOk());
+  EXPECT_EQ(r2->staleness(), 1u);
+  EXPECT_EQ(core_->version(), 2u);
+  EXPECT_EQ(metrics_.Observations("aloe_update_staleness"), (std::vector<double>{0, 1}));
+  EXPECT_EQ(core_->open_tasks(), 0u);
+  EXPECT_EQ(Request(a).base_version(), 2u);  // back to the usual flow
+}
+
+TEST_F(AsyncServerCoreTest, LookAheadIsRefusedBySyncRoundsGraceWindowsAndAtTheLastVersion) {
+  v1::TaskRequest ahead;
+  ahead.set_ahead(true);
+  v1::ServerConfig sync = TinyConfig();
+  sync.mutable_aggregation()->set_min_workers(1);
+  for (const v1::ServerConfig& config : {sync, AsyncConfig(3)}) {
+    Make(config);
+    const uint64_t a = Join();
+    ASSERT_EQ(Request(a).kind(), v1::Task::TRAIN);
+    ahead.set_worker_id(a);
+    EXPECT_EQ(core_->RequestTask(ahead)->kind(), v1::Task::WAIT);
+    EXPECT_EQ(core_->open_tasks(), 1u);
+  }
+  // max_versions 2: the open task makes v1, one look-ahead task v2, then no more.
+  v1::ServerConfig config = AsyncConfig(0);
+  config.set_max_versions(2);
+  Make(config);
+  const uint64_t a = Join();
+  const v1::Task t1 = Request(a);
+  ahead.set_worker_id(a);
+  const v1::Task t2 = *core_->RequestTask(ahead);
+  ASSERT_EQ(t2.kind(), v1::Task::TRAIN);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, t1, 1.0f)), IsOk());
+  EXPECT_EQ(core_->RequestTask(ahead)->kind(), v1::Task::STOP);
+}
+
 TEST_F(AsyncServerCoreTest, TooStaleUpdateIsDroppedAndChangesNothing) {
   v1::ServerConfig config = AsyncConfig(0);
   config.mutable_outer_optimizer()->set_max_staleness(1);
