@@ -53,7 +53,7 @@ bench_main() {
   printf '%-44s %14.1f\n' "bare LibTorch loop ($((rounds * steps)) steps)" "$bare_tps"
   grep -o 'compute_seconds=[0-9.]* network_seconds=[0-9.]*' \
     "$ALOE_ROOT/out/bench-worker/one/worker.log" | tail -1 | sed 's/^/worker time split: /'
-  awk -v n="$node_tps" -v w="$worker_tps" -v c="$(nproc)" 'BEGIN {
+  awk -v n="$node_tps" -v w="$worker_tps" -v c="$(getconf _NPROCESSORS_ONLN)" 'BEGIN {
     printf "FSDP scaling, 2 ranks vs 1 process: %.2f (on %d cores, server included)\n", n / w, c }'
   awk -v w="$worker_tps" -v b="$bare_tps" 'BEGIN {
     printf "worker: tokens_per_second=%.1f ratio=%.2f (bare LibTorch %.1f tokens/s)\n", w, w / b, b }'
