@@ -39,11 +39,15 @@ namespace {
     }                                                         \
   } while (0)
 
+// Same meaning: NaN equals NaN, and a field set to its default value equals an unset one (a
+// text-format `max_seconds: -0` is a set -0.0 in proto3, which JSON prints as an unset 0).
 bool SameConfig(const v1::ServerConfig& a, const v1::ServerConfig& b) {
   google::protobuf::util::DefaultFieldComparator comparator;
   comparator.set_treat_nan_as_equal(true);
   google::protobuf::util::MessageDifferencer differencer;
   differencer.set_field_comparator(&comparator);
+  differencer.set_message_field_comparison(
+      google::protobuf::util::MessageDifferencer::EQUIVALENT);
   return differencer.Compare(a, b);
 }
 
