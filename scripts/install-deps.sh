@@ -9,7 +9,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev googletest
   libtorch-dev libgloo-dev libopenblas0-openmp
-  prometheus curl openssl
+  prometheus curl openssl python3-matplotlib
   # scripts/fuzz.sh: clang, libFuzzer and the sanitizer runtimes, llvm-symbolizer
   clang libclang-rt-dev llvm
   # scripts/lint.sh
