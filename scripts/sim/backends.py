@@ -264,7 +264,7 @@ class LoopbackBackend:
                     break
                 time.sleep(0.1)
             if port is None:
-                raise RuntimeError(f"aloe-server did not start:\n"
+                raise RuntimeError("aloe-server did not start:\n"
                                    + _tail(os.path.join(run_dir, "server.log")))
             worker = [os.path.join(self.bin_dir, "aloe-worker"), f"--server=127.0.0.1:{port}",
                       f"--corpus_dir={self.corpus_dir}", "--metrics=off"]

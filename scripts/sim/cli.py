@@ -3,6 +3,7 @@
 import argparse
 import concurrent.futures
 import datetime
+import importlib.util
 import math
 import os
 import platform
@@ -266,9 +267,7 @@ def cross_run_metrics(results):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print("simulate-stragglers: python3-matplotlib is missing (scripts/install-deps.sh "
               "installs it)", file=sys.stderr)
         return 3

@@ -20,7 +20,8 @@ RUN_COLUMNS = [
     "family", "backend", "trainer", "run_id", "policy", "seed", "level", "workers", "speeds",
     "lag", "straggle_p", "phase_seconds", "local_steps_h", "stop_reason", "wall_seconds",
     "virtual_seconds", "versions", "local_steps", "applied_steps", "updates", "rejected",
-    "final_eval_loss", "final_perplexity", "tail_perplexity", "steps_per_second", "tokens_per_second",
+    "final_eval_loss", "final_perplexity", "tail_perplexity", "steps_per_second",
+    "tokens_per_second",
     "capacity_steps_per_second", "utilization", "throughput_retention", "staleness_mean",
     "staleness_p50", "staleness_p90", "staleness_max", "target_perplexity", "time_to_target",
 ]
@@ -134,7 +135,8 @@ def write_plots(out_dir, results):
            and r["row"]["seed"] == first_seed]
     if het:
         levels = [lv for lv in grid.LEVEL_ORDER if any(r["row"]["level"] == lv for r in het)]
-        for xkey, name, xlabel in ((1, "perplexity_vs_local_steps.png", "local steps (all workers)"),
+        for xkey, name, xlabel in ((1, "perplexity_vs_local_steps.png",
+                                    "local steps (all workers)"),
                                    (0, "perplexity_vs_time.png", "virtual wall-clock (s)")):
             fig, axes = plt.subplots(1, len(levels), figsize=(4.2 * len(levels), 3.6),
                                      sharey=True, squeeze=False)
@@ -307,8 +309,10 @@ def findings(results, backend="sim"):
             if s is None or a is None:
                 continue
             ok = ok and a > 1.01 * s
+            fin = (ppl("async-nesterov", lv, "final_perplexity") /
+                   ppl("sync", lv, "final_perplexity") - 1)
             parts.append(f"{lv}: {a:.3f} vs {s:.3f} ({100 * (a / s - 1):+.1f}%; final "
-                         f"{100 * (ppl('async-nesterov', lv, 'final_perplexity') / ppl('sync', lv, 'final_perplexity') - 1):+.1f}%)")
+                         f"{100 * fin:+.1f}%)")
         out.append(("paper 002 Table 1: async Nesterov is worse than sync DiLoCo at equal local "
                     "updates (perplexity averaged over the last 10% of the steps, async-nesterov "
                     "vs sync; holds if more than 1% worse at every level)", ok, "; ".join(parts)))

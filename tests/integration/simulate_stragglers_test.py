@@ -10,6 +10,7 @@ Usage: simulate_stragglers_test.py [--bin-dir build/bin] [unittest args]
 """
 
 import csv
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -178,9 +179,7 @@ def main():
         i = args.index("--bin-dir")
         BIN_DIR = args[i + 1]
         del args[i:i + 2]
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print("SKIP: python3-matplotlib is not installed (scripts/install-deps.sh)")
         return 77
     if not os.access(os.path.join(BIN_DIR, "aloe-sim"), os.X_OK):
