@@ -48,6 +48,16 @@ def _write(path, text):
         f.write(text)
 
 
+
+def _reap(procs, timeout):
+    """Waits for every process, killing one that has not exited within `timeout` seconds."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
 class SimBackend:
     name = "sim"
 
@@ -308,22 +318,12 @@ class LoopbackBackend:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{run.run_id}: the server did not finish in time")
                 time.sleep(0.05)
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            _reap(procs, timeout=30)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            _reap(procs, timeout=10)
         return self._rows(run, run_dir, t0), ("max_versions" if max_versions else "max_seconds")
 
     def _rows(self, run, run_dir, t0):

@@ -264,6 +264,17 @@ def cross_run_metrics(results):
             r["row"]["time_to_target"] = analysis.time_to_target(r["curve"], target)
 
 
+def _names(text, known, what):
+    """The comma-separated names in `text`, or None (after saying why) if one is not in `known`."""
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad:
+        print(f"simulate-stragglers: unknown {what} {bad}; use {','.join(known)}",
+              file=sys.stderr)
+        return None
+    return names
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -271,17 +282,9 @@ def main(argv=None):
         print("simulate-stragglers: python3-matplotlib is missing (scripts/install-deps.sh "
               "installs it)", file=sys.stderr)
         return 3
-    families = [f for f in args.families.split(",") if f]
-    bad = [f for f in families if f not in grid.FAMILIES]
-    if bad:
-        print(f"simulate-stragglers: unknown family {bad}; use {','.join(grid.FAMILIES)}",
-              file=sys.stderr)
-        return 2
-    policies = [p for p in args.policies.split(",") if p]
-    bad = [p for p in policies if p not in grid.POLICIES]
-    if bad:
-        print(f"simulate-stragglers: unknown policy {bad}; use {','.join(grid.POLICIES)}",
-              file=sys.stderr)
+    families = _names(args.families, grid.FAMILIES, "family")
+    policies = _names(args.policies, grid.POLICIES, "policy")
+    if families is None or policies is None:
         return 2
     seeds = [int(s) for s in args.seeds.split(",") if s]
     settings = settings_from(args)

@@ -135,6 +135,18 @@ class LoopbackTest : public ::testing::Test {
     return std::make_unique<Subprocess>(argv, absl::StrCat(dir_, "/", role, index, ".log"));
   }
 
+  // Starts the evaluator and returns once it has joined (up to 60 s), so that trainers started
+  // next leave it version 0 to evaluate (a loaded machine can take seconds to start LibTorch).
+  std::unique_ptr<Subprocess> StartJoinedEvaluator(int port,
+                                                   const std::vector<std::string>& flags = {}) {
+    auto evaluator = StartWorker(port, "evaluator", 0, 1.0, flags);
+    for (int i = 0; i < 600; ++i) {
+      if (absl::StrContains(ReadFile(dir_ + "/evaluator0.log"), "joined as worker")) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return evaluator;
+  }
+
   std::string Logs() {
     std::string all;
     for (const char* f : {"server.log", "trainer0.log", "trainer1.log", "evaluator0.log"}) {
@@ -155,13 +167,7 @@ class LoopbackTest : public ::testing::Test {
                        TrainingRun* run, double slowdown = 1.5) {
     const int port = StartServer(extra_config, outer_optimizer);
     ASSERT_GT(port, 0);
-    auto evaluator = StartWorker(port, "evaluator", 0);
-    // Trainers start once the evaluator is in, so that it is handed version 0 before any
-    // training (a loaded machine can take seconds to start a LibTorch process).
-    for (int i = 0; i < 600; ++i) {
-      if (ReadFile(dir_ + "/evaluator0.log").find("joined as worker") != std::string::npos) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+    auto evaluator = StartJoinedEvaluator(port);
     auto w0 = StartWorker(port, "trainer", 0);
     auto w1 = StartWorker(port, "trainer", 1, slowdown);
 
@@ -243,11 +249,7 @@ class LoopbackTest : public ::testing::Test {
     if (port == 0) return ckpt;
     std::unique_ptr<Subprocess> evaluator;
     if (evaluate) {
-      evaluator = StartWorker(port, "evaluator", 0, 1.0, {"--eval_sequences=64"});
-      for (int i = 0; i < 600; ++i) {
-        if (absl::StrContains(ReadFile(dir_ + "/evaluator0.log"), "joined as worker")) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
+      evaluator = StartJoinedEvaluator(port, {"--eval_sequences=64"});
     }
     auto worker = StartWorker(port, "trainer", 0, 1.0, worker_flags);
     EXPECT_EQ(server_->Wait(absl::Seconds(180)), std::optional<int>(0)) << Logs();

@@ -39,11 +39,7 @@ class OverlapTest : public LoopbackTest {
         "outer_optimizer { type: OUTER_SGD lr: 1.0 }\n", {"--pull_delay_ms=200"});
     Job job;
     if (port == 0) return job;
-    auto evaluator = StartWorker(port, "evaluator", 0);
-    for (int i = 0; i < 600; ++i) {
-      if (absl::StrContains(ReadFile(dir_ + "/evaluator0.log"), "joined as worker")) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+    auto evaluator = StartJoinedEvaluator(port);
     auto trainer = StartWorker(port, "trainer", 0, 2.0, {"--overlap=" + overlap});
     EXPECT_EQ(server_->Wait(absl::Seconds(240)), std::optional<int>(0)) << Logs();
     EXPECT_EQ(trainer->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
