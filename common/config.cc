@@ -167,7 +167,8 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
 void FillServerDefaults(v1::ServerConfig* c) {
   if (c->listen_address().empty()) c->set_listen_address("127.0.0.1:7070");
   if (c->metrics_address().empty()) c->set_metrics_address("127.0.0.1:9464");
-  FillTransformerDefaults(c->mutable_model());
+  // With a bring-your-own model (model_file) there is no transformer to fill in.
+  if (c->model_file().empty()) FillTransformerDefaults(c->mutable_model());
   FillInnerOptimizerDefaults(c->mutable_inner_optimizer());
   auto* outer = c->mutable_outer_optimizer();
   if (outer->type() == v1::OUTER_OPTIMIZER_UNSPECIFIED) outer->set_type(v1::OUTER_NESTEROV);
@@ -213,7 +214,13 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (c.metrics_address() != "off") {
     ALOE_RETURN_IF_ERROR(CheckAddress("metrics_address", c.metrics_address()));
   }
-  ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(c.model()));
+  if (c.model_file().empty()) {
+    ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(c.model()));
+  } else if (c.has_model()) {
+    return absl::InvalidArgumentError(
+        "model and model_file are exclusive: model describes the built-in transformer, "
+        "model_file an imported one (vocab_size and seq_len come from the file)");
+  }
   ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(c.inner_optimizer()));
   const auto& outer = c.outer_optimizer();
   if (!v1::OuterOptimizerType_IsValid(outer.type())) {

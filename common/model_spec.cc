@@ -133,22 +133,26 @@ v1::ModelSpec BuildTransformerSpec(const v1::TransformerConfig& c, uint32_t num_
   AddLayerNorm(head, "ln_f", d);
   AddTensor(head, "head.weight", {vocab, d}, v1::INIT_NORMAL, init_std);
 
+  AssignShards(num_shards, &spec);
+  return spec;
+}
+
+void AssignShards(uint32_t num_shards, v1::ModelSpec* spec) {
   // Greedy longest-processing-time balancing of bytes over shards.
   const uint32_t shards = std::max<uint32_t>(num_shards, 1);
-  spec.set_num_shards(shards);
-  std::vector<int> order(spec.layers_size());
+  spec->set_num_shards(shards);
+  std::vector<int> order(spec->layers_size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return spec.layers(a).num_elements() > spec.layers(b).num_elements();
+    return spec->layers(a).num_elements() > spec->layers(b).num_elements();
   });
   std::vector<uint64_t> load(shards, 0);
   for (int l : order) {
     const uint32_t target =
         static_cast<uint32_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    spec.mutable_layers(l)->set_shard(target);
-    load[target] += spec.layers(l).num_elements() * sizeof(float);
+    spec->mutable_layers(l)->set_shard(target);
+    load[target] += spec->layers(l).num_elements() * sizeof(float);
   }
-  return spec;
 }
 
 uint64_t TotalElements(const v1::ModelSpec& spec) {

@@ -48,6 +48,10 @@ double TransformerParameters(const v1::TransformerConfig& c);
 // Precondition: ValidateTransformerConfig(c) is OK.
 v1::ModelSpec BuildTransformerSpec(const v1::TransformerConfig& c, uint32_t num_shards);
 
+// Sets spec->num_shards to max(num_shards, 1) and assigns every layer to a shard by the greedy
+// byte balancing described above. Deterministic.
+void AssignShards(uint32_t num_shards, v1::ModelSpec* spec);
+
 // Sum of num_elements over the layers of `spec`.
 uint64_t TotalElements(const v1::ModelSpec& spec);
 

@@ -61,6 +61,10 @@ ABSL_FLAG(std::string, overlap, "off",
           "round r+1 trains (one-step delay); eager also applies round r's pseudo-gradient "
           "locally at once until the global model with it arrives (paper 004). Needs a plain "
           "async server (grace_seconds 0); one-process trainers only");
+ABSL_FLAG(std::string, torchscript, "",
+          "Bring-your-own model: a TorchScript file (torch.jit.script(m).save(path)) whose "
+          "forward(inputs) returns logits [B,T,V] or forward(inputs, targets) the loss; the "
+          "server must train the model aloe-import-model wrote from the same file (model_file)");
 ABSL_FLAG(int32_t, rank, -1, "Internal (set by --nproc): this process' rank in the node");
 ABSL_FLAG(std::string, rendezvous, "", "Internal (set by --nproc): the node's rendezvous file");
 
@@ -180,6 +184,8 @@ class Worker {
   bool server_draining_ = false;
   v1::JoinReply joined_;
   std::unique_ptr<LocalTrainer> trainer_;
+  ScriptModelPtr script_;           // --torchscript, until the trainer takes it over
+  std::string script_fingerprint_;  // its architecture fingerprint ("" = built-in transformer)
   std::unique_ptr<Heartbeater> heartbeat_;
   std::map<std::string, std::unique_ptr<TokenShard>> shards_;
   std::vector<std::vector<float>> base_;
@@ -217,6 +223,7 @@ absl::StatusOr<v1::JoinReply> Worker::JoinRpc() {
   request.set_name(Name());
   request.set_role(evaluator_ ? v1::ROLE_EVALUATOR : v1::ROLE_TRAINER);
   request.set_num_threads(absl::GetFlag(FLAGS_threads));
+  request.set_model_fingerprint(script_fingerprint_);
   return Retry<v1::JoinReply>([&] { return client_.Join(request); });
 }
 
@@ -234,6 +241,16 @@ absl::Status Worker::Joined(const v1::JoinReply& joined) {
                             FsdpTrainer::Create(joined_.model(), joined_.inner_optimizer(),
                                                 joined_.model_spec(), joined_.seed(), *node_));
     }
+  } else if (trainer_ == nullptr && script_ != nullptr) {
+    if (joined_.model_fingerprint() != script_fingerprint_) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the server trains model \"%s\", --torchscript %s is \"%s\"", joined_.model_fingerprint(),
+          absl::GetFlag(FLAGS_torchscript), script_fingerprint_));
+    }
+    ALOE_ASSIGN_OR_RETURN(
+        trainer_, LocalTrainer::CreateForScript(std::move(script_), joined_.model().vocab_size(),
+                                                joined_.model().seq_len(),
+                                                joined_.inner_optimizer(), joined_.model_spec()));
   } else if (trainer_ == nullptr) {
     ALOE_ASSIGN_OR_RETURN(trainer_, LocalTrainer::Create(joined_.model(), joined_.inner_optimizer(),
                                                          joined_.model_spec(), joined_.seed()));
@@ -274,6 +291,11 @@ absl::StatusOr<const TokenSource*> Worker::Shard(const std::string& file) {
 
 absl::Status Worker::Run() {
   evaluator_ = absl::GetFlag(FLAGS_role) == "evaluator";
+  if (!absl::GetFlag(FLAGS_torchscript).empty()) {
+    ALOE_ASSIGN_OR_RETURN(script_,
+                          OpenScriptModel(absl::GetFlag(FLAGS_torchscript), &script_fingerprint_));
+    ALOE_LOG_INFO("worker", "model %s: %s", absl::GetFlag(FLAGS_torchscript), script_fingerprint_);
+  }
   const std::string overlap = absl::GetFlag(FLAGS_overlap);
   overlap_ = overlap == "delayed" ? 1 : overlap == "eager" ? 2 : 0;
   if (node_ != nullptr) return RunNode();
@@ -738,6 +760,10 @@ absl::Status Main() {
   }
   if (nproc > 1) {
     if (role != "trainer") return absl::InvalidArgumentError("--nproc > 1 is for trainers only");
+    if (!absl::GetFlag(FLAGS_torchscript).empty()) {
+      return absl::InvalidArgumentError(
+          "--torchscript trains one-process workers only (not --nproc > 1 yet)");
+    }
     if (absl::GetFlag(FLAGS_slowdown) != 1.0) {
       return absl::InvalidArgumentError("--slowdown is not supported with --nproc > 1");
     }

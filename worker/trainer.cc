@@ -10,14 +10,18 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <random>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
+#include "worker/script_model.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
 
@@ -46,13 +50,55 @@ void ConfigureAllocatorForTraining() {
 #endif
 }
 
+void ScriptModelDeleter::operator()(ScriptModel* model) const { delete model; }
+
+absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::string* fingerprint) {
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ScriptModel> model, LoadScriptModel(path));
+  *fingerprint = model->architecture.fingerprint();
+  return ScriptModelPtr(model.release());
+}
+
 struct LocalTrainer::Impl {
-  v1::TransformerConfig model_config;
+  v1::TransformerConfig model_config;  // for a TorchScript model: vocab_size and seq_len only
   v1::InnerOptimizerConfig inner;
   v1::ModelSpec spec;
-  TransformerLM model{nullptr};
+  TransformerLM model{nullptr};       // the built-in transformer, or
+  ScriptModelPtr script;              // a bring-your-own TorchScript model
   std::vector<torch::Tensor> params;  // model parameters in spec order
   std::unique_ptr<torch::optim::AdamW> optimizer;
+
+  // Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1].
+  torch::Tensor Loss(const torch::Tensor& batch) {
+    return script ? ScriptLoss(*script, batch, model_config.vocab_size()) : model->Loss(batch);
+  }
+  void SetTraining(bool on) {
+    if (script) {
+      script->module.train(on);
+    } else {
+      model->train(on);
+    }
+  }
+  // AdamW over `params`: GPT-style decoupled weight decay on matrices only; biases and
+  // LayerNorm gains/shifts are not decayed towards zero.
+  absl::Status MakeOptimizer() {
+    try {
+      std::vector<torch::Tensor> decay;
+      std::vector<torch::Tensor> no_decay;
+      for (const torch::Tensor& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+      const auto options = torch::optim::AdamWOptions(inner.lr())
+                               .betas(std::make_tuple(inner.beta1(), inner.beta2()))
+                               .eps(inner.eps())
+                               .weight_decay(inner.weight_decay());
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(options));
+      groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                        torch::optim::AdamWOptions(options).weight_decay(0)));
+      optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+    } catch (const std::exception& e) {
+      return LibTorchError("creating AdamW", e);
+    }
+    return absl::OkStatus();
+  }
 };
 
 LocalTrainer::LocalTrainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -77,30 +123,84 @@ absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::Create(
   }
   ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *impl->model));
-  try {
-    impl->params = impl->model->parameters();
-    // GPT-style decoupled weight decay on matrices only; biases and LayerNorm gains/shifts are
-    // not decayed towards zero.
-    std::vector<torch::Tensor> decay;
-    std::vector<torch::Tensor> no_decay;
-    for (const torch::Tensor& p : impl->params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-    const auto options = torch::optim::AdamWOptions(inner.lr())
-                             .betas(std::make_tuple(inner.beta1(), inner.beta2()))
-                             .eps(inner.eps())
-                             .weight_decay(inner.weight_decay());
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(options));
-    groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                      torch::optim::AdamWOptions(options).weight_decay(0)));
-    impl->optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
-  } catch (const std::exception& e) {
-    return LibTorchError("creating AdamW", e);
+  impl->params = impl->model->parameters();
+  ALOE_RETURN_IF_ERROR(impl->MakeOptimizer());
+  return std::unique_ptr<LocalTrainer>(new LocalTrainer(std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::CreateForScript(
+    ScriptModelPtr model, uint32_t vocab_size, uint32_t seq_len,
+    const v1::InnerOptimizerConfig& inner, const v1::ModelSpec& spec) {
+  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
+  if (vocab_size < 2 || seq_len < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "vocab_size must be >= 2 and seq_len >= 1, got %d and %d", vocab_size, seq_len));
   }
+  auto impl = std::make_unique<Impl>();
+  impl->model_config.set_vocab_size(vocab_size);
+  impl->model_config.set_seq_len(seq_len);
+  impl->inner = inner;
+  impl->spec = spec;
+  std::map<std::string, size_t> by_name;
+  for (size_t i = 0; i < model->shapes.size(); ++i) by_name[model->shapes[i].name] = i;
+  size_t matched = 0;
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    for (const v1::TensorSpec& t : layer.tensors()) {
+      auto it = by_name.find(t.name());
+      const std::vector<int64_t> want(t.shape().begin(), t.shape().end());
+      if (it == by_name.end() || model->shapes[it->second].shape != want) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "%s has no parameter \"%s\" of shape [%s] (server layer \"%s\"); %s", model->path,
+            t.name(), absl::StrJoin(want, ","), layer.name(),
+            it == by_name.end()
+                ? "the module is not the one the server's model was imported from"
+                : absl::StrCat("it is [", absl::StrJoin(model->shapes[it->second].shape, ","),
+                               "]")));
+      }
+      impl->params.push_back(model->tensors[it->second]);
+      ++matched;
+    }
+  }
+  if (matched != model->shapes.size()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s has %d parameters, the server's model %d: not the module it was imported from",
+        model->path, model->shapes.size(), matched));
+  }
+  impl->script = std::move(model);
+  ALOE_RETURN_IF_ERROR(impl->MakeOptimizer());
   return std::unique_ptr<LocalTrainer>(new LocalTrainer(std::move(impl)));
 }
 
 absl::Status LocalTrainer::SetParameters(const std::vector<std::vector<float>>& layers) {
-  return LoadParameters(layers, impl_->spec, *impl_->model);
+  const v1::ModelSpec& spec = impl_->spec;
+  if (layers.size() != static_cast<size_t>(spec.layers_size())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("got %d layers, the model spec has %d", layers.size(), spec.layers_size()));
+  }
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    if (layers[l].size() != spec.layers(l).num_elements()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d \"%s\" has %d elements, the model spec has %d", l,
+                          spec.layers(l).name(), layers[l].size(), spec.layers(l).num_elements()));
+    }
+  }
+  try {
+    torch::NoGradGuard no_grad;
+    size_t index = 0;
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      // from_blob does not copy or write: the const_cast only satisfies its signature.
+      float* data = const_cast<float*>(layers[l].data());
+      int64_t offset = 0;
+      for (int t = 0; t < spec.layers(l).tensors_size(); ++t, ++index) {
+        const torch::Tensor& p = impl_->params[index];
+        p.copy_(torch::from_blob(data + offset, p.sizes(), torch::kFloat32));
+        offset += p.numel();
+      }
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("loading parameters", e);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LocalTrainer::GetParameters(std::vector<std::vector<float>>* layers) const {
@@ -176,7 +276,7 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
   double loss_sum = 0;
   try {
     ApplyTrainerThreads();
-    impl_->model->train();
+    impl_->SetTraining(true);
     const auto round_start = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < steps; ++i) {
       if (interrupt != nullptr && interrupt->load()) break;
@@ -189,7 +289,7 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
       }
       impl_->optimizer->zero_grad();
-      torch::Tensor loss = impl_->model->Loss(batch);
+      torch::Tensor loss = impl_->Loss(batch);
       loss.backward();
       if (impl_->inner.grad_clip() > 0) {
         torch::nn::utils::clip_grad_norm_(impl_->params, impl_->inner.grad_clip());
@@ -233,6 +333,7 @@ absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout, uint32
   try {
     ApplyTrainerThreads();
     torch::NoGradGuard no_grad;
+    impl_->SetTraining(false);
     std::vector<uint64_t> starts;
     for (uint64_t first = 0; first < windows; first += batch_size) {
       const uint64_t rows = std::min(batch_size, windows - first);
@@ -240,7 +341,7 @@ absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout, uint32
       for (uint64_t r = 0; r < rows; ++r) starts[r] = (first + r) * window;
       ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
                             ReadBatch(heldout, starts, window, impl_->model_config.vocab_size()));
-      loss_sum += impl_->model->Loss(batch).item<double>() * static_cast<double>(rows * seq_len);
+      loss_sum += impl_->Loss(batch).item<double>() * static_cast<double>(rows * seq_len);
     }
   } catch (const std::exception& e) {
     return LibTorchError("evaluation", e);

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,6 +20,18 @@
 #include "proto/aloe.pb.h"
 
 namespace aloe::worker {
+
+struct ScriptModel;  // worker/script_model.h
+
+// Owns a bring-your-own TorchScript model in code that does not include LibTorch's headers.
+struct ScriptModelDeleter {
+  void operator()(ScriptModel* model) const;
+};
+using ScriptModelPtr = std::unique_ptr<ScriptModel, ScriptModelDeleter>;
+
+// LoadScriptModel (worker/script_model.h, same errors) for code without LibTorch's headers;
+// sets *fingerprint to the module's architecture fingerprint (common/imported_model.h).
+absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::string* fingerprint);
 
 // Sets the number of intra-op threads LibTorch (and an OpenMP BLAS) uses for training and
 // evaluation in this process; LocalTrainer applies it on the thread that calls Train/Evaluate.
@@ -54,6 +67,15 @@ class LocalTrainer {
                                                               const v1::InnerOptimizerConfig& inner,
                                                               const v1::ModelSpec& spec,
                                                               uint64_t seed);
+
+  // A trainer for a bring-your-own TorchScript model (worker/script_model.h) on data of
+  // `vocab_size` token ids in windows of seq_len + 1 tokens. The module's parameters must be
+  // exactly the tensors of `spec` (matched by name, any order; kFailedPrecondition naming the
+  // first mismatch). The module keeps its own parameter values until SetParameters (the server's
+  // version 0 of an imported model is those same values). AdamW as in Create.
+  static absl::StatusOr<std::unique_ptr<LocalTrainer>> CreateForScript(
+      ScriptModelPtr model, uint32_t vocab_size, uint32_t seq_len,
+      const v1::InnerOptimizerConfig& inner, const v1::ModelSpec& spec);
 
   ~LocalTrainer();
   LocalTrainer(const LocalTrainer&) = delete;

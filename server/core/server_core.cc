@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/imported_model.h"
 #include "common/logging.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
@@ -65,11 +66,18 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   if (train_shards.empty()) {
     return absl::InvalidArgumentError("the corpus has no training shards");
   }
-  std::unique_ptr<ServerCore> core(new ServerCore(config, clock, metrics));
-  v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
-  std::vector<std::vector<float>> initial = InitializeParameters(spec, config.seed());
-  ALOE_ASSIGN_OR_RETURN(core->store_, ParameterStore::Create(std::move(spec), std::move(initial),
-                                                             config.outer_optimizer(), executor));
+  ALOE_ASSIGN_OR_RETURN(ServerModel model, LoadServerModel(config));
+  v1::ServerConfig effective = config;
+  if (!model.fingerprint.empty()) {
+    // An imported model: what workers need to read data comes from the file.
+    effective.mutable_model()->set_vocab_size(model.vocab_size);
+    effective.mutable_model()->set_seq_len(model.seq_len);
+  }
+  std::unique_ptr<ServerCore> core(new ServerCore(effective, clock, metrics));
+  core->model_fingerprint_ = model.fingerprint;
+  ALOE_ASSIGN_OR_RETURN(core->store_,
+                        ParameterStore::Create(std::move(model.spec), std::move(model.initial),
+                                               config.outer_optimizer(), executor));
   for (const v1::LayerCodec& layer_codec : config.transport().layer_codecs()) {
     const auto& layers = core->store_->spec().layers();
     if (std::none_of(layers.begin(), layers.end(), [&](const v1::LayerSpec& l) {
@@ -126,6 +134,22 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   if (request.name().size() > 256) {
     return absl::InvalidArgumentError("worker name longer than 256 bytes");
   }
+  if (request.model_fingerprint() != model_fingerprint_) {
+    if (model_fingerprint_.empty()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "this server trains the built-in transformer, but the worker brings its own model "
+          "(fingerprint %s): start it without --torchscript",
+          request.model_fingerprint()));
+    }
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "this server trains the imported model %s (model_file %s), but the worker %s: start it "
+        "with --torchscript and the TorchScript file that model was imported from",
+        model_fingerprint_, config_.model_file(),
+        request.model_fingerprint().empty()
+            ? "has the built-in transformer"
+            : absl::StrCat("brings another model (fingerprint ", request.model_fingerprint(),
+                           ")")));
+  }
   const uint64_t id = membership_.Join(request.name(), request.role());
   metrics_.Add(kWorkersJoined, 1);
   if (request.role() != v1::ROLE_EVALUATOR) {
@@ -142,6 +166,7 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   reply.set_heldout_file(heldout_file_);
   *reply.mutable_transport() = config_.transport();
   *reply.mutable_outer_optimizer() = config_.outer_optimizer();
+  reply.set_model_fingerprint(model_fingerprint_);
   PublishMembership();
   return reply;
 }
@@ -737,6 +762,7 @@ std::string ServerCore::Fingerprint() const {
     absl::StrAppendFormat(&f, "%s:%d;", layer.name(), layer.num_elements());
   }
   absl::StrAppendFormat(&f, "penalty=%d;shards=%d", config_.penalty().enabled(), sampler_.size());
+  if (!model_fingerprint_.empty()) absl::StrAppend(&f, ";model=", model_fingerprint_);
   return f;
 }
 

@@ -153,6 +153,7 @@ class ServerCore {
   double TrainedSeconds() const;
 
   const v1::ServerConfig config_;
+  std::string model_fingerprint_;  // of an imported model (config_.model_file); "" = built-in
   const Clock& clock_;
   MetricsSink& metrics_;
   std::unique_ptr<ParameterStore> store_;

@@ -140,6 +140,11 @@ absl::Status Main() {
   const std::string config_path = absl::GetFlag(FLAGS_config);
   if (config_path.empty()) return absl::InvalidArgumentError("--config is required (see --help)");
   ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, LoadServerConfig(config_path));
+  if (!config.model_file().empty()) {
+    return absl::InvalidArgumentError(
+        "model_file: aloe-sim trains the built-in transformer only; train an imported model with "
+        "aloe-server and aloe-worker --torchscript");
+  }
   if (absl::GetFlag(FLAGS_seed) != 0) config.set_seed(absl::GetFlag(FLAGS_seed));
   if (!absl::GetFlag(FLAGS_corpus_dir).empty()) {
     config.set_corpus_dir(absl::GetFlag(FLAGS_corpus_dir));

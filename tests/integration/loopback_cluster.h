@@ -97,7 +97,8 @@ class LoopbackTest : public ::testing::Test {
       metrics_address: "127.0.0.1:0"
       corpus_dir: ")",
                                                               dir_, R"("
-      model { vocab_size: 256 seq_len: 32 d_model: 64 num_layers: 2 num_heads: 2 }
+      )",
+                                                              model_, R"(
       inner_optimizer { lr: 0.003 min_lr: 0.0003 warmup_steps: 5 total_steps: 400 batch_size: 8 }
       lease_seconds: 20
     )",
@@ -131,6 +132,7 @@ class LoopbackTest : public ::testing::Test {
         "--role=" + role,      "--corpus_dir=" + dir_,
         "--metrics=off",       absl::StrCat("--slowdown=", slowdown),
         "--eval_sequences=16", absl::StrCat("--name=", role, index)};
+    argv.insert(argv.end(), model_flags_.begin(), model_flags_.end());
     argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
     return std::make_unique<Subprocess>(argv, absl::StrCat(dir_, "/", role, index, ".log"));
   }
@@ -275,6 +277,10 @@ class LoopbackTest : public ::testing::Test {
   }
 
   std::string dir_;
+  // The model block of StartServer's config (a test of imported models sets model_file instead).
+  std::string model_ =
+      "model { vocab_size: 256 seq_len: 32 d_model: 64 num_layers: 2 num_heads: 2 }";
+  std::vector<std::string> model_flags_;  // flags of every worker, e.g. --torchscript
   int metrics_port_ = 0;
   std::unique_ptr<Subprocess> server_;
 };
