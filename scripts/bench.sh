@@ -9,7 +9,7 @@ set -euo pipefail
 usage() {
   sed -n '2,4p' "$0" | sed 's/^# //'
   echo "Benchmarks:"
-  for f in "$ALOE_ROOT"/scripts/bench/*.sh; do
+  for f in "$ALOE_ROOT"/scripts/bench/[!_]*.sh; do
     printf '  %-8s %s\n' "$(basename "$f" .sh)" "$(sed -n '1s/^# scripts\/bench.sh [a-z]*: //p' "$f")"
   done
 }
@@ -18,7 +18,7 @@ case "$NAME" in
   -h|--help) usage; exit 0 ;;
   "") usage >&2; exit 2 ;;
 esac
-if [ ! -f "$ALOE_ROOT/scripts/bench/$NAME.sh" ]; then
+if [ "${NAME#_}" != "$NAME" ] || [ ! -f "$ALOE_ROOT/scripts/bench/$NAME.sh" ]; then
   echo "bench.sh: unknown benchmark '$NAME'" >&2; usage >&2; exit 2
 fi
 

@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -17,11 +17,12 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/allocator.h"
 #include "common/clock.h"
 #include "common/config.h"
-#include "common/flags_usage.h"
 #include "common/corpus_manifest.h"
 #include "common/executor.h"
+#include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
@@ -358,6 +359,9 @@ int main(int argc, char** argv) {
       "Prometheus metrics. Runs until max_versions/max_seconds are reached and every worker has\n"
       "left, or until SIGINT/SIGTERM.");
   absl::ParseCommandLine(argc, argv);
+  // Pushed updates and pulled snapshots are megabytes each: reuse heap memory instead of
+  // page-faulting fresh mmap'ed buffers for every one.
+  aloe::KeepLargeBuffersInHeap();
   absl::Status status = aloe::server::Run();
   if (!status.ok()) {
     ALOE_LOG_ERROR("server", "%s", status.ToString());

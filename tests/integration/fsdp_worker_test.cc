@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/tensor_codec.h"
 #include "server/core/checkpoint_store.h"
@@ -21,6 +23,20 @@ namespace {
 
 using ::aloe::testing::LoopbackTest;
 using ::aloe::testing::ReadFile;
+
+// Every "pushed_bytes=N" of the closing summaries in `log` (one per rank).
+std::vector<double> PushedBytes(const std::string& log) {
+  std::vector<double> values;
+  for (size_t at = log.find("pushed_bytes="); at != std::string::npos;
+       at = log.find("pushed_bytes=", at + 1)) {
+    double bytes = 0;
+    const size_t begin = at + 13;
+    if (absl::SimpleAtod(log.substr(begin, log.find_first_of(" \n", begin) - begin), &bytes)) {
+      values.push_back(bytes);
+    }
+  }
+  return values;
+}
 
 class FsdpWorkerTest : public LoopbackTest {
  protected:
@@ -55,7 +71,15 @@ TEST_F(FsdpWorkerTest, TwoRankNodeTrainsLikeAOneProcessWorker) {
   ASSERT_FALSE(one.empty());
   ASSERT_EQ(one.size(), two.size());
   EXPECT_TRUE(absl::StrContains(logs_["two"], "(2 ranks)")) << logs_["two"];
-  EXPECT_TRUE(absl::StrContains(logs_["two"], "slices in")) << logs_["two"];
+  // Each rank pushed only its slice: the two ranks' pushed bytes are about half each and add up
+  // to the one-process worker's. (Whether a rank's log says "slices in" depends on which rank's
+  // push arrives first, so the bytes are what is checked.)
+  const std::vector<double> one_bytes = PushedBytes(logs_["one"]);
+  const std::vector<double> two_bytes = PushedBytes(logs_["two"]);
+  ASSERT_EQ(one_bytes.size(), 1u) << logs_["one"];
+  ASSERT_EQ(two_bytes.size(), 2u) << logs_["two"];
+  EXPECT_EQ(two_bytes[0] + two_bytes[1], one_bytes[0]) << logs_["two"];
+  EXPECT_LT(std::max(two_bytes[0], two_bytes[1]), 0.51 * one_bytes[0]) << logs_["two"];
   EXPECT_FALSE(absl::StrContains(logs_["two"], "dropped")) << logs_["two"];
   double diff = 0, norm = 0;
   for (size_t i = 0; i < one.size(); ++i) {
