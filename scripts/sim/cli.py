@@ -31,11 +31,11 @@ Policies:
   async-nesterov  naive async DiLoCo: each push is one outer Nesterov step, lr 0.07, grace
                   0.5 s, fixed H (sim-small-async-nesterov.textproto)
   async-dn-dylu   async Delayed Nesterov (N = workers) + DyLU + grace 0.5 s
-                  (sim-small-async-dn-dylu.textproto)
+                  (sim-small-async-dn-dylu.textproto); the server keeps DyLU's tasks in rounds
+                  that end together and a round's window waits for the round (README)
   async-dn-dylu-grace-inf
                   the same with grace_seconds inf: a window closes once every live trainer
-                  has pushed, so DyLU's equal-duration tasks start from one version (ALOE's
-                  DyLU gives an unmeasured worker H steps; a 0.5 s grace never re-aligns them)
+                  has pushed, so DyLU's equal-duration tasks start from one version
   a-edit          A-EDiT: sync rounds, every worker trains for a time budget of H steps of the
                   fastest worker (local_work LOCAL_WORK_TIME_BUDGET)
   a-edit-penalty  A-EDiT plus the EDiT pseudo-gradient penalty (penalty { enabled: true })

@@ -54,8 +54,7 @@ POLICIES = {
         Policy("async-dn-dylu-grace-inf", "sim-small-async-dn-dylu.textproto",
                "async-dn-dylu with grace_seconds inf: a window closes once every live trainer "
                "has pushed into it, so DyLU's equal-duration tasks are applied from one base "
-               "(paper 002 Alg. 2 with speeds known; ALOE's DyLU gives an unmeasured worker H "
-               "steps, which a 0.5 s grace never re-aligns)", "async", dn=True, grace="inf"),
+               "(paper 002 Alg. 2 with speeds known)", "async", dn=True, grace="inf"),
         Policy("a-edit", "sim-small.textproto",
                "A-EDiT: sync rounds, each worker trains for a time budget of H x the fastest "
                "step time (fast workers do more steps), outer Nesterov lr 0.7 beta 0.9", "sync",

@@ -8,7 +8,32 @@ namespace aloe::server {
 
 std::optional<absl::Time> GracePeriodAggregation::Deadline() const {
   if (!window_open_ || grace_ == absl::InfiniteDuration()) return std::nullopt;
-  return *window_open_ + grace_;
+  if (window_due_ == absl::InfiniteFuture()) return std::nullopt;  // waits for its round
+  return window_due_ + grace_;
+}
+
+void GracePeriodAggregation::Expect(uint64_t worker, uint64_t round, absl::Duration slack) {
+  if (started_.count(worker) == 0) return;
+  if (round == 0) {
+    expected_.erase(worker);
+  } else {
+    expected_[worker] = Expectation{round, std::max(slack, absl::ZeroDuration())};
+  }
+}
+
+std::optional<GracePeriodAggregation::Release> GracePeriodAggregation::StartedBy(
+    uint64_t worker) const {
+  auto it = started_by_.find(worker);
+  if (it == started_by_.end()) return std::nullopt;
+  return it->second;
+}
+
+bool GracePeriodAggregation::RoundComplete() const {
+  if (window_round_ == 0) return false;
+  for (const auto& [worker, expectation] : expected_) {
+    if (expectation.round <= window_round_) return false;
+  }
+  return true;
 }
 
 std::optional<uint64_t> GracePeriodAggregation::PendingStartVersion() const {
@@ -18,11 +43,10 @@ std::optional<uint64_t> GracePeriodAggregation::PendingStartVersion() const {
 
 bool GracePeriodAggregation::CloseExpired(uint64_t current_version) {
   if (!window_open_) return false;
-  const bool timed_out =
-      grace_ != absl::InfiniteDuration() && clock_.Now() >= *window_open_ + grace_;
+  const bool timed_out = grace_ != absl::InfiniteDuration() && clock_.Now() >= window_due_ + grace_;
   const bool everyone_in = std::includes(window_members_.begin(), window_members_.end(),
                                          known_.begin(), known_.end());
-  if (!timed_out && !everyone_in) return false;
+  if (!timed_out && !everyone_in && !RoundComplete()) return false;
   Close(current_version);
   return true;
 }
@@ -30,8 +54,12 @@ bool GracePeriodAggregation::CloseExpired(uint64_t current_version) {
 void GracePeriodAggregation::Close(uint64_t current_version) {
   RecordReleasedGroup(window_members_.size());
   released_.insert(window_members_.begin(), window_members_.end());
+  for (uint64_t worker : window_members_) {
+    release_of_[worker] = Release{clock_.Now(), window_round_};
+  }
   window_members_.clear();
   window_open_.reset();
+  window_round_ = 0;
   release_version_ = current_version;
 }
 
@@ -41,6 +69,12 @@ std::optional<uint64_t> GracePeriodAggregation::StartVersion(
   CloseExpired(current_version);
   if (window_members_.count(worker) > 0 || started_.count(worker) > 0) return std::nullopt;
   started_.insert(worker);
+  expected_.erase(worker);
+  started_by_.erase(worker);
+  if (auto release = release_of_.find(worker); release != release_of_.end()) {
+    if (released_.count(worker) > 0) started_by_[worker] = release->second;
+    release_of_.erase(release);
+  }
   if (released_.erase(worker) > 0) return release_version_;
   return current_version;
 }
@@ -48,8 +82,7 @@ std::optional<uint64_t> GracePeriodAggregation::StartVersion(
 absl::StatusOr<ApplyBatch> GracePeriodAggregation::Submit(PendingUpdate update,
                                                           uint64_t current_version) {
   // A window whose time ran out closes before this arrival opens the next one.
-  if (window_open_ && grace_ != absl::InfiniteDuration() &&
-      clock_.Now() >= *window_open_ + grace_) {
+  if (window_open_ && grace_ != absl::InfiniteDuration() && clock_.Now() >= window_due_ + grace_) {
     Close(current_version);
   }
   if (started_.count(update.worker_id) == 0) {
@@ -57,7 +90,16 @@ absl::StatusOr<ApplyBatch> GracePeriodAggregation::Submit(PendingUpdate update,
         "worker %d has no work in progress (already pushed?)", update.worker_id));
   }
   started_.erase(update.worker_id);
-  if (!window_open_) window_open_ = clock_.Now();
+  auto expectation = expected_.find(update.worker_id);
+  if (!window_open_) {
+    window_open_ = clock_.Now();
+    window_due_ = *window_open_;
+    if (expectation != expected_.end()) {
+      window_round_ = expectation->second.round;
+      window_due_ += expectation->second.slack;
+    }
+  }
+  if (expectation != expected_.end()) expected_.erase(expectation);
   window_members_.insert(update.worker_id);
   ApplyBatch batch;
   batch.weights.push_back(1.0f);
@@ -70,6 +112,9 @@ ApplyBatch GracePeriodAggregation::OnWorkerGone(uint64_t worker) {
   started_.erase(worker);
   window_members_.erase(worker);
   released_.erase(worker);
+  expected_.erase(worker);
+  release_of_.erase(worker);
+  started_by_.erase(worker);
   return {};
 }
 

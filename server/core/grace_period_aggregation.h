@@ -9,10 +9,24 @@
 //     at the close;
 //   - a worker never waits longer than tau_grace after its push; tau_grace = 0 is plain async.
 // Workers that never pushed (new joiners) start at once from the current version.
+//
+// Rounds (DyLU round alignment, LocalWorkPlanner): the caller may tag a started worker's task
+// with the round it belongs to and its slack, how long before the round end the worker is
+// expected to finish (Expect). A window opened by a tagged push belongs to that round:
+//   - it closes at (open + slack + tau_grace): the opener finished early only because its
+//     steps are whole, and the rest of its round is due by open + slack; tau_grace is the
+//     tolerance after that (a worker never waits longer than its slack plus tau_grace, and the
+//     slack is shorter than one of its steps);
+//   - it also closes as soon as no started worker of that round (or an older one) is still out;
+//   - an infinite slack (a round of unknown length: the first one, before any speed is known)
+//     makes it wait for the whole round; workers that leave or expire are not waited for.
+// Untagged pushes (round 0) open windows of plain tau_grace. Each release remembers the time
+// and the round of its window, which the planner needs to begin the next round (StartedBy).
 // Time comes from the injected Clock. Not thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <set>
 #include <vector>
@@ -41,8 +55,28 @@ class GracePeriodAggregation final : public AggregationPolicy {
   // Workers in the open window (pushed, waiting for its close).
   size_t window_size() const { return window_members_.size(); }
 
+  // Tags started `worker`'s task with its round (> 0) and slack (see the file comment). Ignored
+  // for a worker without work in progress.
+  void Expect(uint64_t worker, uint64_t round, absl::Duration slack);
+
+  // The close that released a worker: when, and the round of its window (0 = untagged).
+  struct Release {
+    absl::Time at;
+    uint64_t round = 0;
+  };
+  // The release the last StartVersion of `worker` started it from; nullopt when it started
+  // without one (a first task, a joiner).
+  std::optional<Release> StartedBy(uint64_t worker) const;
+
  private:
+  struct Expectation {
+    uint64_t round = 0;
+    absl::Duration slack;
+  };
+
   void Close(uint64_t current_version);
+  // True when no started worker's task belongs to the open window's round or an older one.
+  bool RoundComplete() const;
 
   const Clock& clock_;
   const absl::Duration grace_;
@@ -50,8 +84,14 @@ class GracePeriodAggregation final : public AggregationPolicy {
   std::set<uint64_t> started_;         // have work in progress, will push
   std::set<uint64_t> window_members_;  // pushed in the open window, wait for its close
   std::optional<absl::Time> window_open_;
+  uint64_t window_round_ = 0;  // the opener's round; 0 = untagged
+  absl::Time window_due_;      // open + the opener's slack
+  // Started workers whose task belongs to a round (Expect).
+  std::map<uint64_t, Expectation> expected_;
   std::set<uint64_t> released_;        // released by the last close, not yet restarted
   uint64_t release_version_ = 0;
+  std::map<uint64_t, Release> release_of_;  // released, not yet restarted
+  std::map<uint64_t, Release> started_by_;  // the release each worker last started from
 };
 
 }  // namespace aloe::server

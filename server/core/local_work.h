@@ -5,11 +5,51 @@
 //                reports); a worker not yet measured gets H; H is the fastest worker's steps;
 //   kTimeBudget: A-EDiT (paper 000 Sec. 3.3): a wall-clock budget tau_time; the worker runs
 //                steps until the first step end at or after the budget (capped at max_steps).
-// Pure logic, no clock: speeds come from reports. Not thread-safe.
+//
+// DyLU round alignment (Options::align_rounds; the server turns it on for DyLU behind a finite
+// grace window). Eq. 6 equalises the durations of tasks that start together, which is how the
+// paper's DyLU "aligns the completion times across different workers" so that one grace window
+// collects them all. Two things break that with a short grace window, and each task's update is
+// then applied alone with the staleness of plain async:
+//   - floor() quantises each worker's round to whole steps: a worker finishes up to one of its
+//     own steps before the fastest one (a step of a 0.17x worker is ~6 fastest steps), longer
+//     than a grace window of a fraction of a step; the rounds then have different periods and
+//     the workers' phases drift apart for good;
+//   - a worker that starts at another time (a new or unmeasured worker, one that missed the
+//     window) runs a full round from its own start, so it never meets the others again.
+// With alignment, the planner keeps a round: a cohort of tasks planned to end together at the
+// round end T. The round period is P = H / max_w' v(w') (the fastest worker's H steps).
+//   - A round begins when the window of the current round releases its workers, at the release
+//     time C: T = C + P. Every worker released there gets exactly Eq. 6 (it plans from C, not
+//     from the time its request arrives).
+//   - Any other start at time s (a joiner, a worker released by a window of an older round, the
+//     first task after the speed is measured) joins the round in flight: it gets
+//     floor(v * (T + k P - s)) steps for the smallest k >= 0 that gives at least half of its
+//     Eq. 6 steps (so a task is between 0.5x and 1.5x of Eq. 6) and belongs to round
+//     (current + k).
+//   - A worker whose speed is not measured yet joins the same way with a time budget of
+//     T + k P - s (capped at H steps) instead of a step count.
+//   - Before any speed is measured there is no P: the first tasks get H steps (Eq. 6 for
+//     unmeasured workers) in round 1, whose end is unknown, and its window waits for all of
+//     round 1 (infinite slack): the first round is synchronous, as in sync DiLoCo and in the
+//     paper's setting where speeds are known a priori; every worker is measured when it ends.
+//     First tasks of H steps applied one by one with growing staleness cost the whole run in
+//     the simulations (the model falls behind while the per-shard LR schedule moves on). The
+//     price is one wait for the slowest worker's first H steps. (A shorter calibration round,
+//     ceil(H / 10) steps, avoided that wait but made the whole run worse, +35% perplexity at
+//     equal speeds in aloe-sim; why is not understood yet, so it is not used.)
+//   - Each plan says its round and its slack (T + k P - s - steps / v: how long before the round
+//     end the worker is expected to finish; 0 for budgets); the grace window uses them to wait
+//     for the rest of a round (GracePeriodAggregation::Expect).
+// Workers that start together therefore still get Eq. 6 exactly.
+//
+// Pure logic, no clock: speeds come from reports, times from the caller. Not thread-safe.
 #pragma once
 
 #include <cstdint>
 #include <map>
+
+#include "absl/time/time.h"
 
 namespace aloe::server {
 
@@ -22,10 +62,21 @@ class LocalWorkPlanner {
     double time_budget_seconds = 0;    // tau_time, kTimeBudget only
     uint32_t max_steps = 0;            // cap for budgeted tasks; 0 = 100 * H
     double speed_ema_alpha = 0.3;      // weight of a new speed report
+    bool align_rounds = false;         // kDyLU only: round alignment (see the file comment)
   };
   struct Plan {
     uint32_t steps = 0;                // exact steps, or the cap when budgeted
     double time_budget_seconds = 0;    // > 0: stop at the first step end after this
+    uint64_t round = 0;                // aligned DyLU: the round the task belongs to; 0 = none
+    double slack_seconds = 0;          // aligned DyLU: expected finish before the round end (inf:
+                                       // the round's end is not known yet)
+  };
+  // When a task starts, for round alignment.
+  struct Start {
+    absl::Time at;  // the release time, or now for any other start
+    // The round of the grace window that released the worker at `at`; 0 when the worker was not
+    // released by a window of a round (a first task, a joiner, a window of unaligned tasks).
+    uint64_t released_round = 0;
   };
 
   explicit LocalWorkPlanner(const Options& options) : options_(options) {}
@@ -37,11 +88,25 @@ class LocalWorkPlanner {
   // Estimated steps/s of a worker; 0 when not measured yet.
   double speed(uint64_t worker) const;
 
+  // The plan without round alignment (Eq. 6 as is).
   Plan PlanFor(uint64_t worker) const;
+  // The plan for a task starting at `start`; with align_rounds in kDyLU mode it may begin a
+  // round (see the file comment), otherwise it equals PlanFor(worker).
+  Plan PlanFor(uint64_t worker, const Start& start);
+
+  // Aligned DyLU: the current round (0 before the first) and its planned end.
+  uint64_t round() const { return round_; }
+  absl::Time round_end() const { return round_end_; }
 
  private:
+  // max_w v(w); 0 when nobody is measured.
+  double fastest() const;
+
   Options options_;
   std::map<uint64_t, double> speeds_;
+  uint64_t round_ = 0;
+  absl::Time round_start_ = absl::InfinitePast();
+  absl::Time round_end_ = absl::InfinitePast();
 };
 
 }  // namespace aloe::server

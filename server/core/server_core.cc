@@ -55,6 +55,12 @@ LocalWorkPlanner::Options PlannerOptions(const v1::ServerConfig& config) {
   o.local_steps = config.local_steps();
   o.time_budget_seconds = config.local_work().time_budget_seconds();
   o.max_steps = config.local_work().max_steps();
+  // DyLU's rounds must be kept aligned explicitly behind a finite grace window (LocalWorkPlanner);
+  // an infinite one waits for everybody anyway and zero grace is plain async (no waiting).
+  const double grace = config.aggregation().grace_seconds();
+  o.align_rounds = o.mode == LocalWorkPlanner::Mode::kDyLU &&
+                   config.aggregation().mode() == v1::AGGREGATION_ASYNC && grace > 0 &&
+                   std::isfinite(grace);
   return o;
 }
 
@@ -89,8 +95,10 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   }
   if (config.aggregation().mode() == v1::AGGREGATION_ASYNC) {
     const double grace = config.aggregation().grace_seconds();
-    core->aggregation_ = std::make_unique<GracePeriodAggregation>(
+    auto grace_aggregation = std::make_unique<GracePeriodAggregation>(
         clock, std::isinf(grace) ? absl::InfiniteDuration() : absl::Seconds(grace));
+    if (PlannerOptions(config).align_rounds) core->aligned_grace_ = grace_aggregation.get();
+    core->aggregation_ = std::move(grace_aggregation);
   } else {
     core->aggregation_ =
         std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
@@ -231,18 +239,34 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   if (*base == current && retained_.count(current) == 0) retained_[current] = store_->Snapshot();
   if (!started_) started_ = clock_.Now();
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
-  OpenTask open = NewTrainTask(worker, *base);
+  // Aligned DyLU plans a released worker from its release (see LocalWorkPlanner), unless it
+  // asked so much later (more than the grace) that it cannot finish with the others any more.
+  LocalWorkPlanner::Start start{clock_.Now(), 0};
+  if (aligned_grace_ != nullptr) {
+    if (auto release = aligned_grace_->StartedBy(worker)) {
+      start.released_round = release->round;
+      if (start.at - release->at <= absl::Seconds(config_.aggregation().grace_seconds())) {
+        start.at = release->at;
+      }
+    }
+  }
+  OpenTask open = NewTrainTask(worker, *base, &start);
   open_tasks_[worker] = open;
   PublishShards();
   ObserveReleases();
   return open.task;
 }
 
-ServerCore::OpenTask ServerCore::NewTrainTask(uint64_t worker, uint64_t base) {
+ServerCore::OpenTask ServerCore::NewTrainTask(uint64_t worker, uint64_t base,
+                                              const LocalWorkPlanner::Start* start) {
   v1::Task task = NewTask(v1::Task::TRAIN);
   task.set_base_version(base);
   const size_t shard = sampler_.Next();
-  const LocalWorkPlanner::Plan plan = planner_.PlanFor(worker);
+  const LocalWorkPlanner::Plan plan =
+      start != nullptr ? planner_.PlanFor(worker, *start) : planner_.PlanFor(worker);
+  if (aligned_grace_ != nullptr && start != nullptr) {
+    aligned_grace_->Expect(worker, plan.round, absl::Seconds(plan.slack_seconds));
+  }
   task.set_shard_name(sampler_.shard(shard).name);
   task.set_shard_file(sampler_.shard(shard).file);
   task.set_local_steps(plan.steps);

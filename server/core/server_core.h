@@ -24,6 +24,7 @@
 #include "common/metrics.h"
 #include "proto/aloe.pb.h"
 #include "server/core/aggregation.h"
+#include "server/core/grace_period_aggregation.h"
 #include "server/core/local_work.h"
 #include "server/core/membership.h"
 #include "server/core/parameter_store.h"
@@ -127,8 +128,10 @@ class ServerCore {
   v1::Task NewTask(v1::Task::Kind kind);
   absl::StatusOr<v1::Task> TrainerTask(uint64_t worker);
   // A TRAIN task from `base` for `worker`: data shard, local work and LR position chosen and its
-  // tokens counted in flight.
-  OpenTask NewTrainTask(uint64_t worker, uint64_t base);
+  // tokens counted in flight. `start` (null for a look-ahead task) is when and how the task
+  // starts, for aligned DyLU.
+  OpenTask NewTrainTask(uint64_t worker, uint64_t base,
+                        const LocalWorkPlanner::Start* start = nullptr);
   absl::StatusOr<v1::Task> AheadTask(uint64_t worker);
   // After the open task of `worker` was pushed (or dropped as too stale), its look-ahead task, if
   // any, becomes the open one and the aggregation policy counts the worker as started.
@@ -159,6 +162,8 @@ class ServerCore {
   std::unique_ptr<ParameterStore> store_;
   Membership membership_;
   std::unique_ptr<AggregationPolicy> aggregation_;
+  // aggregation_ when it is a grace window behind aligned DyLU (LocalWorkPlanner); else null.
+  GracePeriodAggregation* aligned_grace_ = nullptr;
   // Replaces the batch's fixed weights when enabled (paper 000 Alg. 2, per layer).
   std::unique_ptr<PseudoGradientPenalty> penalty_;
   ShardSampler sampler_;

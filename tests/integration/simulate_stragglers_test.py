@@ -125,10 +125,14 @@ class SimulateStragglersTest(unittest.TestCase):
         # (7 + 1/5) / 8 = 0.9 at best.
         sync = float(self.cell("consistent", "sync", lag=4)["throughput_retention"])
         self.assertAlmostEqual(sync, 0.2, delta=0.02)
-        for policy in ("async-dn-dylu", "a-edit"):
-            r = float(self.cell("consistent", policy, lag=4)["throughput_retention"])
-            self.assertGreater(r, 0.8, policy)
-            self.assertLessEqual(r, 0.9 + 0.01, policy)
+        r = float(self.cell("consistent", "a-edit", lag=4)["throughput_retention"])
+        self.assertGreater(r, 0.8)
+        self.assertLessEqual(r, 0.9 + 0.01)
+        # Async DN+DyLU behind a grace window runs its first round (H steps each, speeds not yet
+        # measured) together, so the 7 others wait once for the straggler's first round:
+        # 0.9 - 7 x (lag x H) / (8 x run seconds) = 0.9 - 7 x 400 / (8 x 1500) = 0.667.
+        r = float(self.cell("consistent", "async-dn-dylu", lag=4)["throughput_retention"])
+        self.assertAlmostEqual(r, 0.9 - 7 * 400 / (8 * 1500), delta=0.03)
         for policy in ("sync", "async-dn-dylu", "a-edit"):
             base = self.cell("consistent", policy, lag=0)
             self.assertAlmostEqual(float(base["throughput_retention"]), 1.0, places=6)

@@ -107,5 +107,97 @@ TEST(GracePeriodAggregationTest, DepartedWorkerIsNeverWaitedFor) {
   EXPECT_EQ(grace.StartVersion(1, 1, {1}), 1u);
 }
 
+// Rounds of aligned DyLU: a window opened by a tagged push waits for the rest of the opener's
+// round (until open + its slack + grace) and closes as soon as that round is in.
+TEST(GracePeriodAggregationTest, RoundWindowWaitsForItsRoundOnly) {
+  FakeClock clock;
+  const absl::Time t0 = clock.Now();
+  GracePeriodAggregation grace(clock, absl::Seconds(0.5));
+  const std::vector<uint64_t> live = {1, 2, 3, 4};
+  for (uint64_t w : live) EXPECT_EQ(grace.StartVersion(w, 0, live), 0u);
+  EXPECT_FALSE(grace.StartedBy(1).has_value());  // a first start, no release
+  grace.Expect(1, 1, absl::ZeroDuration());
+  grace.Expect(2, 1, absl::Seconds(1.5));  // planned to finish 1.5 s before the round end
+  grace.Expect(3, 2, absl::Seconds(0.2));  // belongs to the next round
+  // Worker 4 is untagged (not measured when planned): not waited for by a round.
+  uint64_t version = 0;
+  // t=18.5: worker 2 opens the window; the round ends at 18.5 + 1.5 = 20, +0.5 grace.
+  clock.Advance(absl::Seconds(18.5));
+  ASSERT_THAT(grace.Submit(U(2, 0), version), IsOk());
+  ++version;
+  EXPECT_EQ(grace.Deadline(), t0 + absl::Seconds(20.5));
+  // t=20.2: past a plain grace window (19.0), but worker 1 of the same round is still out.
+  clock.Advance(absl::Seconds(1.7));
+  EXPECT_FALSE(grace.CloseExpired(version));
+  ASSERT_THAT(grace.Submit(U(1, 0), version), IsOk());
+  ++version;
+  // Round 1 is in (3 belongs to round 2, 4 is untagged): the window closes at once.
+  EXPECT_TRUE(grace.CloseExpired(version));
+  EXPECT_EQ(grace.StartVersion(1, version, live), 2u);
+  ASSERT_TRUE(grace.StartedBy(1).has_value());
+  EXPECT_EQ(grace.StartedBy(1)->at, t0 + absl::Seconds(20.2));
+  EXPECT_EQ(grace.StartedBy(1)->round, 1u);
+}
+
+TEST(GracePeriodAggregationTest, RoundWindowClosesAfterSlackPlusGraceWithoutAStraggler) {
+  FakeClock clock;
+  const absl::Time t0 = clock.Now();
+  GracePeriodAggregation grace(clock, absl::Seconds(0.5));
+  const std::vector<uint64_t> live = {1, 2};
+  for (uint64_t w : live) EXPECT_EQ(grace.StartVersion(w, 0, live), 0u);
+  grace.Expect(1, 3, absl::ZeroDuration());
+  grace.Expect(2, 3, absl::Seconds(2));
+  clock.Advance(absl::Seconds(10));
+  ASSERT_THAT(grace.Submit(U(2, 0), 0), IsOk());
+  EXPECT_EQ(grace.Deadline(), t0 + absl::Seconds(12.5));
+  clock.Advance(absl::Seconds(2.49));
+  EXPECT_FALSE(grace.CloseExpired(1));
+  clock.Advance(absl::Seconds(0.01));
+  EXPECT_TRUE(grace.CloseExpired(1));  // worker 1 is late by more than grace: not waited for
+  EXPECT_EQ(grace.StartVersion(2, 1, live), 1u);
+  EXPECT_EQ(grace.StartedBy(2)->round, 3u);
+  // Worker 1 arrives late (round 3, older than nobody): its window has nobody of its round
+  // left out, so it is released at once instead of waiting for a grace window.
+  clock.Advance(absl::Seconds(1));
+  ASSERT_THAT(grace.Submit(U(1, 0), 1), IsOk());
+  EXPECT_TRUE(grace.CloseExpired(2));
+  EXPECT_EQ(grace.StartVersion(1, 2, live), 2u);
+  EXPECT_EQ(grace.StartedBy(1)->at, t0 + absl::Seconds(13.5));
+}
+
+TEST(GracePeriodAggregationTest, RoundOfUnknownLengthWaitsForTheWholeRound) {
+  FakeClock clock;
+  GracePeriodAggregation grace(clock, absl::Seconds(0.5));
+  const std::vector<uint64_t> live = {1, 2, 3};
+  for (uint64_t w : live) EXPECT_EQ(grace.StartVersion(w, 0, live), 0u);
+  for (uint64_t w : live) grace.Expect(w, 1, absl::InfiniteDuration());  // the first round
+  ASSERT_THAT(grace.Submit(U(1, 0), 0), IsOk());
+  EXPECT_FALSE(grace.Deadline().has_value());
+  clock.Advance(absl::Seconds(100));
+  EXPECT_FALSE(grace.CloseExpired(1));  // worker 2 and 3 are still out
+  ASSERT_THAT(grace.Submit(U(2, 0), 1), IsOk());
+  EXPECT_FALSE(grace.CloseExpired(2));
+  EXPECT_TRUE(grace.OnWorkerGone(3).updates.empty());  // gone: not waited for any more
+  EXPECT_TRUE(grace.CloseExpired(2));
+  EXPECT_EQ(grace.StartVersion(1, 2, {1, 2}), 2u);
+  EXPECT_EQ(grace.StartedBy(1)->at, clock.Now());
+}
+
+TEST(GracePeriodAggregationTest, UntaggedWindowKeepsPlainGrace) {
+  FakeClock clock;
+  const absl::Time t0 = clock.Now();
+  GracePeriodAggregation grace(clock, absl::Seconds(0.5));
+  const std::vector<uint64_t> live = {1, 2};
+  for (uint64_t w : live) EXPECT_EQ(grace.StartVersion(w, 0, live), 0u);
+  grace.Expect(2, 1, absl::Seconds(3));  // a tagged worker still out does not hold it open
+  ASSERT_THAT(grace.Submit(U(1, 0), 0), IsOk());
+  EXPECT_EQ(grace.Deadline(), t0 + absl::Seconds(0.5));
+  EXPECT_FALSE(grace.CloseExpired(1));
+  clock.Advance(absl::Seconds(0.5));
+  EXPECT_TRUE(grace.CloseExpired(1));
+  EXPECT_EQ(grace.StartVersion(1, 1, live), 1u);
+  EXPECT_EQ(grace.StartedBy(1)->round, 0u);
+}
+
 }  // namespace
 }  // namespace aloe::server

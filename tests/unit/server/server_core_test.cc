@@ -727,6 +727,59 @@ TEST_F(AsyncServerCoreTest, DyLUStepsFollowReportedSpeedsAndTimeBudgetIsSent) {
   EXPECT_EQ(budgeted.local_steps(), 5000u);  // the cap: 100 x H
 }
 
+// DyLU behind a finite grace window keeps its workers in rounds (LocalWorkPlanner): the window
+// of a slow worker that finished early (whole steps) waits for its round, and a joiner is
+// planned to finish with the round. Speeds 1 and 0.38 steps/s, H = 20: P = 20 s.
+TEST_F(AsyncServerCoreTest, AlignedDyLUKeepsWorkersInOneWindowAndAlignsAJoiner) {
+  v1::ServerConfig config = AsyncConfig(0.5);
+  config.set_local_steps(20);
+  config.mutable_local_work()->set_mode(v1::LOCAL_WORK_DYLU);
+  Make(config);
+  const absl::Time t0 = clock_.Now();
+  const uint64_t fast = Join(), slow = Join();
+  auto report = [&](uint64_t worker, double speed) {
+    v1::HeartbeatRequest hb;
+    hb.set_worker_id(worker);
+    hb.set_steps_per_second(speed);
+    ASSERT_THAT(core_->Heartbeat(hb), IsOk());
+  };
+  auto push = [&](uint64_t worker, const v1::Task& task, double speed) {
+    PendingUpdate u = Update(worker, task, 0.01f);
+    u.compute_seconds = task.local_steps() / speed;  // the push reports the same speed
+    return core_->SubmitUpdate(u);
+  };
+  report(fast, 1.0);
+  report(slow, 0.38);
+  const v1::Task tf = Request(fast), ts = Request(slow);
+  EXPECT_EQ(tf.local_steps(), 20u);
+  EXPECT_EQ(ts.local_steps(), 7u);  // Eq. 6: floor(0.38 * 20); done after 18.42 s
+  // t = 18.42: slow is 1.58 s early, more than the 0.5 s grace; its window waits for the round.
+  clock_.Advance(absl::Seconds(7 / 0.38));
+  ASSERT_THAT(push(slow, ts, 0.38), IsOk());
+  clock_.Advance(absl::Seconds(1.0));
+  EXPECT_EQ(Request(slow).kind(), v1::Task::WAIT);  // a plain window would have closed
+  // t = 20: fast arrives and the round is in: both start round 2 from version 2.
+  clock_.Advance(absl::Seconds(20) - (clock_.Now() - t0));
+  auto rf = push(fast, tf, 1.0);
+  ASSERT_THAT(rf, IsOk());
+  EXPECT_EQ(rf->staleness(), 1u);
+  const v1::Task tf2 = Request(fast), ts2 = Request(slow);
+  EXPECT_EQ(tf2.base_version(), 2u);
+  EXPECT_EQ(ts2.base_version(), 2u);
+  EXPECT_EQ(tf2.local_steps(), 20u);
+  EXPECT_EQ(ts2.local_steps(), 7u);
+  // t = 25: a worker measured at 0.5 steps/s joins; round 2 ends at t = 40, so it gets
+  // floor(0.5 * 15) = 7 steps instead of Eq. 6's floor(0.5 * 20) = 10.
+  clock_.Advance(absl::Seconds(5));
+  const uint64_t late = Join();
+  report(late, 0.5);
+  EXPECT_EQ(Request(late).local_steps(), 7u);
+  // An unmeasured joiner at t = 25 gets a time budget to t = 40 (H steps at most).
+  const v1::Task unmeasured = Request(Join());
+  EXPECT_EQ(unmeasured.local_steps(), 20u);
+  EXPECT_DOUBLE_EQ(unmeasured.time_budget_seconds(), 15.0);
+}
+
 }  // namespace
 }  // namespace aloe::server
 
