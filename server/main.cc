@@ -352,6 +352,9 @@ absl::Status Run() {
 }  // namespace aloe::server
 
 int main(int argc, char** argv) {
+  // Pushed updates and pulled snapshots are megabytes each: reuse heap memory instead of
+  // page-faulting fresh buffers for every one (may re-execute the program once).
+  aloe::KeepLargeBuffersInHeap(argv);
   aloe::SetUsage(
       "aloe-server --config FILE [flags]\n"
       "Parameter server for asynchronous Local-SGD (DiLoCo) training: holds the global model and\n"
@@ -359,9 +362,6 @@ int main(int argc, char** argv) {
       "Prometheus metrics. Runs until max_versions/max_seconds are reached and every worker has\n"
       "left, or until SIGINT/SIGTERM.");
   absl::ParseCommandLine(argc, argv);
-  // Pushed updates and pulled snapshots are megabytes each: reuse heap memory instead of
-  // page-faulting fresh mmap'ed buffers for every one.
-  aloe::KeepLargeBuffersInHeap();
   absl::Status status = aloe::server::Run();
   if (!status.ok()) {
     ALOE_LOG_ERROR("server", "%s", status.ToString());

@@ -23,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/allocator.h"
 #include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -816,6 +817,8 @@ absl::Status Main() {
 }  // namespace aloe::worker
 
 int main(int argc, char** argv) {
+  // Pulled models and pushed pseudo-gradients are megabytes each (may re-execute once).
+  aloe::KeepLargeBuffersInHeap(argv);
   aloe::SetUsage(
       "aloe-worker --server HOST:PORT [--role trainer|evaluator] [flags]\n"
       "Training daemon for ALOE: joins aloe-server, pulls the global model, trains H local AdamW\n"

@@ -1,5 +1,9 @@
 #include "worker/trainer.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -14,7 +18,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/allocator.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
@@ -40,7 +43,12 @@ void SetTrainerThreads(int num_threads) {
 
 int TrainerThreads() { return g_trainer_threads.load(std::memory_order_relaxed); }
 
-void ConfigureAllocatorForTraining() { KeepLargeBuffersInHeap(); }
+void ConfigureAllocatorForTraining() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's maximum on 64-bit
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+#endif
+}
 
 void ScriptModelDeleter::operator()(ScriptModel* model) const { delete model; }
 

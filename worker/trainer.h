@@ -41,9 +41,11 @@ void SetTrainerThreads(int num_threads);
 int TrainerThreads();
 
 // Keeps the training step's large temporaries (activations, gradients: up to a few MiB each)
-// in the malloc heap instead of fresh mmap'ed pages (KeepLargeBuffersInHeap, common/allocator.h).
-// Without it every step page-faults and zero-fills its temporaries again (~10% of a CPU step on
-// the demo model). Process-wide: call once from main() before training.
+// in the malloc heap instead of fresh mmap'ed pages: sets glibc's mmap threshold to 32 MiB and
+// the trim threshold to 256 MiB. Without it every step page-faults and zero-fills its
+// temporaries again (~10% of a CPU step on the demo model). Process-wide: call once from main()
+// before training. No-op on non-glibc platforms. (aloe-worker also applies the same settings
+// to every thread's arena with KeepLargeBuffersInHeap, common/allocator.h.)
 void ConfigureAllocatorForTraining();
 
 // Not thread-safe: one caller at a time (the worker's round loop).

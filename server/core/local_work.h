@@ -1,6 +1,7 @@
 // Decides how much local work each task carries:
 //   kFixed:      H steps for everybody;
-//   kDyLU:       Dynamic Local Updates (paper 002 Eq. 6): steps(w) = floor(v(w) / max_w' v(w') * H),
+//   kDyLU:       Dynamic Local Updates (paper 002 Eq. 6): steps(w) = floor(v(w) / max_w' v(w') *
+//   H),
 //                at least 1, where v is each worker's measured steps/s (an online EMA of its
 //                reports); a worker not yet measured gets H; H is the fastest worker's steps;
 //   kTimeBudget: A-EDiT (paper 000 Sec. 3.3): a wall-clock budget tau_time; the worker runs

@@ -270,12 +270,12 @@ int Main() {
 }  // namespace aloe::bench
 
 int main(int argc, char** argv) {
+  aloe::KeepLargeBuffersInHeap(argv);  // as aloe-worker does
   aloe::SetUsage(
       "aloe-bench-push --server HOST:PORT --mode ingest|scale [flags]\n"
       "Measures how fast a running aloe-server (plain async mode) accepts pseudo-gradient pushes\n"
       "from simulated workers, against raw loopback TCP in the same run (ingest), or push latency\n"
       "and updates/s per number of concurrent workers (scale). See scripts/bench/ingest.sh.");
   absl::ParseCommandLine(argc, argv);
-  aloe::KeepLargeBuffersInHeap();  // as aloe-worker does (ConfigureAllocatorForTraining)
   return aloe::bench::Main();
 }
