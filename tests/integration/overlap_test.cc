@@ -5,6 +5,7 @@
 // model without its own previous update (one-step delay, accounted by the server as staleness).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -65,7 +66,11 @@ TEST_F(OverlapTest, OverlapHidesA200MillisecondPullBehindTraining) {
       "off %.4f, delayed %.4f, eager %.4f\n",
       100 * off.blocked, 100 * delayed.blocked, 100 * eager.blocked, off.final_loss,
       delayed.final_loss, eager.final_loss);
-  EXPECT_GT(off.blocked, 0.10) << off.log;  // >= 200 ms of every ~1.2 s round
+  // >= 200 ms of every round (~18% of an unloaded ~1.2 s round; a loaded machine computes slower,
+  // so the share is smaller: 5.8% was seen beside a 100%-CPU job) and several times the overlapped
+  // share.
+  EXPECT_GT(off.blocked, 0.05) << off.log;
+  EXPECT_GT(off.blocked, 3 * std::max(delayed.blocked, eager.blocked)) << off.log;
   EXPECT_LT(delayed.blocked, 0.05) << delayed.log;
   EXPECT_LT(eager.blocked, 0.05) << eager.log;
   // Without overlap every round starts from the version its predecessor produced; with it, the
