@@ -172,35 +172,7 @@ absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::CreateForScript(
 }
 
 absl::Status LocalTrainer::SetParameters(const std::vector<std::vector<float>>& layers) {
-  const v1::ModelSpec& spec = impl_->spec;
-  if (layers.size() != static_cast<size_t>(spec.layers_size())) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("got %d layers, the model spec has %d", layers.size(), spec.layers_size()));
-  }
-  for (int l = 0; l < spec.layers_size(); ++l) {
-    if (layers[l].size() != spec.layers(l).num_elements()) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("layer %d \"%s\" has %d elements, the model spec has %d", l,
-                          spec.layers(l).name(), layers[l].size(), spec.layers(l).num_elements()));
-    }
-  }
-  try {
-    torch::NoGradGuard no_grad;
-    size_t index = 0;
-    for (int l = 0; l < spec.layers_size(); ++l) {
-      // from_blob does not copy or write: the const_cast only satisfies its signature.
-      float* data = const_cast<float*>(layers[l].data());
-      int64_t offset = 0;
-      for (int t = 0; t < spec.layers(l).tensors_size(); ++t, ++index) {
-        const torch::Tensor& p = impl_->params[index];
-        p.copy_(torch::from_blob(data + offset, p.sizes(), torch::kFloat32));
-        offset += p.numel();
-      }
-    }
-  } catch (const std::exception& e) {
-    return LibTorchError("loading parameters", e);
-  }
-  return absl::OkStatus();
+  return CopyLayersIntoParameters(layers, impl_->spec, impl_->params);
 }
 
 absl::Status LocalTrainer::GetParameters(std::vector<std::vector<float>>* layers) const {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace aloe::worker {
 namespace {
@@ -134,8 +135,8 @@ absl::Status CheckParametersMatchSpec(const torch::nn::Module& module, const v1:
   return absl::OkStatus();
 }
 
-absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
-                            const v1::ModelSpec& spec, torch::nn::Module& module) {
+absl::Status CheckLayerSizes(const std::vector<std::vector<float>>& layers,
+                            const v1::ModelSpec& spec) {
   if (layers.size() != static_cast<size_t>(spec.layers_size())) {
     return absl::InvalidArgumentError(
         absl::StrFormat("got %d layers, the model spec has %d", layers.size(), spec.layers_size()));
@@ -147,11 +148,15 @@ absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
                           spec.layers(l).name(), layers[l].size(), spec.layers(l).num_elements()));
     }
   }
-  absl::Status match = CheckParametersMatchSpec(module, spec);
-  if (!match.ok()) return match;
+  return absl::OkStatus();
+}
+
+absl::Status CopyLayersIntoParameters(const std::vector<std::vector<float>>& layers,
+                                      const v1::ModelSpec& spec,
+                                      const std::vector<torch::Tensor>& params) {
+  ALOE_RETURN_IF_ERROR(CheckLayerSizes(layers, spec));
   try {
     torch::NoGradGuard no_grad;
-    const std::vector<torch::Tensor> params = module.parameters(/*recurse=*/true);
     size_t index = 0;
     for (int l = 0; l < spec.layers_size(); ++l) {
       // from_blob does not copy or write: the const_cast only satisfies its signature.
@@ -167,6 +172,17 @@ absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
     return absl::InternalError(absl::StrFormat("loading parameters: %s", e.what()));
   }
   return absl::OkStatus();
+}
+
+absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
+                            const v1::ModelSpec& spec, torch::nn::Module& module) {
+  ALOE_RETURN_IF_ERROR(CheckLayerSizes(layers, spec));
+  ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(module, spec));
+  try {
+    return CopyLayersIntoParameters(layers, spec, module.parameters(/*recurse=*/true));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrFormat("loading parameters: %s", e.what()));
+  }
 }
 
 }  // namespace aloe::worker

@@ -92,6 +92,17 @@ TORCH_MODULE(TransformerLM);
 // and shapes), else kFailedPrecondition naming the first mismatch. Does not throw.
 absl::Status CheckParametersMatchSpec(const torch::nn::Module& module, const v1::ModelSpec& spec);
 
+// kInvalidArgument unless `layers` has one buffer per spec layer, each of the layer's size.
+absl::Status CheckLayerSizes(const std::vector<std::vector<float>>& layers,
+                            const v1::ModelSpec& spec);
+
+// Copies `layers` into `params` (the spec's tensors in spec order), without autograd history.
+// kInvalidArgument (nothing copied) when CheckLayerSizes fails; kInternal on a LibTorch error.
+// Precondition: params match the spec (CheckParametersMatchSpec or equivalent).
+absl::Status CopyLayersIntoParameters(const std::vector<std::vector<float>>& layers,
+                                      const v1::ModelSpec& spec,
+                                      const std::vector<torch::Tensor>& params);
+
 // Copies `layers` (one flat float32 buffer per spec layer, tensors concatenated in spec order)
 // into the parameters of `module`, without recording autograd history. Returns
 // kInvalidArgument when the layer count or a layer's size differs from `spec`, and
