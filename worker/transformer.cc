@@ -136,7 +136,7 @@ absl::Status CheckParametersMatchSpec(const torch::nn::Module& module, const v1:
 }
 
 absl::Status CheckLayerSizes(const std::vector<std::vector<float>>& layers,
-                            const v1::ModelSpec& spec) {
+                             const v1::ModelSpec& spec) {
   if (layers.size() != static_cast<size_t>(spec.layers_size())) {
     return absl::InvalidArgumentError(
         absl::StrFormat("got %d layers, the model spec has %d", layers.size(), spec.layers_size()));

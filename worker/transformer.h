@@ -94,7 +94,7 @@ absl::Status CheckParametersMatchSpec(const torch::nn::Module& module, const v1:
 
 // kInvalidArgument unless `layers` has one buffer per spec layer, each of the layer's size.
 absl::Status CheckLayerSizes(const std::vector<std::vector<float>>& layers,
-                            const v1::ModelSpec& spec);
+                             const v1::ModelSpec& spec);
 
 // Copies `layers` into `params` (the spec's tensors in spec order), without autograd history.
 // kInvalidArgument (nothing copied) when CheckLayerSizes fails; kInternal on a LibTorch error.
