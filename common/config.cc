@@ -207,6 +207,7 @@ void FillServerDefaults(v1::ServerConfig* c) {
   if (c->apply_threads() == 0) c->set_apply_threads(c->num_shards());
   if (c->lease_seconds() == 0) c->set_lease_seconds(10);
   if (c->eval_every() == 0) c->set_eval_every(1);
+  if (c->max_staged_updates() == 0) c->set_max_staged_updates(8);
 }
 
 absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
@@ -312,6 +313,19 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (c.apply_threads() < 1 || c.apply_threads() > 1024) {
     return absl::InvalidArgumentError(
         absl::StrFormat("apply_threads must be in [1, 1024], got %d", c.apply_threads()));
+  }
+  if (c.shard_processes() > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("shard_processes must be in [0, 1024], got %d", c.shard_processes()));
+  }
+  if (c.shard_processes() > 0 && c.penalty().enabled()) {
+    return absl::InvalidArgumentError(
+        "penalty.enabled is not supported with shard_processes > 0 yet (the EDiT penalty weighs "
+        "each update by norms over all layers' statistics, which live in one process)");
+  }
+  if (c.max_staged_updates() < 1 || c.max_staged_updates() > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_staged_updates must be in [1, 4096], got %d", c.max_staged_updates()));
   }
   ALOE_RETURN_IF_ERROR(Positive("lease_seconds", c.lease_seconds()));
   if (!(c.max_seconds() >= 0) || !std::isfinite(c.max_seconds())) {

@@ -203,8 +203,11 @@ absl::StatusOr<v1::ImportedModel> ReadImportedModel(const std::string& path) {
 
 absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config) {
   ServerModel out;
+  // Layer-sharded across processes: each layer's shard is the process that owns it.
+  const uint32_t shards =
+      config.shard_processes() > 0 ? config.shard_processes() : config.num_shards();
   if (config.model_file().empty()) {
-    out.spec = BuildTransformerSpec(config.model(), config.num_shards());
+    out.spec = BuildTransformerSpec(config.model(), shards);
     out.initial = InitializeParameters(out.spec, config.seed());
     out.vocab_size = config.model().vocab_size();
     out.seq_len = config.model().seq_len();
@@ -220,7 +223,7 @@ absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config) {
     std::vector<float>& values = out.initial.emplace_back(model->layers(l).num_elements());
     ALOE_RETURN_IF_ERROR(DecodeFloats(model->layer_params(l), absl::MakeSpan(values)));
   }
-  AssignShards(config.num_shards(), &out.spec);
+  AssignShards(shards, &out.spec);
   out.fingerprint = model->fingerprint();
   out.vocab_size = model->vocab_size();
   out.seq_len = model->seq_len();

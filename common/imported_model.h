@@ -73,9 +73,10 @@ struct ServerModel {
   uint32_t seq_len = 0;
 };
 
-// For config.model_file == "": BuildTransformerSpec(config.model(), num_shards) and
+// For config.model_file == "": BuildTransformerSpec(config.model(), shards) and
 // InitializeParameters(spec, seed). Otherwise reads the file (ReadImportedModel's errors,
-// prefixed with "model_file: ") and balances its layers over num_shards (AssignShards).
+// prefixed with "model_file: ") and balances its layers over `shards` (AssignShards). shards =
+// shard_processes when the server is sharded across processes, else num_shards.
 absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config);
 
 }  // namespace aloe

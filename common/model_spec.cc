@@ -200,4 +200,13 @@ std::pair<uint64_t, uint64_t> SliceRange(uint64_t elements, uint32_t slices, uin
   return {std::min(elements, slice * length), std::min(elements, (slice + 1) * length)};
 }
 
+absl::Status CheckSlice(uint32_t slice, uint32_t slices) {
+  if (slices > kMaxSlices || (slices > 1 && slice >= slices) || (slices <= 1 && slice != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("slice %d of %d: need slice < slices <= %d (slices 0 or 1 = whole layers)",
+                        slice, slices, kMaxSlices));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace aloe

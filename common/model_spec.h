@@ -70,4 +70,8 @@ inline constexpr uint32_t kMaxSlices = 1024;
 // Precondition: slice < slices.
 std::pair<uint64_t, uint64_t> SliceRange(uint64_t elements, uint32_t slices, uint32_t slice);
 
+// kInvalidArgument unless slice < slices <= kMaxSlices, or slices is 0 or 1 (whole layers) and
+// slice is 0: a slice request or push header from the wire.
+absl::Status CheckSlice(uint32_t slice, uint32_t slices);
+
 }  // namespace aloe

@@ -23,15 +23,20 @@
 #include "common/corpus_manifest.h"
 #include "common/executor.h"
 #include "common/flags_usage.h"
+#include "common/imported_model.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
 #include "server/core/checkpoint_store.h"
 #include "server/core/server_core.h"
 #include "server/core/server_metrics.h"
+#include "server/core/shard_assembly.h"
+#include "server/core/shard_state.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 #include "server/service/grpc_services.h"
+#include "server/service/shard_control.h"
+#include "server/service/shard_service.h"
 
 ABSL_FLAG(std::string, config, "", "Server config file (text-format .textproto/.pbtxt or .json)");
 ABSL_FLAG(std::string, listen, "", "Override listen_address (host:port; port 0 = OS-chosen)");
@@ -54,6 +59,17 @@ ABSL_FLAG(double, pull_delay_ms, 0,
           "Testing: delay every Pull by this many milliseconds (emulates a slow link)");
 ABSL_FLAG(std::string, port_file, "",
           "Write 'grpc=PORT metrics=PORT' here once listening (for scripts and tests)");
+ABSL_FLAG(std::string, role, "single",
+          "single: one process serves everything (shard_processes must be 0); coordinator: "
+          "membership, tasks and the update order of a layer-sharded server (shard_processes > "
+          "0); shard: shard process --shard_index of it, serving Pull/Push for its layers on "
+          "--listen");
+ABSL_FLAG(int32_t, shard_index, -1, "--role shard: which shard process this is, 0-based");
+ABSL_FLAG(std::string, coordinator, "",
+          "--role shard: the coordinator's address (default: the config's listen_address)");
+ABSL_FLAG(std::string, token_file, "",
+          "--role shard: file whose first line is the token this shard presents to the "
+          "coordinator (security.token_file)");
 
 namespace aloe::server {
 namespace {
@@ -65,9 +81,14 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
   const std::string path = absl::GetFlag(FLAGS_config);
   if (path.empty()) return absl::InvalidArgumentError("--config is required (see --help)");
   ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, LoadServerConfig(path));
-  if (!absl::GetFlag(FLAGS_listen).empty()) config.set_listen_address(absl::GetFlag(FLAGS_listen));
+  // A shard listens on --listen; listen_address stays the coordinator's.
+  if (!absl::GetFlag(FLAGS_listen).empty() && absl::GetFlag(FLAGS_role) != "shard") {
+    config.set_listen_address(absl::GetFlag(FLAGS_listen));
+  }
   if (!absl::GetFlag(FLAGS_metrics).empty()) {
     config.set_metrics_address(absl::GetFlag(FLAGS_metrics));
+  } else if (absl::GetFlag(FLAGS_role) == "shard") {
+    config.set_metrics_address("off");  // the config's address is the coordinator's
   }
   if (!absl::GetFlag(FLAGS_corpus_dir).empty()) {
     config.set_corpus_dir(absl::GetFlag(FLAGS_corpus_dir));
@@ -89,6 +110,34 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError("--resume needs checkpoint.dir (or --checkpoint_dir)");
   }
   ALOE_RETURN_IF_ERROR(ValidateServerConfig(config));
+  const std::string role = absl::GetFlag(FLAGS_role);
+  if (role != "single" && role != "coordinator" && role != "shard") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--role must be single, coordinator or shard, got \"", role, "\""));
+  }
+  if (role == "single" && config.shard_processes() > 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the config has shard_processes %d: start one --role coordinator and %d --role shard "
+        "processes (or set shard_processes 0 for one process)",
+        config.shard_processes(), config.shard_processes()));
+  }
+  if (role != "single" && config.shard_processes() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--role ", role, " needs shard_processes > 0 in the config"));
+  }
+  if (role == "shard") {
+    const int32_t index = absl::GetFlag(FLAGS_shard_index);
+    if (index < 0 || static_cast<uint32_t>(index) >= config.shard_processes()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--role shard needs --shard_index in [0, %d), got %d", config.shard_processes(), index));
+    }
+    const std::string listen = absl::GetFlag(FLAGS_listen);
+    if (listen.empty() || listen.substr(listen.rfind(':') + 1) == "0") {
+      return absl::InvalidArgumentError(
+          "--role shard needs --listen with a fixed port (its own address, which workers are "
+          "told; listen_address is the coordinator's)");
+    }
+  }
   return config;
 }
 
@@ -108,15 +157,15 @@ bool IsLoopback(const std::string& address) {
 // TLS (optionally mutual) when configured, else plaintext. A non-loopback address needs TLS and
 // a token file unless security.insecure is set.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
-    const v1::ServerConfig& config) {
+    const v1::ServerConfig& config, const std::string& listen_address) {
   const v1::SecurityConfig& security = config.security();
   const bool tls = !security.tls_cert_file().empty();
-  if (!IsLoopback(config.listen_address()) && !security.insecure() &&
+  if (!IsLoopback(listen_address) && !security.insecure() &&
       (!tls || security.token_file().empty())) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "refusing to listen on non-loopback address %s without TLS (security.tls_cert_file) "
         "and a token file (security.token_file); pass --insecure to do it anyway",
-        config.listen_address()));
+        listen_address));
   }
   if (!tls) return grpc::InsecureServerCredentials();
   if (security.tls_key_file().empty()) {
@@ -200,8 +249,131 @@ void Drain(CoreHandle& handle, CheckpointStore* checkpoints, MetricsSink& metric
   }
 }
 
+// The Prometheus endpoint of config.metrics_address (or none for "off"); *port its port.
+absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig& config,
+                                                          int* port) {
+  *port = 0;
+  if (config.metrics_address() == "off") return std::make_unique<NullMetrics>();
+  ALOE_ASSIGN_OR_RETURN(
+      auto prometheus, PrometheusMetrics::Start(config.metrics_address(), ServerMetricCatalogue()));
+  *port = prometheus->port();
+  return prometheus;
+}
+
+// Builds, registers and starts the gRPC server on `address`; *port is the port bound.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
+    const std::string& address, std::shared_ptr<grpc::ServerCredentials> credentials,
+    const std::vector<grpc::Service*>& services, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, credentials, port);
+  // Chunks are <= 1 MiB; anything much larger is hostile or broken.
+  builder.SetMaxReceiveMessageSize(2 << 20);
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address, " (address in use?)"));
+  }
+  return server;
+}
+
+// --role shard: one shard process of a layer-sharded server.
+absl::Status RunShard(const v1::ServerConfig& config) {
+  const uint32_t index = static_cast<uint32_t>(absl::GetFlag(FLAGS_shard_index));
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  const std::string coordinator = absl::GetFlag(FLAGS_coordinator).empty()
+                                      ? config.listen_address()
+                                      : absl::GetFlag(FLAGS_coordinator);
+  ALOE_ASSIGN_OR_RETURN(ServerModel model, LoadServerModel(config));
+  const v1::ModelSpec spec = model.spec;
+  const std::string fingerprint = ShardedModelFingerprint(config, spec, model.fingerprint);
+  ThreadPoolExecutor executor(static_cast<int>(config.apply_threads()) - 1);
+  auto make_state = [&](std::vector<std::vector<float>> initial) {
+    return ShardState::Create(spec, index, std::move(initial), config.outer_optimizer(),
+                              config.apply_threads(), config.max_staged_updates(), executor);
+  };
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ShardState> state, make_state(std::move(model.initial)));
+  uint64_t params = 0;
+  for (uint32_t l : state->owned_layers()) params += spec.layers(l).num_elements();
+  std::unique_ptr<CheckpointStore> checkpoints;
+  if (!config.checkpoint().dir().empty()) {
+    checkpoints = std::make_unique<CheckpointStore>(
+        absl::StrFormat("%s/shard-%d", config.checkpoint().dir(), index),
+        config.checkpoint().keep());
+  }
+  if (absl::GetFlag(FLAGS_resume)) {
+    auto loaded = checkpoints->LoadLatest<v1::ShardCheckpoint>();
+    if (loaded.status().code() == absl::StatusCode::kNotFound) {
+      ALOE_LOG_WARNING("shard", "--resume: %s; starting from the initial model",
+                       loaded.status().message());
+    } else {
+      ALOE_RETURN_IF_ERROR(loaded.status());
+      ALOE_RETURN_IF_ERROR(state->Restore(loaded->checkpoint, fingerprint));
+      ALOE_LOG_INFO("shard", "resumed from %s (version %d)", loaded->path, state->version());
+    }
+  }
+  int metrics_port = 0;
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<MetricsSink> metrics, StartMetrics(config, &metrics_port));
+  std::unique_ptr<Authenticator> auth = std::make_unique<Authenticator>();
+  if (!config.security().token_file().empty()) {
+    ALOE_ASSIGN_OR_RETURN(auth, Authenticator::FromTokenFile(config.security().token_file()));
+  }
+  ALOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                        ServerCredentials(config, listen));
+  std::shared_ptr<grpc::ChannelCredentials> channel_credentials =
+      grpc::InsecureChannelCredentials();
+  if (!config.security().tls_cert_file().empty()) {
+    // The coordinator presents the same certificate chain (one config for every process).
+    grpc::SslCredentialsOptions ssl;
+    ALOE_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                          ReadWholeFile("TLS certificate", config.security().tls_cert_file()));
+    channel_credentials = grpc::SslCredentials(ssl);
+  }
+  ShardServer::Options options;
+  options.shard_index = index;
+  options.fingerprint = fingerprint;
+  options.coordinator = grpc::CreateChannel(coordinator, channel_credentials);
+  if (!absl::GetFlag(FLAGS_token_file).empty()) {
+    ALOE_ASSIGN_OR_RETURN(std::string token,
+                          ReadWholeFile("--token_file", absl::GetFlag(FLAGS_token_file)));
+    options.token = token.substr(0, token.find('\n'));
+  }
+  options.checkpoints = checkpoints.get();
+  options.every_versions = config.checkpoint().every_versions();
+  options.max_staged = config.max_staged_updates();
+  options.make_initial = [&]() -> absl::StatusOr<std::unique_ptr<ShardState>> {
+    ALOE_ASSIGN_OR_RETURN(ServerModel fresh, LoadServerModel(config));
+    return make_state(std::move(fresh.initial));
+  };
+  options.address = listen;  // told to the coordinator, and by it to the workers
+  const size_t owned_layers = state->owned_layers().size();
+  auto shard = std::make_unique<ShardServer>(spec, std::move(state), options, *auth, *metrics);
+  int grpc_port = 0;
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
+                        StartGrpc(listen, credentials, {shard.get()}, &grpc_port));
+  ALOE_LOG_INFO("shard",
+                "shard %d of %d listening on %s (metrics port %d): %d layers, %d parameters; "
+                "following the coordinator at %s",
+                index, config.shard_processes(), listen, metrics_port, owned_layers, params,
+                coordinator);
+  if (!absl::GetFlag(FLAGS_port_file).empty()) {
+    ALOE_RETURN_IF_ERROR(WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, metrics_port));
+  }
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  std::atomic<bool> stop{false};
+  std::thread follow([&] { shard->RunFollowLoop(stop); });
+  while (g_signal.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
+                shard->version());
+  stop.store(true);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  follow.join();
+  return absl::OkStatus();
+}
+
 absl::Status Run() {
   ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, ConfigFromFlags());
+  if (absl::GetFlag(FLAGS_role) == "shard") return RunShard(config);
   ALOE_ASSIGN_OR_RETURN(std::vector<CorpusShardInfo> corpus,
                         LoadCorpusManifest(config.corpus_dir()));
   std::vector<DataShard> train;
@@ -221,19 +393,10 @@ absl::Status Run() {
   const size_t num_train_shards = train.size();
   RealClock clock;
   ThreadPoolExecutor executor(static_cast<int>(config.apply_threads()) - 1);
-  std::unique_ptr<MetricsSink> metrics;
   int metrics_port = 0;
-  if (config.metrics_address() == "off") {
-    metrics = std::make_unique<NullMetrics>();
-  } else {
-    ALOE_ASSIGN_OR_RETURN(auto prometheus,
-                          PrometheusMetrics::Start(config.metrics_address(),
-                                                   ServerMetricCatalogue()));
-    metrics_port = prometheus->port();
-    metrics = std::move(prometheus);
-  }
-  ALOE_ASSIGN_OR_RETURN(auto core, ServerCore::Create(config, std::move(train), heldout_file,
-                                                      clock, executor, *metrics));
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<MetricsSink> metrics, StartMetrics(config, &metrics_port));
+  ALOE_ASSIGN_OR_RETURN(auto core,
+                        ServerCore::Create(config, train, heldout_file, clock, executor, *metrics));
   std::unique_ptr<CheckpointStore> checkpoints;
   if (!config.checkpoint().dir().empty()) {
     checkpoints = std::make_unique<CheckpointStore>(config.checkpoint().dir(),
@@ -259,7 +422,7 @@ absl::Status Run() {
     ALOE_ASSIGN_OR_RETURN(auth, Authenticator::FromTokenFile(config.security().token_file()));
   }
   ALOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                        ServerCredentials(config));
+                        ServerCredentials(config, config.listen_address()));
   CoreHandle handle(std::move(core));
   CoordinatorService coordinator(handle, *auth);
   const double pull_delay_ms = absl::GetFlag(FLAGS_pull_delay_ms);
@@ -267,18 +430,47 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--pull_delay_ms must be in [0, 600000]");
   }
   ParameterServiceImpl parameters(handle, *auth, *metrics, absl::Milliseconds(pull_delay_ms));
-  grpc::ServerBuilder builder;
-  int grpc_port = 0;
-  builder.AddListeningPort(config.listen_address(), credentials, &grpc_port);
-  // Chunks are <= 1 MiB; anything much larger is hostile or broken.
-  builder.SetMaxReceiveMessageSize(2 << 20);
-  builder.RegisterService(&coordinator);
-  builder.RegisterService(&parameters);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || grpc_port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", config.listen_address(), " (address in use?)"));
+  std::vector<grpc::Service*> services = {&coordinator};
+  std::unique_ptr<ShardControlService> shard_control;
+  if (config.shard_processes() == 0) {
+    services.push_back(&parameters);
+  } else {
+    // Workers pull and push at the shard processes; the shards follow this coordinator.
+    ShardControlService::Options options;
+    options.shard_processes = config.shard_processes();
+    options.fingerprint = ShardedModelFingerprint(config, spec, [&] {
+      absl::StatusOr<ServerModel> model = LoadServerModel(config);
+      return model.ok() ? model->fingerprint : std::string();
+    }());
+    options.coordinator_versions = [&]() {
+      std::vector<uint64_t> versions;
+      if (checkpoints) versions = checkpoints->Versions();
+      versions.push_back(handle.Run([](ServerCore& core) { return core.version(); }));
+      return versions;
+    };
+    options.restore = [&](uint64_t version) -> absl::Status {
+      // A new core at `version`: the current state, a checkpoint or the initial model. Its
+      // workers are forgotten (they join again): their tasks may start from versions undone.
+      std::optional<v1::ServerCheckpoint> from;
+      const uint64_t current = handle.Run([](ServerCore& core) { return core.version(); });
+      if (version == current) {
+        from = handle.Run([](ServerCore& core) { return core.CaptureCheckpoint(); });
+      } else if (version > 0) {
+        ALOE_ASSIGN_OR_RETURN(from, CheckpointStore::ReadFile(checkpoints->PathOf(version)));
+      }
+      ALOE_ASSIGN_OR_RETURN(
+          auto fresh, ServerCore::Create(config, train, heldout_file, clock, executor, *metrics));
+      if (from) ALOE_RETURN_IF_ERROR(fresh->RestoreCheckpoint(*from));
+      handle.Replace(std::move(fresh));
+      ALOE_LOG_INFO("coordinator", "restored version %d; workers join again", version);
+      return absl::OkStatus();
+    };
+    shard_control = std::make_unique<ShardControlService>(handle, *auth, std::move(options));
+    services.push_back(shard_control.get());
   }
+  int grpc_port = 0;
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
+                        StartGrpc(config.listen_address(), credentials, services, &grpc_port));
   ALOE_LOG_INFO("server", "security: %s, %s, %s",
                 config.security().tls_cert_file().empty() ? "plaintext" : "TLS",
                 config.security().tls_client_ca_file().empty() ? "no client certificates"

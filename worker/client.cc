@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/model_spec.h"
+#include "common/status_macros.h"
 #include "common/tensor_codec.h"
 
 namespace aloe::worker {
@@ -25,23 +28,55 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-ServerClient::ServerClient(const ClientOptions& options) : token_(options.token) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(2 << 20);
-  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+ServerClient::ServerClient(const ClientOptions& options)
+    : token_(options.token),
+      credentials_(grpc::InsecureChannelCredentials()),
+      shards_(std::make_shared<const ShardSet>()) {
+  channel_args_.SetMaxReceiveMessageSize(2 << 20);
   if (!options.tls_ca_pem.empty()) {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = options.tls_ca_pem;
     ssl.pem_cert_chain = options.tls_cert_pem;
     ssl.pem_private_key = options.tls_key_pem;
-    credentials = grpc::SslCredentials(ssl);
+    credentials_ = grpc::SslCredentials(ssl);
     if (!options.tls_server_name.empty()) {
-      args.SetSslTargetNameOverride(options.tls_server_name);
+      channel_args_.SetSslTargetNameOverride(options.tls_server_name);
     }
   }
-  channel_ = grpc::CreateCustomChannel(options.address, credentials, args);
+  channel_ = MakeChannel(options.address);
   coordinator_ = v1::Coordinator::NewStub(channel_);
   parameters_ = v1::ParameterService::NewStub(channel_);
+}
+
+std::shared_ptr<grpc::Channel> ServerClient::MakeChannel(const std::string& address) const {
+  return grpc::CreateCustomChannel(address, credentials_, channel_args_);
+}
+
+absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses) {
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (addresses[i].empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat("shard %d has no address", i));
+    }
+  }
+  const std::shared_ptr<const ShardSet> current = Shards();
+  if (std::equal(addresses.begin(), addresses.end(), current->begin(), current->end(),
+                 [](const std::string& a, const Shard& s) { return a == s.address; })) {
+    return absl::OkStatus();  // a re-join names the same shards: keep their connections
+  }
+  auto next = std::make_shared<ShardSet>();
+  for (const std::string& address : addresses) {
+    Shard shard{address, MakeChannel(address), nullptr};
+    shard.parameters = v1::ParameterService::NewStub(shard.channel);
+    next->push_back(std::move(shard));
+  }
+  absl::MutexLock lock(&mu_);
+  shards_ = std::move(next);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const ServerClient::ShardSet> ServerClient::Shards() const {
+  absl::MutexLock lock(&mu_);
+  return shards_;
 }
 
 namespace {
@@ -92,12 +127,155 @@ absl::Status ServerClient::Leave(uint64_t worker_id) {
   return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::Leave, request).status();
 }
 
+namespace {
+
+// "shard i (address): ", the prefix of a sharded stream's errors; "" for the single server, whose
+// messages stay as they were.
+std::string StreamLabel(int shard, const std::string& address) {
+  return shard < 0 ? "" : absl::StrFormat("shard %d (%s): ", shard, address);
+}
+
+// `status` with `label` in front of its message, code kept (the caller acts on the code).
+absl::Status Labelled(const absl::Status& status, const std::string& label) {
+  if (status.ok() || label.empty()) return status;
+  return absl::Status(status.code(), absl::StrCat(label, status.message()));
+}
+
+// Runs fn(0), ..., fn(n - 1) at once (fn(0) on the calling thread) and returns when all have.
+// One thread per shard: a handful of shards, and each call streams megabytes.
+void RunInParallel(size_t n, const std::function<void(size_t)>& fn) {
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < n; ++i) threads.emplace_back(fn, i);
+  if (n > 0) fn(0);
+  for (std::thread& t : threads) t.join();
+}
+
+// kInvalidArgument unless every spec layer names one of the `shards` shards (a spec and a
+// shard list from different joins).
+absl::Status CheckLayerOwners(const v1::ModelSpec& spec, size_t shards) {
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    if (spec.layers(l).shard() >= shards) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d belongs to shard %d but the server has %d shards", l,
+                          spec.layers(l).shard(), shards));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The part of every layer a pull fills: elements [first, first + length) of layer l, the whole
+// layer or one slice of it (PullRequest.slices).
+struct PullWindows {
+  std::vector<uint64_t> first, length;
+};
+
+// The version one Pull stream delivered.
+struct PulledStream {
+  bool have_version = false;  // false: the stream carried no chunk
+  uint64_t version = 0;
+};
+
+// Streams one Pull from `stub` into layers, validating every chunk (one version, the layer's
+// size, offsets contiguous from the window start, no overflow, finite values) and the stream's
+// status. owner >= 0: the stream is shard `owner`'s and may carry only its own layers, so the
+// streams of a sharded pull write disjoint layers and `filled` entries (elements received per
+// layer, from the window start). *bytes grows by the payload bytes received. kDataLoss on a bad
+// chunk; errors are prefixed by `label`.
+absl::StatusOr<PulledStream> ReadPullStream(
+    const ServerClient& client, v1::ParameterService::Stub* stub, const v1::PullRequest& request,
+    const v1::ModelSpec& spec, const PullWindows& windows, int owner, const std::string& label,
+    std::vector<std::vector<float>>* layers, std::vector<uint64_t>* filled, uint64_t* bytes) {
+  grpc::ClientContext context;
+  client.PrepareContext(&context, kTransferDeadlineSeconds);
+  std::unique_ptr<grpc::ClientReader<v1::ParamChunk>> reader = stub->Pull(&context, request);
+  PulledStream got;
+  v1::ParamChunk chunk;
+  absl::Status bad;
+  while (bad.ok() && reader->Read(&chunk)) {
+    if (!got.have_version) {
+      got.version = chunk.version();
+      got.have_version = true;
+    }
+    const uint32_t id = chunk.layer_id();
+    if (chunk.version() != got.version) {
+      bad = absl::DataLossError(absl::StrCat(label, "pull stream mixes model versions"));
+    } else if (owner >= 0 && id < static_cast<uint32_t>(spec.layers_size()) &&
+               spec.layers(id).shard() != static_cast<uint32_t>(owner)) {
+      // Checked before anything is written: the owner's stream may be filling this layer.
+      bad = absl::DataLossError(absl::StrFormat("%spull stream: layer %d belongs to shard %d",
+                                                label, id, spec.layers(id).shard()));
+    } else if (id >= static_cast<uint32_t>(spec.layers_size()) ||
+               chunk.layer_elements() != spec.layers(id).num_elements() ||
+               chunk.offset() != windows.first[id] + (*filled)[id] ||
+               chunk.data().size() % sizeof(float) != 0 ||
+               (*filled)[id] + chunk.data().size() / sizeof(float) > windows.length[id]) {
+      bad =
+          absl::DataLossError(absl::StrFormat("%spull stream: bad chunk for layer %d", label, id));
+    } else {
+      const size_t count = chunk.data().size() / sizeof(float);
+      absl::Status s =
+          DecodeFloats(chunk.data(), absl::MakeSpan((*layers)[id].data() + (*filled)[id], count));
+      if (!s.ok()) bad = absl::DataLossError(absl::StrCat(label, "pull stream: ", s.message()));
+      (*filled)[id] += count;
+      *bytes += chunk.data().size();
+    }
+  }
+  if (!bad.ok()) {
+    context.TryCancel();
+    reader->Finish();
+    return bad;
+  }
+  ALOE_RETURN_IF_ERROR(Labelled(FromGrpcStatus(reader->Finish()), label));
+  return got;
+}
+
+// Streams `chunks` (the header in the first) to `stub` as one Push; *bytes grows by the payload
+// bytes written.
+absl::StatusOr<v1::PushReply> SendPush(const ServerClient& client, v1::ParameterService::Stub* stub,
+                                       const std::vector<v1::PushChunk>& chunks, uint64_t* bytes) {
+  grpc::ClientContext context;
+  client.PrepareContext(&context, kTransferDeadlineSeconds);
+  v1::PushReply reply;
+  std::unique_ptr<grpc::ClientWriter<v1::PushChunk>> writer = stub->Push(&context, &reply);
+  for (const v1::PushChunk& chunk : chunks) {
+    *bytes += chunk.data().size();
+    if (!writer->Write(chunk)) break;  // the server ended the stream early; Finish() says why
+  }
+  writer->WritesDone();
+  absl::Status s = FromGrpcStatus(writer->Finish());
+  if (!s.ok()) return s;
+  return reply;
+}
+
+// The answer to a push from the answers of its shards: the first error in shard order; else the
+// update's own reply (staged = false: this shard's report completed it at the coordinator); else
+// still staged, as far as the least advanced shard got.
+absl::StatusOr<v1::PushReply> CombineShardReplies(
+    const std::vector<absl::StatusOr<v1::PushReply>>& replies) {
+  for (const absl::StatusOr<v1::PushReply>& reply : replies) {
+    if (!reply.ok()) return reply.status();
+  }
+  v1::PushReply staged;
+  staged.set_staged(true);
+  for (size_t i = 0; i < replies.size(); ++i) {
+    const v1::PushReply& reply = *replies[i];
+    if (!reply.staged()) return reply;
+    staged.set_version(std::max(staged.version(), reply.version()));
+    staged.set_slices_received(i == 0
+                                   ? reply.slices_received()
+                                   : std::min(staged.slices_received(), reply.slices_received()));
+  }
+  return staged;
+}
+
+}  // namespace
+
 absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version, bool latest,
                                             const v1::ModelSpec& spec,
                                             std::vector<std::vector<float>>* layers,
                                             uint64_t* bytes, uint32_t slice, uint32_t slices) {
-  grpc::ClientContext context;
-  PrepareContext(&context, kTransferDeadlineSeconds);
+  const std::shared_ptr<const ShardSet> shards = Shards();
+  if (!shards->empty()) ALOE_RETURN_IF_ERROR(CheckLayerOwners(spec, shards->size()));
   v1::PullRequest request;
   request.set_worker_id(worker_id);
   request.set_version(version);
@@ -107,70 +285,74 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
     request.set_slice(slice);
     request.set_slices(slices);
   }
-  std::unique_ptr<grpc::ClientReader<v1::ParamChunk>> reader =
-      parameters_->Pull(&context, request);
   layers->resize(spec.layers_size());
-  std::vector<uint64_t> filled(spec.layers_size(), 0);  // elements received, from the slice start
-  std::vector<uint64_t> first(spec.layers_size()), length(spec.layers_size());
+  std::vector<uint64_t> filled(spec.layers_size(), 0);
+  PullWindows windows;
+  windows.first.resize(spec.layers_size());
+  windows.length.resize(spec.layers_size());
   for (int i = 0; i < spec.layers_size(); ++i) {
     const auto [begin, end] = SliceRange(spec.layers(i).num_elements(), slices, slice);
-    first[i] = begin;
-    length[i] = end - begin;
-    (*layers)[i].resize(length[i]);
+    windows.first[i] = begin;
+    windows.length[i] = end - begin;
+    (*layers)[i].resize(windows.length[i]);
   }
-  bool have_version = false;
-  uint64_t received_version = 0;
-  v1::ParamChunk chunk;
-  absl::Status bad;
-  while (bad.ok() && reader->Read(&chunk)) {
-    if (!have_version) {
-      received_version = chunk.version();
-      have_version = true;
-    }
-    const uint32_t id = chunk.layer_id();
-    if (chunk.version() != received_version) {
-      bad = absl::DataLossError("pull stream mixes model versions");
-    } else if (id >= static_cast<uint32_t>(spec.layers_size()) ||
-               chunk.layer_elements() != spec.layers(id).num_elements() ||
-               chunk.offset() != first[id] + filled[id] ||
-               chunk.data().size() % sizeof(float) != 0 ||
-               filled[id] + chunk.data().size() / sizeof(float) > length[id]) {
-      bad = absl::DataLossError(absl::StrFormat("pull stream: bad chunk for layer %d", id));
+  // One stream from the single server, or one per shard at once.
+  const size_t streams = shards->empty() ? 1 : shards->size();
+  std::vector<absl::StatusOr<PulledStream>> got(streams);
+  std::vector<uint64_t> received(streams, 0);
+  RunInParallel(streams, [&](size_t i) {
+    if (shards->empty()) {
+      got[i] = ReadPullStream(*this, parameters_.get(), request, spec, windows, /*owner=*/-1, "",
+                              layers, &filled, &received[i]);
     } else {
-      const size_t count = chunk.data().size() / sizeof(float);
-      absl::Status s =
-          DecodeFloats(chunk.data(), absl::MakeSpan((*layers)[id].data() + filled[id], count));
-      if (!s.ok()) bad = absl::DataLossError(absl::StrCat("pull stream: ", s.message()));
-      filled[id] += count;
-      *bytes += chunk.data().size();
+      const Shard& shard = (*shards)[i];
+      got[i] = ReadPullStream(*this, shard.parameters.get(), request, spec, windows,
+                              static_cast<int>(i), StreamLabel(static_cast<int>(i), shard.address),
+                              layers, &filled, &received[i]);
+    }
+  });
+  for (uint64_t n : received) *bytes += n;
+  const PulledStream* first = nullptr;
+  for (const absl::StatusOr<PulledStream>& stream : got) {
+    if (!stream.ok()) return stream.status();  // the first failure in shard order
+  }
+  for (const absl::StatusOr<PulledStream>& stream : got) {
+    if (!stream->have_version) continue;  // a shard whose layers are all empty
+    if (first == nullptr) {
+      first = &*stream;
+    } else if (stream->version != first->version) {
+      return absl::DataLossError(
+          absl::StrFormat("shards sent versions %d and %d", first->version, stream->version));
     }
   }
-  if (!bad.ok()) {
-    context.TryCancel();
-    reader->Finish();
-    return bad;
-  }
-  absl::Status s = FromGrpcStatus(reader->Finish());
-  if (!s.ok()) return s;
   for (int i = 0; i < spec.layers_size(); ++i) {
-    if (filled[i] != length[i]) {
+    if (filled[i] != windows.length[i]) {
       return absl::DataLossError(absl::StrFormat("pull stream: layer %d incomplete", i));
     }
   }
-  return received_version;
+  return first != nullptr ? first->version : 0;
 }
 
 absl::StatusOr<v1::PushReply> ServerClient::Push(
     const v1::PushHeader& header, const v1::ModelSpec& spec,
     const std::vector<std::vector<float>>& layers, const std::vector<v1::Codec>& codecs,
     size_t int8_block_size, std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
+  const std::shared_ptr<const ShardSet> shards = Shards();
+  if (!shards->empty()) {
+    // Every buffer needs an owner before anything is sent.
+    if (layers.size() != static_cast<size_t>(spec.layers_size())) {
+      return absl::InvalidArgumentError(absl::StrFormat("%d layers to push, the model has %d",
+                                                        layers.size(), spec.layers_size()));
+    }
+    ALOE_RETURN_IF_ERROR(CheckLayerOwners(spec, shards->size()));
+  }
   if (residuals != nullptr) {
     residuals->resize(layers.size());
     for (size_t l = 0; l < layers.size(); ++l) (*residuals)[l].resize(layers[l].size());
   }
   // Encode everything first: a value that cannot be encoded must not leave half an update on
-  // the wire.
-  std::vector<v1::PushChunk> chunks;
+  // the wire. One stream of chunks for the single server, or one per shard with its layers.
+  std::vector<std::vector<v1::PushChunk>> streams(shards->empty() ? 1 : shards->size());
   for (size_t layer = 0; layer < layers.size(); ++layer) {
     const v1::Codec codec = layer < codecs.size() ? codecs[layer] : v1::CODEC_FP32;
     const size_t max_elements = MaxChunkElements(codec, int8_block_size);
@@ -179,6 +361,8 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
     if (header.slices() > 1 && layer < static_cast<size_t>(spec.layers_size())) {
       first = SliceRange(spec.layers(layer).num_elements(), header.slices(), header.slice()).first;
     }
+    std::vector<v1::PushChunk>& chunks =
+        streams[shards->empty() ? 0 : spec.layers(static_cast<int>(layer)).shard()];
     for (auto [begin, end] : ChunkRanges(layers[layer].size(), max_elements)) {
       v1::PushChunk chunk;
       chunk.set_layer_id(static_cast<uint32_t>(layer));
@@ -195,22 +379,24 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
       chunks.push_back(std::move(chunk));
     }
   }
-  if (chunks.empty()) chunks.emplace_back();
-  *chunks.front().mutable_header() = header;
-
-  grpc::ClientContext context;
-  PrepareContext(&context, kTransferDeadlineSeconds);
-  v1::PushReply reply;
-  std::unique_ptr<grpc::ClientWriter<v1::PushChunk>> writer =
-      parameters_->Push(&context, &reply);
-  for (const v1::PushChunk& chunk : chunks) {
-    *bytes += chunk.data().size();
-    if (!writer->Write(chunk)) break;  // the server ended the stream early; Finish() says why
+  // Every stream carries the header, even one without chunks.
+  for (std::vector<v1::PushChunk>& chunks : streams) {
+    if (chunks.empty()) chunks.emplace_back();
+    *chunks.front().mutable_header() = header;
   }
-  writer->WritesDone();
-  absl::Status s = FromGrpcStatus(writer->Finish());
-  if (!s.ok()) return s;
-  return reply;
+  if (shards->empty()) return SendPush(*this, parameters_.get(), streams[0], bytes);
+
+  std::vector<absl::StatusOr<v1::PushReply>> replies(streams.size());
+  std::vector<uint64_t> sent(streams.size(), 0);
+  RunInParallel(streams.size(), [&](size_t i) {
+    const Shard& shard = (*shards)[i];
+    replies[i] = SendPush(*this, shard.parameters.get(), streams[i], &sent[i]);
+    if (!replies[i].ok()) {
+      replies[i] = Labelled(replies[i].status(), StreamLabel(static_cast<int>(i), shard.address));
+    }
+  });
+  for (uint64_t n : sent) *bytes += n;
+  return CombineShardReplies(replies);
 }
 
 }  // namespace aloe::worker

@@ -1,6 +1,8 @@
 // gRPC client of aloe-server for one worker: control calls with deadlines, Pull into per-layer
 // buffers with full validation of what arrives, Push of a pseudo-gradient as a stream of
-// <= 1 MiB layer chunks. Thread-safe (gRPC stubs are), but one Pull/Push at a time per buffer.
+// <= 1 MiB layer chunks. Against a layer-sharded server (SetShards) Pull and Push talk to every
+// shard process in parallel, each about the layers it owns. Thread-safe (gRPC stubs are; the
+// shard set is swapped under a lock), but one Pull/Push at a time per buffer.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -9,7 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "proto/aloe.grpc.pb.h"
 
 namespace aloe::worker {
@@ -31,6 +35,8 @@ struct ClientOptions {
 class ServerClient {
  public:
   explicit ServerClient(const ClientOptions& options);
+  ServerClient(const ServerClient&) = delete;
+  ServerClient& operator=(const ServerClient&) = delete;
 
   // Sets a call's deadline and token.
   void PrepareContext(grpc::ClientContext* context, int seconds) const;
@@ -42,10 +48,21 @@ class ServerClient {
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status Leave(uint64_t worker_id);
 
+  // Where Pull and Push go: empty (the default) = the server at options.address; else
+  // addresses[i] is shard process i, which serves the layers l with spec.layers(l).shard() == i
+  // (JoinReply.shard_addresses; call it with every join reply). Channels use the credentials,
+  // token and channel arguments of the main channel; setting the same list again keeps them.
+  // kInvalidArgument (nothing changed) for an empty address. Pulls and pushes already under way
+  // finish on the shards they started with.
+  absl::Status SetShards(const std::vector<std::string>& addresses);
+
   // Pulls `version` (or the latest when latest is true) into layers, resized per spec. With
   // slices > 1 only slice `slice` of every layer is pulled (SliceRange, common/model_spec.h) and
   // layers[l] holds just that slice. Returns the version received. kDataLoss when the stream is
-  // inconsistent (mixed versions, gaps, wrong sizes, non-finite values).
+  // inconsistent (mixed versions, gaps, wrong sizes, non-finite values). With shards every shard
+  // streams its own layers in parallel; kDataLoss as well when a shard sends a layer it does not
+  // own or the shards send different versions; kInvalidArgument when a spec layer names a shard
+  // that does not exist. A shard's failure is its status, the message naming the shard.
   absl::StatusOr<uint64_t> Pull(uint64_t worker_id, uint64_t version, bool latest,
                                 const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
                                 uint64_t* bytes, uint32_t slice = 0, uint32_t slices = 1);
@@ -54,18 +71,43 @@ class ServerClient {
   // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB. With header.slices() > 1, layers[l]
   // is slice header.slice() of layer l and the chunk offsets are placed accordingly. When
   // residuals is not null it receives, per layer, layers - decode(encode(layers)) for error
-  // feedback. kInvalidArgument (nothing sent) when a value cannot be encoded.
+  // feedback. kInvalidArgument (nothing sent) when a value cannot be encoded. *bytes grows by the
+  // payload bytes sent.
+  //
+  // With shards every shard gets, in parallel, a stream of the chunks of its own layers under
+  // the same header (a header-only message when it has none) and answers staged = true until
+  // the shards' parts (and, sliced, all slices) are in. The result is the first shard error in
+  // shard order; else the reply with staged = false; else staged = true with slices_received
+  // the minimum and version the maximum over the shards. kInvalidArgument (nothing sent) when
+  // a spec layer names a shard that does not exist or layers does not match the spec.
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header, const v1::ModelSpec& spec,
                                      const std::vector<std::vector<float>>& layers,
                                      const std::vector<v1::Codec>& codecs, size_t int8_block_size,
                                      std::vector<std::vector<float>>* residuals, uint64_t* bytes);
 
  private:
+  // One shard process of a layer-sharded server.
+  struct Shard {
+    std::string address;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::ParameterService::Stub> parameters;
+  };
+  using ShardSet = std::vector<Shard>;
+
+  // A channel to `address` with the options' credentials and arguments.
+  std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) const;
+  // The shard set now (empty = single server). Shared so that a Pull or Push keeps using the
+  // set it started with while SetShards swaps in another.
+  std::shared_ptr<const ShardSet> Shards() const;
 
   std::string token_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  grpc::ChannelArguments channel_args_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
   std::unique_ptr<v1::ParameterService::Stub> parameters_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const ShardSet> shards_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace aloe::worker

@@ -234,6 +234,14 @@ absl::Status Worker::JoinServer() {
 }
 
 absl::Status Worker::Joined(const v1::JoinReply& joined) {
+  // A layer-sharded server: pulls and pushes go to its shard processes. Every rank of a node
+  // comes through here (REJOIN), as each pulls and pushes its own slices.
+  absl::Status shards =
+      client_.SetShards({joined.shard_addresses().begin(), joined.shard_addresses().end()});
+  if (!shards.ok()) {
+    return absl::Status(shards.code(),
+                        absl::StrCat("the server's shard addresses: ", shards.message()));
+  }
   joined_ = joined;
   need_join_ = false;
   if (node_ != nullptr) {
@@ -273,9 +281,12 @@ absl::Status Worker::Joined(const v1::JoinReply& joined) {
     codecs_.push_back(codec);
   }
   if (leader()) {
-    ALOE_LOG_INFO("worker", "%s joined as worker %d at version %d%s", Name(), joined_.worker_id(),
+    ALOE_LOG_INFO("worker", "%s joined as worker %d at version %d%s%s", Name(), joined_.worker_id(),
                   joined_.version(),
-                  node_ != nullptr ? absl::StrFormat(" (%d ranks)", node_->size()) : "");
+                  node_ != nullptr ? absl::StrFormat(" (%d ranks)", node_->size()) : "",
+                  joined_.shard_addresses().empty()
+                      ? ""
+                      : absl::StrFormat(" (%d shard processes)", joined_.shard_addresses_size()));
   }
   return absl::OkStatus();
 }

@@ -85,9 +85,23 @@ std::vector<std::string> CheckpointStore::List() const {
 }
 
 absl::StatusOr<std::string> CheckpointStore::Write(const v1::ServerCheckpoint& checkpoint) {
-  if (::mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST) {
-    return absl::UnavailableError(
-        absl::StrFormat("checkpoint dir %s: %s", dir_, std::strerror(errno)));
+  return WriteMessage(checkpoint.version(), checkpoint);
+}
+
+absl::StatusOr<std::string> CheckpointStore::Write(const v1::ShardCheckpoint& checkpoint) {
+  return WriteMessage(checkpoint.version(), checkpoint);
+}
+
+absl::StatusOr<std::string> CheckpointStore::WriteMessage(
+    uint64_t version, const google::protobuf::MessageLite& checkpoint) {
+  // Every missing parent too: a shard process writes into <checkpoint.dir>/shard-<i>.
+  for (size_t slash = dir_.find('/', 1);; slash = dir_.find('/', slash + 1)) {
+    const std::string prefix = dir_.substr(0, slash);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::UnavailableError(
+          absl::StrFormat("checkpoint dir %s: %s", prefix, std::strerror(errno)));
+    }
+    if (slash == std::string::npos) break;
   }
   std::string payload;
   if (!checkpoint.SerializeToString(&payload)) {
@@ -100,8 +114,7 @@ absl::StatusOr<std::string> CheckpointStore::Write(const v1::ServerCheckpoint& c
   AppendPod<uint32_t>(Crc32c(payload), &file);
   file += payload;
 
-  const std::string path =
-      absl::StrFormat("%s/%s%012d%s", dir_, kPrefix, checkpoint.version(), kSuffix);
+  const std::string path = absl::StrFormat("%s/%s%012d%s", dir_, kPrefix, version, kSuffix);
   const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -127,7 +140,8 @@ absl::StatusOr<std::string> CheckpointStore::Write(const v1::ServerCheckpoint& c
   return path;
 }
 
-absl::StatusOr<v1::ServerCheckpoint> CheckpointStore::ReadFile(const std::string& path) {
+absl::Status CheckpointStore::ReadMessage(const std::string& path,
+                                          google::protobuf::MessageLite* checkpoint) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::stringstream buffer;
@@ -154,29 +168,36 @@ absl::StatusOr<v1::ServerCheckpoint> CheckpointStore::ReadFile(const std::string
   }
   const std::string_view payload(file.data() + kHeaderBytes, length);
   if (Crc32c(payload) != crc) return absl::DataLossError(absl::StrCat(path, ": checksum mismatch"));
-  v1::ServerCheckpoint checkpoint;
-  if (!checkpoint.ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
+  if (!checkpoint->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
     return absl::DataLossError(absl::StrCat(path, ": payload does not parse"));
   }
-  return checkpoint;
+  return absl::OkStatus();
 }
 
-absl::StatusOr<CheckpointStore::Loaded> CheckpointStore::LoadLatest() const {
+absl::StatusOr<std::string> CheckpointStore::LoadLatestMessage(
+    google::protobuf::MessageLite* checkpoint, std::vector<std::string>* skipped) const {
   const std::vector<std::string> paths = List();
   if (paths.empty()) return absl::NotFoundError(absl::StrCat("no checkpoints in ", dir_));
-  Loaded loaded;
   for (const std::string& path : paths) {
-    absl::StatusOr<v1::ServerCheckpoint> c = ReadFile(path);
-    if (c.ok()) {
-      loaded.checkpoint = *std::move(c);
-      loaded.path = path;
-      return loaded;
-    }
-    ALOE_LOG_WARNING("checkpoint", "%s; trying the previous checkpoint", c.status().message());
-    loaded.skipped.push_back(std::string(c.status().message()));
+    absl::Status s = ReadMessage(path, checkpoint);
+    if (s.ok()) return path;
+    ALOE_LOG_WARNING("checkpoint", "%s; trying the previous checkpoint", s.message());
+    skipped->push_back(std::string(s.message()));
   }
   return absl::DataLossError(
       absl::StrFormat("all %d checkpoints in %s are corrupt", paths.size(), dir_));
+}
+
+std::vector<uint64_t> CheckpointStore::Versions() const {
+  std::vector<uint64_t> versions;
+  for (const std::string& path : List()) {
+    versions.push_back(static_cast<uint64_t>(VersionOf(path.substr(path.rfind('/') + 1))));
+  }
+  return versions;
+}
+
+std::string CheckpointStore::PathOf(uint64_t version) const {
+  return absl::StrFormat("%s/%s%012d%s", dir_, kPrefix, version, kSuffix);
 }
 
 }  // namespace aloe::server

@@ -16,6 +16,7 @@
 #include "kernels/cpu/outer_kernels.h"
 #include "server/core/grace_period_aggregation.h"
 #include "server/core/server_metrics.h"
+#include "server/core/update_assembler.h"
 
 namespace aloe::server {
 namespace {
@@ -81,11 +82,18 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   }
   std::unique_ptr<ServerCore> core(new ServerCore(effective, clock, metrics));
   core->model_fingerprint_ = model.fingerprint;
-  ALOE_ASSIGN_OR_RETURN(core->store_,
-                        ParameterStore::Create(std::move(model.spec), std::move(model.initial),
-                                               config.outer_optimizer(), executor));
+  core->spec_ = model.spec;
+  if (config.shard_processes() == 0) {
+    ALOE_ASSIGN_OR_RETURN(core->store_,
+                          ParameterStore::Create(std::move(model.spec), std::move(model.initial),
+                                                 config.outer_optimizer(), executor));
+  } else {
+    // The shard processes hold the parameters; the coordinator keeps only their layout.
+    core->shard_addresses_.resize(config.shard_processes());
+    model.initial.clear();
+  }
   for (const v1::LayerCodec& layer_codec : config.transport().layer_codecs()) {
-    const auto& layers = core->store_->spec().layers();
+    const auto& layers = core->spec().layers();
     if (std::none_of(layers.begin(), layers.end(), [&](const v1::LayerSpec& l) {
           return l.name() == layer_codec.layer();
         })) {
@@ -104,9 +112,8 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
         std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
   }
   if (config.penalty().enabled()) {
-    ALOE_ASSIGN_OR_RETURN(
-        core->penalty_,
-        PseudoGradientPenalty::Create(config.penalty(), core->store_->spec().layers_size()));
+    ALOE_ASSIGN_OR_RETURN(core->penalty_, PseudoGradientPenalty::Create(
+                                              config.penalty(), core->spec().layers_size()));
   }
   core->sampler_ = ShardSampler(std::move(train_shards), config.seed(),
                                 config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL
@@ -158,6 +165,13 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
             : absl::StrCat("brings another model (fingerprint ", request.model_fingerprint(),
                            ")")));
   }
+  if (sharded() && !shards_ready()) {
+    return absl::UnavailableError(
+        absl::StrFormat("waiting for the shard processes: %d of %d are following the coordinator",
+                        std::count_if(shard_addresses_.begin(), shard_addresses_.end(),
+                                      [](const std::string& a) { return !a.empty(); }),
+                        shard_addresses_.size()));
+  }
   const uint64_t id = membership_.Join(request.name(), request.role());
   metrics_.Add(kWorkersJoined, 1);
   if (request.role() != v1::ROLE_EVALUATOR) {
@@ -167,14 +181,15 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   reply.set_worker_id(id);
   reply.set_lease_seconds(config_.lease_seconds());
   *reply.mutable_model() = config_.model();
-  *reply.mutable_model_spec() = store_->spec();
+  *reply.mutable_model_spec() = spec();
   *reply.mutable_inner_optimizer() = config_.inner_optimizer();
-  reply.set_version(store_->version());
+  reply.set_version(version());
   reply.set_seed(config_.seed());
   reply.set_heldout_file(heldout_file_);
   *reply.mutable_transport() = config_.transport();
   *reply.mutable_outer_optimizer() = config_.outer_optimizer();
   reply.set_model_fingerprint(model_fingerprint_);
+  for (const std::string& address : shard_addresses_) reply.add_shard_addresses(address);
   PublishMembership();
   return reply;
 }
@@ -189,7 +204,7 @@ absl::StatusOr<v1::HeartbeatReply> ServerCore::Heartbeat(const v1::HeartbeatRequ
   planner_.ReportSpeed(request.worker_id(), request.steps_per_second());
   PublishSpeed(request.worker_id());
   v1::HeartbeatReply reply;
-  reply.set_version(store_->version());
+  reply.set_version(version());
   return reply;
 }
 
@@ -198,7 +213,7 @@ v1::Task ServerCore::NewTask(v1::Task::Kind kind) {
   task.set_kind(kind);
   if (kind == v1::Task::TRAIN || kind == v1::Task::EVAL) {
     task.set_task_id(next_task_id_++);
-    task.set_base_version(store_->version());
+    task.set_base_version(version());
     task.set_seed(MixSeed(config_.seed(), task.task_id()));
   }
   return task;
@@ -227,7 +242,7 @@ absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request)
 absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   if (stopping_) return NewTask(v1::Task::STOP);
   const std::vector<uint64_t> live = membership_.LiveIds(v1::ROLE_TRAINER);
-  const uint64_t current = store_->version();
+  const uint64_t current = version();
   std::optional<uint64_t> base = aggregation_->StartVersion(worker, current, live);
   if (!base) return NewTask(v1::Task::WAIT);
   if (*base != current && retained_.count(*base) == 0) {
@@ -236,7 +251,7 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
                    worker, current);
     base = current;
   }
-  if (*base == current && retained_.count(current) == 0) retained_[current] = store_->Snapshot();
+  if (*base == current && retained_.count(current) == 0) retained_[current] = Snapshot();
   if (!started_) started_ = clock_.Now();
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   // Aligned DyLU plans a released worker from its release (see LocalWorkPlanner), unless it
@@ -300,7 +315,7 @@ absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
     // overlapping worker would add one update past the stop).
     uint64_t in_flight = ahead_tasks_.size();
     for (const auto& [id, open] : open_tasks_) in_flight += open.task.kind() == v1::Task::TRAIN;
-    if (store_->version() + in_flight >= config_.max_versions()) return NewTask(v1::Task::STOP);
+    if (version() + in_flight >= config_.max_versions()) return NewTask(v1::Task::STOP);
   }
   // Only plain async hands out work ahead: a sync round or a grace window decides when and from
   // which version a worker starts, which a task running ahead of its push would bypass.
@@ -311,8 +326,8 @@ absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
     wait.set_draining(draining_);
     return wait;
   }
-  const uint64_t current = store_->version();
-  if (retained_.count(current) == 0) retained_[current] = store_->Snapshot();
+  const uint64_t current = version();
+  if (retained_.count(current) == 0) retained_[current] = Snapshot();
   OpenTask ahead = NewTrainTask(worker, current);
   ahead_tasks_[worker] = ahead;
   metrics_.Add(kTasksAhead, 1);
@@ -327,15 +342,14 @@ void ServerCore::PromoteAhead(uint64_t worker) {
   ahead_tasks_.erase(ahead);
   // The policy releases the worker (plain async: at once) and counts its work in progress; the
   // version it would start from is ignored: the task already started from an older one.
-  if (!aggregation_->StartVersion(worker, store_->version(),
-                                  membership_.LiveIds(v1::ROLE_TRAINER))) {
+  if (!aggregation_->StartVersion(worker, version(), membership_.LiveIds(v1::ROLE_TRAINER))) {
     ALOE_LOG_ERROR("server", "aggregation refused the look-ahead task of worker %d", worker);
   }
   ObserveReleases();
 }
 
 v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
-  const uint64_t version = store_->version();
+  const uint64_t version = this->version();
   const bool final_state = stopping_ && !aggregation_->InProgress();
   const bool due = !last_eval_version_.has_value() ||
                    version >= *last_eval_version_ + config_.eval_every() ||
@@ -344,33 +358,19 @@ v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
   v1::Task task = NewTask(v1::Task::EVAL);
   last_eval_version_ = version;
   // Kept until evaluated, so the evaluation measures exactly this version.
-  if (retained_.count(version) == 0) retained_[version] = store_->Snapshot();
+  if (retained_.count(version) == 0) retained_[version] = Snapshot();
   open_tasks_[worker] = OpenTask{task, 0};
   return task;
 }
 
-namespace {
-
-absl::Status CheckSlice(uint32_t slice, uint32_t slices) {
-  if (slices > kMaxSlices || (slices > 1 && slice >= slices) || (slices <= 1 && slice != 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("slice %d of %d: need slice < slices <= %d (slices 0 or 1 = whole layers)",
-                        slice, slices, kMaxSlices));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 absl::StatusOr<ModelSnapshot> ServerCore::SnapshotFor(const v1::PullRequest& request) const {
   ALOE_RETURN_IF_ERROR(LiveMember(request.worker_id()).status());
   ALOE_RETURN_IF_ERROR(CheckSlice(request.slice(), request.slices()));
-  if (request.latest() || request.version() == store_->version()) return store_->Snapshot();
+  if (request.latest() || request.version() == version()) return Snapshot();
   auto it = retained_.find(request.version());
   if (it == retained_.end()) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "version %d is not available; the current version is %d", request.version(),
-        store_->version()));
+        "version %d is not available; the current version is %d", request.version(), version()));
   }
   return it->second;
 }
@@ -416,7 +416,8 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   header.set_slice(update.slice);
   header.set_slices(update.slices);
   absl::Status status = CheckPushHeader(header);
-  if (status.ok()) status = store_->CheckShapes(update);
+  // Sharded: the shards checked the shapes of their parts; the update carries no data here.
+  if (status.ok() && store_ != nullptr) status = store_->CheckShapes(update);
   if (!status.ok()) {
     CountRejected(status);
     return status;
@@ -431,7 +432,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
       v1::PushReply reply;
       reply.set_staged(true);
       reply.set_slices_received(staged_[header.worker_id()].count);
-      reply.set_version(store_->version());
+      reply.set_version(version());
       return reply;
     }
     update = **std::move(whole);
@@ -441,7 +442,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   // A window whose grace ran out closes before this arrival.
   CloseDueWindows();
   // Staleness = the version it is applied to - the version it started from.
-  const uint64_t staleness = store_->version() - update.base_version;
+  const uint64_t staleness = version() - update.base_version;
   absl::StatusOr<float> scale = StalenessScale(config_.outer_optimizer(), staleness);
   if (!scale.ok()) {
     // Too stale: dropped like the work of a departed worker; the worker starts afresh.
@@ -459,11 +460,13 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     return scale.status();
   }
   if (*scale != 1.0f) {
+    // Sharded: the discount travels with the commit as part of the update's weight.
+    update.weight_scale = *scale;
     for (std::vector<float>& layer : update.layers) {
       kernels::Scale(layer.data(), layer.size(), *scale);
     }
   }
-  absl::StatusOr<ApplyBatch> batch = aggregation_->Submit(std::move(update), store_->version());
+  absl::StatusOr<ApplyBatch> batch = aggregation_->Submit(std::move(update), version());
   if (!batch.ok()) {
     CountRejected(batch.status());
     return batch.status();
@@ -482,7 +485,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   // With nobody else left to arrive a window closes at once (paper 002 Alg. 2, else branch).
   CloseDueWindows();
   PromoteAhead(worker);
-  reply.set_version(store_->version());
+  reply.set_version(version());
   reply.set_staleness(staleness);
   return reply;
 }
@@ -539,7 +542,20 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   for (const PendingUpdate& u : batch.updates) updates.push_back(&u);
   absl::Status status;
   ObserveReleases();
-  if (penalty_ == nullptr) {
+  if (sharded()) {
+    // The outer step happens on every shard process, in this order (ShardOrder COMMIT).
+    v1::ShardOrder order;
+    order.set_kind(v1::ShardOrder::COMMIT);
+    order.set_version(commit_version_ + 1);
+    for (size_t i = 0; i < batch.updates.size(); ++i) {
+      v1::CommitEntry* entry = order.add_entries();
+      entry->set_worker_id(batch.updates[i].worker_id);
+      entry->set_update_id(batch.updates[i].update_id);
+      entry->set_weight(batch.weights[i] * batch.updates[i].weight_scale);
+    }
+    orders_.push_back(std::move(order));
+    ++commit_version_;
+  } else if (penalty_ == nullptr) {
     // Per (update, layer) norms; with the penalty on, it reports them itself.
     for (const PendingUpdate* u : updates) {
       for (const std::vector<float>& layer : u->layers) {
@@ -548,7 +564,9 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
       }
     }
   }
-  if (penalty_ != nullptr) {
+  if (sharded()) {
+    // Committed above.
+  } else if (penalty_ != nullptr) {
     // The penalty's per-layer weights replace the batch's (paper 000 Alg. 2).
     PenaltyAggregation aggregation(*penalty_);
     status = store_->ApplyOuterStep(updates, aggregation);
@@ -574,18 +592,17 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   updates_applied_ += batch.updates.size();
   metrics_.Add(kUpdatesApplied, static_cast<double>(batch.updates.size()));
   metrics_.Add(kOuterSteps, 1);
-  metrics_.Set(kModelVersion, static_cast<double>(store_->version()));
+  metrics_.Set(kModelVersion, static_cast<double>(version()));
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
   metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
   PublishShards();
   const uint32_t every = config_.checkpoint().every_versions();
-  if (!config_.checkpoint().dir().empty() && every > 0 && store_->version() % every == 0) {
+  if (!config_.checkpoint().dir().empty() && every > 0 && version() % every == 0) {
     due_checkpoint_ = CaptureCheckpoint();
   }
-  ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f",
-                store_->version(), batch.updates.size(),
-                loss_sum / static_cast<double>(batch.updates.size()));
+  ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f", version(),
+                batch.updates.size(), loss_sum / static_cast<double>(batch.updates.size()));
   UpdateStopping();
   return absl::OkStatus();
 }
@@ -616,10 +633,10 @@ void ServerCore::ReportPenalty(const std::vector<PenaltyModuleReport>& reports) 
     ALOE_LOG_WARNING("server",
                      "version %d: pseudo-gradient penalty flagged %d (update, layer) pairs as "
                      "anomalous (max z %.2f) and rolled back %d of %d layers",
-                     store_->version(), anomalies, max_z, rollbacks, reports.size());
+                     version(), anomalies, max_z, rollbacks, reports.size());
   } else {
     ALOE_LOG_INFO("server", "version %d: pseudo-gradient penalty max z %.2f, min clip %.3f",
-                  store_->version(), max_z, min_clip);
+                  version(), max_z, min_clip);
   }
 }
 
@@ -684,6 +701,7 @@ void ServerCore::WorkerGone(uint64_t worker) {
   }
   planner_.Forget(worker);
   staged_.erase(worker);
+  DiscardParts(worker);
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
     metrics_.Remove(kTrainerStepsPerSecond, labels->second);
     metrics_.Remove(kTrainerPlannedSteps, labels->second);
@@ -703,9 +721,9 @@ void ServerCore::WorkerGone(uint64_t worker) {
 }
 
 void ServerCore::CloseDueWindows() {
-  if (aggregation_->CloseExpired(store_->version())) {
+  if (aggregation_->CloseExpired(version())) {
     // The released workers all start from this version, whatever is applied meanwhile.
-    retained_[store_->version()] = store_->Snapshot();
+    retained_[version()] = Snapshot();
     PruneRetained();
   }
   ObserveReleases();
@@ -759,7 +777,7 @@ void ServerCore::Tick() {
 
 void ServerCore::UpdateStopping() {
   if (stopping_) return;
-  if (config_.max_versions() > 0 && store_->version() >= config_.max_versions()) stopping_ = true;
+  if (config_.max_versions() > 0 && version() >= config_.max_versions()) stopping_ = true;
   if (config_.max_seconds() > 0 && (started_ || restored_seconds_ > 0) &&
       TrainedSeconds() >= config_.max_seconds()) {
     stopping_ = true;
@@ -782,26 +800,132 @@ std::string ServerCore::Fingerprint() const {
   std::string f = absl::StrFormat("outer=%s/N=%d;", v1::OuterOptimizerType_Name(
                                                         config_.outer_optimizer().type()),
                                   config_.outer_optimizer().dn_buffer_size());
-  for (const v1::LayerSpec& layer : store_->spec().layers()) {
+  for (const v1::LayerSpec& layer : spec().layers()) {
     absl::StrAppendFormat(&f, "%s:%d;", layer.name(), layer.num_elements());
   }
   absl::StrAppendFormat(&f, "penalty=%d;shards=%d", config_.penalty().enabled(), sampler_.size());
   if (!model_fingerprint_.empty()) absl::StrAppend(&f, ";model=", model_fingerprint_);
+  if (sharded()) absl::StrAppend(&f, ";processes=", config_.shard_processes());
   return f;
+}
+
+ModelSnapshot ServerCore::Snapshot() const {
+  if (store_ != nullptr) return store_->Snapshot();
+  ModelSnapshot snapshot;
+  snapshot.version = commit_version_;
+  return snapshot;
+}
+
+void ServerCore::SetShardAddress(uint32_t shard, std::string address) {
+  if (shard < shard_addresses_.size()) shard_addresses_[shard] = std::move(address);
+}
+
+bool ServerCore::shards_ready() const {
+  return std::none_of(shard_addresses_.begin(), shard_addresses_.end(),
+                      [](const std::string& a) { return a.empty(); });
+}
+
+std::vector<uint64_t> ServerCore::RetainedVersions() const {
+  std::vector<uint64_t> versions;
+  for (const auto& [version, snapshot] : retained_) versions.push_back(version);
+  return versions;
+}
+
+std::optional<size_t> ServerCore::OrderIndexAfter(uint64_t shard_version) const {
+  if (shard_version == orders_base_version_) return 0;
+  if (shard_version < orders_base_version_ || shard_version > commit_version_) return std::nullopt;
+  for (size_t i = 0; i < orders_.size(); ++i) {
+    if (orders_[i].kind() == v1::ShardOrder::COMMIT && orders_[i].version() == shard_version) {
+      return i + 1;
+    }
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
+                                                          const v1::PushHeader& header) {
+  if (!sharded() || shard >= config_.shard_processes()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "shard %d reported a staged update, but this coordinator has %d shard processes", shard,
+        config_.shard_processes()));
+  }
+  // The shard merged the slices of a sliced push: the coordinator sees whole updates.
+  v1::PushHeader whole = header;
+  whole.set_slice(0);
+  whole.set_slices(1);
+  absl::Status status = CheckPushHeader(whole);
+  if (!status.ok()) {
+    // A retry of a push whose update was already submitted finds no open task: the parts
+    // staged for it are gone or committed, nothing to discard.
+    CountRejected(status);
+    return status;
+  }
+  auto it = parts_.find(header.worker_id());
+  if (it != parts_.end() &&
+      (it->second.update_id != header.update_id() || it->second.task_id != header.task_id())) {
+    DiscardParts(header.worker_id());  // a new update supersedes the parts staged so far
+    it = parts_.end();
+  }
+  if (it == parts_.end()) {
+    Parts parts;
+    parts.update_id = header.update_id();
+    parts.task_id = header.task_id();
+    parts.received.assign(config_.shard_processes(), false);
+    it = parts_.emplace(header.worker_id(), std::move(parts)).first;
+  }
+  Parts& parts = it->second;
+  if (!parts.received[shard]) {
+    parts.received[shard] = true;
+    ++parts.count;
+  }
+  if (parts.count < config_.shard_processes()) {
+    v1::PushReply reply;
+    reply.set_staged(true);
+    reply.set_slices_received(parts.count);
+    reply.set_version(version());
+    return reply;
+  }
+  parts_.erase(it);
+  absl::StatusOr<v1::PushReply> reply = SubmitUpdate(UpdateOfHeader(whole));
+  if (!reply.ok()) {
+    // Rejected (e.g. too stale): the shards drop what they staged.
+    v1::ShardOrder discard;
+    discard.set_kind(v1::ShardOrder::DISCARD);
+    v1::CommitEntry* entry = discard.add_entries();
+    entry->set_worker_id(whole.worker_id());
+    entry->set_update_id(whole.update_id());
+    orders_.push_back(std::move(discard));
+  }
+  return reply;
+}
+
+void ServerCore::DiscardParts(uint64_t worker) {
+  auto it = parts_.find(worker);
+  if (it == parts_.end()) return;
+  v1::ShardOrder discard;
+  discard.set_kind(v1::ShardOrder::DISCARD);
+  v1::CommitEntry* entry = discard.add_entries();
+  entry->set_worker_id(worker);
+  entry->set_update_id(it->second.update_id);
+  orders_.push_back(std::move(discard));
+  parts_.erase(it);
 }
 
 v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {
   v1::ServerCheckpoint c;
   c.set_format(1);
   c.set_fingerprint(Fingerprint());
-  c.set_version(store_->version());
+  c.set_version(version());
   c.set_updates_applied(updates_applied_);
   c.set_next_task_id(next_task_id_);
   c.set_next_worker_id(membership_.next_id());
-  const ModelSnapshot snapshot = store_->Snapshot();
-  for (size_t l = 0; l < snapshot.layers.size(); ++l) {
-    AppendFloats(*snapshot.layers[l], c.add_layer_params());
-    store_->SaveOptimizerState(l, c.add_optimizer_state());
+  if (store_ != nullptr) {
+    // Sharded: each shard process checkpoints its own layers (aloe.v1.ShardCheckpoint).
+    const ModelSnapshot snapshot = Snapshot();
+    for (size_t l = 0; l < snapshot.layers.size(); ++l) {
+      AppendFloats(*snapshot.layers[l], c.add_layer_params());
+      store_->SaveOptimizerState(l, c.add_optimizer_state());
+    }
   }
   if (penalty_ != nullptr) penalty_->SaveState(c.mutable_penalty_state());
   for (size_t i = 0; i < sampler_.size(); ++i) {
@@ -856,7 +980,14 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
     penalty_->SaveState(&old_penalty);
     ALOE_RETURN_IF_ERROR(penalty_->LoadState(c.penalty_state()));
   }
-  absl::Status restored = store_->Restore(c.version(), params, states);
+  absl::Status restored = absl::OkStatus();
+  if (store_ != nullptr) {
+    restored = store_->Restore(c.version(), params, states);
+  } else if (!params.empty() || !states.empty()) {
+    restored = absl::FailedPreconditionError(
+        "the checkpoint holds parameters: it was written by a single-process server, and this "
+        "one is sharded across processes");
+  }
   if (!restored.ok()) {
     if (penalty_ != nullptr) (void)penalty_->LoadState(old_penalty);
     return restored;
@@ -875,10 +1006,15 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   started_.reset();
   stopping_ = c.stopping();
   retained_.clear();
-  metrics_.Set(kModelVersion, static_cast<double>(store_->version()));
+  if (sharded()) {
+    commit_version_ = c.version();
+    orders_.clear();
+    orders_base_version_ = c.version();
+  }
+  metrics_.Set(kModelVersion, static_cast<double>(version()));
   PublishShards();
-  ALOE_LOG_INFO("server", "resumed at version %d (%d updates applied, %.1f s trained)",
-                store_->version(), updates_applied_, restored_seconds_);
+  ALOE_LOG_INFO("server", "resumed at version %d (%d updates applied, %.1f s trained)", version(),
+                updates_applied_, restored_seconds_);
   return absl::OkStatus();
 }
 

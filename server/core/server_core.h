@@ -69,13 +69,14 @@ class ServerCore {
   // that fail before SubmitUpdate).
   void CountRejected(const absl::Status& status);
 
-  ModelSnapshot Snapshot() const { return store_->Snapshot(); }
+  // The current version's parameters; sharded (config.shard_processes > 0) only its version.
+  ModelSnapshot Snapshot() const;
   // The snapshot a Pull streams: the requested version — the current one, or an older one that
   // an open or released task starts from (kFailedPrecondition for any other) — or the latest.
   // kNotFound for an unknown worker; kInvalidArgument for a bad slice request.
   absl::StatusOr<ModelSnapshot> SnapshotFor(const v1::PullRequest& request) const;
-  const v1::ModelSpec& spec() const { return store_->spec(); }
-  uint64_t version() const { return store_->version(); }
+  const v1::ModelSpec& spec() const { return spec_; }
+  uint64_t version() const { return store_ != nullptr ? store_->version() : commit_version_; }
   uint64_t updates_applied() const { return updates_applied_; }
   const std::vector<EvalPoint>& eval_history() const { return eval_history_; }
   // When a time-driven event (a grace window closing) is due; nullopt when none is pending.
@@ -93,6 +94,27 @@ class ServerCore {
   // Call before any worker joins. kFailedPrecondition when the checkpoint belongs to another
   // model or optimizer, kInvalidArgument when it is malformed; state unchanged on error.
   absl::Status RestoreCheckpoint(const v1::ServerCheckpoint& checkpoint);
+
+  // --- Sharded across processes (config.shard_processes > 0): this core is the coordinator.
+  // It holds no parameters; each outer step becomes a COMMIT order that every shard process
+  // applies in log order (orders()), and an update counts as pushed only once every shard has
+  // staged its part (SubmitShardPart).
+  bool sharded() const { return config_.shard_processes() > 0; }
+  // Shard process `shard` follows the coordinator and serves workers at `address` ("" = gone).
+  // Join answers kUnavailable until every shard has an address.
+  void SetShardAddress(uint32_t shard, std::string address);
+  bool shards_ready() const;
+  // Shard `shard` staged its part of the update `header` describes. Returns staged = true until
+  // every shard has, then SubmitUpdate's reply for the whole update (whose errors mean: drop the
+  // part; a DISCARD order tells the shards that staged it).
+  absl::StatusOr<v1::PushReply> SubmitShardPart(uint32_t shard, const v1::PushHeader& header);
+  // The order log since the version the coordinator started (or was restored) at.
+  const std::vector<v1::ShardOrder>& orders() const { return orders_; }
+  // Where a shard at `shard_version` continues in orders(): just after that version's COMMIT.
+  // nullopt when the log cannot bring it to the current version (outside the log).
+  std::optional<size_t> OrderIndexAfter(uint64_t shard_version) const;
+  // Versions older than the current one that tasks still start from (ShardOrder.keep_versions).
+  std::vector<uint64_t> RetainedVersions() const;
 
   // Training is over (stop condition met) and every worker is gone.
   bool Finished() const;
@@ -113,6 +135,14 @@ class ServerCore {
     std::vector<bool> received;
     uint32_t count = 0;
     PendingUpdate merged;  // header fields of the first slice, layers merged slice by slice
+  };
+
+  // The shards that staged their part of one worker's update so far (sharded coordinator).
+  struct Parts {
+    uint64_t update_id = 0;
+    uint64_t task_id = 0;
+    std::vector<bool> received;
+    uint32_t count = 0;
   };
 
   struct OpenTask {
@@ -138,6 +168,8 @@ class ServerCore {
   void PromoteAhead(uint64_t worker);
   v1::Task EvaluatorTask(uint64_t worker);
   void WorkerGone(uint64_t worker);
+  // Tells the shards to drop the parts of `worker`'s update staged so far (if any).
+  void DiscardParts(uint64_t worker);
   absl::Status Apply(ApplyBatch batch);
   void ReportPenalty(const std::vector<PenaltyModuleReport>& reports);
   void UpdateStopping();
@@ -159,7 +191,15 @@ class ServerCore {
   std::string model_fingerprint_;  // of an imported model (config_.model_file); "" = built-in
   const Clock& clock_;
   MetricsSink& metrics_;
-  std::unique_ptr<ParameterStore> store_;
+  v1::ModelSpec spec_;
+  std::unique_ptr<ParameterStore> store_;  // null when sharded across processes
+  // Sharded coordinator: the version of the last COMMIT order, the order log since
+  // orders_base_version_, the shards' addresses and the parts staged per worker.
+  uint64_t commit_version_ = 0;
+  uint64_t orders_base_version_ = 0;
+  std::vector<v1::ShardOrder> orders_;
+  std::vector<std::string> shard_addresses_;
+  std::map<uint64_t, Parts> parts_;  // by worker
   Membership membership_;
   std::unique_ptr<AggregationPolicy> aggregation_;
   // aggregation_ when it is a grace window behind aligned DyLU (LocalWorkPlanner); else null.

@@ -32,6 +32,9 @@ inline constexpr char kUpdateStaleness[] = "aloe_update_staleness";
 inline constexpr char kCheckpointSeconds[] = "aloe_checkpoint_duration_seconds";
 inline constexpr char kCheckpointTimestamp[] = "aloe_checkpoint_last_timestamp_seconds";
 inline constexpr char kCheckpointVersion[] = "aloe_checkpoint_version";
+// Shard processes of a layer-sharded server.
+inline constexpr char kStagedUpdates[] = "aloe_staged_updates";
+inline constexpr char kStagedBytes[] = "aloe_staged_bytes";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
 // no per-worker labels.
 inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";

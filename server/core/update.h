@@ -20,6 +20,10 @@ struct PendingUpdate {
   // elements of `layers` are 0 until the slices are merged.
   uint32_t slice = 0;
   uint32_t slices = 1;
+  // The staleness discount applied to this update. A single-process server scales `layers` by
+  // it on arrival; a sharded coordinator (whose updates carry no data) folds it into the
+  // update's commit weight instead.
+  float weight_scale = 1.0f;
   // g = theta_base - theta_end, one flat float32 buffer per layer of the ModelSpec.
   std::vector<std::vector<float>> layers;
 };

@@ -23,16 +23,23 @@ size_t FirstOversized(absl::Span<const float> values) {
 
 }  // namespace
 
-UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header)
-    : spec_(spec), filled_(spec.layers_size(), 0) {
-  update_.worker_id = header.worker_id();
-  update_.task_id = header.task_id();
-  update_.update_id = header.update_id();
-  update_.base_version = header.base_version();
-  update_.steps_done = header.steps_done();
-  update_.tokens_learned = header.tokens_learned();
-  update_.train_loss = header.train_loss();
-  update_.compute_seconds = header.compute_seconds();
+PendingUpdate UpdateOfHeader(const v1::PushHeader& header) {
+  PendingUpdate update;
+  update.worker_id = header.worker_id();
+  update.task_id = header.task_id();
+  update.update_id = header.update_id();
+  update.base_version = header.base_version();
+  update.steps_done = header.steps_done();
+  update.tokens_learned = header.tokens_learned();
+  update.train_loss = header.train_loss();
+  update.compute_seconds = header.compute_seconds();
+  return update;
+}
+
+UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header,
+                                 std::optional<uint32_t> only_shard)
+    : spec_(spec), filled_(spec.layers_size(), 0), only_shard_(only_shard) {
+  update_ = UpdateOfHeader(header);
   update_.layers.resize(spec.layers_size());
   if (header.codec() != v1::CODEC_UNSPECIFIED) default_codec_ = header.codec();
   if (header.slices() > 1) {
@@ -44,7 +51,8 @@ UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader
     const auto [first, last] =
         SliceRange(spec.layers(l).num_elements(), update_.slices, update_.slice);
     filled_[l] = first;
-    end_[l] = last;
+    // Another shard's layer: nothing expected here.
+    end_[l] = only_shard_ && spec.layers(l).shard() != *only_shard_ ? first : last;
   }
 }
 
@@ -55,6 +63,11 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
         "unknown layer %d (the model has %d layers)", layer_id, spec_.layers_size()));
   }
   const v1::LayerSpec& layer = spec_.layers(layer_id);
+  if (only_shard_ && layer.shard() != *only_shard_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s) belongs to shard process %d, but this push went to shard process %d",
+        layer_id, layer.name(), layer.shard(), *only_shard_));
+  }
   if (codec == v1::CODEC_UNSPECIFIED) codec = default_codec_;
   if (!v1::Codec_IsValid(codec)) {
     return absl::InvalidArgumentError(
@@ -111,7 +124,9 @@ absl::StatusOr<PendingUpdate> UpdateAssembler::Finish() && {
           absl::StrFormat("layer %d (%s) incomplete: received %d of %d elements", i,
                           spec_.layers(i).name(), filled_[i] - first, end_[i] - first));
     }
-    // A layer with nothing to send in this slice still gets its (zero) buffer.
+    // A layer with nothing to send in this slice still gets its (zero) buffer; another shard's
+    // layer stays empty.
+    if (only_shard_ && spec_.layers(i).shard() != *only_shard_) continue;
     if (update_.layers[i].empty()) update_.layers[i].resize(spec_.layers(i).num_elements());
   }
   return std::move(update_);

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "absl/status/status.h"
@@ -26,10 +27,16 @@ namespace aloe::server {
 // turns the model and its momentum into Inf in one outer step.
 inline constexpr float kMaxPushMagnitude = 1e6f;
 
+// The header fields of a push as an update without data (slice fields left whole).
+PendingUpdate UpdateOfHeader(const v1::PushHeader& header);
+
 class UpdateAssembler {
  public:
-  // `spec` must outlive the assembler.
-  UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header);
+  // `spec` must outlive the assembler. only_shard: a shard process of a layer-sharded server
+  // assembles only the layers it owns (spec.layers[l].shard == *only_shard); a chunk of any other
+  // layer is kInvalidArgument, and the other layers stay empty in the finished update.
+  UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header,
+                  std::optional<uint32_t> only_shard = std::nullopt);
 
   // Adds the elements [offset, offset + count) of layer `layer_id` that `payload` encodes with
   // `codec` (CODEC_UNSPECIFIED = the header's codec, or FP32). Chunks of a layer must arrive in
@@ -59,6 +66,7 @@ class UpdateAssembler {
   uint64_t bytes_received_ = 0;
   std::array<uint64_t, v1::Codec_ARRAYSIZE> bytes_by_codec_{};
   v1::Codec default_codec_ = v1::CODEC_FP32;
+  std::optional<uint32_t> only_shard_;
 };
 
 }  // namespace aloe::server

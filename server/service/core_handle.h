@@ -13,7 +13,8 @@ namespace aloe::server {
 
 class CoreHandle {
  public:
-  explicit CoreHandle(std::unique_ptr<ServerCore> core) : core_(std::move(core)) {}
+  explicit CoreHandle(std::unique_ptr<ServerCore> core)
+      : spec_(core->spec()), core_(std::move(core)) {}
   CoreHandle(const CoreHandle&) = delete;
   CoreHandle& operator=(const CoreHandle&) = delete;
 
@@ -25,7 +26,37 @@ class CoreHandle {
       ~Wake() { h->changed_.SignalAll(); }
     } wake{this};
     absl::MutexLock lock(&mu_);
+    ++generation_;
     return fn(*core_);
+  }
+
+  // Runs fn(const core) under the lock without waking anybody or counting as a change, and sets
+  // *generation to the generation it saw (for WaitForChange).
+  template <typename F>
+  auto Peek(uint64_t* generation, F&& fn) {
+    absl::MutexLock lock(&mu_);
+    *generation = generation_;
+    return fn(static_cast<const ServerCore&>(*core_));
+  }
+
+  // Replaces the core (a sharded coordinator rolling back to a checkpoint): every worker of the
+  // old one is forgotten and must join again. The new core must have the same model spec.
+  void Replace(std::unique_ptr<ServerCore> core) {
+    absl::MutexLock lock(&mu_);
+    core_ = std::move(core);
+    ++generation_;
+    changed_.SignalAll();
+  }
+
+  // Waits until a Run or Replace after the Peek that saw generation `seen`, or until `timeout`.
+  // Returns the generation now.
+  uint64_t WaitForChange(uint64_t seen, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    const absl::Time deadline = absl::Now() + timeout;
+    while (generation_ == seen) {
+      if (changed_.WaitWithDeadline(&mu_, deadline)) break;
+    }
+    return generation_;
   }
 
   // RequestTask that holds a WAIT answer for up to max_wait, retrying whenever the state changes.
@@ -33,6 +64,7 @@ class CoreHandle {
     absl::MutexLock lock(&mu_);
     const absl::Time deadline = absl::Now() + max_wait;
     while (true) {
+      ++generation_;
       absl::StatusOr<v1::Task> task = core_->RequestTask(request);
       if (!task.ok() || task->kind() != v1::Task::WAIT) {
         changed_.SignalAll();  // the answer may have changed the core (a round opened)
@@ -42,13 +74,15 @@ class CoreHandle {
     }
   }
 
-  // The model spec never changes after creation, so it is read without the lock.
-  const v1::ModelSpec& spec() const { return core_->spec(); }
+  // The model spec never changes (a replacing core has the same), so it is read without the lock.
+  const v1::ModelSpec& spec() const { return spec_; }
 
  private:
+  const v1::ModelSpec spec_;
   absl::Mutex mu_;
   absl::CondVar changed_;
-  const std::unique_ptr<ServerCore> core_;  // the pointee is guarded by mu_
+  std::unique_ptr<ServerCore> core_;  // guarded by mu_, like the pointee
+  uint64_t generation_ = 0;           // guarded by mu_: Run and Replace calls so far
 };
 
 }  // namespace aloe::server

@@ -77,6 +77,46 @@ grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,
   return ToGrpcStatus(handle_.Run([&](ServerCore& core) { return core.Leave(*request); }));
 }
 
+grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& snapshot,
+                            uint32_t slice, uint32_t slices_requested,
+                            grpc::ServerWriter<v1::ParamChunk>& writer, MetricsSink& metrics) {
+  uint64_t bytes = 0;
+  v1::ParamChunk chunk;
+  // Whole layers, or one slice of each (validated by the caller).
+  const uint32_t slices = std::max<uint32_t>(1, slices_requested);
+  for (size_t layer = 0; layer < snapshot.layers.size(); ++layer) {
+    if (snapshot.layers[layer] == nullptr) continue;  // another shard process's layer
+    const std::vector<float>& params = *snapshot.layers[layer];
+    const auto [first, last] = SliceRange(params.size(), slices, slice);
+    for (auto [chunk_begin, chunk_end] : ChunkRanges(last - first)) {
+      const size_t begin = first + chunk_begin;
+      const size_t end = first + chunk_end;
+      if (context.IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "pull cancelled");
+      chunk.set_version(snapshot.version);
+      chunk.set_layer_id(static_cast<uint32_t>(layer));
+      chunk.set_offset(begin);
+      chunk.set_layer_elements(params.size());
+      chunk.mutable_data()->clear();
+      AppendFloats(absl::MakeConstSpan(params.data() + begin, end - begin), chunk.mutable_data());
+      bytes += chunk.data().size();
+      if (!writer.Write(chunk)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client stopped reading the pull");
+      }
+    }
+  }
+  metrics.Add(kSentBytes, static_cast<double>(bytes), {CodecLabel(v1::CODEC_FP32)});
+  return grpc::Status::OK;
+}
+
+void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics) {
+  for (int codec = 0; codec < v1::Codec_ARRAYSIZE; ++codec) {
+    if (const uint64_t bytes = assembler.bytes_by_codec()[codec]; bytes > 0) {
+      metrics.Add(kReceivedBytes, static_cast<double>(bytes),
+                  {CodecLabel(static_cast<v1::Codec>(codec))});
+    }
+  }
+}
+
 grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
                                         const v1::PullRequest* request,
                                         grpc::ServerWriter<v1::ParamChunk>* writer) {
@@ -85,31 +125,8 @@ grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
   absl::StatusOr<ModelSnapshot> snapshot =
       handle_.Run([&](ServerCore& core) { return core.SnapshotFor(*request); });
   if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
-  uint64_t bytes = 0;
-  v1::ParamChunk chunk;
-  // Whole layers, or one slice of each (validated by SnapshotFor).
-  const uint32_t slices = std::max<uint32_t>(1, request->slices());
-  for (size_t layer = 0; layer < snapshot->layers.size(); ++layer) {
-    const std::vector<float>& params = *snapshot->layers[layer];
-    const auto [first, last] = SliceRange(params.size(), slices, request->slice());
-    for (auto [chunk_begin, chunk_end] : ChunkRanges(last - first)) {
-      const size_t begin = first + chunk_begin;
-      const size_t end = first + chunk_end;
-      if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "pull cancelled");
-      chunk.set_version(snapshot->version);
-      chunk.set_layer_id(static_cast<uint32_t>(layer));
-      chunk.set_offset(begin);
-      chunk.set_layer_elements(params.size());
-      chunk.mutable_data()->clear();
-      AppendFloats(absl::MakeConstSpan(params.data() + begin, end - begin), chunk.mutable_data());
-      bytes += chunk.data().size();
-      if (!writer->Write(chunk)) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "client stopped reading the pull");
-      }
-    }
-  }
-  metrics_.Add(kSentBytes, static_cast<double>(bytes), {CodecLabel(v1::CODEC_FP32)});
-  return grpc::Status::OK;
+  return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer,
+                        metrics_);
 }
 
 grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
@@ -147,12 +164,7 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
     status = assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data(), chunk.codec());
     if (!status.ok()) return reject(status);
   } while (reader->Read(&chunk));
-  for (int codec = 0; codec < v1::Codec_ARRAYSIZE; ++codec) {
-    if (const uint64_t bytes = assembler.bytes_by_codec()[codec]; bytes > 0) {
-      metrics_.Add(kReceivedBytes, static_cast<double>(bytes),
-                   {CodecLabel(static_cast<v1::Codec>(codec))});
-    }
-  }
+  CountReceivedBytes(assembler, metrics_);
 
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();
   if (!update.ok()) return reject(update.status());

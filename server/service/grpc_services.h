@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "common/metrics.h"
 #include "proto/aloe.grpc.pb.h"
+#include "server/core/update_assembler.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 
@@ -16,6 +17,15 @@ namespace aloe::server {
 
 // The one place where absl::Status becomes grpc::Status (the codes are numerically equal).
 grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// Streams the layers of `snapshot` (skipping null ones: another shard process's) in <= 1 MiB
+// chunks, whole or slice `slice` of `slices` of each (already validated), and counts the bytes.
+grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& snapshot,
+                            uint32_t slice, uint32_t slices,
+                            grpc::ServerWriter<v1::ParamChunk>& writer, MetricsSink& metrics);
+
+// Adds the payload bytes an assembler accepted to the received-bytes metric, per codec.
+void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics);
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:

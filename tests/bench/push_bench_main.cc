@@ -141,6 +141,13 @@ Result RunWorkers(int workers, double seconds) {
       std::exit(1);
     }
     joined[w] = *reply;
+    // A layer-sharded server: the pushes go to its shard processes, as aloe-worker's do.
+    absl::Status shards =
+        clients[w]->SetShards({reply->shard_addresses().begin(), reply->shard_addresses().end()});
+    if (!shards.ok()) {
+      std::fprintf(stderr, "shard addresses: %s\n", shards.ToString().c_str());
+      std::exit(1);
+    }
   }
   const v1::ModelSpec& spec = joined[0].model_spec();
   std::vector<std::vector<float>> zeros;

@@ -12,6 +12,7 @@
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
+#include "server/core/shard_assembly.h"
 #include "server/core/update_assembler.h"
 
 namespace aloe::server {
@@ -861,6 +862,136 @@ TEST_F(ServerCoreTest, RestoredCoreContinuesBitIdentically) {
   EXPECT_THAT((*mismatched)->RestoreCheckpoint(*due),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("another model")));
   EXPECT_EQ((*mismatched)->version(), 0u);
+}
+
+// --- Sharded across processes: the core is the coordinator and holds no parameters.
+
+v1::PushHeader HeaderOf(uint64_t worker, const v1::Task& task, uint64_t update_id) {
+  v1::PushHeader h;
+  h.set_worker_id(worker);
+  h.set_task_id(task.task_id());
+  h.set_update_id(update_id);
+  h.set_base_version(task.base_version());
+  h.set_steps_done(task.local_steps());
+  h.set_tokens_learned(100);
+  return h;
+}
+
+TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart) {
+  v1::ServerConfig config = TinyConfig();
+  config.set_shard_processes(2);
+  ASSERT_THAT(ValidateServerConfig(config), IsOk());
+  Make(config);
+  EXPECT_TRUE(core_->Snapshot().layers.empty());  // no parameters here
+  v1::JoinRequest join;
+  EXPECT_THAT(core_->Join(join),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("0 of 2 are following")));
+  core_->SetShardAddress(0, "127.0.0.1:7001");
+  EXPECT_THAT(core_->Join(join), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("1 of 2")));
+  core_->SetShardAddress(1, "127.0.0.1:7002");
+  auto joined = core_->Join(join);
+  ASSERT_THAT(joined, IsOk());
+  EXPECT_THAT(joined->shard_addresses(),
+              ::testing::ElementsAre("127.0.0.1:7001", "127.0.0.1:7002"));
+  const uint64_t a = joined->worker_id();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  ASSERT_EQ(ta.kind(), v1::Task::TRAIN);
+
+  // a: both parts in; b: only shard 1's part so far. Sync (min 2): nothing committed yet.
+  auto first = core_->SubmitShardPart(0, HeaderOf(a, ta, 11));
+  ASSERT_THAT(first, IsOk());
+  EXPECT_TRUE(first->staged());
+  EXPECT_EQ(first->slices_received(), 1u);
+  EXPECT_THAT(core_->SubmitShardPart(1, HeaderOf(a, ta, 11)), IsOk());
+  EXPECT_THAT(core_->SubmitShardPart(1, HeaderOf(b, tb, 21)), IsOk());
+  EXPECT_TRUE(core_->orders().empty());
+  EXPECT_EQ(core_->version(), 0u);
+  // A shard index out of range, or a part of an update with no open task, is refused.
+  EXPECT_THAT(core_->SubmitShardPart(2, HeaderOf(b, tb, 21)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 shard processes")));
+  EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(a, ta, 11)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
+  // b's last part completes the round: one COMMIT of version 1, the plain mean of two updates.
+  auto last = core_->SubmitShardPart(0, HeaderOf(b, tb, 21));
+  ASSERT_THAT(last, IsOk());
+  EXPECT_FALSE(last->staged());
+  EXPECT_TRUE(last->applied());
+  EXPECT_EQ(core_->version(), 1u);
+  ASSERT_EQ(core_->orders().size(), 1u);
+  const v1::ShardOrder& commit = core_->orders()[0];
+  EXPECT_EQ(commit.kind(), v1::ShardOrder::COMMIT);
+  EXPECT_EQ(commit.version(), 1u);
+  ASSERT_EQ(commit.entries_size(), 2);
+  EXPECT_EQ(commit.entries(0).worker_id(), a);
+  EXPECT_EQ(commit.entries(0).update_id(), 11u);
+  EXPECT_FLOAT_EQ(commit.entries(0).weight(), 0.5f);
+  EXPECT_EQ(commit.entries(1).update_id(), 21u);
+  EXPECT_FLOAT_EQ(commit.entries(1).weight(), 0.5f);
+  EXPECT_EQ(core_->OrderIndexAfter(0), std::optional<size_t>(0));
+  EXPECT_EQ(core_->OrderIndexAfter(1), std::optional<size_t>(1));
+  EXPECT_EQ(core_->OrderIndexAfter(2), std::nullopt);
+
+  // A worker that leaves with a part staged on one shard: the shards are told to drop it.
+  const v1::Task ta2 = Request(a);
+  ASSERT_EQ(ta2.kind(), v1::Task::TRAIN);
+  ASSERT_THAT(core_->SubmitShardPart(1, HeaderOf(a, ta2, 12)), IsOk());
+  v1::LeaveRequest leave;
+  leave.set_worker_id(a);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  ASSERT_EQ(core_->orders().size(), 2u);
+  EXPECT_EQ(core_->orders()[1].kind(), v1::ShardOrder::DISCARD);
+  EXPECT_EQ(core_->orders()[1].entries(0).worker_id(), a);
+  EXPECT_EQ(core_->orders()[1].entries(0).update_id(), 12u);
+  EXPECT_EQ(core_->version(), 1u);
+}
+
+TEST_F(ServerCoreTest, ShardedStalenessDiscountTravelsInTheCommitWeight) {
+  v1::ServerConfig config = TinyConfig();
+  config.set_shard_processes(1);
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  config.mutable_outer_optimizer()->set_staleness_exponent(1.0f);
+  Make(config);
+  core_->SetShardAddress(0, "s0");
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, ta, 1)), IsOk());  // staleness 0
+  ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(b, tb, 1)), IsOk());  // staleness 1
+  ASSERT_EQ(core_->orders().size(), 2u);
+  EXPECT_FLOAT_EQ(core_->orders()[0].entries(0).weight(), 1.0f);
+  EXPECT_FLOAT_EQ(core_->orders()[1].entries(0).weight(), 0.5f);  // (1 + 1)^-1
+}
+
+TEST(ShardAssemblyTest, ChoosesTheNewestVersionEveryProcessCanReach) {
+  // Coordinator at 17 with checkpoints 10 and 15; shard 0 alive at 17 with checkpoints 10 and
+  // 15; shard 1 restarted from its checkpoint 15 (checkpoints 10, 15): everybody can be at 15.
+  EXPECT_EQ(ChooseCommonVersion({17, 15, 10}, {{17, {15, 10}}, {15, {15, 10}}}), 15u);
+  // Shard 1 lost checkpoint 15: back to 10.
+  EXPECT_EQ(ChooseCommonVersion({17, 15, 10}, {{17, {15, 10}}, {10, {10}}}), 10u);
+  // Everybody at the same version (a start): stay.
+  EXPECT_EQ(ChooseCommonVersion({6}, {{6, {}}, {6, {}}}), 6u);
+  // Nothing in common: the initial model.
+  EXPECT_EQ(ChooseCommonVersion({8}, {{8, {}}, {3, {}}}), 0u);
+  // The coordinator resumed from 10 while the shards ran on to 12: 10.
+  EXPECT_EQ(ChooseCommonVersion({10, 10, 5}, {{12, {10, 5}}, {12, {10, 5}}}), 10u);
+}
+
+TEST(ShardAssemblyTest, FingerprintNamesLayoutOptimizerAndProcesses) {
+  v1::ServerConfig config = TinyConfig();
+  config.set_shard_processes(2);
+  v1::ModelSpec spec;
+  auto* l0 = spec.add_layers();
+  l0->set_name("embed");
+  l0->set_num_elements(12);
+  l0->set_shard(1);
+  EXPECT_EQ(ShardedModelFingerprint(config, spec, ""),
+            "sharded1;outer=OUTER_SGD/N=1;processes=2;embed:12@1;");
+  EXPECT_EQ(ShardedModelFingerprint(config, spec, "byo1-x"),
+            "sharded1;outer=OUTER_SGD/N=1;processes=2;embed:12@1;model=byo1-x");
 }
 
 }  // namespace

@@ -1,0 +1,166 @@
+// The state of one shard process of a layer-sharded server (ServerConfig.shard_processes > 0):
+// the parameters and outer optimizer state of the layers this process owns
+// (ModelSpec.layers[l].shard == shard_index), the pushed updates it has staged but not yet
+// committed, and the older versions it keeps for pulls of open tasks.
+//
+// The coordinator decides which updates form an outer step and in which order; a shard only
+// stages what workers push to it and applies the coordinator's ShardOrders (proto/aloe.proto,
+// "Between the coordinator and the shard processes"). Every shard applies the same commits in
+// the same order, so an update reaches an outer step on every shard or on none: a COMMIT naming
+// an update this shard does not hold completely is refused and changes nothing.
+//
+// Pure logic (STYLE.md rule 0): no gRPC, no threads of its own, no clock. Not thread-safe: the
+// shard service serialises calls. Outer steps fan out over `apply_groups` groups of owned layers
+// through the Executor.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/executor.h"
+#include "proto/aloe.pb.h"
+#include "server/core/parameter_store.h"
+#include "server/core/update.h"
+
+namespace aloe::server {
+
+// What Stage did with a pushed part.
+struct StageResult {
+  bool complete = false;         // every slice of the update is staged: it may be committed
+  uint32_t slices_received = 0;  // distinct slices staged so far (1 for a whole update)
+};
+
+class ShardState {
+ public:
+  // spec: the FULL model spec; spec.num_shards() is the number of shard processes and
+  // layers[l].shard() the process owning layer l (layer ids must be 0, 1, ... in order).
+  // initial: one entry per spec layer, exactly num_elements values for every owned layer (the
+  // entries of foreign layers are ignored and may be empty). The owned layers are stepped in
+  // min(apply_groups, owned) groups in parallel (0 is treated as 1), balanced by bytes. At most
+  // max_staged distinct updates are staged at once. `executor` must outlive this object.
+  // kInvalidArgument for shard_index >= num_shards, a malformed spec, a size mismatch of an
+  // owned layer, a shard owning no layer (more shard processes than layers), max_staged == 0 or
+  // a bad optimizer config.
+  static absl::StatusOr<std::unique_ptr<ShardState>> Create(
+      v1::ModelSpec spec, uint32_t shard_index, std::vector<std::vector<float>> initial,
+      const v1::OuterOptimizerConfig& optimizer, uint32_t apply_groups, uint32_t max_staged,
+      Executor& executor);
+
+  ShardState(const ShardState&) = delete;
+  ShardState& operator=(const ShardState&) = delete;
+
+  uint32_t shard_index() const { return shard_index_; }
+  // Global layer ids owned by this shard, ascending.
+  const std::vector<uint32_t>& owned_layers() const { return owned_; }
+  // The version of the owned parameters: 0 at start, then the version of the last COMMIT
+  // applied or of the checkpoint restored.
+  uint64_t version() const { return store_->version(); }
+
+  // --- Staging: what a Push to this shard delivers.
+
+  // Stages this shard's part of an update. part.layers has one entry per GLOBAL spec layer:
+  // owned layers with exactly num_elements values, foreign layers empty. For a sliced push
+  // (part.slices > 1) each owned buffer is full-size with slice SliceRange(n, slices, slice)
+  // filled (UpdateAssembler's output); the slices of one (worker_id, update_id) are merged until
+  // all `slices` arrived. Pushing a slice (or a whole update) again replaces the staged copy of
+  // it, so retries are idempotent and a complete update stays complete. Different update_ids of
+  // one worker are staged side by side. part.weight_scale is not applied: the coordinator folds
+  // the staleness discount into the COMMIT weight.
+  // Errors, each leaving the staging unchanged:
+  //   kInvalidArgument naming the layer for data in a foreign layer or an owned layer of the
+  //     wrong size; for a bad slice/slices pair; for a part of an already staged
+  //     (worker_id, update_id) that disagrees with it on task_id, steps_done, tokens_learned or
+  //     slices (one update id names one update);
+  //   kResourceExhausted "staging full: S of S updates staged" for a new update when !HasRoom
+  //     (the service waits for room before reading a push, so this is a safety net).
+  absl::StatusOr<StageResult> Stage(PendingUpdate part);
+
+  // True when (worker_id, update_id) is already staged (partly or fully) or fewer than
+  // max_staged distinct updates are staged.
+  bool HasRoom(uint64_t worker_id, uint64_t update_id) const;
+  // True when every slice of (worker_id, update_id) is staged.
+  bool IsStaged(uint64_t worker_id, uint64_t update_id) const;
+  // Drops (worker_id, update_id) from staging; no-op when absent.
+  void Discard(uint64_t worker_id, uint64_t update_id);
+  // Distinct updates staged (complete or not).
+  size_t staged_count() const { return staged_.size(); }
+  // Float bytes held by staged updates.
+  uint64_t staged_bytes() const;
+
+  // --- Orders from the coordinator.
+
+  // COMMIT: one outer step producing order.version() with g = sum_i weight_i * g_i over the
+  // entries (ParameterStore::ApplyOuterStep: the weights are used as given, not renormalised).
+  //   kFailedPrecondition "commit of version X on a shard at version Y" unless
+  //     order.version() == version() + 1; kFailedPrecondition naming the worker and update when
+  //     an entry is not staged completely;
+  //   kInvalidArgument for no entries, a repeated entry or a non-finite weight.
+  //   All checked before anything changes. On success the committed updates leave staging, the
+  //   old version is retained when it is in order.keep_versions(), and every retained version
+  //   not in keep_versions is dropped.
+  // DISCARD: drops each entry from staging (absent ones are ignored); the version is unchanged.
+  // RESTORE and unknown kinds: kInvalidArgument (the service restores through Restore below).
+  absl::Status Apply(const v1::ShardOrder& order);
+
+  // --- Pulls.
+
+  // The owned layers at `version`, one entry per GLOBAL layer (nullptr for foreign layers): the
+  // current version or a retained older one. The buffers are immutable and stay valid while the
+  // caller holds the snapshot. kUnavailable for a version newer than version() (the service
+  // waits for the commit and asks again); kFailedPrecondition for an older version that is not
+  // retained.
+  absl::StatusOr<ModelSnapshot> SnapshotAt(uint64_t version) const;
+  // Older versions kept for pulls, ascending.
+  std::vector<uint64_t> retained_versions() const;
+
+  // --- Checkpoints.
+
+  // Parameters (float32 little-endian) and outer optimizer state of the owned layers at
+  // version(), format 1, tagged with `fingerprint` (model spec + outer optimizer).
+  v1::ShardCheckpoint Capture(const std::string& fingerprint) const;
+  // Replaces parameters, optimizer states and version with the checkpoint's and drops all staged
+  // updates and retained versions. All or nothing:
+  //   kFailedPrecondition when the fingerprint, shard_index or shard_processes differ from this
+  //     shard's (the message names both values);
+  //   kInvalidArgument for an unknown format, layer ids other than owned_layers(), or a
+  //     parameter size or optimizer state blob that does not fit.
+  absl::Status Restore(const v1::ShardCheckpoint& c, const std::string& fingerprint);
+
+ private:
+  using UpdateKey = std::pair<uint64_t, uint64_t>;  // (worker_id, update_id)
+
+  // One update being staged: the header of its first part, and its owned layers (local order),
+  // merged over the slices received so far.
+  struct StagedUpdate {
+    PendingUpdate merged;
+    std::vector<bool> received;  // per slice
+    uint32_t count = 0;          // slices received
+    bool complete() const { return count == received.size(); }
+  };
+
+  ShardState(v1::ModelSpec spec, uint32_t shard_index, uint32_t max_staged,
+             std::vector<uint32_t> owned, std::vector<int> local_of_global,
+             std::unique_ptr<ParameterStore> store);
+
+  absl::Status CheckPart(const PendingUpdate& part) const;
+  absl::Status Commit(const v1::ShardOrder& order);
+  // Expands a snapshot of the owned layers (local order) to one entry per global layer.
+  ModelSnapshot Globalize(const ModelSnapshot& local) const;
+
+  const v1::ModelSpec spec_;  // the full spec
+  const uint32_t shard_index_;
+  const uint32_t max_staged_;
+  const std::vector<uint32_t> owned_;       // global ids of the owned layers, ascending
+  const std::vector<int> local_of_global_;  // local index of each global layer, -1 if foreign
+  std::unique_ptr<ParameterStore> store_;   // the owned layers only, re-indexed 0..owned-1
+  std::map<UpdateKey, StagedUpdate> staged_;
+  std::map<uint64_t, ModelSnapshot> retained_;  // older versions (local order) kept for pulls
+};
+
+}  // namespace aloe::server

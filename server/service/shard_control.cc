@@ -1,0 +1,188 @@
+#include "server/service/shard_control.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "server/core/shard_assembly.h"
+#include "server/service/grpc_services.h"
+
+namespace aloe::server {
+
+ShardControlService::ShardControlService(CoreHandle& handle, Authenticator& auth, Options options)
+    : handle_(handle), auth_(auth), options_(std::move(options)) {
+  absl::MutexLock lock(&mu_);
+  followers_.resize(options_.shard_processes);
+}
+
+grpc::Status ShardControlService::ReportStaged(grpc::ServerContext* context,
+                                               const v1::StagedReport* request,
+                                               v1::PushReply* reply) {
+  if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
+    return ToGrpcStatus(who.status());
+  }
+  if (absl::Status owner = auth_.CheckOwner(request->header().worker_id(), request->identity());
+      !owner.ok()) {
+    return ToGrpcStatus(owner);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!ready_) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the shard processes are (re)assembling; push again");
+    }
+  }
+  absl::StatusOr<v1::PushReply> result = handle_.Run([&](ServerCore& core) {
+    return core.SubmitShardPart(request->shard_index(), request->header());
+  });
+  if (result.ok()) *reply = *std::move(result);
+  return ToGrpcStatus(result.status());
+}
+
+void ShardControlService::BeginAssembly() {
+  ready_ = false;
+  ++epoch_;
+  handle_.Run([&](ServerCore& core) {
+    for (uint32_t i = 0; i < options_.shard_processes; ++i) core.SetShardAddress(i, "");
+  });
+  ALOE_LOG_INFO("coordinator", "assembling the %d shard processes (epoch %d)",
+                options_.shard_processes, epoch_);
+  assembled_.SignalAll();
+}
+
+void ShardControlService::MaybeCompleteAssembly() {
+  std::vector<ShardStart> starts;
+  for (const Follower& f : followers_) {
+    if (f.epoch != epoch_) return;
+    starts.push_back(ShardStart{
+        f.request.version(),
+        {f.request.checkpoint_versions().begin(), f.request.checkpoint_versions().end()}});
+  }
+  std::vector<uint64_t> mine = options_.coordinator_versions();
+  const uint64_t current = handle_.Run([](ServerCore& core) { return core.version(); });
+  const uint64_t version = ChooseCommonVersion(mine, starts);
+  if (!first_assembly_ || version != current) {
+    absl::Status s = options_.restore(version);
+    if (!s.ok()) {
+      ALOE_LOG_ERROR("coordinator", "cannot restore version %d: %s; starting over", version,
+                     s.message());
+      BeginAssembly();
+      return;
+    }
+  }
+  first_assembly_ = false;
+  start_version_ = version;
+  handle_.Run([&](ServerCore& core) {
+    for (uint32_t i = 0; i < options_.shard_processes; ++i) {
+      core.SetShardAddress(i, followers_[i].request.address());
+    }
+  });
+  ready_ = true;
+  ALOE_LOG_INFO("coordinator", "the %d shard processes are assembled at version %d",
+                options_.shard_processes, version);
+  assembled_.SignalAll();
+}
+
+grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
+                                         const v1::FollowRequest* request,
+                                         grpc::ServerWriter<v1::ShardOrder>* writer) {
+  if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
+    return ToGrpcStatus(who.status());
+  }
+  const uint32_t shard = request->shard_index();
+  if (shard >= options_.shard_processes) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("shard index %d, but this coordinator has %d shard "
+                                        "processes (shard_processes)",
+                                        shard, options_.shard_processes));
+  }
+  if (request->fingerprint() != options_.fingerprint) {
+    return grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        absl::StrFormat("shard process %d has another model, optimizer or shard count (%s) than "
+                        "the coordinator (%s): start every process with the same config",
+                        shard, request->fingerprint(), options_.fingerprint));
+  }
+  if (request->address().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the shard must say its address");
+  }
+  uint64_t connection = 0;
+  uint64_t epoch = 0;
+  size_t cursor = 0;
+  bool send_restore = false;
+  uint64_t restore_version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    Follower& me = followers_[shard];
+    connection = ++me.connection;
+    me.request = *request;
+    std::optional<size_t> next;
+    if (ready_ && !request->fresh()) {
+      next =
+          handle_.Run([&](ServerCore& core) { return core.OrderIndexAfter(request->version()); });
+    }
+    if (next) {
+      // Lost only its connection: follows on from its version.
+      me.epoch = epoch_;
+      cursor = *next;
+      handle_.Run([&](ServerCore& core) { core.SetShardAddress(shard, request->address()); });
+      ALOE_LOG_INFO("coordinator", "shard %d follows again from version %d", shard,
+                    request->version());
+    } else {
+      if (ready_) {
+        ALOE_LOG_WARNING("coordinator",
+                         "shard %d %s at version %d: its staged updates are lost, so every "
+                         "process goes back to a common checkpoint",
+                         shard, request->fresh() ? "restarted" : "fell out of the log",
+                         request->version());
+        BeginAssembly();
+      }
+      me.epoch = epoch_;
+      MaybeCompleteAssembly();
+      while (!(ready_ && epoch_ == me.epoch) && epoch_ == me.epoch && me.connection == connection &&
+             !context->IsCancelled()) {
+        assembled_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
+      }
+      if (!(ready_ && epoch_ == me.epoch) || me.connection != connection) {
+        return grpc::Status(grpc::StatusCode::ABORTED, "the shards are reassembling; follow again");
+      }
+      send_restore = true;
+      restore_version = start_version_;
+    }
+    epoch = me.epoch;
+  }
+  if (send_restore) {
+    v1::ShardOrder restore;
+    restore.set_kind(v1::ShardOrder::RESTORE);
+    restore.set_version(restore_version);
+    if (!writer->Write(restore)) return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
+  }
+  uint64_t seen = 0;
+  while (!context->IsCancelled()) {
+    std::vector<v1::ShardOrder> batch;
+    {
+      absl::MutexLock lock(&mu_);
+      if (epoch_ != epoch || followers_[shard].connection != connection) {
+        return grpc::Status(grpc::StatusCode::ABORTED, "the shards are reassembling; follow again");
+      }
+      handle_.Peek(&seen, [&](const ServerCore& core) {
+        const std::vector<v1::ShardOrder>& orders = core.orders();
+        if (cursor >= orders.size()) return;
+        const std::vector<uint64_t> keep = core.RetainedVersions();
+        for (; cursor < orders.size(); ++cursor) {
+          batch.push_back(orders[cursor]);
+          if (batch.back().kind() == v1::ShardOrder::COMMIT) {
+            for (uint64_t v : keep) batch.back().add_keep_versions(v);
+          }
+        }
+      });
+    }
+    for (const v1::ShardOrder& order : batch) {
+      if (!writer->Write(order)) return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
+    }
+    handle_.WaitForChange(seen, absl::Milliseconds(200));
+  }
+  return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
+}
+
+}  // namespace aloe::server

@@ -1,0 +1,67 @@
+// The coordinator's side of a layer-sharded server (aloe-server --role coordinator): shard
+// processes report staged update parts (ReportStaged) and follow the order log (Follow).
+//
+// Assembly: the coordinator serves workers only while every shard process follows it from the
+// same state. At start, and whenever a shard process starts again (a restart loses its staged
+// updates, so the commits after its checkpoint cannot be replayed on it), the shards
+// (re)assemble: every Follow stream ends (ABORTED) and the shards follow again; once all of them
+// have, the newest version that the coordinator and every shard can all be at is chosen
+// (ChooseCommonVersion: a current state or a checkpoint), the coordinator's core is restored to
+// it (its workers are forgotten and join again), and every shard gets RESTORE of that version
+// before the new log. A shard that only lost its connection follows on from its version.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "proto/aloe.grpc.pb.h"
+#include "server/service/auth.h"
+#include "server/service/core_handle.h"
+
+namespace aloe::server {
+
+class ShardControlService final : public v1::ShardControl::Service {
+ public:
+  struct Options {
+    uint32_t shard_processes = 0;
+    std::string fingerprint;  // ShardedModelFingerprint of this server
+    // The versions the coordinator can restart from: its current one and its checkpoints.
+    std::function<std::vector<uint64_t>()> coordinator_versions;
+    // Replaces the handle's core by one at `version` (one of coordinator_versions, or 0).
+    std::function<absl::Status(uint64_t version)> restore;
+  };
+  // handle and auth must outlive the service.
+  ShardControlService(CoreHandle& handle, Authenticator& auth, Options options);
+
+  grpc::Status ReportStaged(grpc::ServerContext*, const v1::StagedReport*, v1::PushReply*) override;
+  grpc::Status Follow(grpc::ServerContext*, const v1::FollowRequest*,
+                      grpc::ServerWriter<v1::ShardOrder>*) override;
+
+ private:
+  struct Follower {
+    uint64_t connection = 0;  // bumped by every Follow call of this shard
+    uint64_t epoch = 0;       // the assembly it joined
+    v1::FollowRequest request;
+  };
+  // Starts a new assembly (ends every stream). Requires mu_.
+  void BeginAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes the assembly when every shard joined it. Requires mu_.
+  void MaybeCompleteAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  CoreHandle& handle_;
+  Authenticator& auth_;
+  const Options options_;
+  absl::Mutex mu_;
+  absl::CondVar assembled_;
+  std::vector<Follower> followers_ ABSL_GUARDED_BY(mu_);
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  bool ready_ ABSL_GUARDED_BY(mu_) = false;
+  bool first_assembly_ ABSL_GUARDED_BY(mu_) = true;
+  uint64_t start_version_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace aloe::server

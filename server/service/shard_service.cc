@@ -1,0 +1,277 @@
+#include "server/service/shard_service.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/model_spec.h"
+#include "server/core/server_metrics.h"
+#include "server/core/update_assembler.h"
+#include "server/service/grpc_services.h"
+
+namespace aloe::server {
+namespace {
+
+// How long a push waits for a staging slot, and a pull for its version to be committed here.
+constexpr absl::Duration kSlotWait = absl::Seconds(120);
+constexpr absl::Duration kVersionWait = absl::Seconds(10);
+
+}  // namespace
+
+ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, Options options,
+                         Authenticator& auth, MetricsSink& metrics)
+    : spec_(std::move(spec)),
+      options_(std::move(options)),
+      auth_(auth),
+      metrics_(metrics),
+      control_(v1::ShardControl::NewStub(options_.coordinator)),
+      state_(std::move(state)) {}
+
+uint64_t ShardServer::version() {
+  absl::MutexLock lock(&mu_);
+  return state_->version();
+}
+
+void ShardServer::Publish() {
+  metrics_.Set(kModelVersion, static_cast<double>(state_->version()));
+  metrics_.Set(kStagedUpdates, static_cast<double>(state_->staged_count()));
+  metrics_.Set(kStagedBytes, static_cast<double>(state_->staged_bytes()));
+}
+
+grpc::Status ShardServer::Pull(grpc::ServerContext* context, const v1::PullRequest* request,
+                               grpc::ServerWriter<v1::ParamChunk>* writer) {
+  if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
+    return ToGrpcStatus(who.status());
+  }
+  if (absl::Status s = CheckSlice(request->slice(), request->slices()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  absl::StatusOr<ModelSnapshot> snapshot;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time deadline = absl::Now() + kVersionWait;
+    while (true) {
+      snapshot = state_->SnapshotAt(request->latest() ? state_->version() : request->version());
+      if (snapshot.status().code() != absl::StatusCode::kUnavailable) break;
+      if (context->IsCancelled() || changed_.WaitWithDeadline(&mu_, deadline)) break;
+    }
+  }
+  if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
+  return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer,
+                        metrics_);
+}
+
+grpc::Status ShardServer::Push(grpc::ServerContext* context,
+                               grpc::ServerReader<v1::PushChunk>* reader, v1::PushReply* reply) {
+  const absl::Time start = absl::Now();
+  auto reject = [&](const absl::Status& status) {
+    metrics_.Add(kUpdatesRejected, 1, {RejectReason(status)});
+    return ToGrpcStatus(status);
+  };
+  absl::StatusOr<std::string> identity = auth_.Identify(*context);
+  if (!identity.ok()) return reject(identity.status());
+  v1::PushChunk chunk;
+  if (!reader->Read(&chunk)) return reject(absl::InvalidArgumentError("empty push stream"));
+  if (!chunk.has_header()) {
+    return reject(absl::InvalidArgumentError("the first push message must carry the header"));
+  }
+  const v1::PushHeader header = chunk.header();
+  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return reject(s);
+  if (!v1::Codec_IsValid(header.codec())) {
+    return reject(
+        absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec())));
+  }
+  {
+    // A slot before reading the stream: pushes beyond the limit wait here, unread.
+    absl::MutexLock lock(&mu_);
+    const absl::Time deadline = absl::Now() + kSlotWait;
+    // A retry of an update staged already needs no new slot.
+    auto room = [&] {
+      return state_->staged_count() + receiving_ < options_.max_staged ||
+             (state_->staged_count() >= options_.max_staged &&
+              state_->HasRoom(header.worker_id(), header.update_id()));
+    };
+    while (!room()) {
+      if (context->IsCancelled() || changed_.WaitWithDeadline(&mu_, deadline)) {
+        return reject(absl::ResourceExhaustedError(absl::StrFormat(
+            "shard %d: staging full (%d updates staged or being received) for %.0f s; push again "
+            "later",
+            options_.shard_index, options_.max_staged, absl::ToDoubleSeconds(kSlotWait))));
+      }
+    }
+    ++receiving_;
+  }
+  struct Release {
+    ShardServer* server;
+    ~Release() {
+      absl::MutexLock lock(&server->mu_);
+      --server->receiving_;
+      server->changed_.SignalAll();
+    }
+  } release{this};
+
+  UpdateAssembler assembler(spec_, header, options_.shard_index);
+  bool first = true;
+  do {
+    if (!first && chunk.has_header()) {
+      return reject(absl::InvalidArgumentError("push header repeated after the first message"));
+    }
+    first = false;
+    absl::Status status =
+        assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data(), chunk.codec());
+    if (!status.ok()) return reject(status);
+  } while (reader->Read(&chunk));
+  CountReceivedBytes(assembler, metrics_);
+  const uint64_t bytes = assembler.bytes_received();
+  absl::StatusOr<PendingUpdate> part = std::move(assembler).Finish();
+  if (!part.ok()) return reject(part.status());
+  absl::StatusOr<StageResult> staged;
+  {
+    absl::MutexLock lock(&mu_);
+    staged = state_->Stage(*std::move(part));
+    Publish();
+  }
+  if (!staged.ok()) return reject(staged.status());
+  if (!staged->complete) {
+    reply->set_staged(true);
+    reply->set_slices_received(staged->slices_received);
+    reply->set_version(version());
+    return grpc::Status::OK;
+  }
+  v1::StagedReport report;
+  report.set_shard_index(options_.shard_index);
+  *report.mutable_header() = header;
+  report.set_bytes_received(bytes);
+  report.set_identity(*identity);
+  grpc::ClientContext call;
+  call.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  if (!options_.token.empty()) call.AddMetadata(kTokenMetadata, options_.token);
+  grpc::Status reported = control_->ReportStaged(&call, report, reply);
+  if (!reported.ok()) {
+    // Refused (or the coordinator is unreachable): nothing of this update may stay here.
+    absl::MutexLock lock(&mu_);
+    state_->Discard(header.worker_id(), header.update_id());
+    Publish();
+    changed_.SignalAll();
+    metrics_.Add(kUpdatesRejected, 1,
+                 {RejectReason(absl::Status(static_cast<absl::StatusCode>(reported.error_code()),
+                                            reported.error_message()))});
+    return reported;
+  }
+  metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));
+  return grpc::Status::OK;
+}
+
+absl::Status ShardServer::Restore(uint64_t version) {
+  // Called with mu_ held by ApplyOrder.
+  if (version == state_->version()) {
+    // Same version: only the staged updates go (they belong to the previous assembly).
+    return state_->Restore(state_->Capture(options_.fingerprint), options_.fingerprint);
+  }
+  if (version == 0) {
+    absl::StatusOr<std::unique_ptr<ShardState>> initial = options_.make_initial();
+    if (!initial.ok()) return initial.status();
+    state_ = *std::move(initial);
+    return absl::OkStatus();
+  }
+  if (options_.checkpoints == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("RESTORE of version %d, but this shard keeps no checkpoints", version));
+  }
+  absl::StatusOr<v1::ShardCheckpoint> c =
+      CheckpointStore::ReadFile<v1::ShardCheckpoint>(options_.checkpoints->PathOf(version));
+  if (c.ok()) return state_->Restore(*c, options_.fingerprint);
+  unreadable_checkpoints_.insert(version);
+  return c.status();
+}
+
+absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
+  std::optional<v1::ShardCheckpoint> due;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    if (order.kind() == v1::ShardOrder::RESTORE) {
+      status = Restore(order.version());
+      if (status.ok()) {
+        fresh_ = false;
+        ALOE_LOG_INFO("shard", "shard %d restored version %d", options_.shard_index,
+                      order.version());
+      }
+    } else {
+      status = state_->Apply(order);
+      const uint64_t v = state_->version();
+      if (status.ok() && order.kind() == v1::ShardOrder::COMMIT &&
+          options_.checkpoints != nullptr && options_.every_versions > 0 &&
+          v % options_.every_versions == 0) {
+        due = state_->Capture(options_.fingerprint);
+      }
+    }
+    Publish();
+    changed_.SignalAll();
+  }
+  if (due) {
+    // Outside the lock: pushes and pulls go on while the disk works.
+    absl::StatusOr<std::string> path = options_.checkpoints->Write(*due);
+    if (path.ok()) {
+      metrics_.Set(kCheckpointVersion, static_cast<double>(due->version()));
+    } else {
+      ALOE_LOG_ERROR("shard", "checkpoint of version %d failed: %s", due->version(),
+                     path.status().message());
+    }
+  }
+  return status;
+}
+
+void ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
+  bool announced = false;
+  while (!stop.load()) {
+    v1::FollowRequest request;
+    request.set_shard_index(options_.shard_index);
+    request.set_address(options_.address);
+    request.set_fingerprint(options_.fingerprint);
+    {
+      absl::MutexLock lock(&mu_);
+      request.set_version(state_->version());
+      request.set_fresh(fresh_);
+      if (options_.checkpoints != nullptr) {
+        for (uint64_t v : options_.checkpoints->Versions()) {
+          if (!unreadable_checkpoints_.count(v)) request.add_checkpoint_versions(v);
+        }
+      }
+    }
+    grpc::ClientContext context;
+    if (!options_.token.empty()) context.AddMetadata(kTokenMetadata, options_.token);
+    std::unique_ptr<grpc::ClientReader<v1::ShardOrder>> reader =
+        control_->Follow(&context, request);
+    v1::ShardOrder order;
+    bool failed = false;
+    while (!stop.load() && reader->Read(&order)) {
+      if (!announced) {
+        ALOE_LOG_INFO("shard", "shard %d follows the coordinator", options_.shard_index);
+        announced = true;
+      }
+      absl::Status s = ApplyOrder(order);
+      if (!s.ok()) {
+        // This state cannot follow the log any more: ask for a reassembly from a checkpoint.
+        ALOE_LOG_ERROR("shard", "shard %d: %s order for version %d failed: %s",
+                       options_.shard_index, v1::ShardOrder::Kind_Name(order.kind()),
+                       order.version(), s.message());
+        absl::MutexLock lock(&mu_);
+        fresh_ = true;
+        failed = true;
+        break;
+      }
+    }
+    if (stop.load() || failed) context.TryCancel();
+    const grpc::Status status = reader->Finish();
+    if (stop.load()) break;
+    if (status.error_code() != grpc::StatusCode::ABORTED && !failed) {
+      ALOE_LOG_WARNING("shard", "shard %d: follow stream ended: %s; reconnecting",
+                       options_.shard_index, status.error_message());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+}  // namespace aloe::server

@@ -1,0 +1,80 @@
+// One shard process of a layer-sharded server (aloe-server --role shard): serves Pull and Push
+// for the layers it owns and applies the coordinator's orders (ShardControl.Follow) to them.
+//
+// Push: waits for a staging slot (at most max_staged_updates updates are held; the stream is not
+// read meanwhile, so gRPC flow control holds the pusher back), assembles and validates this
+// shard's layers, stages them, reports the part to the coordinator and relays its answer. A
+// part the coordinator refuses is dropped again. Pull: waits (up to 10 s) until the
+// requested version is committed here, then streams this shard's layers of it.
+//
+// The follow loop (RunFollowLoop) keeps a Follow stream to the coordinator open, reconnecting
+// after any failure, and applies COMMIT (writing a checkpoint every checkpoint.every_versions),
+// DISCARD and RESTORE orders in order. Thread-safe.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
+#include "proto/aloe.grpc.pb.h"
+#include "server/core/checkpoint_store.h"
+#include "server/core/shard_state.h"
+#include "server/service/auth.h"
+
+namespace aloe::server {
+
+class ShardServer final : public v1::ParameterService::Service {
+ public:
+  struct Options {
+    uint32_t shard_index = 0;
+    std::string address;  // where workers reach this process (told to the coordinator)
+    std::string fingerprint;
+    std::shared_ptr<grpc::Channel> coordinator;  // with its credentials
+    std::string token;                           // x-aloe-token for calls to the coordinator
+    CheckpointStore* checkpoints = nullptr;      // null = no checkpoints
+    uint32_t every_versions = 0;
+    uint32_t max_staged = 8;  // the ShardState's max_staged (slots incl. pushes being received)
+    // A fresh state at version 0 (the initial model), for RESTORE of version 0.
+    std::function<absl::StatusOr<std::unique_ptr<ShardState>>()> make_initial;
+  };
+  // auth and metrics must outlive the server.
+  ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, Options options,
+              Authenticator& auth, MetricsSink& metrics);
+
+  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
+                    grpc::ServerWriter<v1::ParamChunk>*) override;
+  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<v1::PushChunk>*,
+                    v1::PushReply*) override;
+
+  // Follows the coordinator until `stop` is set.
+  void RunFollowLoop(const std::atomic<bool>& stop);
+
+  uint64_t version();
+
+ private:
+  // Applies one order; an error means this state cannot follow the log any more.
+  absl::Status ApplyOrder(const v1::ShardOrder& order);
+  absl::Status Restore(uint64_t version);
+  void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const v1::ModelSpec spec_;
+  const Options options_;
+  Authenticator& auth_;
+  MetricsSink& metrics_;
+  std::unique_ptr<v1::ShardControl::Stub> control_;
+  absl::Mutex mu_;
+  absl::CondVar changed_;  // a commit, discard or restore happened, or a slot came free
+  std::unique_ptr<ShardState> state_ ABSL_GUARDED_BY(mu_);
+  uint32_t receiving_ ABSL_GUARDED_BY(mu_) = 0;  // pushes holding a slot, not staged yet
+  // The process started (or lost its state): the coordinator must reassemble.
+  bool fresh_ ABSL_GUARDED_BY(mu_) = true;
+  std::set<uint64_t> unreadable_checkpoints_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace aloe::server

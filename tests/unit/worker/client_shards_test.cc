@@ -1,0 +1,406 @@
+// ServerClient against a layer-sharded server: in-process fake shard processes on loopback ports
+// chosen by the OS record what each receives and answer what the test sets.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "common/status_matchers.h"
+#include "common/tensor_codec.h"
+#include "worker/client.h"
+
+namespace aloe::worker {
+namespace {
+
+using ::aloe::testing::IsOk;
+using ::aloe::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using Layers = std::vector<std::vector<float>>;
+
+// A ParameterService that records every push and answers pulls with preset chunks.
+class FakeParameterService final : public v1::ParameterService::Service {
+ public:
+  void SetPushAnswer(const grpc::Status& status, const v1::PushReply& reply) {
+    absl::MutexLock lock(&mu_);
+    push_status_ = status;
+    push_reply_ = reply;
+  }
+  void SetPullChunks(std::vector<v1::ParamChunk> chunks) {
+    absl::MutexLock lock(&mu_);
+    pull_chunks_ = std::move(chunks);
+  }
+  // The messages of every push stream received, in arrival order.
+  std::vector<std::vector<v1::PushChunk>> Pushes() const {
+    absl::MutexLock lock(&mu_);
+    return pushes_;
+  }
+  int Pulls() const {
+    absl::MutexLock lock(&mu_);
+    return pulls_;
+  }
+
+  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<v1::PushChunk>* reader,
+                    v1::PushReply* reply) override {
+    std::vector<v1::PushChunk> stream;
+    v1::PushChunk chunk;
+    while (reader->Read(&chunk)) stream.push_back(chunk);
+    absl::MutexLock lock(&mu_);
+    pushes_.push_back(std::move(stream));
+    *reply = push_reply_;
+    return push_status_;
+  }
+
+  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
+                    grpc::ServerWriter<v1::ParamChunk>* writer) override {
+    std::vector<v1::ParamChunk> chunks;
+    {
+      absl::MutexLock lock(&mu_);
+      ++pulls_;
+      chunks = pull_chunks_;
+    }
+    for (const v1::ParamChunk& chunk : chunks) {
+      if (!writer->Write(chunk)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  grpc::Status push_status_ ABSL_GUARDED_BY(mu_);
+  v1::PushReply push_reply_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ParamChunk> pull_chunks_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<v1::PushChunk>> pushes_ ABSL_GUARDED_BY(mu_);
+  int pulls_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A fake served on 127.0.0.1 at a port the OS chose.
+struct FakeServer {
+  FakeServer() {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+    address = "127.0.0.1:" + std::to_string(port);
+  }
+  ~FakeServer() { server->Shutdown(); }
+
+  FakeParameterService service;
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+};
+
+// Three layers, owned by shards 0, 1, 0; layer 1 takes two chunks.
+v1::ModelSpec Spec() {
+  v1::ModelSpec spec;
+  spec.set_num_shards(2);
+  const uint64_t sizes[] = {10, kMaxChunkFloats + 100, 5};
+  const uint32_t owners[] = {0, 1, 0};
+  for (uint32_t l = 0; l < 3; ++l) {
+    v1::LayerSpec* layer = spec.add_layers();
+    layer->set_id(l);
+    layer->set_num_elements(sizes[l]);
+    layer->set_shard(owners[l]);
+  }
+  return spec;
+}
+
+// Distinct exactly representable values per layer and element.
+Layers Values(const v1::ModelSpec& spec) {
+  Layers layers;
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    std::vector<float> v(layer.num_elements());
+    for (size_t j = 0; j < v.size(); ++j) v[j] = 1000.0f * layer.id() + 0.5f * (j % 1000);
+    layers.push_back(std::move(v));
+  }
+  return layers;
+}
+
+uint64_t PayloadBytes(const v1::ModelSpec& spec) {
+  uint64_t n = 0;
+  for (const v1::LayerSpec& layer : spec.layers()) n += layer.num_elements() * sizeof(float);
+  return n;
+}
+
+// The Pull chunks of one layer at `version`.
+std::vector<v1::ParamChunk> LayerChunks(uint32_t id, const std::vector<float>& values,
+                                        uint64_t version) {
+  std::vector<v1::ParamChunk> chunks;
+  for (auto [begin, end] : ChunkRanges(values.size())) {
+    v1::ParamChunk chunk;
+    chunk.set_version(version);
+    chunk.set_layer_id(id);
+    chunk.set_offset(begin);
+    chunk.set_layer_elements(values.size());
+    AppendFloats(absl::MakeConstSpan(values.data() + begin, end - begin), chunk.mutable_data());
+    chunks.push_back(std::move(chunk));
+  }
+  return chunks;
+}
+
+std::vector<v1::ParamChunk> Concat(std::vector<v1::ParamChunk> a,
+                                   const std::vector<v1::ParamChunk>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+v1::PushHeader Header() {
+  v1::PushHeader header;
+  header.set_worker_id(3);
+  header.set_task_id(11);
+  header.set_update_id(2);
+  header.set_base_version(6);
+  header.set_steps_done(50);
+  header.set_codec(v1::CODEC_FP32);
+  return header;
+}
+
+v1::PushReply Reply(bool staged, uint64_t version, uint32_t slices_received = 0) {
+  v1::PushReply reply;
+  reply.set_staged(staged);
+  reply.set_version(version);
+  reply.set_slices_received(slices_received);
+  reply.set_applied(!staged);
+  return reply;
+}
+
+// One push stream decoded: layer id -> values (chunks appended at their offsets).
+std::map<uint32_t, std::vector<float>> Decode(const std::vector<v1::PushChunk>& stream,
+                                              const v1::ModelSpec& spec) {
+  std::map<uint32_t, std::vector<float>> layers;
+  for (const v1::PushChunk& chunk : stream) {
+    if (chunk.data().empty()) continue;
+    std::vector<float>& layer = layers[chunk.layer_id()];
+    layer.resize(spec.layers(chunk.layer_id()).num_elements());
+    absl::StatusOr<size_t> count = EncodedElementCount(chunk.codec(), chunk.data());
+    EXPECT_THAT(count, IsOk());
+    EXPECT_THAT(DecodeChunk(chunk.codec(), chunk.data(),
+                            absl::MakeSpan(layer.data() + chunk.offset(), *count)),
+                IsOk());
+  }
+  return layers;
+}
+
+ClientOptions Plaintext(const std::string& address) {
+  ClientOptions options;
+  options.address = address;
+  return options;
+}
+
+class ClientShardsTest : public ::testing::Test {
+ protected:
+  ClientShardsTest() : client_(Plaintext(main_.address)) {
+    EXPECT_THAT(client_.SetShards({shards_[0].address, shards_[1].address}), IsOk());
+  }
+
+  absl::StatusOr<v1::PushReply> Push(uint64_t* bytes) {
+    return client_.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, bytes);
+  }
+
+  // Every shard serves the layers it owns: shard 0 at version v0, shard 1 at version v1.
+  void ServeOwnLayers(uint64_t v0, uint64_t v1) {
+    const Layers values = Values(spec_);
+    shards_[0].service.SetPullChunks(
+        Concat(LayerChunks(0, values[0], v0), LayerChunks(2, values[2], v0)));
+    shards_[1].service.SetPullChunks(LayerChunks(1, values[1], v1));
+  }
+
+  FakeServer main_;
+  FakeServer shards_[2];
+  ServerClient client_;
+  const v1::ModelSpec spec_ = Spec();
+};
+
+TEST_F(ClientShardsTest, PushSendsEveryShardExactlyItsLayersUnderTheSameHeader) {
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 6));
+  shards_[1].service.SetPushAnswer(grpc::Status::OK, Reply(false, 7));
+  uint64_t bytes = 0;
+  ASSERT_THAT(Push(&bytes), IsOk());
+  EXPECT_EQ(bytes, PayloadBytes(spec_));
+  EXPECT_TRUE(main_.service.Pushes().empty());
+  const Layers values = Values(spec_);
+  const std::vector<uint32_t> owned[2] = {{0, 2}, {1}};
+  for (int s = 0; s < 2; ++s) {
+    SCOPED_TRACE(s);
+    const std::vector<std::vector<v1::PushChunk>> pushes = shards_[s].service.Pushes();
+    ASSERT_EQ(pushes.size(), 1u);
+    const std::vector<v1::PushChunk>& stream = pushes[0];
+    ASSERT_FALSE(stream.empty());
+    EXPECT_EQ(stream[0].header().SerializeAsString(), Header().SerializeAsString());
+    for (size_t i = 1; i < stream.size(); ++i) EXPECT_FALSE(stream[i].has_header());
+    const std::map<uint32_t, std::vector<float>> got = Decode(stream, spec_);
+    ASSERT_EQ(got.size(), owned[s].size());
+    for (uint32_t id : owned[s]) {
+      ASSERT_TRUE(got.count(id)) << "layer " << id;
+      EXPECT_EQ(got.at(id), values[id]) << "layer " << id;
+    }
+  }
+  EXPECT_EQ(shards_[1].service.Pushes()[0].size(), 2u);  // layer 1 in two chunks
+}
+
+TEST_F(ClientShardsTest, TheShardThatCompletedTheUpdateGivesTheReply) {
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(false, 9));
+  shards_[1].service.SetPushAnswer(grpc::Status::OK, Reply(true, 8, 1));
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> reply = Push(&bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_FALSE(reply->staged());
+  EXPECT_TRUE(reply->applied());
+  EXPECT_EQ(reply->version(), 9u);
+}
+
+TEST_F(ClientShardsTest, AllShardsStagedIsStagedWithTheLeastSlicesAndTheNewestVersion) {
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 5, 2));
+  shards_[1].service.SetPushAnswer(grpc::Status::OK, Reply(true, 4, 1));
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> reply = Push(&bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_TRUE(reply->staged());
+  EXPECT_FALSE(reply->applied());
+  EXPECT_EQ(reply->slices_received(), 1u);
+  EXPECT_EQ(reply->version(), 5u);
+}
+
+TEST_F(ClientShardsTest, AShardErrorIsThePushError) {
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(false, 9));
+  shards_[1].service.SetPushAnswer(
+      grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "base version too stale"),
+      v1::PushReply());
+  uint64_t bytes = 0;
+  EXPECT_THAT(Push(&bytes), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                     AllOf(HasSubstr("shard 1"), HasSubstr("too stale"))));
+}
+
+TEST_F(ClientShardsTest, TheFirstShardErrorWins) {
+  shards_[0].service.SetPushAnswer(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker"),
+                                   v1::PushReply());
+  shards_[1].service.SetPushAnswer(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "stale"),
+                                   v1::PushReply());
+  uint64_t bytes = 0;
+  EXPECT_THAT(Push(&bytes), StatusIs(absl::StatusCode::kNotFound,
+                                     AllOf(HasSubstr("shard 0"), HasSubstr("unknown worker"))));
+}
+
+TEST_F(ClientShardsTest, AShardWithoutChunksStillGetsTheHeader) {
+  // Layer 1 is empty: shard 1 has nothing to send but must still learn of the update.
+  v1::ModelSpec spec = spec_;
+  spec.mutable_layers(1)->set_num_elements(0);
+  Layers values = Values(spec);
+  uint64_t bytes = 0;
+  ASSERT_THAT(client_.Push(Header(), spec, values, {}, 256, nullptr, &bytes), IsOk());
+  const std::vector<std::vector<v1::PushChunk>> pushes = shards_[1].service.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  ASSERT_EQ(pushes[0].size(), 1u);
+  EXPECT_EQ(pushes[0][0].header().SerializeAsString(), Header().SerializeAsString());
+  EXPECT_TRUE(pushes[0][0].data().empty());
+}
+
+TEST_F(ClientShardsTest, ALayerOfAShardThatDoesNotExistSendsNothing) {
+  v1::ModelSpec spec = spec_;
+  spec.mutable_layers(2)->set_shard(2);
+  uint64_t bytes = 0;
+  EXPECT_THAT(client_.Push(Header(), spec, Values(spec), {}, 256, nullptr, &bytes),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 2")));
+  EXPECT_TRUE(shards_[0].service.Pushes().empty());
+  EXPECT_TRUE(shards_[1].service.Pushes().empty());
+  Layers layers;
+  EXPECT_THAT(client_.Pull(3, 6, false, spec, &layers, &bytes),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 2")));
+  EXPECT_EQ(shards_[0].service.Pulls(), 0);
+}
+
+TEST_F(ClientShardsTest, PullAssemblesTheLayersOfAllShards) {
+  ServeOwnLayers(7, 7);
+  Layers layers;
+  uint64_t bytes = 0;
+  absl::StatusOr<uint64_t> version = client_.Pull(3, 7, false, spec_, &layers, &bytes);
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 7u);
+  EXPECT_EQ(layers, Values(spec_));
+  EXPECT_EQ(bytes, PayloadBytes(spec_));
+  EXPECT_EQ(main_.service.Pulls(), 0);
+}
+
+TEST_F(ClientShardsTest, AShardSendingAnotherShardsLayerIsDataLoss) {
+  const Layers values = Values(spec_);
+  shards_[0].service.SetPullChunks(
+      Concat(Concat(LayerChunks(0, values[0], 7), LayerChunks(1, values[1], 7)),
+             LayerChunks(2, values[2], 7)));
+  shards_[1].service.SetPullChunks(LayerChunks(1, values[1], 7));
+  Layers layers;
+  uint64_t bytes = 0;
+  EXPECT_THAT(client_.Pull(3, 7, false, spec_, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("shard 0"), HasSubstr("layer 1 belongs to shard 1"))));
+}
+
+TEST_F(ClientShardsTest, ShardsDisagreeingOnTheVersionIsDataLoss) {
+  ServeOwnLayers(7, 8);
+  Layers layers;
+  uint64_t bytes = 0;
+  EXPECT_THAT(client_.Pull(3, 0, true, spec_, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("shards sent versions 7 and 8")));
+}
+
+TEST_F(ClientShardsTest, AShardMissingALayerIsDataLoss) {
+  const Layers values = Values(spec_);
+  shards_[0].service.SetPullChunks(LayerChunks(0, values[0], 7));  // no layer 2
+  shards_[1].service.SetPullChunks(LayerChunks(1, values[1], 7));
+  Layers layers;
+  uint64_t bytes = 0;
+  EXPECT_THAT(client_.Pull(3, 7, false, spec_, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("layer 2 incomplete")));
+}
+
+TEST_F(ClientShardsTest, NoShardsGoesToTheMainAddress) {
+  ASSERT_THAT(client_.SetShards({}), IsOk());
+  main_.service.SetPushAnswer(grpc::Status::OK, Reply(false, 7));
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> reply = Push(&bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_EQ(reply->version(), 7u);
+  EXPECT_EQ(bytes, PayloadBytes(spec_));
+  EXPECT_TRUE(shards_[0].service.Pushes().empty());
+  EXPECT_TRUE(shards_[1].service.Pushes().empty());
+  const std::vector<std::vector<v1::PushChunk>> pushes = main_.service.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  // One stream, the header first, every layer in order (two chunks for layer 1).
+  std::vector<uint32_t> ids;
+  for (const v1::PushChunk& chunk : pushes[0]) ids.push_back(chunk.layer_id());
+  EXPECT_THAT(ids, ElementsAre(0, 1, 1, 2));
+  EXPECT_EQ(pushes[0][0].header().SerializeAsString(), Header().SerializeAsString());
+  const Layers values = Values(spec_);
+  const std::map<uint32_t, std::vector<float>> got = Decode(pushes[0], spec_);
+  ASSERT_EQ(got.size(), 3u);
+  for (uint32_t id = 0; id < 3; ++id) EXPECT_EQ(got.at(id), values[id]) << "layer " << id;
+
+  std::vector<v1::ParamChunk> all;
+  for (uint32_t id = 0; id < 3; ++id) all = Concat(std::move(all), LayerChunks(id, values[id], 4));
+  main_.service.SetPullChunks(all);
+  Layers layers;
+  absl::StatusOr<uint64_t> version = client_.Pull(3, 4, false, spec_, &layers, &bytes);
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 4u);
+  EXPECT_EQ(layers, values);
+  EXPECT_EQ(shards_[0].service.Pulls() + shards_[1].service.Pulls(), 0);
+}
+
+TEST_F(ClientShardsTest, AShardWithoutAnAddressIsRefused) {
+  EXPECT_THAT(client_.SetShards({shards_[0].address, ""}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard 1")));
+  // The shards set before still serve.
+  ServeOwnLayers(7, 7);
+  Layers layers;
+  uint64_t bytes = 0;
+  EXPECT_THAT(client_.Pull(3, 7, false, spec_, &layers, &bytes), IsOk());
+}
+
+}  // namespace
+}  // namespace aloe::worker
