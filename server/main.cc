@@ -414,6 +414,7 @@ absl::Status Run() {
     }
   }
   const v1::ModelSpec spec = core->spec();
+  const std::string model_fingerprint = core->model_fingerprint();
   uint64_t params = 0;
   for (const auto& layer : spec.layers()) params += layer.num_elements();
 
@@ -438,10 +439,7 @@ absl::Status Run() {
     // Workers pull and push at the shard processes; the shards follow this coordinator.
     ShardControlService::Options options;
     options.shard_processes = config.shard_processes();
-    options.fingerprint = ShardedModelFingerprint(config, spec, [&] {
-      absl::StatusOr<ServerModel> model = LoadServerModel(config);
-      return model.ok() ? model->fingerprint : std::string();
-    }());
+    options.fingerprint = ShardedModelFingerprint(config, spec, model_fingerprint);
     options.coordinator_versions = [&]() {
       std::vector<uint64_t> versions;
       if (checkpoints) versions = checkpoints->Versions();

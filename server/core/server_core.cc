@@ -887,28 +887,25 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
   }
   parts_.erase(it);
   absl::StatusOr<v1::PushReply> reply = SubmitUpdate(UpdateOfHeader(whole));
-  if (!reply.ok()) {
-    // Rejected (e.g. too stale): the shards drop what they staged.
-    v1::ShardOrder discard;
-    discard.set_kind(v1::ShardOrder::DISCARD);
-    v1::CommitEntry* entry = discard.add_entries();
-    entry->set_worker_id(whole.worker_id());
-    entry->set_update_id(whole.update_id());
-    orders_.push_back(std::move(discard));
-  }
+  // Rejected (e.g. too stale): the shards drop what they staged.
+  if (!reply.ok()) AppendDiscard(whole.worker_id(), whole.update_id());
   return reply;
 }
 
 void ServerCore::DiscardParts(uint64_t worker) {
   auto it = parts_.find(worker);
   if (it == parts_.end()) return;
+  AppendDiscard(worker, it->second.update_id);
+  parts_.erase(it);
+}
+
+void ServerCore::AppendDiscard(uint64_t worker, uint64_t update_id) {
   v1::ShardOrder discard;
   discard.set_kind(v1::ShardOrder::DISCARD);
   v1::CommitEntry* entry = discard.add_entries();
   entry->set_worker_id(worker);
-  entry->set_update_id(it->second.update_id);
+  entry->set_update_id(update_id);
   orders_.push_back(std::move(discard));
-  parts_.erase(it);
 }
 
 v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {

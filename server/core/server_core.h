@@ -100,6 +100,8 @@ class ServerCore {
   // applies in log order (orders()), and an update counts as pushed only once every shard has
   // staged its part (SubmitShardPart).
   bool sharded() const { return config_.shard_processes() > 0; }
+  // The bring-your-own model's fingerprint (ServerConfig.model_file), "" for the built-in one.
+  const std::string& model_fingerprint() const { return model_fingerprint_; }
   // Shard process `shard` follows the coordinator and serves workers at `address` ("" = gone).
   // Join answers kUnavailable until every shard has an address.
   void SetShardAddress(uint32_t shard, std::string address);
@@ -170,6 +172,8 @@ class ServerCore {
   void WorkerGone(uint64_t worker);
   // Tells the shards to drop the parts of `worker`'s update staged so far (if any).
   void DiscardParts(uint64_t worker);
+  // Appends a DISCARD order of one update to the order log.
+  void AppendDiscard(uint64_t worker, uint64_t update_id);
   absl::Status Apply(ApplyBatch batch);
   void ReportPenalty(const std::vector<PenaltyModuleReport>& reports);
   void UpdateStopping();
