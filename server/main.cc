@@ -28,6 +28,7 @@
 #include "common/metrics.h"
 #include "common/status_macros.h"
 #include "server/core/checkpoint_store.h"
+#include "server/core/order_journal.h"
 #include "server/core/server_core.h"
 #include "server/core/server_metrics.h"
 #include "server/core/shard_assembly.h"
@@ -64,6 +65,10 @@ ABSL_FLAG(std::string, role, "single",
           "membership, tasks and the update order of a layer-sharded server (shard_processes > "
           "0); shard: shard process --shard_index of it, serving Pull/Push for its layers on "
           "--listen");
+ABSL_FLAG(std::string, order_journal, "",
+          "--role coordinator: append every order sent to the shard processes (which updates, "
+          "with which weights, formed each version) to this file as length-delimited ShardOrder "
+          "messages, plus a RESTORE whenever they (re)assemble");
 ABSL_FLAG(int32_t, shard_index, -1, "--role shard: which shard process this is, 0-based");
 ABSL_FLAG(std::string, coordinator, "",
           "--role shard: the coordinator's address (default: the config's listen_address)");
@@ -124,6 +129,9 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
   if (role != "single" && config.shard_processes() == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--role ", role, " needs shard_processes > 0 in the config"));
+  }
+  if (!absl::GetFlag(FLAGS_order_journal).empty() && role != "coordinator") {
+    return absl::InvalidArgumentError("--order_journal is for --role coordinator only");
   }
   if (role == "shard") {
     const int32_t index = absl::GetFlag(FLAGS_shard_index);
@@ -233,13 +241,15 @@ void Drain(CoreHandle& handle, CheckpointStore* checkpoints, MetricsSink& metric
                 first_signal, absl::GetFlag(FLAGS_drain_seconds), open);
   while (open > 0 && absl::Now() < deadline && g_signal.load() == 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    std::optional<v1::ServerCheckpoint> due;
+    std::vector<v1::ServerCheckpoint> due;
     open = handle.Run([&](ServerCore& core) {
       core.Tick();
-      due = core.TakeDueCheckpoint();
+      due = core.TakeDueCheckpoints();
       return core.open_tasks();
     });
-    if (due && checkpoints) WriteCheckpoint(*checkpoints, *due, metrics);
+    for (const v1::ServerCheckpoint& c : due) {
+      if (checkpoints) WriteCheckpoint(*checkpoints, c, metrics);
+    }
   }
   if (open == 0) {
     ALOE_LOG_INFO("server", "drained: every open task finished");
@@ -363,11 +373,12 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   std::atomic<bool> stop{false};
   std::thread follow([&] { shard->RunFollowLoop(stop); });
   while (g_signal.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
-                shard->version());
   stop.store(true);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   follow.join();
+  shard->WriteFinalCheckpoint();
+  ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
+                shard->version());
   return absl::OkStatus();
 }
 
@@ -432,6 +443,7 @@ absl::Status Run() {
   }
   ParameterServiceImpl parameters(handle, *auth, *metrics, absl::Milliseconds(pull_delay_ms));
   std::vector<grpc::Service*> services = {&coordinator};
+  std::unique_ptr<OrderJournal> journal;
   std::unique_ptr<ShardControlService> shard_control;
   if (config.shard_processes() == 0) {
     services.push_back(&parameters);
@@ -440,6 +452,10 @@ absl::Status Run() {
     ShardControlService::Options options;
     options.shard_processes = config.shard_processes();
     options.fingerprint = ShardedModelFingerprint(config, spec, model_fingerprint);
+    if (!absl::GetFlag(FLAGS_order_journal).empty()) {
+      ALOE_ASSIGN_OR_RETURN(journal, OrderJournal::Open(absl::GetFlag(FLAGS_order_journal)));
+      options.journal = journal.get();
+    }
     options.coordinator_versions = [&]() {
       std::vector<uint64_t> versions;
       if (checkpoints) versions = checkpoints->Versions();
@@ -490,14 +506,16 @@ absl::Status Run() {
   signal(SIGTERM, OnSignal);
   bool finished = false;
   while (g_signal.load() == 0) {
-    std::optional<v1::ServerCheckpoint> due;
+    std::vector<v1::ServerCheckpoint> due;
     finished = handle.Run([&](ServerCore& core) {
       core.Tick();
-      due = core.TakeDueCheckpoint();
+      due = core.TakeDueCheckpoints();
       return core.Finished();
     });
     // Written outside the core lock: training goes on meanwhile.
-    if (due && checkpoints) WriteCheckpoint(*checkpoints, *due, *metrics);
+    for (const v1::ServerCheckpoint& c : due) {
+      if (checkpoints) WriteCheckpoint(*checkpoints, c, *metrics);
+    }
     if (finished) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

@@ -599,7 +599,8 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   PublishShards();
   const uint32_t every = config_.checkpoint().every_versions();
   if (!config_.checkpoint().dir().empty() && every > 0 && version() % every == 0) {
-    due_checkpoint_ = CaptureCheckpoint();
+    if (!sharded()) due_checkpoints_.clear();
+    due_checkpoints_.push_back(CaptureCheckpoint());
   }
   ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f", version(),
                 batch.updates.size(), loss_sum / static_cast<double>(batch.updates.size()));
@@ -939,10 +940,13 @@ v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {
   return c;
 }
 
-std::optional<v1::ServerCheckpoint> ServerCore::TakeDueCheckpoint() {
-  std::optional<v1::ServerCheckpoint> due = std::move(due_checkpoint_);
-  due_checkpoint_.reset();
-  return due;
+void ServerCore::ContinueIdsOf(const ServerCore& previous) {
+  next_task_id_ = std::max(next_task_id_, previous.next_task_id_);
+  membership_.set_next_id(previous.membership_.next_id());
+}
+
+std::vector<v1::ServerCheckpoint> ServerCore::TakeDueCheckpoints() {
+  return std::exchange(due_checkpoints_, {});
 }
 
 absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {

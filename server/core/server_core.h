@@ -87,13 +87,20 @@ class ServerCore {
   // --- Checkpoints (exact resume). The state right after the last outer step; tasks handed out
   // since then are not part of it.
   v1::ServerCheckpoint CaptureCheckpoint() const;
-  // The checkpoint captured right after an outer step that reached a multiple of
-  // checkpoint.every_versions, once; nullopt when none is waiting.
-  std::optional<v1::ServerCheckpoint> TakeDueCheckpoint();
+  // The checkpoints captured right after outer steps that reached a multiple of
+  // checkpoint.every_versions, oldest first, each once (empty when none is waiting). A
+  // single-process core keeps only the newest (each holds the whole model, and a slow disk must
+  // not queue them up); a sharded coordinator keeps every one: they are small, and a restarted
+  // shard can only go back to a version that the coordinator checkpointed too.
+  std::vector<v1::ServerCheckpoint> TakeDueCheckpoints();
   // Replaces the model, optimizer, penalty, shard progress, counters and evaluation history.
   // Call before any worker joins. kFailedPrecondition when the checkpoint belongs to another
   // model or optimizer, kInvalidArgument when it is malformed; state unchanged on error.
   absl::Status RestoreCheckpoint(const v1::ServerCheckpoint& checkpoint);
+  // Hands out worker and task ids only above those `previous` handed out, for a core that
+  // replaces `previous` in the same process (a sharded coordinator going back to a checkpoint):
+  // a worker of the old core must get NOT_FOUND, never act under an id given to a new joiner.
+  void ContinueIdsOf(const ServerCore& previous);
 
   // --- Sharded across processes (config.shard_processes > 0): this core is the coordinator.
   // It holds no parameters; each outer step becomes a COMMIT order that every shard process
@@ -225,7 +232,7 @@ class ServerCore {
   std::vector<EvalPoint> eval_history_;
   std::optional<absl::Time> started_;  // when the first round opened
   double restored_seconds_ = 0;          // training time before a resume
-  std::optional<v1::ServerCheckpoint> due_checkpoint_;
+  std::vector<v1::ServerCheckpoint> due_checkpoints_;
   // Label values {worker id, name} of each live trainer's per-worker series.
   std::map<uint64_t, LabelValues> trainer_labels_;
   bool stopping_ = false;

@@ -40,9 +40,11 @@ class CoreHandle {
   }
 
   // Replaces the core (a sharded coordinator rolling back to a checkpoint): every worker of the
-  // old one is forgotten and must join again. The new core must have the same model spec.
+  // old one is forgotten and must join again (the new core hands out only ids the old one did
+  // not). The new core must have the same model spec.
   void Replace(std::unique_ptr<ServerCore> core) {
     absl::MutexLock lock(&mu_);
+    core->ContinueIdsOf(*core_);
     core_ = std::move(core);
     ++generation_;
     changed_.SignalAll();

@@ -72,6 +72,7 @@ void ShardControlService::MaybeCompleteAssembly() {
   }
   first_assembly_ = false;
   start_version_ = version;
+  if (options_.journal != nullptr) options_.journal->Assembled(version);
   handle_.Run([&](ServerCore& core) {
     for (uint32_t i = 0; i < options_.shard_processes; ++i) {
       core.SetShardAddress(i, followers_[i].request.address());
@@ -167,6 +168,7 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
       }
       handle_.Peek(&seen, [&](const ServerCore& core) {
         const std::vector<v1::ShardOrder>& orders = core.orders();
+        if (options_.journal != nullptr) options_.journal->CatchUp(orders);  // before sending
         if (cursor >= orders.size()) return;
         const std::vector<uint64_t> keep = core.RetainedVersions();
         for (; cursor < orders.size(); ++cursor) {

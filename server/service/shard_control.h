@@ -19,6 +19,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "proto/aloe.grpc.pb.h"
+#include "server/core/order_journal.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 
@@ -33,6 +34,8 @@ class ShardControlService final : public v1::ShardControl::Service {
     std::function<std::vector<uint64_t>()> coordinator_versions;
     // Replaces the handle's core by one at `version` (one of coordinator_versions, or 0).
     std::function<absl::Status(uint64_t version)> restore;
+    // Receives every order before it is sent and a RESTORE per assembly; null = none.
+    OrderJournal* journal = nullptr;
   };
   // handle and auth must outlive the service.
   ShardControlService(CoreHandle& handle, Authenticator& auth, Options options);

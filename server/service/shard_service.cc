@@ -1,6 +1,9 @@
 #include "server/service/shard_service.h"
 
+#include <algorithm>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -210,17 +213,31 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
     Publish();
     changed_.SignalAll();
   }
-  if (due) {
-    // Outside the lock: pushes and pulls go on while the disk works.
-    absl::StatusOr<std::string> path = options_.checkpoints->Write(*due);
-    if (path.ok()) {
-      metrics_.Set(kCheckpointVersion, static_cast<double>(due->version()));
-    } else {
-      ALOE_LOG_ERROR("shard", "checkpoint of version %d failed: %s", due->version(),
-                     path.status().message());
+  if (due) WriteCheckpoint(*due);  // outside the lock: pushes and pulls go on meanwhile
+  return status;
+}
+
+void ShardServer::WriteCheckpoint(const v1::ShardCheckpoint& checkpoint) {
+  absl::StatusOr<std::string> path = options_.checkpoints->Write(checkpoint);
+  if (path.ok()) {
+    metrics_.Set(kCheckpointVersion, static_cast<double>(checkpoint.version()));
+  } else {
+    ALOE_LOG_ERROR("shard", "checkpoint of version %d failed: %s", checkpoint.version(),
+                   path.status().message());
+  }
+}
+
+void ShardServer::WriteFinalCheckpoint() {
+  if (options_.checkpoints == nullptr) return;
+  std::optional<v1::ShardCheckpoint> last;
+  {
+    absl::MutexLock lock(&mu_);
+    const std::vector<uint64_t> on_disk = options_.checkpoints->Versions();
+    if (!fresh_ && std::find(on_disk.begin(), on_disk.end(), state_->version()) == on_disk.end()) {
+      last = state_->Capture(options_.fingerprint);
     }
   }
-  return status;
+  if (last) WriteCheckpoint(*last);
 }
 
 void ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {

@@ -54,6 +54,9 @@ class ShardServer final : public v1::ParameterService::Service {
 
   // Follows the coordinator until `stop` is set.
   void RunFollowLoop(const std::atomic<bool>& stop);
+  // At exit: checkpoints the current version unless it is on disk already (or the state is
+  // still fresh, i.e. never assembled), so that a restart loses nothing that was applied.
+  void WriteFinalCheckpoint();
 
   uint64_t version();
 
@@ -61,6 +64,8 @@ class ShardServer final : public v1::ParameterService::Service {
   // Applies one order; an error means this state cannot follow the log any more.
   absl::Status ApplyOrder(const v1::ShardOrder& order);
   absl::Status Restore(uint64_t version);
+  // Writes `checkpoint` (options_.checkpoints must be set); logs a failure and carries on.
+  void WriteCheckpoint(const v1::ShardCheckpoint& checkpoint);
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::ModelSpec spec_;

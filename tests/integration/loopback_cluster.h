@@ -92,17 +92,17 @@ class LoopbackTest : public ::testing::Test {
   // command-line flags; returns the gRPC port.
   int StartServer(const std::string& extra_config, const std::string& outer_optimizer = kNesterov,
                   const std::vector<std::string>& extra_flags = {}) {
-    std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
+    std::ofstream(dir_ + "/server.textproto")
+        << absl::StrCat(R"(
       listen_address: "127.0.0.1:0"
       metrics_address: "127.0.0.1:0"
       corpus_dir: ")",
-                                                              dir_, R"("
+                        dir_, R"("
       )",
-                                                              model_, R"(
+                        model_, R"(
       inner_optimizer { lr: 0.003 min_lr: 0.0003 warmup_steps: 5 total_steps: 400 batch_size: 8 }
-      lease_seconds: 20
-    )",
-                                                              outer_optimizer, "\n", extra_config);
+      lease_seconds: )",
+                        lease_seconds_, "\n", outer_optimizer, "\n", extra_config);
     std::remove((dir_ + "/ports").c_str());
     std::vector<std::string> argv = {Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
                                      "--port_file=" + dir_ + "/ports",
@@ -281,6 +281,7 @@ class LoopbackTest : public ::testing::Test {
   std::string model_ =
       "model { vocab_size: 256 seq_len: 32 d_model: 64 num_layers: 2 num_heads: 2 }";
   std::vector<std::string> model_flags_;  // flags of every worker, e.g. --torchscript
+  double lease_seconds_ = 20;             // the server's worker lease
   int metrics_port_ = 0;
   std::unique_ptr<Subprocess> server_;
 };

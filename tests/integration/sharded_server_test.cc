@@ -1,14 +1,30 @@
 // A layer-sharded server on loopback: a coordinator and two shard processes (real aloe-server
-// processes), an evaluator and two trainers (real aloe-worker processes). A shard process is
-// killed in the middle of training and started again from its checkpoints; the processes
-// reassemble at a common checkpoint and training completes, with every shard at the
-// coordinator's final version.
+// processes).
+//  - ShardRestartReassemblesAndTrainingCompletes: an evaluator and two trainers (real aloe-worker
+//    processes); a shard process is killed in the middle of training and started again from its
+//    checkpoints; the processes reassemble at a common checkpoint and training completes, with
+//    every shard at the coordinator's final version.
+//  - SixteenWorkersKilledPushShardRestartAndExactReplay: 16 simulated workers (real gRPC clients
+//    pushing known pseudo-gradients), a worker killed mid-push and a shard restart; afterwards
+//    both shards hold exactly the parameters of a single-process replay of the coordinator's
+//    order journal.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <map>
+
+#include "absl/synchronization/mutex.h"
+#include "common/config.h"
+#include "common/executor.h"
 #include "server/core/checkpoint_store.h"
+#include "server/core/order_journal.h"
+#include "server/core/parameter_store.h"
 #include "tests/integration/loopback_cluster.h"
+#include "worker/client.h"
 
 namespace aloe::testing {
 namespace {
@@ -61,6 +77,192 @@ class ShardedServerTest : public LoopbackTest {
 
   int shard_ports_[2] = {FreePort(), FreePort()};
 };
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// The pseudo-gradient that simulated worker `worker` pushes as update `update`: every value in
+// [-0.01, 0.01), a function of (worker, update, layer, index) only, so the test can recompute
+// any committed update.
+std::vector<std::vector<float>> PseudoGradient(const v1::ModelSpec& spec, uint64_t worker,
+                                               uint64_t update) {
+  std::vector<std::vector<float>> layers;
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    std::vector<float>& g = layers.emplace_back(layer.num_elements());
+    uint64_t state = SplitMix64((worker << 40) ^ (update << 8) ^ layer.id());
+    for (float& v : g) {
+      state = SplitMix64(state);
+      v = static_cast<float>((static_cast<double>(state >> 40) / (1 << 24) - 0.5) * 0.02);
+    }
+  }
+  return layers;
+}
+
+// What the simulated workers share with the test.
+struct Simulation {
+  std::atomic<bool> stop{false};
+  std::atomic<int> pushes{0};  // accepted pushes
+  std::atomic<int> joins{0};   // joins, first ones included
+  std::atomic<int> pulls{0};
+  std::atomic<int> finished{0};  // workers told STOP
+  absl::Mutex mu;
+  std::vector<std::vector<float>> initial ABSL_GUARDED_BY(mu);  // version 0 as pulled
+};
+
+// A worker without a model: joins as a trainer, then per task pulls the base version (from
+// every shard, like aloe-worker), "trains" for 20 ms and pushes PseudoGradient(worker id, update
+// id). Joins again whenever the coordinator forgot it (NOT_FOUND: after a reassembly), retries
+// what fails meanwhile, and leaves when told STOP.
+void RunSimulatedWorker(int port, int index, Simulation& sim) {
+  worker::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  worker::ServerClient client(options);
+  const absl::Time deadline = absl::Now() + absl::Seconds(240);
+  while (!sim.stop.load() && absl::Now() < deadline) {
+    v1::JoinRequest join;
+    join.set_name(absl::StrCat("sim", index));
+    join.set_role(v1::ROLE_TRAINER);
+    absl::StatusOr<v1::JoinReply> joined = client.Join(join);
+    if (!joined.ok() ||
+        !client.SetShards({joined->shard_addresses().begin(), joined->shard_addresses().end()})
+             .ok()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // (re)assembling
+      continue;
+    }
+    ++sim.joins;
+    const uint64_t id = joined->worker_id();
+    const v1::ModelSpec& spec = joined->model_spec();
+    uint64_t update_id = 0;
+    while (!sim.stop.load() && absl::Now() < deadline) {
+      absl::StatusOr<v1::Task> task = client.RequestTask(id);
+      absl::Status failure = task.status();
+      if (task.ok() && task->kind() == v1::Task::STOP) {
+        (void)client.Leave(id);
+        ++sim.finished;
+        return;
+      }
+      if (task.ok() && task->kind() == v1::Task::TRAIN) {
+        std::vector<std::vector<float>> params;
+        uint64_t bytes = 0;
+        absl::StatusOr<uint64_t> pulled =
+            client.Pull(id, task->base_version(), false, spec, &params, &bytes);
+        failure = pulled.status();
+        if (pulled.ok()) {
+          ++sim.pulls;
+          if (*pulled == 0) {
+            absl::MutexLock lock(&sim.mu);
+            if (sim.initial.empty()) sim.initial = std::move(params);
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          v1::PushHeader header;
+          header.set_worker_id(id);
+          header.set_task_id(task->task_id());
+          header.set_update_id(++update_id);
+          header.set_base_version(task->base_version());
+          header.set_steps_done(task->local_steps());
+          header.set_tokens_learned(100);
+          header.set_codec(v1::CODEC_FP32);
+          absl::StatusOr<v1::PushReply> pushed = client.Push(
+              header, spec, PseudoGradient(spec, id, update_id), {}, 256, nullptr, &bytes);
+          if (pushed.ok()) ++sim.pushes;
+          failure = pushed.status();
+        }
+      }
+      if (!failure.ok()) {
+        if (failure.code() == absl::StatusCode::kNotFound) break;  // forgotten: join again
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  }
+}
+
+// The chunks of the layers of `spec` that shard process `shard` owns, filled with `g`.
+std::vector<v1::PushChunk> ShardChunks(const v1::ModelSpec& spec, uint32_t shard,
+                                       const std::vector<std::vector<float>>& g) {
+  std::vector<v1::PushChunk> chunks;
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    if (layer.shard() != shard) continue;
+    for (auto [b, e] : ChunkRanges(layer.num_elements())) {
+      v1::PushChunk& c = chunks.emplace_back();
+      c.set_layer_id(layer.id());
+      c.set_offset(b);
+      AppendFloats(absl::MakeConstSpan(g[layer.id()].data() + b, e - b), c.mutable_data());
+    }
+  }
+  return chunks;
+}
+
+// A worker killed in the middle of its push: it joins, takes a task, pushes its whole part to
+// shard 0 and half of its first chunk to shard 1, then its streams break off and it is never
+// heard from again. Returns (worker id, update id).
+std::pair<uint64_t, uint64_t> PushAndVanish(int port) {
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  auto coordinator = v1::Coordinator::NewStub(channel);
+  v1::JoinRequest join;
+  join.set_name("victim");
+  join.set_role(v1::ROLE_TRAINER);
+  v1::JoinReply joined;
+  for (int i = 0; i < 300; ++i) {  // until the shards are assembled
+    grpc::ClientContext context;
+    if (coordinator->Join(&context, join, &joined).ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(joined.shard_addresses_size(), 2);
+  if (joined.shard_addresses_size() != 2) return {0, 0};
+  v1::Task task;
+  for (int i = 0; i < 100 && task.kind() != v1::Task::TRAIN; ++i) {
+    grpc::ClientContext context;
+    v1::TaskRequest request;
+    request.set_worker_id(joined.worker_id());
+    EXPECT_TRUE(coordinator->RequestTask(&context, request, &task).ok());
+  }
+  EXPECT_EQ(task.kind(), v1::Task::TRAIN);
+  v1::PushHeader header;
+  header.set_worker_id(joined.worker_id());
+  header.set_task_id(task.task_id());
+  header.set_update_id(1);
+  header.set_base_version(task.base_version());
+  header.set_steps_done(task.local_steps());
+  header.set_codec(v1::CODEC_FP32);
+  const auto g = PseudoGradient(joined.model_spec(), joined.worker_id(), 1);
+  for (uint32_t shard : {0u, 1u}) {
+    auto stub = v1::ParameterService::NewStub(
+        grpc::CreateChannel(joined.shard_addresses(shard), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    v1::PushReply reply;
+    auto writer = stub->Push(&context, &reply);
+    v1::PushChunk first;
+    *first.mutable_header() = header;
+    EXPECT_TRUE(writer->Write(first));
+    std::vector<v1::PushChunk> chunks = ShardChunks(joined.model_spec(), shard, g);
+    if (shard == 0) {
+      for (const v1::PushChunk& c : chunks) EXPECT_TRUE(writer->Write(c));
+      writer->WritesDone();
+      const grpc::Status status = writer->Finish();
+      EXPECT_TRUE(status.ok()) << status.error_message();
+      EXPECT_TRUE(reply.staged()) << "shard 0 staged its part; shard 1 has none yet";
+    } else {
+      chunks[0].mutable_data()->resize(chunks[0].data().size() / 8 * 4);  // half the floats
+      const bool written = writer->Write(chunks[0]);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      context.TryCancel();  // the process dies: its connection breaks off mid-layer
+      const grpc::Status status = writer->Finish();
+      EXPECT_TRUE(written) << status.error_code() << " " << status.error_message();
+    }
+  }
+  return {joined.worker_id(), 1};
+}
+
+// The order journal's orders, or none while it is absent or being written.
+std::vector<v1::ShardOrder> Journal(const std::string& path) {
+  absl::StatusOr<std::vector<v1::ShardOrder>> orders = server::ReadOrderJournal(path);
+  return orders.ok() ? *orders : std::vector<v1::ShardOrder>();
+}
 
 TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   const std::string ckpt = dir_ + "/ckpt";
@@ -120,6 +322,190 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   }
   ASSERT_GE(losses.size(), 2u) << summary;
   EXPECT_LT(losses.back(), losses.front() - 0.3) << summary;
+}
+
+}  // namespace
+}  // namespace aloe::testing
+
+namespace aloe::testing {
+namespace {
+
+TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
+  constexpr int kWorkers = 16;
+  constexpr uint64_t kVersions = 40;
+  const std::string ckpt = dir_ + "/ckpt";
+  const std::string journal = dir_ + "/journal";
+  lease_seconds_ = 3;  // the vanished worker expires soon
+  const int port = StartServer(
+      absl::StrCat("shard_processes: 2\nmax_staged_updates: 4\nlocal_steps: 10\n",
+                   "max_versions: ", kVersions, "\neval_every: 1000000\n",
+                   "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0.1 }\n"
+                   "checkpoint { dir: \"",
+                   ckpt, "\" every_versions: 4 keep: 3 }\n"),
+      "outer_optimizer { type: OUTER_DELAYED_NESTEROV lr: 0.7 momentum: 0.9 dn_buffer_size: 2 "
+      "staleness_exponent: 0.5 }",
+      {"--role=coordinator", "--order_journal=" + journal});
+  ASSERT_GT(port, 0);
+  auto shard0 = StartShard(0, port, false);
+  auto shard1 = StartShard(1, port, false);
+
+  // A worker dies mid-push: shard 0 staged its part, shard 1 got half a chunk. Once its lease
+  // runs out the coordinator tells the shards to discard it.
+  const auto [victim, victim_update] = PushAndVanish(port);
+  ASSERT_GT(victim, 0u) << ShardLogs();
+  auto discarded = [&] {
+    for (const v1::ShardOrder& o : Journal(journal)) {
+      if (o.kind() == v1::ShardOrder::DISCARD && o.entries(0).worker_id() == victim &&
+          o.entries(0).update_id() == victim_update) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (int i = 0; i < 200 && !discarded(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(discarded()) << ShardLogs();
+
+  Simulation sim;
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&, w] { RunSimulatedWorker(port, w, sim); });
+  }
+  // Both shards checkpointed version 8: kill shard 1 without warning and start it again.
+  bool reached = false;
+  for (int i = 0; i < 1200 && !reached; ++i) {
+    const std::vector<uint64_t> versions = server::CheckpointStore(ckpt + "/shard-1", 3).Versions();
+    reached = !versions.empty() && versions.front() >= 8;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!reached) sim.stop = true;
+  for (std::thread& t : workers) {
+    if (!reached) t.join();
+  }
+  ASSERT_TRUE(reached) << ShardLogs();
+  shard1->Signal(SIGKILL);
+  ASSERT_TRUE(shard1->Wait(absl::Seconds(10)).has_value());
+  auto resumed = StartShard(1, port, true);
+
+  std::optional<int> code = server_->Wait(absl::Seconds(240));
+  sim.stop = true;
+  for (std::thread& t : workers) t.join();
+  ASSERT_TRUE(code.has_value()) << "coordinator did not finish\n" << ShardLogs();
+  ASSERT_EQ(*code, 0) << ShardLogs();
+  EXPECT_EQ(sim.finished.load(), kWorkers);
+  shard0->Signal(SIGTERM);
+  resumed->Signal(SIGTERM);
+  EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0));
+  EXPECT_EQ(resumed->Wait(absl::Seconds(30)), std::optional<int>(0));
+  // Every process ends at the coordinator's final version: kVersions, or a little more (pushes of
+  // tasks handed out before the stop are still applied).
+  int final_version = 0;
+  for (absl::string_view line : absl::StrSplit(ReadFile(dir_ + "/summary"), '\n')) {
+    if (absl::ConsumePrefix(&line, "version=")) ASSERT_TRUE(absl::SimpleAtoi(line, &final_version));
+  }
+  ASSERT_GE(final_version, static_cast<int>(kVersions)) << ShardLogs();
+  EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard0.log")), final_version) << ShardLogs();
+  EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard1-resumed.log")), final_version) << ShardLogs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/server.log"), "shard 1 restarted"))
+      << ShardLogs();
+
+  // The journal: assembled at 0, reassembled at a checkpoint >= 8 after the restart; the
+  // vanished worker's update never committed; the commits that stand reach kVersions.
+  absl::StatusOr<std::vector<v1::ShardOrder>> orders = server::ReadOrderJournal(journal);
+  ASSERT_TRUE(orders.ok()) << orders.status();
+  std::vector<uint64_t> restores;
+  for (const v1::ShardOrder& o : *orders) {
+    if (o.kind() == v1::ShardOrder::RESTORE) restores.push_back(o.version());
+    for (const v1::CommitEntry& e : o.entries()) {
+      if (o.kind() == v1::ShardOrder::COMMIT) EXPECT_NE(e.worker_id(), victim);
+    }
+  }
+  ASSERT_EQ(restores.size(), 2u);
+  EXPECT_EQ(restores[0], 0u);
+  EXPECT_GE(restores[1], 8u);
+  absl::StatusOr<std::vector<v1::ShardOrder>> history = server::CommittedHistory(*orders);
+  ASSERT_TRUE(history.ok()) << history.status();
+  ASSERT_EQ(history->size(), static_cast<size_t>(final_version));
+  size_t committed_updates = 0, discounted = 0;
+  for (const v1::ShardOrder& o : *history) {
+    committed_updates += o.entries_size();
+    for (const v1::CommitEntry& e : o.entries()) discounted += e.weight() < 1.0f;
+  }
+  EXPECT_GT(discounted, 0u) << "stale updates carry the staleness discount in their weight";
+
+  // Single-process replay: the initial model (version 0 as the workers pulled it), then every
+  // commit that stands, in order, with its weights, through one ParameterStore.
+  absl::StatusOr<v1::ServerConfig> config = LoadServerConfig(dir_ + "/server.textproto");
+  ASSERT_TRUE(config.ok()) << config.status();
+  v1::ModelSpec spec;
+  std::vector<std::vector<float>> initial;
+  {
+    absl::MutexLock lock(&sim.mu);
+    initial = sim.initial;
+  }
+  ASSERT_FALSE(initial.empty()) << "no worker pulled version 0";
+  std::map<uint32_t, std::vector<float>> final_params;  // layer id -> shard's final values
+  for (uint32_t shard : {0u, 1u}) {
+    absl::StatusOr<server::CheckpointStore::LoadedOf<v1::ShardCheckpoint>> last =
+        server::CheckpointStore(absl::StrCat(ckpt, "/shard-", shard), 3)
+            .LoadLatest<v1::ShardCheckpoint>();
+    ASSERT_TRUE(last.ok()) << last.status();
+    EXPECT_EQ(last->checkpoint.version(), static_cast<uint64_t>(final_version));
+    for (int i = 0; i < last->checkpoint.layer_ids_size(); ++i) {
+      const std::string& bytes = last->checkpoint.layer_params(i);
+      std::vector<float>& values = final_params[last->checkpoint.layer_ids(i)];
+      values.resize(bytes.size() / 4);
+      ASSERT_TRUE(DecodeFloats(bytes, absl::MakeSpan(values)).ok());
+    }
+  }
+  ASSERT_EQ(final_params.size(), initial.size());
+  spec.set_num_shards(1);
+  for (size_t l = 0; l < initial.size(); ++l) {
+    v1::LayerSpec* layer = spec.add_layers();
+    layer->set_id(l);
+    layer->set_name(absl::StrCat("layer", l));
+    layer->set_num_elements(initial[l].size());
+  }
+  InlineExecutor executor;
+  absl::StatusOr<std::unique_ptr<server::ParameterStore>> replay =
+      server::ParameterStore::Create(spec, initial, config->outer_optimizer(), executor);
+  ASSERT_TRUE(replay.ok()) << replay.status();
+  for (const v1::ShardOrder& commit : *history) {
+    std::vector<server::PendingUpdate> updates(commit.entries_size());
+    std::vector<const server::PendingUpdate*> pointers;
+    std::vector<float> weights;
+    for (int i = 0; i < commit.entries_size(); ++i) {
+      updates[i].worker_id = commit.entries(i).worker_id();
+      updates[i].update_id = commit.entries(i).update_id();
+      updates[i].layers = PseudoGradient(spec, updates[i].worker_id, updates[i].update_id);
+      pointers.push_back(&updates[i]);
+      weights.push_back(commit.entries(i).weight());
+    }
+    ASSERT_TRUE((*replay)->ApplyOuterStep(pointers, weights).ok());
+  }
+  const server::ModelSnapshot expected = (*replay)->Snapshot();
+  size_t different = 0;
+  double max_diff = 0, max_moved = 0;
+  for (size_t l = 0; l < initial.size(); ++l) {
+    const std::vector<float>& want = *expected.layers[l];
+    const std::vector<float>& got = final_params[l];
+    ASSERT_EQ(got.size(), want.size()) << "layer " << l;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (got[i] != want[i]) ++different;
+      max_diff = std::max(max_diff, static_cast<double>(std::fabs(got[i] - want[i])));
+      max_moved = std::max(max_moved, static_cast<double>(std::fabs(want[i] - initial[l][i])));
+    }
+  }
+  EXPECT_EQ(different, 0u) << "max |shard - replay| = " << max_diff;
+  EXPECT_GT(max_moved, 0.01) << "the commits moved the parameters";
+  std::printf(
+      "%zu commits of %zu updates (%d accepted pushes, %d joins, %d pulls), restores at "
+      "%lu and %lu, %zu stale (weight < 1); max |shard - replay| = %g, max |replay - initial| = "
+      "%g\n",
+      history->size(), committed_updates, sim.pushes.load(), sim.joins.load(), sim.pulls.load(),
+      static_cast<unsigned long>(restores[0]), static_cast<unsigned long>(restores[1]), discounted,
+      max_diff, max_moved);
 }
 
 }  // namespace

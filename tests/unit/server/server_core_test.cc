@@ -813,10 +813,11 @@ TEST_F(ServerCoreTest, RestoredCoreContinuesBitIdentically) {
   Make(config);
   const uint64_t a = Join();
   for (uint32_t r = 0; r < 5; ++r) round(*core_, a, r);
-  auto due = core_->TakeDueCheckpoint();  // captured right after version 4
-  ASSERT_TRUE(due.has_value());
+  std::vector<v1::ServerCheckpoint> taken = core_->TakeDueCheckpoints();
+  ASSERT_EQ(taken.size(), 1u);  // captured right after version 4
+  const v1::ServerCheckpoint* due = &taken[0];
   EXPECT_EQ(due->version(), 4u);
-  EXPECT_FALSE(core_->TakeDueCheckpoint().has_value());
+  EXPECT_TRUE(core_->TakeDueCheckpoints().empty());
 
   // Replay: the original core from version 5 and a restored one from version 4.
   FakeClock clock2;
@@ -964,6 +965,56 @@ TEST_F(ServerCoreTest, ShardedStalenessDiscountTravelsInTheCommitWeight) {
   ASSERT_EQ(core_->orders().size(), 2u);
   EXPECT_FLOAT_EQ(core_->orders()[0].entries(0).weight(), 1.0f);
   EXPECT_FLOAT_EQ(core_->orders()[1].entries(0).weight(), 0.5f);  // (1 + 1)^-1
+}
+
+// A core that replaces another (a coordinator going back to a checkpoint) never hands out an id
+// the old one did: a worker of the old core gets NOT_FOUND instead of acting as a new joiner.
+TEST_F(ServerCoreTest, ReplacementContinuesWorkerAndTaskIds) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_aggregation()->set_min_workers(1);
+  Make(config);
+  const uint64_t old_worker = Join();
+  const v1::Task old_task = Request(old_worker);
+  std::unique_ptr<ServerCore> old_core = std::move(core_);
+  Make(config);
+  core_->ContinueIdsOf(*old_core);
+  const uint64_t new_worker = Join();
+  EXPECT_GT(new_worker, old_worker);
+  EXPECT_GT(Request(new_worker).task_id(), old_task.task_id());
+  v1::TaskRequest request;
+  request.set_worker_id(old_worker);
+  EXPECT_THAT(core_->RequestTask(request), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+// A coordinator keeps every due checkpoint (a restarted shard can only go back to a version the
+// coordinator checkpointed too); a single-process core only the newest.
+TEST_F(ServerCoreTest, ShardedCoordinatorKeepsEveryDueCheckpoint) {
+  for (uint32_t processes : {1u, 0u}) {
+    v1::ServerConfig config = TinyConfig();
+    config.set_shard_processes(processes);
+    config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+    config.mutable_aggregation()->set_min_workers(1);
+    config.mutable_checkpoint()->set_dir("unused");
+    config.mutable_checkpoint()->set_every_versions(2);
+    Make(config);
+    if (processes > 0) core_->SetShardAddress(0, "s0");
+    const uint64_t a = Join();
+    for (uint32_t round = 0; round < 5; ++round) {
+      const v1::Task task = Request(a);
+      if (processes > 0) {
+        ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, task, round + 1)), IsOk());
+      } else {
+        ASSERT_THAT(core_->SubmitUpdate(VariedUpdate(core_->spec(), a, task, round)), IsOk());
+      }
+    }
+    std::vector<uint64_t> versions;
+    for (const v1::ServerCheckpoint& c : core_->TakeDueCheckpoints())
+      versions.push_back(c.version());
+    const std::vector<uint64_t> expected =
+        processes > 0 ? std::vector<uint64_t>{2, 4} : std::vector<uint64_t>{4};
+    EXPECT_EQ(versions, expected) << processes << " shard processes";
+    EXPECT_TRUE(core_->TakeDueCheckpoints().empty());
+  }
 }
 
 TEST(ShardAssemblyTest, ChoosesTheNewestVersionEveryProcessCanReach) {
