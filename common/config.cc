@@ -318,11 +318,6 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrFormat("shard_processes must be in [0, 1024], got %d", c.shard_processes()));
   }
-  if (c.shard_processes() > 0 && c.penalty().enabled()) {
-    return absl::InvalidArgumentError(
-        "penalty.enabled is not supported with shard_processes > 0 yet (the EDiT penalty weighs "
-        "each update by norms over all layers' statistics, which live in one process)");
-  }
   if (c.max_staged_updates() < 1 || c.max_staged_updates() > 4096) {
     return absl::InvalidArgumentError(
         absl::StrFormat("max_staged_updates must be in [1, 4096], got %d", c.max_staged_updates()));

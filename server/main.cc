@@ -297,9 +297,14 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   const v1::ModelSpec spec = model.spec;
   const std::string fingerprint = ShardedModelFingerprint(config, spec, model.fingerprint);
   ThreadPoolExecutor executor(static_cast<int>(config.apply_threads()) - 1);
-  auto make_state = [&](std::vector<std::vector<float>> initial) {
-    return ShardState::Create(spec, index, std::move(initial), config.outer_optimizer(),
-                              config.apply_threads(), config.max_staged_updates(), executor);
+  auto make_state =
+      [&](std::vector<std::vector<float>> initial) -> absl::StatusOr<std::unique_ptr<ShardState>> {
+    ALOE_ASSIGN_OR_RETURN(
+        std::unique_ptr<ShardState> state,
+        ShardState::Create(spec, index, std::move(initial), config.outer_optimizer(),
+                           config.apply_threads(), config.max_staged_updates(), executor));
+    if (config.penalty().enabled()) ALOE_RETURN_IF_ERROR(state->EnablePenalty(config.penalty()));
+    return state;
   };
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ShardState> state, make_state(std::move(model.initial)));
   uint64_t params = 0;

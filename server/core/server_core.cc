@@ -111,7 +111,7 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
     core->aggregation_ =
         std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
   }
-  if (config.penalty().enabled()) {
+  if (config.penalty().enabled() && config.shard_processes() == 0) {  // sharded: on the shards
     ALOE_ASSIGN_OR_RETURN(core->penalty_, PseudoGradientPenalty::Create(
                                               config.penalty(), core->spec().layers_size()));
   }
@@ -552,6 +552,7 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
       entry->set_worker_id(batch.updates[i].worker_id);
       entry->set_update_id(batch.updates[i].update_id);
       entry->set_weight(batch.weights[i] * batch.updates[i].weight_scale);
+      entry->set_discount(batch.updates[i].weight_scale);
     }
     orders_.push_back(std::move(order));
     ++commit_version_;
@@ -570,7 +571,7 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
     // The penalty's per-layer weights replace the batch's (paper 000 Alg. 2).
     PenaltyAggregation aggregation(*penalty_);
     status = store_->ApplyOuterStep(updates, aggregation);
-    if (status.ok()) ReportPenalty(aggregation.reports());
+    if (status.ok()) ReportPenalty(aggregation.reports(), version(), "server", metrics_);
   } else {
     status = store_->ApplyOuterStep(updates, batch.weights);
   }
@@ -606,39 +607,6 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
                 batch.updates.size(), loss_sum / static_cast<double>(batch.updates.size()));
   UpdateStopping();
   return absl::OkStatus();
-}
-
-void ServerCore::ReportPenalty(const std::vector<PenaltyModuleReport>& reports) {
-  uint64_t anomalies = 0;
-  uint64_t rollbacks = 0;
-  double max_z = -std::numeric_limits<double>::infinity();
-  double min_clip = 1;
-  for (const PenaltyModuleReport& module : reports) {
-    for (const PenaltyUpdateReport& u : module.updates) {
-      metrics_.Observe(kPseudoGradientNorm, u.norm);
-      metrics_.Observe(kPenaltyZScore, u.z_score);
-      metrics_.Observe(kPenaltyWeight, u.weight);
-      if (u.anomalous) ++anomalies;
-      max_z = std::max(max_z, u.z_score);
-    }
-    if (module.rollback) {
-      ++rollbacks;
-    } else if (!module.updates.empty()) {
-      metrics_.Observe(kPenaltyClipCoefficient, module.clip_coefficient);
-      min_clip = std::min(min_clip, module.clip_coefficient);
-    }
-  }
-  metrics_.Add(kPenaltyAnomalies, static_cast<double>(anomalies));
-  metrics_.Add(kPenaltyRollbacks, static_cast<double>(rollbacks));
-  if (anomalies > 0 || rollbacks > 0) {
-    ALOE_LOG_WARNING("server",
-                     "version %d: pseudo-gradient penalty flagged %d (update, layer) pairs as "
-                     "anomalous (max z %.2f) and rolled back %d of %d layers",
-                     version(), anomalies, max_z, rollbacks, reports.size());
-  } else {
-    ALOE_LOG_INFO("server", "version %d: pseudo-gradient penalty max z %.2f, min clip %.3f",
-                  version(), max_z, min_clip);
-  }
 }
 
 absl::Status ServerCore::ReportEval(const v1::EvalReport& report) {
@@ -716,6 +684,12 @@ void ServerCore::WorkerGone(uint64_t worker) {
   // Worker ids are never reused: its norm statistics can go. (An update of this worker still
   // waiting in an open round would start a fresh entry when applied.)
   if (penalty_ != nullptr) penalty_->ForgetStream(worker);
+  if (sharded() && config_.penalty().enabled()) {
+    v1::ShardOrder forget;  // the shards hold the penalty statistics
+    forget.set_kind(v1::ShardOrder::FORGET);
+    forget.add_entries()->set_worker_id(worker);
+    orders_.push_back(std::move(forget));
+  }
   PruneRetained();
   PublishMembership();
   PublishShards();

@@ -182,7 +182,6 @@ class ServerCore {
   // Appends a DISCARD order of one update to the order log.
   void AppendDiscard(uint64_t worker, uint64_t update_id);
   absl::Status Apply(ApplyBatch batch);
-  void ReportPenalty(const std::vector<PenaltyModuleReport>& reports);
   void UpdateStopping();
   void PublishMembership();
   // Per data shard: learning progress, sampling probability and LR schedule position.

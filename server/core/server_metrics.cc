@@ -1,7 +1,12 @@
 #include "server/core/server_metrics.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "common/logging.h"
 
 namespace aloe::server {
 
@@ -138,6 +143,40 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        {},
        {"shard"}},
   };
+}
+
+void ReportPenalty(const std::vector<PenaltyModuleReport>& reports, uint64_t version,
+                   const char* component, MetricsSink& metrics) {
+  uint64_t anomalies = 0;
+  uint64_t rollbacks = 0;
+  double max_z = -std::numeric_limits<double>::infinity();
+  double min_clip = 1;
+  for (const PenaltyModuleReport& module : reports) {
+    for (const PenaltyUpdateReport& u : module.updates) {
+      metrics.Observe(kPseudoGradientNorm, u.norm);
+      metrics.Observe(kPenaltyZScore, u.z_score);
+      metrics.Observe(kPenaltyWeight, u.weight);
+      if (u.anomalous) ++anomalies;
+      max_z = std::max(max_z, u.z_score);
+    }
+    if (module.rollback) {
+      ++rollbacks;
+    } else if (!module.updates.empty()) {
+      metrics.Observe(kPenaltyClipCoefficient, module.clip_coefficient);
+      min_clip = std::min(min_clip, module.clip_coefficient);
+    }
+  }
+  metrics.Add(kPenaltyAnomalies, static_cast<double>(anomalies));
+  metrics.Add(kPenaltyRollbacks, static_cast<double>(rollbacks));
+  if (anomalies > 0 || rollbacks > 0) {
+    ALOE_LOG_WARNING(component,
+                     "version %d: pseudo-gradient penalty flagged %d (update, layer) pairs as "
+                     "anomalous (max z %.2f) and rolled back %d of %d layers",
+                     version, anomalies, max_z, rollbacks, reports.size());
+  } else {
+    ALOE_LOG_INFO(component, "version %d: pseudo-gradient penalty max z %.2f, min clip %.3f",
+                  version, max_z, min_clip);
+  }
 }
 
 }  // namespace aloe::server

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "common/metrics.h"
 #include "proto/aloe.pb.h"
+#include "server/core/pseudo_gradient_penalty.h"
 
 namespace aloe::server {
 
@@ -74,5 +75,11 @@ const char* RejectReason(const absl::Status& status);
 std::string CodecLabel(v1::Codec codec);
 
 std::vector<MetricDef> ServerMetricCatalogue();
+
+// Records what the EDiT penalty did in the outer step that produced `version` (one report per
+// layer stepped): norms, z-scores, weights and clip coefficients as histograms, anomalies and
+// rollbacks as counters, and one log line (`component` names the process: "server", "shard").
+void ReportPenalty(const std::vector<PenaltyModuleReport>& reports, uint64_t version,
+                   const char* component, MetricsSink& metrics);
 
 }  // namespace aloe::server

@@ -17,6 +17,8 @@ std::string ShardedModelFingerprint(const v1::ServerConfig& config, const v1::Mo
     absl::StrAppendFormat(&f, "%s:%d@%d;", layer.name(), layer.num_elements(), layer.shard());
   }
   if (!model_fingerprint.empty()) absl::StrAppend(&f, "model=", model_fingerprint);
+  // The shards hold the penalty statistics: every process must agree on whether there are any.
+  if (config.penalty().enabled()) absl::StrAppend(&f, ";penalty");
   return f;
 }
 

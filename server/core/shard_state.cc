@@ -10,6 +10,7 @@
 #include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
+#include "kernels/cpu/outer_kernels.h"
 
 namespace aloe::server {
 
@@ -197,6 +198,11 @@ absl::Status ShardState::Apply(const v1::ShardOrder& order) {
     case v1::ShardOrder::DISCARD:
       for (const v1::CommitEntry& e : order.entries()) Discard(e.worker_id(), e.update_id());
       return absl::OkStatus();
+    case v1::ShardOrder::FORGET:
+      if (penalty_ != nullptr) {
+        for (const v1::CommitEntry& e : order.entries()) penalty_->ForgetStream(e.worker_id());
+      }
+      return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(absl::StrFormat("shard order %s is not applied here",
                                                         v1::ShardOrder::Kind_Name(order.kind())));
@@ -213,7 +219,7 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
     return absl::InvalidArgumentError(
         absl::StrFormat("commit of version %d has no updates", order.version()));
   }
-  std::vector<const PendingUpdate*> updates;
+  std::vector<PendingUpdate*> updates;
   std::vector<float> weights;
   std::set<UpdateKey> seen;
   for (const v1::CommitEntry& e : order.entries()) {
@@ -223,10 +229,11 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
           absl::StrFormat("commit of version %d names update %d of worker %d twice",
                           order.version(), e.update_id(), e.worker_id()));
     }
-    if (!std::isfinite(e.weight())) {
+    if (!std::isfinite(e.weight()) ||
+        (penalty_ != nullptr && !(e.discount() > 0 && e.discount() <= 1))) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("commit of version %d: update %d of worker %d has weight %f",
-                          order.version(), e.update_id(), e.worker_id(), e.weight()));
+          absl::StrFormat("commit of version %d: update %d of worker %d has weight %f, discount %f",
+                          order.version(), e.update_id(), e.worker_id(), e.weight(), e.discount()));
     }
     auto it = staged_.find(key);
     if (it == staged_.end() || !it->second.complete()) {
@@ -248,7 +255,23 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
   }
   // Staged updates were checked against the spec when staged, so a failure here is an invariant
   // violation.
-  ALOE_RETURN_IF_ERROR(store_->ApplyOuterStep(updates, weights));
+  const std::vector<const PendingUpdate*> inputs(updates.begin(), updates.end());
+  if (penalty_ != nullptr) {
+    // As a single process: the discount scales the update (the staged copy, which this step
+    // consumes), and the penalty's per-layer weights replace the entries' (paper 000 Alg. 2).
+    for (int i = 0; i < order.entries_size(); ++i) {
+      const float discount = order.entries(i).discount();
+      if (discount == 1.0f) continue;
+      for (std::vector<float>& layer : updates[i]->layers) {
+        kernels::Scale(layer.data(), layer.size(), discount);
+      }
+    }
+    PenaltyAggregation aggregation(*penalty_);
+    ALOE_RETURN_IF_ERROR(store_->ApplyOuterStep(inputs, aggregation));
+    penalty_reports_ = aggregation.reports();
+  } else {
+    ALOE_RETURN_IF_ERROR(store_->ApplyOuterStep(inputs, weights));
+  }
   if (keep.has_value()) retained_[old_version] = *std::move(keep);
   for (const v1::CommitEntry& e : order.entries()) Discard(e.worker_id(), e.update_id());
   for (auto it = retained_.begin(); it != retained_.end();) {
@@ -304,7 +327,13 @@ v1::ShardCheckpoint ShardState::Capture(const std::string& fingerprint) const {
     AppendFloats(*snapshot.layers[i], c.add_layer_params());
     store_->SaveOptimizerState(i, c.add_optimizer_state());
   }
+  if (penalty_ != nullptr) penalty_->SaveState(c.mutable_penalty_state());
   return c;
+}
+
+absl::Status ShardState::EnablePenalty(const v1::PenaltyConfig& config) {
+  ALOE_ASSIGN_OR_RETURN(penalty_, PseudoGradientPenalty::Create(config, owned_.size()));
+  return absl::OkStatus();
 }
 
 absl::Status ShardState::Restore(const v1::ShardCheckpoint& c, const std::string& fingerprint) {
@@ -351,9 +380,26 @@ absl::Status ShardState::Restore(const v1::ShardCheckpoint& c, const std::string
     }
   }
   std::vector<std::string> states(c.optimizer_state().begin(), c.optimizer_state().end());
-  // All or nothing. Its messages name the layer by its local index and its (global) name.
+  // All or nothing: the penalty first (LoadState changes nothing on error), put back when the
+  // store refuses. A checkpoint without penalty state starts the statistics afresh.
+  std::string old_penalty;
+  if (penalty_ != nullptr) {
+    penalty_->SaveState(&old_penalty);
+    std::string blob = c.penalty_state();
+    if (blob.empty()) {
+      ALOE_ASSIGN_OR_RETURN(auto fresh,
+                            PseudoGradientPenalty::Create(penalty_->config(), owned_.size()));
+      fresh->SaveState(&blob);
+    }
+    if (absl::Status loaded = penalty_->LoadState(blob); !loaded.ok()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "shard checkpoint penalty state of shard %d: %s", shard_index_, loaded.message()));
+    }
+  }
+  // Its messages name the layer by its local index and its (global) name.
   absl::Status restored = store_->Restore(c.version(), params, states);
   if (!restored.ok()) {
+    if (penalty_ != nullptr) (void)penalty_->LoadState(old_penalty);
     return absl::Status(restored.code(),
                         absl::StrFormat("shard %d: %s", shard_index_, restored.message()));
   }

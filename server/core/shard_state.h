@@ -26,6 +26,7 @@
 #include "common/executor.h"
 #include "proto/aloe.pb.h"
 #include "server/core/parameter_store.h"
+#include "server/core/pseudo_gradient_penalty.h"
 #include "server/core/update.h"
 
 namespace aloe::server {
@@ -54,6 +55,16 @@ class ShardState {
 
   ShardState(const ShardState&) = delete;
   ShardState& operator=(const ShardState&) = delete;
+
+  // Turns on the EDiT pseudo-gradient penalty (paper 000 Alg. 2) for the owned layers: a COMMIT
+  // then scales each update by its entry's discount and weighs the updates per layer by their
+  // norms (PenaltyAggregation) instead of using the entries' weights, exactly as a
+  // single-process server does. The statistics are kept per (worker, owned layer). Call before
+  // the first Apply or Restore. kInvalidArgument for a bad config (PseudoGradientPenalty::Create).
+  absl::Status EnablePenalty(const v1::PenaltyConfig& config);
+  // The penalty's report per owned layer (local order) of the last COMMIT; empty without the
+  // penalty.
+  const std::vector<PenaltyModuleReport>& last_penalty_reports() const { return penalty_reports_; }
 
   uint32_t shard_index() const { return shard_index_; }
   // Global layer ids owned by this shard, ascending.
@@ -105,6 +116,7 @@ class ShardState {
   //   old version is retained when it is in order.keep_versions(), and every retained version
   //   not in keep_versions is dropped.
   // DISCARD: drops each entry from staging (absent ones are ignored); the version is unchanged.
+  // FORGET: drops the penalty statistics of each entry's worker (no-op without the penalty).
   // RESTORE and unknown kinds: kInvalidArgument (the service restores through Restore below).
   absl::Status Apply(const v1::ShardOrder& order);
 
@@ -121,15 +133,16 @@ class ShardState {
 
   // --- Checkpoints.
 
-  // Parameters (float32 little-endian) and outer optimizer state of the owned layers at
-  // version(), format 1, tagged with `fingerprint` (model spec + outer optimizer).
+  // Parameters (float32 little-endian), outer optimizer state and penalty statistics of the
+  // owned layers at version(), format 1, tagged with `fingerprint` (model spec + outer optimizer).
   v1::ShardCheckpoint Capture(const std::string& fingerprint) const;
   // Replaces parameters, optimizer states and version with the checkpoint's and drops all staged
   // updates and retained versions. All or nothing:
   //   kFailedPrecondition when the fingerprint, shard_index or shard_processes differ from this
   //     shard's (the message names both values);
   //   kInvalidArgument for an unknown format, layer ids other than owned_layers(), or a
-  //     parameter size or optimizer state blob that does not fit.
+  //     parameter size, optimizer state blob or penalty state that does not fit (a checkpoint
+  //     without penalty state starts the statistics afresh).
   absl::Status Restore(const v1::ShardCheckpoint& c, const std::string& fingerprint);
 
  private:
@@ -161,6 +174,8 @@ class ShardState {
   std::unique_ptr<ParameterStore> store_;   // the owned layers only, re-indexed 0..owned-1
   std::map<UpdateKey, StagedUpdate> staged_;
   std::map<uint64_t, ModelSnapshot> retained_;  // older versions (local order) kept for pulls
+  std::unique_ptr<PseudoGradientPenalty> penalty_;  // null = off; modules = owned layers
+  std::vector<PenaltyModuleReport> penalty_reports_;
 };
 
 }  // namespace aloe::server

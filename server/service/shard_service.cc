@@ -205,6 +205,10 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
       status = state_->Apply(order);
       const uint64_t v = state_->version();
       if (status.ok() && order.kind() == v1::ShardOrder::COMMIT &&
+          !state_->last_penalty_reports().empty()) {
+        ReportPenalty(state_->last_penalty_reports(), v, "shard", metrics_);
+      }
+      if (status.ok() && order.kind() == v1::ShardOrder::COMMIT &&
           options_.checkpoints != nullptr && options_.every_versions > 0 &&
           v % options_.every_versions == 0) {
         due = state_->Capture(options_.fingerprint);

@@ -5,9 +5,9 @@
 //    checkpoints; the processes reassemble at a common checkpoint and training completes, with
 //    every shard at the coordinator's final version.
 //  - SixteenWorkersKilledPushShardRestartAndExactReplay: 16 simulated workers (real gRPC clients
-//    pushing known pseudo-gradients), a worker killed mid-push and a shard restart; afterwards
-//    both shards hold exactly the parameters of a single-process replay of the coordinator's
-//    order journal.
+//    pushing known pseudo-gradients), a worker killed mid-push and a shard restart, with the EDiT
+//    penalty and the staleness discount on; afterwards both shards hold exactly the parameters
+//    of a single-process replay of the coordinator's order journal.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -20,9 +20,11 @@
 #include "absl/synchronization/mutex.h"
 #include "common/config.h"
 #include "common/executor.h"
+#include "kernels/cpu/outer_kernels.h"
 #include "server/core/checkpoint_store.h"
 #include "server/core/order_journal.h"
 #include "server/core/parameter_store.h"
+#include "server/core/pseudo_gradient_penalty.h"
 #include "tests/integration/loopback_cluster.h"
 #include "worker/client.h"
 
@@ -340,6 +342,9 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
       absl::StrCat("shard_processes: 2\nmax_staged_updates: 4\nlocal_steps: 10\n",
                    "max_versions: ", kVersions, "\neval_every: 1000000\n",
                    "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0.1 }\n"
+                   // The EDiT penalty on the shards: anomaly tests from a stream's second norm,
+                   // clipping of the larger steps (pushed norms are about 1.3 per layer).
+                   "penalty { enabled: true warmup: 1 z_threshold: 2 clip_norm: 1 }\n"
                    "checkpoint { dir: \"",
                    ckpt, "\" every_versions: 4 keep: 3 }\n"),
       "outer_optimizer { type: OUTER_DELAYED_NESTEROV lr: 0.7 momentum: 0.9 dn_buffer_size: 2 "
@@ -433,6 +438,13 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
     for (const v1::CommitEntry& e : o.entries()) discounted += e.weight() < 1.0f;
   }
   EXPECT_GT(discounted, 0u) << "stale updates carry the staleness discount in their weight";
+  for (const v1::ShardOrder& o : *history) {
+    for (const v1::CommitEntry& e : o.entries()) {
+      ASSERT_GT(e.discount(), 0.0f);
+      ASSERT_LE(e.discount(), 1.0f);
+      ASSERT_EQ(e.weight(), e.discount()) << "async: one update per step, aggregation weight 1";
+    }
+  }
 
   // Single-process replay: the initial model (version 0 as the workers pulled it), then every
   // commit that stands, in order, with its weights, through one ParameterStore.
@@ -471,6 +483,10 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
   absl::StatusOr<std::unique_ptr<server::ParameterStore>> replay =
       server::ParameterStore::Create(spec, initial, config->outer_optimizer(), executor);
   ASSERT_TRUE(replay.ok()) << replay.status();
+  absl::StatusOr<std::unique_ptr<server::PseudoGradientPenalty>> penalty =
+      server::PseudoGradientPenalty::Create(config->penalty(), spec.layers_size());
+  ASSERT_TRUE(penalty.ok()) << penalty.status();
+  size_t anomalies = 0, rollbacks = 0, clipped = 0;
   for (const v1::ShardOrder& commit : *history) {
     std::vector<server::PendingUpdate> updates(commit.entries_size());
     std::vector<const server::PendingUpdate*> pointers;
@@ -479,11 +495,23 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
       updates[i].worker_id = commit.entries(i).worker_id();
       updates[i].update_id = commit.entries(i).update_id();
       updates[i].layers = PseudoGradient(spec, updates[i].worker_id, updates[i].update_id);
+      // As a single-process server: the staleness discount scales the update on arrival.
+      if (commit.entries(i).discount() != 1.0f) {
+        for (std::vector<float>& layer : updates[i].layers) {
+          kernels::Scale(layer.data(), layer.size(), commit.entries(i).discount());
+        }
+      }
       pointers.push_back(&updates[i]);
-      weights.push_back(commit.entries(i).weight());
     }
-    ASSERT_TRUE((*replay)->ApplyOuterStep(pointers, weights).ok());
+    server::PenaltyAggregation aggregation(**penalty);
+    ASSERT_TRUE((*replay)->ApplyOuterStep(pointers, aggregation).ok());
+    for (const server::PenaltyModuleReport& layer : aggregation.reports()) {
+      rollbacks += layer.rollback;
+      clipped += !layer.rollback && layer.clip_coefficient < 1;
+      for (const server::PenaltyUpdateReport& u : layer.updates) anomalies += u.anomalous;
+    }
   }
+  EXPECT_GT(clipped, 0u) << "the penalty clipped steps";
   const server::ModelSnapshot expected = (*replay)->Snapshot();
   size_t different = 0;
   double max_diff = 0, max_moved = 0;
@@ -500,12 +528,12 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
   EXPECT_EQ(different, 0u) << "max |shard - replay| = " << max_diff;
   EXPECT_GT(max_moved, 0.01) << "the commits moved the parameters";
   std::printf(
-      "%zu commits of %zu updates (%d accepted pushes, %d joins, %d pulls), restores at "
-      "%lu and %lu, %zu stale (weight < 1); max |shard - replay| = %g, max |replay - initial| = "
-      "%g\n",
+      "%zu commits of %zu updates (%d accepted pushes, %d joins, %d pulls), restores at %lu and "
+      "%lu, %zu stale (weight < 1); penalty: %zu anomalous (update, layer) pairs, %zu rollbacks, "
+      "%zu clipped layer steps; max |shard - replay| = %g, max |replay - initial| = %g\n",
       history->size(), committed_updates, sim.pushes.load(), sim.joins.load(), sim.pulls.load(),
       static_cast<unsigned long>(restores[0]), static_cast<unsigned long>(restores[1]), discounted,
-      max_diff, max_moved);
+      anomalies, rollbacks, clipped, max_diff, max_moved);
 }
 
 }  // namespace

@@ -668,5 +668,103 @@ TEST(ShardStateCheckpointTest, RefusalsLeaveTheStateUnchanged) {
   EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatNear(1e-5f), {0.05f, 1.05f, 2.05f}));
 }
 
+// --- The EDiT penalty on a shard (paper 000 Alg. 2, ALGORITHMS.md): per owned layer, each update
+// scaled by its discount, weights softmax(-||g_i||), clip, SGD. Golden numbers by hand:
+//   embed:   w7 = 0.5 * (3, 0, 4) -> norm 2.5, w8 = (0, 1, 0) -> norm 1;
+//            weights 1 / (1 + e^1.5) = 0.1824255, 0.8175745; g = (0.2736383, 0.8175745,
+//            0.3648511), norm 0.936 < clip 10; embed = (1, 2, 3) - 0.5 g.
+//   blocks.1: w7 = 0.5 * (0, 0, 0, 2) -> norm 1, w8 = 0 -> norm 0; weights 0.2689414,
+//            0.7310586; g = (0, 0, 0, 0.2689414); blocks.1 = (4, 5, 6, 7 - 0.1344707).
+// The entries' weights (0.3) are replaced by the penalty's.
+v1::ShardOrder PenaltyCommit() {
+  v1::ShardOrder order = Commit(1, {{7, 1, 0.3f}, {8, 1, 0.3f}});
+  order.mutable_entries(0)->set_discount(0.5f);
+  order.mutable_entries(1)->set_discount(1.0f);
+  return order;
+}
+
+std::unique_ptr<ShardState> PenaltyShard(Executor& executor) {
+  std::unique_ptr<ShardState> shard = MakeShard(executor, 0);
+  v1::PenaltyConfig penalty;
+  penalty.set_enabled(true);
+  penalty.set_ema_alpha(0.02f);
+  penalty.set_z_threshold(3);
+  penalty.set_warmup(1);
+  penalty.set_temperature(1);
+  penalty.set_clip_norm(10);
+  EXPECT_THAT(shard->EnablePenalty(penalty), IsOk());
+  EXPECT_THAT(shard->Stage(Part0(7, 1, {3, 0, 4}, {0, 0, 0, 2})), IsOk());
+  EXPECT_THAT(shard->Stage(Part0(8, 1, {0, 1, 0}, {0, 0, 0, 0})), IsOk());
+  return shard;
+}
+
+TEST(ShardStatePenaltyTest, WeighsByNormsAfterTheDiscount) {
+  InlineExecutor executor;
+  std::unique_ptr<ShardState> shard = PenaltyShard(executor);
+  ASSERT_THAT(shard->Apply(PenaltyCommit()), IsOk());
+  EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatNear(1e-6), {0.8631809f, 1.5912128f, 2.8175745f}));
+  EXPECT_THAT(Layer(*shard, 2), Pointwise(FloatNear(1e-6), {4.0f, 5.0f, 6.0f, 6.8655293f}));
+  ASSERT_EQ(shard->last_penalty_reports().size(), 2u);  // one per owned layer
+  EXPECT_NEAR(shard->last_penalty_reports()[0].updates[0].norm, 2.5, 1e-6);
+  EXPECT_NEAR(shard->last_penalty_reports()[0].updates[0].weight, 0.1824255, 1e-6);
+  EXPECT_FALSE(shard->last_penalty_reports()[0].rollback);
+}
+
+TEST(ShardStatePenaltyTest, RejectsADiscountOutsideZeroOneAndChangesNothing) {
+  InlineExecutor executor;
+  std::unique_ptr<ShardState> shard = PenaltyShard(executor);
+  for (float bad : {0.0f, 1.5f, std::numeric_limits<float>::quiet_NaN()}) {
+    v1::ShardOrder order = PenaltyCommit();
+    order.mutable_entries(0)->set_discount(bad);
+    EXPECT_THAT(shard->Apply(order), StatusIs(absl::StatusCode::kInvalidArgument, _)) << bad;
+  }
+  EXPECT_EQ(shard->version(), 0u);
+  EXPECT_TRUE(shard->IsStaged(7, 1));
+  ASSERT_THAT(shard->Apply(PenaltyCommit()), IsOk());  // the staged copies were not scaled
+  EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatNear(1e-6), {0.8631809f, 1.5912128f, 2.8175745f}));
+}
+
+TEST(ShardStatePenaltyTest, StatisticsTravelInCheckpointsAndForgetDropsThem) {
+  InlineExecutor executor;
+  std::unique_ptr<ShardState> shard = PenaltyShard(executor);
+  ASSERT_THAT(shard->Apply(PenaltyCommit()), IsOk());
+  const v1::ShardCheckpoint with_both = shard->Capture(kFingerprint);
+  EXPECT_FALSE(with_both.penalty_state().empty());
+
+  // A restored shard weighs the next updates exactly as the original: the statistics came along.
+  std::unique_ptr<ShardState> restored = PenaltyShard(executor);
+  ASSERT_THAT(restored->Restore(with_both, kFingerprint), IsOk());
+  for (ShardState* s : {shard.get(), restored.get()}) {
+    ASSERT_THAT(s->Stage(Part0(7, 2, {1, 1, 1}, {1, 0, 0, 0})), IsOk());
+    v1::ShardOrder next = Commit(2, {{7, 2, 1.0f}});
+    next.mutable_entries(0)->set_discount(1.0f);
+    ASSERT_THAT(s->Apply(next), IsOk());
+  }
+  EXPECT_EQ(Layer(*shard, 0), Layer(*restored, 0));
+  EXPECT_EQ(shard->Capture(kFingerprint).SerializeAsString(),
+            restored->Capture(kFingerprint).SerializeAsString());
+
+  // FORGET drops a worker's statistics: the checkpoint's penalty state shrinks.
+  v1::ShardOrder forget;
+  forget.set_kind(v1::ShardOrder::FORGET);
+  forget.add_entries()->set_worker_id(7);
+  const size_t before = shard->Capture(kFingerprint).penalty_state().size();
+  ASSERT_THAT(shard->Apply(forget), IsOk());
+  EXPECT_LT(shard->Capture(kFingerprint).penalty_state().size(), before);
+  EXPECT_EQ(shard->version(), 2u);
+
+  // A checkpoint without penalty state (taken with the penalty off) starts them afresh; a
+  // malformed one is refused and changes nothing.
+  v1::ShardCheckpoint corrupt = with_both;
+  corrupt.set_penalty_state("garbage");
+  EXPECT_THAT(shard->Restore(corrupt, kFingerprint),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("penalty state")));
+  EXPECT_EQ(shard->version(), 2u);
+  v1::ShardCheckpoint without = with_both;
+  without.clear_penalty_state();
+  ASSERT_THAT(shard->Restore(without, kFingerprint), IsOk());
+  EXPECT_EQ(shard->version(), 1u);
+}
+
 }  // namespace
 }  // namespace aloe::server
