@@ -3,6 +3,8 @@
 #include <google/protobuf/io/zero_copy_stream_impl.h>
 #include <google/protobuf/util/delimited_message_util.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
@@ -29,9 +31,10 @@ void OrderJournal::Append(const v1::ShardOrder& order) {
   }
 }
 
-void OrderJournal::CatchUp(absl::Span<const v1::ShardOrder> log) {
+void OrderJournal::CatchUp(absl::Span<const v1::ShardOrder> log, uint64_t first) {
   absl::MutexLock lock(&mu_);
-  for (; written_ < log.size(); ++written_) Append(log[written_]);
+  written_ = std::max(written_, first);
+  for (; written_ < first + log.size(); ++written_) Append(log[written_ - first]);
 }
 
 void OrderJournal::Assembled(uint64_t version) {

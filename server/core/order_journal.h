@@ -31,10 +31,11 @@ class OrderJournal {
   // opened.
   static absl::StatusOr<std::unique_ptr<OrderJournal>> Open(const std::string& path);
 
-  // Appends log[written..], where `written` counts the entries of this log appended before:
-  // `log` is the coordinator's order log since the last Assembled() (ServerCore::orders()), which
-  // only grows. Write errors are logged once and kept in status(); training goes on.
-  void CatchUp(absl::Span<const v1::ShardOrder> log);
+  // Appends the orders of `log` not appended yet. `log` is the coordinator's order log since the
+  // last Assembled() (ServerCore::orders()) from absolute index `first` on (the log grows at the
+  // end and may be trimmed at the front, but only of orders that were sent, hence journaled).
+  // Write errors are logged once and kept in status(); training goes on.
+  void CatchUp(absl::Span<const v1::ShardOrder> log, uint64_t first = 0);
   // The processes (re)assembled at `version`: appends RESTORE `version`; the log passed to
   // CatchUp from now on is a new one (it starts empty).
   void Assembled(uint64_t version);
@@ -48,7 +49,7 @@ class OrderJournal {
   const std::string path_;
   mutable absl::Mutex mu_;
   std::ofstream out_ ABSL_GUARDED_BY(mu_);
-  size_t written_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t written_ ABSL_GUARDED_BY(mu_) = 0;  // absolute index of the next order to append
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -806,15 +806,25 @@ std::vector<uint64_t> ServerCore::RetainedVersions() const {
   return versions;
 }
 
-std::optional<size_t> ServerCore::OrderIndexAfter(uint64_t shard_version) const {
-  if (shard_version == orders_base_version_) return 0;
+std::optional<uint64_t> ServerCore::OrderIndexAfter(uint64_t shard_version) const {
+  if (shard_version == orders_base_version_) return orders_first_index_;
   if (shard_version < orders_base_version_ || shard_version > commit_version_) return std::nullopt;
   for (size_t i = 0; i < orders_.size(); ++i) {
     if (orders_[i].kind() == v1::ShardOrder::COMMIT && orders_[i].version() == shard_version) {
-      return i + 1;
+      return orders_first_index_ + i + 1;
     }
   }
   return std::nullopt;
+}
+
+void ServerCore::TrimOrdersBefore(uint64_t index) {
+  if (index < orders_first_index_ + kOrderTrimBatch) return;
+  const size_t drop = std::min<uint64_t>(index - orders_first_index_, orders_.size());
+  for (size_t i = 0; i < drop; ++i) {
+    if (orders_[i].kind() == v1::ShardOrder::COMMIT) orders_base_version_ = orders_[i].version();
+  }
+  orders_.erase(orders_.begin(), orders_.begin() + static_cast<std::ptrdiff_t>(drop));
+  orders_first_index_ += drop;
 }
 
 absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
@@ -985,6 +995,7 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
     commit_version_ = c.version();
     orders_.clear();
     orders_base_version_ = c.version();
+    orders_first_index_ = 0;
   }
   metrics_.Set(kModelVersion, static_cast<double>(version()));
   PublishShards();

@@ -117,11 +117,20 @@ class ServerCore {
   // every shard has, then SubmitUpdate's reply for the whole update (whose errors mean: drop the
   // part; a DISCARD order tells the shards that staged it).
   absl::StatusOr<v1::PushReply> SubmitShardPart(uint32_t shard, const v1::PushHeader& header);
-  // The order log since the version the coordinator started (or was restored) at.
+  // The order log since the version the coordinator started (or was restored) at, less what
+  // TrimOrdersBefore dropped: orders()[i] is the order at absolute index first_order_index() + i
+  // (absolute indices count from the start or restore and never shift).
   const std::vector<v1::ShardOrder>& orders() const { return orders_; }
-  // Where a shard at `shard_version` continues in orders(): just after that version's COMMIT.
-  // nullopt when the log cannot bring it to the current version (outside the log).
-  std::optional<size_t> OrderIndexAfter(uint64_t shard_version) const;
+  uint64_t first_order_index() const { return orders_first_index_; }
+  // Where a shard at `shard_version` continues: the absolute index just after that version's
+  // COMMIT. nullopt when the log cannot bring it to the current version (outside the log).
+  std::optional<uint64_t> OrderIndexAfter(uint64_t shard_version) const;
+  // Drops the orders before absolute index `index` (every shard process has received them), so
+  // the log does not grow with the run. Drops only in batches of at least kOrderTrimBatch orders (a
+  // vector erase is linear). A shard asking to follow from a version before the trimmed part makes
+  // the processes reassemble.
+  void TrimOrdersBefore(uint64_t index);
+  static constexpr uint64_t kOrderTrimBatch = 1024;
   // Versions older than the current one that tasks still start from (ShardOrder.keep_versions).
   std::vector<uint64_t> RetainedVersions() const;
 
@@ -206,7 +215,8 @@ class ServerCore {
   // Sharded coordinator: the version of the last COMMIT order, the order log since
   // orders_base_version_, the shards' addresses and the parts staged per worker.
   uint64_t commit_version_ = 0;
-  uint64_t orders_base_version_ = 0;
+  uint64_t orders_base_version_ = 0;  // the version before orders_[0]
+  uint64_t orders_first_index_ = 0;   // the absolute index of orders_[0]
   std::vector<v1::ShardOrder> orders_;
   std::vector<std::string> shard_addresses_;
   std::map<uint64_t, Parts> parts_;  // by worker

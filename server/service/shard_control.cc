@@ -1,6 +1,7 @@
 #include "server/service/shard_control.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
@@ -84,6 +85,22 @@ void ShardControlService::MaybeCompleteAssembly() {
   assembled_.SignalAll();
 }
 
+void ShardControlService::MaybeTrimLog() {
+  uint64_t slowest = std::numeric_limits<uint64_t>::max();
+  for (const Follower& f : followers_) {
+    if (f.epoch != epoch_) return;
+    slowest = std::min(slowest, f.sent);
+  }
+  if (slowest < 2 * kLogSlack) return;
+  uint64_t first = 0;
+  uint64_t generation = 0;
+  handle_.Peek(&generation, [&](const ServerCore& core) { first = core.first_order_index(); });
+  // Only when the core will drop a batch (a Run wakes every stream).
+  if (slowest - kLogSlack >= first + ServerCore::kOrderTrimBatch) {
+    handle_.Run([&](ServerCore& core) { core.TrimOrdersBefore(slowest - kLogSlack); });
+  }
+}
+
 grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
                                          const v1::FollowRequest* request,
                                          grpc::ServerWriter<v1::ShardOrder>* writer) {
@@ -109,7 +126,7 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
   }
   uint64_t connection = 0;
   uint64_t epoch = 0;
-  size_t cursor = 0;
+  uint64_t cursor = 0;  // absolute order index
   bool send_restore = false;
   uint64_t restore_version = 0;
   {
@@ -117,7 +134,7 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
     Follower& me = followers_[shard];
     connection = ++me.connection;
     me.request = *request;
-    std::optional<size_t> next;
+    std::optional<uint64_t> next;
     if (ready_ && !request->fresh()) {
       next =
           handle_.Run([&](ServerCore& core) { return core.OrderIndexAfter(request->version()); });
@@ -151,6 +168,7 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
       restore_version = start_version_;
     }
     epoch = me.epoch;
+    me.sent = cursor;
   }
   if (send_restore) {
     v1::ShardOrder restore;
@@ -168,11 +186,13 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
       }
       handle_.Peek(&seen, [&](const ServerCore& core) {
         const std::vector<v1::ShardOrder>& orders = core.orders();
-        if (options_.journal != nullptr) options_.journal->CatchUp(orders);  // before sending
-        if (cursor >= orders.size()) return;
+        const uint64_t first = core.first_order_index();
+        if (options_.journal != nullptr)
+          options_.journal->CatchUp(orders, first);  // before sending
+        if (cursor >= first + orders.size()) return;
         const std::vector<uint64_t> keep = core.RetainedVersions();
-        for (; cursor < orders.size(); ++cursor) {
-          batch.push_back(orders[cursor]);
+        for (; cursor < first + orders.size(); ++cursor) {
+          batch.push_back(orders[cursor - first]);
           if (batch.back().kind() == v1::ShardOrder::COMMIT) {
             for (uint64_t v : keep) batch.back().add_keep_versions(v);
           }
@@ -181,6 +201,13 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
     }
     for (const v1::ShardOrder& order : batch) {
       if (!writer->Write(order)) return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
+    }
+    if (!batch.empty()) {
+      absl::MutexLock lock(&mu_);
+      if (epoch_ == epoch && followers_[shard].connection == connection) {
+        followers_[shard].sent = cursor;
+        MaybeTrimLog();
+      }
     }
     handle_.WaitForChange(seen, absl::Milliseconds(200));
   }

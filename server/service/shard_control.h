@@ -48,12 +48,17 @@ class ShardControlService final : public v1::ShardControl::Service {
   struct Follower {
     uint64_t connection = 0;  // bumped by every Follow call of this shard
     uint64_t epoch = 0;       // the assembly it joined
+    uint64_t sent = 0;        // absolute index of the next order to send it
     v1::FollowRequest request;
   };
   // Starts a new assembly (ends every stream). Requires mu_.
   void BeginAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the assembly when every shard joined it. Requires mu_.
   void MaybeCompleteAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Trims the coordinator's order log up to kLogSlack orders before the order the slowest shard
+  // process was sent last (a shard that reconnects may not have applied all it was sent).
+  void MaybeTrimLog() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr uint64_t kLogSlack = 1024;
 
   CoreHandle& handle_;
   Authenticator& auth_;

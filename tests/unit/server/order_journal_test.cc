@@ -69,6 +69,8 @@ TEST(OrderJournalTest, WritesEachOrderOnceAndARestorePerAssembly) {
     log.push_back(Discard(9));
     log.push_back(Commit(2, 8, 0.25f));
     (*journal)->CatchUp(log);
+    // The front of the log was trimmed (absolute indices stay): nothing is written twice.
+    (*journal)->CatchUp({log[2]}, 2);
     // A reassembly at version 1: the next log starts empty.
     (*journal)->Assembled(1);
     (*journal)->CatchUp({Commit(2, 3, 1.0f)});

@@ -967,6 +967,38 @@ TEST_F(ServerCoreTest, ShardedStalenessDiscountTravelsInTheCommitWeight) {
   EXPECT_FLOAT_EQ(core_->orders()[1].entries(0).weight(), 0.5f);  // (1 + 1)^-1
 }
 
+// The order log drops what every shard received, in batches, keeping absolute indices: a shard
+// at a version whose COMMIT is still held continues after it; one before the trimmed part cannot.
+TEST_F(ServerCoreTest, ShardedOrderLogTrimsInBatchesWithStableIndices) {
+  v1::ServerConfig config = TinyConfig();
+  config.set_shard_processes(1);
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  Make(config);
+  core_->SetShardAddress(0, "s0");
+  const uint64_t a = Join();
+  const uint64_t n = ServerCore::kOrderTrimBatch + 100;
+  for (uint64_t round = 0; round < n; ++round) {
+    ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, Request(a), round + 1)), IsOk());
+  }
+  ASSERT_EQ(core_->orders().size(), n);  // one COMMIT per version
+  EXPECT_EQ(core_->OrderIndexAfter(0), std::optional<uint64_t>(0));
+  EXPECT_EQ(core_->OrderIndexAfter(10), std::optional<uint64_t>(10));
+
+  core_->TrimOrdersBefore(ServerCore::kOrderTrimBatch - 1);  // less than a batch: kept
+  EXPECT_EQ(core_->first_order_index(), 0u);
+  core_->TrimOrdersBefore(ServerCore::kOrderTrimBatch + 50);
+  EXPECT_EQ(core_->first_order_index(), ServerCore::kOrderTrimBatch + 50);
+  EXPECT_EQ(core_->orders().size(), 50u);
+  EXPECT_EQ(core_->orders().front().version(), ServerCore::kOrderTrimBatch + 51);
+  // Version kOrderTrimBatch + 50's COMMIT is gone, but a shard there continues at the front.
+  EXPECT_EQ(core_->OrderIndexAfter(ServerCore::kOrderTrimBatch + 50),
+            std::optional<uint64_t>(ServerCore::kOrderTrimBatch + 50));
+  EXPECT_EQ(core_->OrderIndexAfter(ServerCore::kOrderTrimBatch + 60),
+            std::optional<uint64_t>(ServerCore::kOrderTrimBatch + 60));
+  EXPECT_EQ(core_->OrderIndexAfter(10), std::nullopt);
+}
+
 // A core that replaces another (a coordinator going back to a checkpoint) never hands out an id
 // the old one did: a worker of the old core gets NOT_FOUND instead of acting as a new joiner.
 TEST_F(ServerCoreTest, ReplacementContinuesWorkerAndTaskIds) {
