@@ -201,14 +201,15 @@ absl::StatusOr<v1::ImportedModel> ReadImportedModel(const std::string& path) {
   return model;
 }
 
-absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config) {
+absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config, int64_t params_of) {
   ServerModel out;
   // Layer-sharded across processes: each layer's shard is the process that owns it.
   const uint32_t shards =
       config.shard_processes() > 0 ? config.shard_processes() : config.num_shards();
   if (config.model_file().empty()) {
     out.spec = BuildTransformerSpec(config.model(), shards);
-    out.initial = InitializeParameters(out.spec, config.seed());
+    if (params_of != kNoLayers)
+      out.initial = InitializeParameters(out.spec, config.seed(), params_of);
     out.vocab_size = config.model().vocab_size();
     out.seq_len = config.model().seq_len();
     return out;
@@ -218,12 +219,16 @@ absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config) {
     return absl::Status(model.status().code(),
                         absl::StrCat("model_file: ", model.status().message()));
   }
-  for (int l = 0; l < model->layers_size(); ++l) {
-    *out.spec.add_layers() = model->layers(l);
-    std::vector<float>& values = out.initial.emplace_back(model->layers(l).num_elements());
-    ALOE_RETURN_IF_ERROR(DecodeFloats(model->layer_params(l), absl::MakeSpan(values)));
-  }
+  for (int l = 0; l < model->layers_size(); ++l) *out.spec.add_layers() = model->layers(l);
   AssignShards(shards, &out.spec);
+  if (params_of != kNoLayers) {
+    for (int l = 0; l < model->layers_size(); ++l) {
+      std::vector<float>& values = out.initial.emplace_back();
+      if (params_of != kAllLayers && out.spec.layers(l).shard() != params_of) continue;
+      values.resize(model->layers(l).num_elements());
+      ALOE_RETURN_IF_ERROR(DecodeFloats(model->layer_params(l), absl::MakeSpan(values)));
+    }
+  }
   out.fingerprint = model->fingerprint();
   out.vocab_size = model->vocab_size();
   out.seq_len = model->seq_len();

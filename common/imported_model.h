@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/model_spec.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe {
@@ -77,6 +78,11 @@ struct ServerModel {
 // InitializeParameters(spec, seed). Otherwise reads the file (ReadImportedModel's errors,
 // prefixed with "model_file: ") and balances its layers over `shards` (AssignShards). shards =
 // shard_processes when the server is sharded across processes, else num_shards.
-absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config);
+// params_of: whose initial parameters to build: kAllLayers (one process holds them all), a shard
+// process index (only the layers it owns; the other entries of `initial` stay empty), or
+// kNoLayers (a coordinator: the spec alone, `initial` empty).
+inline constexpr int64_t kNoLayers = -2;
+absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config,
+                                            int64_t params_of = kAllLayers);
 
 }  // namespace aloe

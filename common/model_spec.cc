@@ -161,12 +161,17 @@ uint64_t TotalElements(const v1::ModelSpec& spec) {
   return total;
 }
 
-std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed) {
+std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed,
+                                                     int64_t only_shard) {
   std::vector<std::vector<float>> params;
   params.reserve(spec.layers_size());
   for (int l = 0; l < spec.layers_size(); ++l) {
     const v1::LayerSpec& layer = spec.layers(l);
     std::vector<float> buffer;
+    if (only_shard != kAllLayers && layer.shard() != only_shard) {
+      params.push_back(std::move(buffer));
+      continue;
+    }
     buffer.reserve(layer.num_elements());
     std::mt19937_64 engine(Mix(seed ^ Mix(static_cast<uint64_t>(l))));
     for (const v1::TensorSpec& t : layer.tensors()) {

@@ -59,7 +59,11 @@ uint64_t TotalElements(const v1::ModelSpec& spec);
 // InitKind (INIT_NORMAL: N(0, init_std^2); INIT_UNSPECIFIED is treated as zeros). Deterministic
 // for a given (spec, seed) and standard library: layer l draws from its own std::mt19937_64
 // seeded with a mix of (seed, l), so a layer's values do not depend on the other layers.
-std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed);
+// only_shard >= 0: only the layers with shard == only_shard are drawn, the others are empty
+// (a shard process of a layer-sharded server); kAllLayers draws every layer.
+inline constexpr int64_t kAllLayers = -1;
+std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed,
+                                                     int64_t only_shard = kAllLayers);
 
 // The most slices a layer may be cut into (FSDP ranks of one node).
 inline constexpr uint32_t kMaxSlices = 1024;

@@ -293,7 +293,8 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   const std::string coordinator = absl::GetFlag(FLAGS_coordinator).empty()
                                       ? config.listen_address()
                                       : absl::GetFlag(FLAGS_coordinator);
-  ALOE_ASSIGN_OR_RETURN(ServerModel model, LoadServerModel(config));
+  // Only this process's layers are built: a shard never holds the whole model.
+  ALOE_ASSIGN_OR_RETURN(ServerModel model, LoadServerModel(config, index));
   const v1::ModelSpec spec = model.spec;
   const std::string fingerprint = ShardedModelFingerprint(config, spec, model.fingerprint);
   ThreadPoolExecutor executor(static_cast<int>(config.apply_threads()) - 1);
@@ -356,7 +357,7 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   options.every_versions = config.checkpoint().every_versions();
   options.max_staged = config.max_staged_updates();
   options.make_initial = [&]() -> absl::StatusOr<std::unique_ptr<ShardState>> {
-    ALOE_ASSIGN_OR_RETURN(ServerModel fresh, LoadServerModel(config));
+    ALOE_ASSIGN_OR_RETURN(ServerModel fresh, LoadServerModel(config, index));
     return make_state(std::move(fresh.initial));
   };
   options.address = listen;  // told to the coordinator, and by it to the workers

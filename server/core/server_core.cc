@@ -73,7 +73,10 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   if (train_shards.empty()) {
     return absl::InvalidArgumentError("the corpus has no training shards");
   }
-  ALOE_ASSIGN_OR_RETURN(ServerModel model, LoadServerModel(config));
+  // A sharded coordinator holds no parameters: the spec alone.
+  ALOE_ASSIGN_OR_RETURN(
+      ServerModel model,
+      LoadServerModel(config, config.shard_processes() > 0 ? kNoLayers : kAllLayers));
   v1::ServerConfig effective = config;
   if (!model.fingerprint.empty()) {
     // An imported model: what workers need to read data comes from the file.
@@ -90,7 +93,6 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   } else {
     // The shard processes hold the parameters; the coordinator keeps only their layout.
     core->shard_addresses_.resize(config.shard_processes());
-    model.initial.clear();
   }
   for (const v1::LayerCodec& layer_codec : config.transport().layer_codecs()) {
     const auto& layers = core->spec().layers();

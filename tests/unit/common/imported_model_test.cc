@@ -186,6 +186,16 @@ TEST(ImportedModelTest, ServerModelFromAFileKeepsItsValuesAndBalancesShards) {
   ASSERT_EQ(model->initial[1].size(), 32u * 32 + 32);
   EXPECT_FLOAT_EQ(model->initial[1][10], 0.001f * 10 - 1);
   EXPECT_FLOAT_EQ(model->initial[0][0], 0.0f);
+  // A shard process builds only its layers; a coordinator none.
+  absl::StatusOr<ServerModel> shard1 = LoadServerModel(config, 1);
+  ASSERT_THAT(shard1, IsOk());
+  ASSERT_EQ(shard1->initial.size(), 2u);
+  EXPECT_TRUE(shard1->initial[0].empty());
+  EXPECT_EQ(shard1->initial[1], model->initial[1]);
+  absl::StatusOr<ServerModel> coordinator = LoadServerModel(config, kNoLayers);
+  ASSERT_THAT(coordinator, IsOk());
+  EXPECT_TRUE(coordinator->initial.empty());
+  EXPECT_EQ(coordinator->spec.SerializeAsString(), model->spec.SerializeAsString());
 
   config.set_model_file(path + ".missing");
   EXPECT_THAT(LoadServerModel(config),
