@@ -1,24 +1,155 @@
 # Shared by scripts/bench/ingest.sh and scale.sh (not a benchmark: bench.sh skips files named
-# _*). Starts aloe-server with deploy/configs/bench-push.textproto,
-# runs aloe-bench-push against it with the given flags, stops the server.
+# _*). Starts aloe-server with deploy/configs/bench-push.textproto, layer-sharded: one
+# --role coordinator and SHARDS --role shard processes (the config plus `shard_processes: SHARDS`
+# and `max_staged_updates: S`), or with SHARDS 0 one single-process aloe-server as before the
+# split. Runs aloe-bench-push against it with the given flags, then prints every server process's
+# peak RSS (VmHWM, read before it is stopped) and, per shard process, the memory bound of issue 6:
+# peak RSS <= (3 + S) x the bytes of its parameters + a fixed overhead. The processes are stopped
+# on every exit path (trap). The benchmark's last line (`ingest: ...` / `scale: ...`) is printed
+# last.
+#
+# Environment: ALOE_BENCH_MAX_STAGED = S (default 8, the server's default);
+# ALOE_BENCH_RSS_OVERHEAD_MIB = the fixed overhead of the bound (default 32: a shard process of
+# this binary with a model of a few thousand parameters peaks at ~22 MiB under 4 pushers).
 # shellcheck shell=bash
+
+BENCH_PUSH_NAMES=()
+BENCH_PUSH_PIDS=()
+BENCH_PUSH_DIR=""
+
+# Prints `N` TCP ports of 127.0.0.1 that were free a moment ago (the shard processes need fixed
+# ports: the coordinator tells workers their addresses).
+bench_push_free_ports() {
+  python3 - "$1" <<'EOF'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+}
+
+# Starts server process NAME (log $BENCH_PUSH_DIR/NAME.log, port file NAME.ports) with the given
+# aloe-server flags and waits up to 30 s for its port file; returns 1 (log tail on stderr) when it
+# exits or does not listen in time.
+bench_push_start() {
+  local name="$1"
+  shift
+  "$ALOE_BIN_DIR/aloe-server" "$@" --port_file="$BENCH_PUSH_DIR/$name.ports" \
+    >"$BENCH_PUSH_DIR/$name.log" 2>&1 &
+  BENCH_PUSH_NAMES+=("$name")
+  BENCH_PUSH_PIDS+=("$!")
+  local pid=$!
+  for _ in $(seq 1 300); do
+    grep -q 'grpc=[0-9]' "$BENCH_PUSH_DIR/$name.ports" 2>/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "$name did not start; the end of $BENCH_PUSH_DIR/$name.log:" >&2
+  tail -n 20 "$BENCH_PUSH_DIR/$name.log" >&2
+  return 1
+}
+
+# Prints each started process's peak RSS and, for the shard processes, the memory bound against
+# the per-shard parameter bytes that aloe-bench-push printed (when it got that far).
+bench_push_report_memory() {
+  local max_staged="$1" overhead_mib="$2" i name hwm_kib bytes
+  for i in "${!BENCH_PUSH_PIDS[@]}"; do
+    name="${BENCH_PUSH_NAMES[$i]}"
+    hwm_kib=$(awk '/^VmHWM:/ {print $2}' "/proc/${BENCH_PUSH_PIDS[$i]}/status" 2>/dev/null || true)
+    if [ -z "$hwm_kib" ]; then
+      echo "$name: exited before its peak RSS could be read"
+      continue
+    fi
+    bytes=""
+    if [ "${name#shard}" != "$name" ] && [ -f "$BENCH_PUSH_DIR/bench.out" ]; then
+      bytes=$(sed -n "s/^shard ${name#shard} holds .* = \([0-9]*\) bytes$/\1/p" \
+        "$BENCH_PUSH_DIR/bench.out")
+    fi
+    if [ -z "$bytes" ]; then
+      awk -v n="$name" -v k="$hwm_kib" 'BEGIN { printf "%s: peak RSS %.0f MiB\n", n, k / 1024 }'
+      continue
+    fi
+    awk -v n="$name" -v k="$hwm_kib" -v b="$bytes" -v s="$max_staged" -v o="$overhead_mib" 'BEGIN {
+      mib = 1048576; bound = (3 + s) * b / mib + o
+      printf "%s: peak RSS %.0f MiB; parameters %.1f MiB; bound (3 + %d) x %.1f + %d = %.0f MiB: %s\n",
+        n, k / 1024, b / mib, s, b / mib, o, bound, (k / 1024 <= bound) ? "PASS" : "FAIL"
+    }'
+  done
+}
+
+# Stops every started process (SIGTERM, SIGKILL after 10 s) and forgets it. Safe to call twice.
+bench_push_stop() {
+  local pid
+  for pid in "${BENCH_PUSH_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${BENCH_PUSH_PIDS[@]}"; do
+    for _ in $(seq 1 100); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  BENCH_PUSH_NAMES=()
+  BENCH_PUSH_PIDS=()
+}
+
+# Usage: bench_push_run SHARDS [aloe-bench-push flags...]
+# SHARDS: shard processes of the server (0 = one single-process aloe-server). Returns
+# aloe-bench-push's exit status.
 bench_push_run() {
+  local shards="$1"
+  shift
+  local max_staged="${ALOE_BENCH_MAX_STAGED:-8}"
+  local overhead_mib="${ALOE_BENCH_RSS_OVERHEAD_MIB:-32}"
+  case "$shards$max_staged$overhead_mib" in
+    *[!0-9]*)
+      echo "ALOE_BENCH_SHARDS, ALOE_BENCH_MAX_STAGED, ALOE_BENCH_RSS_OVERHEAD_MIB: integers" >&2
+      return 2 ;;
+  esac
   aloe_build aloe-server aloe-bench-push >/dev/null
   "$ALOE_ROOT/scripts/prepare-corpus.sh" data/sotu >/dev/null
-  local dir="$ALOE_ROOT/out/bench-push"
-  rm -rf "$dir" && mkdir -p "$dir"
+  BENCH_PUSH_DIR="$ALOE_ROOT/out/bench-push"
+  rm -rf "$BENCH_PUSH_DIR" && mkdir -p "$BENCH_PUSH_DIR"
+  trap bench_push_stop EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
   echo "load average (1/5/15 min): $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores"
-  "$ALOE_BIN_DIR/aloe-server" --config="$ALOE_ROOT/deploy/configs/bench-push.textproto" \
-    --port_file="$dir/ports" >"$dir/server.log" 2>&1 &
-  local server=$!
-  for _ in $(seq 1 300); do [ -s "$dir/ports" ] && break; sleep 0.1; done
-  local port
-  port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$dir/ports")
+
+  local config="$BENCH_PUSH_DIR/server.textproto"
+  cp "$ALOE_ROOT/deploy/configs/bench-push.textproto" "$config"
+  # No drain on SIGTERM: the benchmark's workers have left; nothing is owed to them.
+  local common=(--config="$config" --drain_seconds=0)
+  local port watch
+  if [ "$shards" -eq 0 ]; then
+    echo "server: one aloe-server process (deploy/configs/bench-push.textproto)"
+    bench_push_start server "${common[@]}"
+    port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$BENCH_PUSH_DIR/server.ports")
+    watch="server:${BENCH_PUSH_PIDS[0]}"
+  else
+    printf 'shard_processes: %d\nmax_staged_updates: %d\n' "$shards" "$max_staged" >>"$config"
+    echo "server: a coordinator and $shards shard process(es)" \
+      "(deploy/configs/bench-push.textproto + shard_processes: $shards, max_staged_updates: $max_staged)"
+    bench_push_start coordinator "${common[@]}" --role=coordinator
+    port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$BENCH_PUSH_DIR/coordinator.ports")
+    watch="coordinator:${BENCH_PUSH_PIDS[0]}"
+    local shard_ports i
+    read -r -a shard_ports <<<"$(bench_push_free_ports "$shards")"
+    for ((i = 0; i < shards; i++)); do
+      bench_push_start "shard$i" "${common[@]}" --role=shard --shard_index="$i" \
+        --listen="127.0.0.1:${shard_ports[$i]}" --coordinator="127.0.0.1:$port"
+      watch+=",shard$i:${BENCH_PUSH_PIDS[$((i + 1))]}"
+    done
+  fi
+
+  # The last line waits until the memory report is out: it stays the benchmark's last line.
   local rc=0
-  "$ALOE_BIN_DIR/aloe-bench-push" --server="127.0.0.1:$port" "$@" || rc=$?
-  # The server's peak memory while it staged and applied the pushes.
-  echo "aloe-server peak RSS: $(awk '/VmHWM/ {printf "%.0f MiB", $2 / 1024}' "/proc/$server/status")"
-  kill -TERM "$server" 2>/dev/null || true
-  wait "$server" 2>/dev/null || true
+  "$ALOE_BIN_DIR/aloe-bench-push" --server="127.0.0.1:$port" --watch="$watch" "$@" |
+    tee "$BENCH_PUSH_DIR/bench.out" | sed -E '/^(ingest|scale): /d' || rc=$?
+  bench_push_report_memory "$max_staged" "$overhead_mib"
+  bench_push_stop
+  trap - EXIT INT TERM
+  echo "load average at the end (1/5/15 min): $(cut -d' ' -f1-3 /proc/loadavg)"
+  grep -E '^(ingest|scale): ' "$BENCH_PUSH_DIR/bench.out" || true
   return "$rc"
 }

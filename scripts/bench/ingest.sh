@@ -1,7 +1,15 @@
-# scripts/bench.sh ingest: GB/s of fp32 pseudo-gradient a live aloe-server (one parameter shard)
-# accepts from 4 concurrent pushers vs 4 raw loopback TCP streams measured in the same run.
+# scripts/bench.sh ingest: GB/s of fp32 pseudo-gradient ONE shard process of a layer-sharded
+# aloe-server accepts from 4 concurrent pushers vs 4 raw loopback TCP streams in the same run.
 # Sourced by scripts/bench.sh (lib.sh loaded, cwd = repository root).
+#
+# The server is a coordinator plus shard_processes 1: the one shard process owns every layer and
+# receives every byte, so the ratio is that of one shard (scripts/bench/_push.sh). Also prints
+# the CPU (cores) the benchmark and each server process used while pushing, and each process's
+# peak RSS against the shard memory bound.
+# Environment: ALOE_BENCH_SECONDS (measured seconds, default 10); ALOE_BENCH_SHARDS (shard
+# processes, default 1; 0 = the single-process server); ALOE_BENCH_MAX_STAGED (default 8).
 # shellcheck shell=bash
 # shellcheck source=scripts/bench/_push.sh
 . "$ALOE_ROOT/scripts/bench/_push.sh"
-bench_push_run --mode=ingest --pushers=4 --seconds="${ALOE_BENCH_SECONDS:-10}"
+bench_push_run "${ALOE_BENCH_SHARDS:-1}" --mode=ingest --pushers=4 \
+  --seconds="${ALOE_BENCH_SECONDS:-10}"

@@ -2,18 +2,28 @@
 // TCP measured in the same run.
 //
 // Every simulated worker is a real gRPC client (worker/client.h, the code path of aloe-worker):
-// it joins as a trainer, then loops RequestTask -> Push of a full fp32 update (every value 0, so
-// the model does not drift) without training. The server must run in plain async mode
-// (aggregation { mode: AGGREGATION_ASYNC }, no grace window) so that every push is applied as it
-// arrives, and with no stop condition.
+// it joins as a trainer (retrying while the server answers UNAVAILABLE: a layer-sharded server
+// until its shard processes follow the coordinator), then loops RequestTask -> Push of a full
+// fp32 update (every value 0, so the model does not drift) -> --round_seconds of simulated
+// training; a worker's first push is not measured (it warms the connections). Against a
+// layer-sharded server (JoinReply.shard_addresses) every push goes to the shard processes
+// directly, each getting its own layers, as aloe-worker's do. The server must run in plain async
+// mode (aggregation { mode: AGGREGATION_ASYNC }, no grace window) so that every push is applied
+// as it arrives, and with no stop condition.
 //
 //   --mode ingest: --pushers concurrent workers for --seconds; GB/s of pseudo-gradient accepted
 //     (bytes of acknowledged pushes / wall time) vs the GB/s of --pushers concurrent loopback TCP
 //     streams (1 MiB writes, a reader thread per stream) measured first in the same process.
 //     Last line: "ingest: accepted_gbps=<X> ratio=<X / tcp> (raw TCP <Y> GB/s, N streams)".
 //   --mode scale: for each worker count in --workers, that many concurrent workers for --seconds:
-//     push latency p50/p99 (first byte sent to reply), updates/s. Last line:
-//     "scale: p99_at_<max>=<ms> ms ratio=<p99 at max / p50 at 16> (p50 at 16: <ms> ms)".
+//     offered load (workers x update bytes / round), accepted GB/s, updates/s, push latency
+//     p50/p99 (first byte sent to reply). Last line:
+//     "scale: p99_at_<max>=<ms> ms ratio=<p99 at max / p50 at 16> (p50 at 16 workers: <ms> ms)".
+//
+// Before measuring it prints the model and, for a layer-sharded server, one line per shard
+// process "shard I holds L layers, N parameters = B bytes" (scripts/bench/_push.sh reads these
+// for the memory bound). With --watch it also reports the CPU (cores used while pushing) and the
+// peak RSS (VmHWM) of the named server processes.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -23,27 +33,48 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/allocator.h"
 #include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/model_spec.h"
 #include "worker/client.h"
 
-ABSL_FLAG(std::string, server, "127.0.0.1:7070", "aloe-server address (plain async mode)");
+ABSL_FLAG(std::string, server, "127.0.0.1:7070",
+          "aloe-server address (plain async mode; for a layer-sharded server the coordinator)");
 ABSL_FLAG(std::string, mode, "ingest", "ingest | scale");
 ABSL_FLAG(int32_t, pushers, 4, "ingest: concurrent workers (and TCP streams of the baseline)");
 ABSL_FLAG(std::string, workers, "8,16,32,64", "scale: worker counts, comma-separated");
 ABSL_FLAG(double, seconds, 10, "Measured seconds per configuration");
+ABSL_FLAG(double, round_seconds, 0,
+          "Simulated training time of a worker between the reply to one push and its next push "
+          "(the inner steps of a DiLoCo round); each worker's first push comes at a random phase "
+          "in [0, round). 0 = push back to back (a closed loop without pause)");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the workers' first-push phases (--round_seconds)");
+ABSL_FLAG(double, join_seconds, 30,
+          "How long to retry Join while the server answers UNAVAILABLE (a layer-sharded server "
+          "until all its shard processes follow the coordinator)");
+ABSL_FLAG(std::string, watch, "",
+          "NAME:PID,... server processes on this machine (e.g. coordinator:123,shard0:124) whose "
+          "CPU use while pushing and peak RSS (VmHWM, /proc/PID/status) are reported");
 
 namespace aloe::bench {
 namespace {
@@ -52,6 +83,64 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// A server process whose CPU time and peak memory the report includes (--watch).
+struct Watched {
+  std::string name;
+  int pid = 0;
+};
+
+// Parses --watch ("NAME:PID,..."; empty = none). kInvalidArgument for a malformed entry.
+absl::StatusOr<std::vector<Watched>> ParseWatch(const std::string& flag) {
+  std::vector<Watched> watched;
+  for (absl::string_view entry : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> parts = absl::StrSplit(entry, absl::MaxSplits(':', 1));
+    Watched w{parts.first, 0};
+    if (w.name.empty() || !absl::SimpleAtoi(parts.second, &w.pid) || w.pid <= 0) {
+      return absl::InvalidArgumentError("--watch: bad entry '" + std::string(entry) +
+                                        "' (want NAME:PID)");
+    }
+    watched.push_back(w);
+  }
+  return watched;
+}
+
+// User + system CPU seconds of process `pid` so far (/proc/PID/stat), or -1 when unreadable.
+double CpuSeconds(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');  // the command name may hold spaces
+  if (paren == std::string::npos) return -1;
+  std::istringstream fields(stat.substr(paren + 2));
+  // Fields 3.. of proc(5): state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt
+  // cmajflt utime stime.
+  std::string skip;
+  for (int i = 3; i < 14; ++i) fields >> skip;
+  double utime = 0, stime = 0;
+  if (!(fields >> utime >> stime)) return -1;
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Peak resident set size (VmHWM) of process `pid` in MiB, or -1 when unreadable.
+double PeakRssMiB(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    double kib = 0;
+    if (line.rfind("VmHWM:", 0) == 0 && std::istringstream(line.substr(6)) >> kib) {
+      return kib / 1024;
+    }
+  }
+  return -1;
+}
+
+// "a/b/c": the peak RSS in MiB of every watched process, in --watch order.
+std::string PeakRssList(const std::vector<Watched>& watched) {
+  std::vector<std::string> values;
+  values.reserve(watched.size());
+  for (const Watched& w : watched) values.push_back(std::to_string(std::lround(PeakRssMiB(w.pid))));
+  return values.empty() ? "-" : absl::StrJoin(values, "/");
 }
 
 // GB/s of `streams` concurrent loopback TCP connections, each written with 1 MiB send()s for
@@ -90,6 +179,7 @@ double RawTcpGbps(int streams, double seconds) {
   const auto t0 = Clock::now();
   std::atomic<uint64_t> at_start{0};
   std::vector<std::thread> writers;
+  writers.reserve(senders.size());
   for (int out : senders) {
     writers.emplace_back([out, &stop] {
       std::vector<char> buffer(1 << 20, 'x');
@@ -115,27 +205,43 @@ double RawTcpGbps(int streams, double seconds) {
   return static_cast<double>(bytes) / elapsed / 1e9;
 }
 
+// Join as a trainer, retried while the server answers UNAVAILABLE for up to --join_seconds.
+absl::StatusOr<v1::JoinReply> JoinWithRetry(worker::ServerClient& client, const std::string& name) {
+  v1::JoinRequest request;
+  request.set_name(name);
+  request.set_role(v1::ROLE_TRAINER);
+  const auto t0 = Clock::now();
+  while (true) {
+    absl::StatusOr<v1::JoinReply> reply = client.Join(request);
+    if (reply.ok() || reply.status().code() != absl::StatusCode::kUnavailable ||
+        Since(t0) > absl::GetFlag(FLAGS_join_seconds)) {
+      return reply;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 struct Result {
   uint64_t updates = 0;
   uint64_t bytes = 0;
   double seconds = 0;
-  std::vector<double> latencies;  // seconds per push
+  std::vector<double> latencies;  // seconds per push, sorted
   int errors = 0;
+  double bench_cores = 0;             // CPU of this process while pushing, in cores
+  std::vector<double> watched_cores;  // the same for each --watch process
 };
 
-// `workers` concurrent simulated workers pushing full updates for `seconds` (after each joined and
-// got its first task).
-Result RunWorkers(int workers, double seconds) {
+// `workers` concurrent simulated workers pushing full updates, each pausing `round` seconds after
+// every push (its first push at a random phase in [0, round), not measured), measured for
+// `seconds` from when every worker has pushed once and at least one round has passed.
+Result RunWorkers(int workers, double seconds, double round, const std::vector<Watched>& watched) {
   worker::ClientOptions options;
   options.address = absl::GetFlag(FLAGS_server);
   std::vector<std::unique_ptr<worker::ServerClient>> clients;
   std::vector<v1::JoinReply> joined(workers);
   for (int w = 0; w < workers; ++w) {
     clients.push_back(std::make_unique<worker::ServerClient>(options));
-    v1::JoinRequest request;
-    request.set_name("bench-" + std::to_string(w));
-    request.set_role(v1::ROLE_TRAINER);
-    absl::StatusOr<v1::JoinReply> reply = clients[w]->Join(request);
+    absl::StatusOr<v1::JoinReply> reply = JoinWithRetry(*clients[w], "bench-" + std::to_string(w));
     if (!reply.ok()) {
       std::fprintf(stderr, "join: %s\n", reply.status().ToString().c_str());
       std::exit(1);
@@ -152,56 +258,98 @@ Result RunWorkers(int workers, double seconds) {
   const v1::ModelSpec& spec = joined[0].model_spec();
   std::vector<std::vector<float>> zeros;
   for (const v1::LayerSpec& layer : spec.layers()) zeros.emplace_back(layer.num_elements(), 0.0f);
-  std::atomic<bool> go{false};
-  std::atomic<bool> stop{false};
+  // Phases drawn up front from one generator: the same seed gives the same schedule.
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  std::uniform_real_distribution<double> uniform(0, round);
+  std::vector<double> phases(workers, 0.0);
+  if (round > 0) {
+    for (double& phase : phases) phase = uniform(rng);
+  }
+  absl::Notification go;       // the workers start (their first push at their phase)
+  absl::Notification measure;  // the window opens: pushes started from now on count
+  absl::Notification stop;     // the window closes: pushes finished from now on do not
+  std::atomic<int> warm{0};    // workers whose first push is done
   std::vector<Result> per_worker(workers);
   std::vector<std::thread> threads;
+  threads.reserve(workers);
   for (int w = 0; w < workers; ++w) {
     threads.emplace_back([&, w] {
       worker::ServerClient& client = *clients[w];
       const uint64_t id = joined[w].worker_id();
       Result& r = per_worker[w];
       uint64_t update_id = 0;
-      while (!go.load()) std::this_thread::yield();
-      while (!stop.load()) {
-        absl::StatusOr<v1::Task> task = client.RequestTask(id);
-        if (!task.ok() || task->kind() == v1::Task::STOP) {
-          if (!task.ok()) std::fprintf(stderr, "task: %s\n", task.status().ToString().c_str());
-          ++r.errors;
-          return;
+      // RequestTask -> Push. Returns false when the worker must stop (no task). The push counts
+      // in r when the window was open at its start and had not closed at its end.
+      auto push = [&] {
+        while (true) {
+          absl::StatusOr<v1::Task> task = client.RequestTask(id);
+          if (!task.ok() || task->kind() == v1::Task::STOP) {
+            if (!task.ok()) std::fprintf(stderr, "task: %s\n", task.status().ToString().c_str());
+            ++r.errors;
+            return false;
+          }
+          if (task->kind() != v1::Task::TRAIN) continue;  // WAIT: the server held it a while
+          v1::PushHeader header;
+          header.set_worker_id(id);
+          header.set_task_id(task->task_id());
+          header.set_update_id(++update_id);
+          header.set_base_version(task->base_version());
+          header.set_steps_done(task->local_steps());
+          header.set_tokens_learned(1);
+          header.set_codec(v1::CODEC_FP32);
+          uint64_t bytes = 0;
+          const bool counted = measure.HasBeenNotified();
+          const auto t0 = Clock::now();
+          absl::StatusOr<v1::PushReply> reply =
+              client.Push(header, spec, zeros, {}, 256, nullptr, &bytes);
+          const double latency = Since(t0);
+          if (!reply.ok()) {
+            std::fprintf(stderr, "push: %s\n", reply.status().ToString().c_str());
+            ++r.errors;
+          } else if (counted && !stop.HasBeenNotified()) {
+            ++r.updates;
+            r.bytes += bytes;
+            r.latencies.push_back(latency);
+          }
+          return true;
         }
-        if (task->kind() != v1::Task::TRAIN) continue;  // WAIT: the server held it a while
-        v1::PushHeader header;
-        header.set_worker_id(id);
-        header.set_task_id(task->task_id());
-        header.set_update_id(++update_id);
-        header.set_base_version(task->base_version());
-        header.set_steps_done(task->local_steps());
-        header.set_tokens_learned(1);
-        header.set_codec(v1::CODEC_FP32);
-        uint64_t bytes = 0;
-        const auto t0 = Clock::now();
-        absl::StatusOr<v1::PushReply> reply =
-            client.Push(header, spec, zeros, {}, 256, nullptr, &bytes);
-        const double latency = Since(t0);
-        if (!reply.ok()) {
-          std::fprintf(stderr, "push: %s\n", reply.status().ToString().c_str());
-          ++r.errors;
-          continue;
-        }
-        if (stop.load()) break;  // finished after the window: not counted
-        ++r.updates;
-        r.bytes += bytes;
-        r.latencies.push_back(latency);
+      };
+      go.WaitForNotification();
+      if (phases[w] > 0 && stop.WaitForNotificationWithTimeout(absl::Seconds(phases[w]))) return;
+      // The first push is never counted: connections and gRPC's flow-control windows are set up
+      // once in a worker's life (a real one has pulled from the shards before), not every round.
+      bool ok = push();
+      ++warm;
+      while (ok && !stop.HasBeenNotified()) {
+        // The next round's local training.
+        if (round > 0 && stop.WaitForNotificationWithTimeout(absl::Seconds(round))) return;
+        ok = push();
       }
     });
   }
+  go.Notify();
+  // The window opens once every worker has pushed once and, with rounds, one round after the
+  // start: from then on the phases are spread as in a long run.
+  // A first push still out after a minute more is stuck: measure anyway (it shows as errors).
+  const auto started = Clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(round));
+  while (warm.load() < workers && Since(started) < round + 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::vector<double> cpu_before;
+  cpu_before.reserve(watched.size());
+  for (const Watched& w : watched) cpu_before.push_back(CpuSeconds(w.pid));
+  const double bench_cpu_before = CpuSeconds(getpid());
   const auto t0 = Clock::now();
-  go = true;
+  measure.Notify();
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-  stop = true;
+  stop.Notify();
   Result total;
   total.seconds = Since(t0);
+  total.bench_cores = (CpuSeconds(getpid()) - bench_cpu_before) / total.seconds;
+  for (size_t i = 0; i < watched.size(); ++i) {
+    total.watched_cores.push_back((CpuSeconds(watched[i].pid) - cpu_before[i]) / total.seconds);
+  }
   for (std::thread& t : threads) t.join();
   for (int w = 0; w < workers; ++w) {
     total.updates += per_worker[w].updates;
@@ -217,18 +365,69 @@ Result RunWorkers(int workers, double seconds) {
 
 double Percentile(const std::vector<double>& sorted, double p) {
   if (sorted.empty()) return 0;
-  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p * (sorted.size() - 1) + 0.5));
+  const size_t i =
+      std::min(sorted.size() - 1, static_cast<size_t>(std::lround(p * (sorted.size() - 1))));
   return sorted[i];
+}
+
+// Joins once (waiting for a layer-sharded server to assemble), prints the model and, when the
+// server is layer-sharded, what every shard process holds; returns the bytes of one fp32 update,
+// or 0 when the server cannot be joined.
+uint64_t DescribeServer() {
+  worker::ClientOptions options;
+  options.address = absl::GetFlag(FLAGS_server);
+  worker::ServerClient client(options);
+  absl::StatusOr<v1::JoinReply> reply = JoinWithRetry(client, "bench-probe");
+  if (!reply.ok()) {
+    std::fprintf(stderr, "join: %s\n", reply.status().ToString().c_str());
+    return 0;
+  }
+  (void)client.Leave(reply->worker_id());
+  const v1::ModelSpec& spec = reply->model_spec();
+  const int processes = reply->shard_addresses_size();
+  const uint64_t elements = TotalElements(spec);
+  const std::string layout =
+      processes > 0 ? absl::StrFormat("%d shard process(es) (layer-sharded server)", processes)
+                    : "one server process (not layer-sharded)";
+  std::printf("model: %d layers, %llu parameters, %.2f MiB per fp32 update; %s\n",
+              spec.layers_size(), static_cast<unsigned long long>(elements),
+              4.0 * elements / 1048576.0, layout.c_str());
+  for (int s = 0; s < processes; ++s) {
+    int layers = 0;
+    uint64_t owned = 0;
+    for (const v1::LayerSpec& layer : spec.layers()) {
+      if (static_cast<int>(layer.shard()) != s) continue;
+      ++layers;
+      owned += layer.num_elements();
+    }
+    std::printf("shard %d holds %d layers, %llu parameters = %llu bytes\n", s, layers,
+                static_cast<unsigned long long>(owned), 4 * static_cast<unsigned long long>(owned));
+  }
+  std::fflush(stdout);  // a pipe (scripts/bench/_push.sh) would hold it until the end
+  return 4 * elements;
 }
 
 int Main() {
   const double seconds = absl::GetFlag(FLAGS_seconds);
+  const double round = absl::GetFlag(FLAGS_round_seconds);
   const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (!(round >= 0) || !(seconds > 0)) {
+    std::fprintf(stderr, "--seconds must be > 0 and --round_seconds >= 0\n");
+    return 2;
+  }
+  absl::StatusOr<std::vector<Watched>> watched = ParseWatch(absl::GetFlag(FLAGS_watch));
+  if (!watched.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(watched.status().message()).c_str());
+    return 2;
+  }
+  std::vector<std::string> names;
+  for (const Watched& w : *watched) names.push_back(w.name);
   if (mode == "ingest") {
     const int pushers = absl::GetFlag(FLAGS_pushers);
     const double tcp = RawTcpGbps(pushers, seconds);
     std::printf("raw loopback TCP, %d streams: %.3f GB/s\n", pushers, tcp);
-    const Result r = RunWorkers(pushers, seconds);
+    if (DescribeServer() == 0) return 1;
+    const Result r = RunWorkers(pushers, seconds, round, *watched);
     const double gbps = static_cast<double>(r.bytes) / r.seconds / 1e9;
     std::printf(
         "aloe-server, %d pushers: %llu updates of %.1f MiB in %.1f s, %.3f GB/s, "
@@ -236,6 +435,16 @@ int Main() {
         pushers, static_cast<unsigned long long>(r.updates),
         r.updates ? r.bytes / 1048576.0 / r.updates : 0.0, r.seconds, gbps,
         1e3 * Percentile(r.latencies, 0.5), 1e3 * Percentile(r.latencies, 0.99), r.errors);
+    std::string cpu = absl::StrFormat("aloe-bench-push %.2f", r.bench_cores);
+    for (size_t i = 0; i < watched->size(); ++i) {
+      absl::StrAppendFormat(&cpu, ", %s %.2f", names[i], r.watched_cores[i]);
+    }
+    std::printf("CPU while pushing (cores of %u): %s\n", std::thread::hardware_concurrency(),
+                cpu.c_str());
+    if (!watched->empty()) {
+      std::printf("peak RSS MiB (%s): %s\n", absl::StrJoin(names, "/").c_str(),
+                  PeakRssList(*watched).c_str());
+    }
     std::printf("ingest: accepted_gbps=%.3f ratio=%.2f (raw TCP %.3f GB/s, %d streams)\n", gbps,
                 tcp > 0 ? gbps / tcp : 0.0, tcp, pushers);
     return r.errors == 0 && r.updates > 0 ? 0 : 1;
@@ -250,16 +459,38 @@ int Main() {
       }
       counts.push_back(n);
     }
-    std::printf("%8s %10s %12s %12s %12s %8s\n", "workers", "updates/s", "p50 ms", "p99 ms", "GB/s",
-                "errors");
+    const uint64_t update_bytes = DescribeServer();
+    if (update_bytes == 0) return 1;
+    if (round > 0) {
+      std::printf(
+          "each worker: push, then %.1f s of simulated training; first push at a random "
+          "phase in [0, %.1f s), seed %llu\n",
+          round, round, static_cast<unsigned long long>(absl::GetFlag(FLAGS_seed)));
+    } else {
+      std::printf("each worker pushes back to back (no training between pushes)\n");
+    }
+    std::printf("offered = workers x update bytes / round; cpu = cores used while pushing");
+    if (!watched->empty()) {
+      std::printf("; peak RSS so far of %s", absl::StrJoin(names, "/").c_str());
+    }
+    std::printf("\n%8s %12s %12s %10s %10s %10s %7s %10s %10s %16s\n", "workers", "offered GB/s",
+                "accept GB/s", "updates/s", "p50 ms", "p99 ms", "errors", "cpu bench", "cpu server",
+                "peak RSS MiB");
     double p50_at_16 = 0, p99_at_max = 0;
     int errors = 0;
     for (int n : counts) {
-      const Result r = RunWorkers(n, seconds);
+      const Result r = RunWorkers(n, seconds, round, *watched);
       const double p50 = 1e3 * Percentile(r.latencies, 0.5);
       const double p99 = 1e3 * Percentile(r.latencies, 0.99);
-      std::printf("%8d %10.2f %12.1f %12.1f %12.3f %8d\n", n, r.updates / r.seconds, p50, p99,
-                  r.bytes / r.seconds / 1e9, r.errors);
+      double server_cores = 0;
+      for (double c : r.watched_cores) server_cores += c;
+      const std::string server_cpu = watched->empty() ? "-" : absl::StrFormat("%.2f", server_cores);
+      const std::string offered =
+          round > 0 ? absl::StrFormat("%.3f", n * static_cast<double>(update_bytes) / round / 1e9)
+                    : "-";
+      std::printf("%8d %12s %12.3f %10.2f %10.1f %10.1f %7d %10.2f %10s %16s\n", n, offered.c_str(),
+                  r.bytes / r.seconds / 1e9, r.updates / r.seconds, p50, p99, r.errors,
+                  r.bench_cores, server_cpu.c_str(), PeakRssList(*watched).c_str());
       std::fflush(stdout);
       if (n == 16) p50_at_16 = p50;
       p99_at_max = p99;
@@ -280,9 +511,11 @@ int main(int argc, char** argv) {
   aloe::KeepLargeBuffersInHeap(argv);  // as aloe-worker does
   aloe::SetUsage(
       "aloe-bench-push --server HOST:PORT --mode ingest|scale [flags]\n"
-      "Measures how fast a running aloe-server (plain async mode) accepts pseudo-gradient pushes\n"
-      "from simulated workers, against raw loopback TCP in the same run (ingest), or push latency\n"
-      "and updates/s per number of concurrent workers (scale). See scripts/bench/ingest.sh.");
+      "Measures how fast a running aloe-server (plain async mode; single-process or the\n"
+      "coordinator of a layer-sharded one) accepts pseudo-gradient pushes from simulated\n"
+      "workers, against raw loopback TCP in the same run (ingest), or push latency and\n"
+      "updates/s per number of concurrent workers, each training --round_seconds between pushes\n"
+      "(scale). See scripts/bench/ingest.sh and scripts/bench/scale.sh.");
   absl::ParseCommandLine(argc, argv);
   return aloe::bench::Main();
 }
