@@ -555,6 +555,7 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
       entry->set_update_id(batch.updates[i].update_id);
       entry->set_weight(batch.weights[i] * batch.updates[i].weight_scale);
       entry->set_discount(batch.updates[i].weight_scale);
+      admitted_.erase({batch.updates[i].worker_id, batch.updates[i].update_id});
     }
     orders_.push_back(std::move(order));
     ++commit_version_;
@@ -673,6 +674,9 @@ void ServerCore::WorkerGone(uint64_t worker) {
   planner_.Forget(worker);
   staged_.erase(worker);
   DiscardParts(worker);
+  // What it did not push to every shard will never complete; a submitted update waits for its
+  // COMMIT (a round may still apply it).
+  ReleaseUnsubmitted(worker);
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
     metrics_.Remove(kTrainerStepsPerSecond, labels->second);
     metrics_.Remove(kTrainerPlannedSteps, labels->second);
@@ -847,6 +851,13 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
     CountRejected(status);
     return status;
   }
+  auto admitted = admitted_.find({header.worker_id(), header.update_id()});
+  if (admitted == admitted_.end()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "update %d of worker %d is not admitted (a newer update of the worker replaced it, or "
+        "it was discarded): push again",
+        header.update_id(), header.worker_id()));
+  }
   auto it = parts_.find(header.worker_id());
   if (it != parts_.end() &&
       (it->second.update_id != header.update_id() || it->second.task_id != header.task_id())) {
@@ -873,6 +884,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
     return reply;
   }
   parts_.erase(it);
+  admitted->second = true;  // staged on every shard: released by its COMMIT or DISCARD
   absl::StatusOr<v1::PushReply> reply = SubmitUpdate(UpdateOfHeader(whole));
   // Rejected (e.g. too stale): the shards drop what they staged.
   if (!reply.ok()) AppendDiscard(whole.worker_id(), whole.update_id());
@@ -893,6 +905,36 @@ void ServerCore::AppendDiscard(uint64_t worker, uint64_t update_id) {
   entry->set_worker_id(worker);
   entry->set_update_id(update_id);
   orders_.push_back(std::move(discard));
+  admitted_.erase({worker, update_id});
+}
+
+absl::StatusOr<bool> ServerCore::AdmitPush(const v1::PushHeader& header) {
+  if (!sharded()) return absl::FailedPreconditionError("not a layer-sharded coordinator");
+  v1::PushHeader whole = header;
+  whole.set_slice(0);
+  whole.set_slices(1);
+  if (absl::Status status = CheckPushHeader(whole); !status.ok()) {
+    CountRejected(status);
+    return status;
+  }
+  const std::pair<uint64_t, uint64_t> key(header.worker_id(), header.update_id());
+  if (admitted_.count(key)) return true;
+  // A new update of this worker: its older one that did not reach every shard is given up.
+  if (auto parts = parts_.find(header.worker_id());
+      parts != parts_.end() && parts->second.update_id != header.update_id()) {
+    DiscardParts(header.worker_id());
+  }
+  ReleaseUnsubmitted(header.worker_id());
+  if (admitted_.size() >= config_.max_staged_updates()) return false;
+  admitted_.emplace(key, false);
+  return true;
+}
+
+void ServerCore::ReleaseUnsubmitted(uint64_t worker) {
+  for (auto it = admitted_.lower_bound({worker, 0});
+       it != admitted_.end() && it->first.first == worker;) {
+    it = it->second ? std::next(it) : admitted_.erase(it);
+  }
 }
 
 v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {

@@ -113,9 +113,17 @@ class ServerCore {
   // Join answers kUnavailable until every shard has an address.
   void SetShardAddress(uint32_t shard, std::string address);
   bool shards_ready() const;
-  // Shard `shard` staged its part of the update `header` describes. Returns staged = true until
-  // every shard has, then SubmitUpdate's reply for the whole update (whose errors mean: drop the
-  // part; a DISCARD order tells the shards that staged it).
+  // Admits the update `header` names to be pushed to the shards (AdmitRequest): at most
+  // max_staged_updates updates are admitted at once, the same on every shard. true when admitted
+  // now or before (a retry, another shard's part); false while max_staged_updates others are;
+  // CheckPushHeader's errors. An update stays admitted until its COMMIT or DISCARD order, or
+  // until its worker leaves; admitting a new update of a worker releases (and discards the parts
+  // of) its update that did not reach every shard.
+  absl::StatusOr<bool> AdmitPush(const v1::PushHeader& header);
+  size_t admitted_updates() const { return admitted_.size(); }
+  // Shard `shard` staged its part of the update `header` describes (it must be admitted). Returns
+  // staged = true until every shard has, then SubmitUpdate's reply for the whole update (whose
+  // errors mean: drop the part; a DISCARD order tells the shards that staged it).
   absl::StatusOr<v1::PushReply> SubmitShardPart(uint32_t shard, const v1::PushHeader& header);
   // The order log since the version the coordinator started (or was restored) at, less what
   // TrimOrdersBefore dropped: orders()[i] is the order at absolute index first_order_index() + i
@@ -188,8 +196,10 @@ class ServerCore {
   void WorkerGone(uint64_t worker);
   // Tells the shards to drop the parts of `worker`'s update staged so far (if any).
   void DiscardParts(uint64_t worker);
-  // Appends a DISCARD order of one update to the order log.
+  // Appends a DISCARD order of one update to the order log (and ends its admission).
   void AppendDiscard(uint64_t worker, uint64_t update_id);
+  // Ends the admission of the updates of `worker` that did not reach every shard.
+  void ReleaseUnsubmitted(uint64_t worker);
   absl::Status Apply(ApplyBatch batch);
   void UpdateStopping();
   void PublishMembership();
@@ -220,6 +230,8 @@ class ServerCore {
   std::vector<v1::ShardOrder> orders_;
   std::vector<std::string> shard_addresses_;
   std::map<uint64_t, Parts> parts_;  // by worker
+  // Admitted updates (worker_id, update_id) -> submitted (every shard staged its part).
+  std::map<std::pair<uint64_t, uint64_t>, bool> admitted_;
   Membership membership_;
   std::unique_ptr<AggregationPolicy> aggregation_;
   // aggregation_ when it is a grace window behind aligned DyLU (LocalWorkPlanner); else null.

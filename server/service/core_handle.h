@@ -5,6 +5,7 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/core/server_core.h"
@@ -73,6 +74,27 @@ class CoreHandle {
         return task;
       }
       if (changed_.WaitWithDeadline(&mu_, deadline)) return task;
+    }
+  }
+
+  // ServerCore::AdmitPush, waiting up to max_wait for an admission to end whenever the core
+  // says no (each change re-checks; a refusal changes nothing, so waiting callers do not wake
+  // each other). kResourceExhausted when none ended in time.
+  absl::Status AdmitPush(const v1::PushHeader& header, absl::Duration max_wait) {
+    absl::MutexLock lock(&mu_);
+    const absl::Time deadline = absl::Now() + max_wait;
+    while (true) {
+      absl::StatusOr<bool> admitted = core_->AdmitPush(header);
+      if (!admitted.ok() || *admitted) {
+        ++generation_;  // admitting (or refusing a stale push) changes the core
+        changed_.SignalAll();
+        return admitted.status();
+      }
+      if (changed_.WaitWithDeadline(&mu_, deadline)) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "%d updates are being pushed to the shards (max_staged_updates): push again later",
+            core_->admitted_updates()));
+      }
     }
   }
 

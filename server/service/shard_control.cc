@@ -16,6 +16,27 @@ ShardControlService::ShardControlService(CoreHandle& handle, Authenticator& auth
   followers_.resize(options_.shard_processes);
 }
 
+grpc::Status ShardControlService::Admit(grpc::ServerContext* context,
+                                        const v1::AdmitRequest* request, v1::AdmitReply*) {
+  if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
+    return ToGrpcStatus(who.status());
+  }
+  if (absl::Status owner = auth_.CheckOwner(request->header().worker_id(), request->identity());
+      !owner.ok()) {
+    return ToGrpcStatus(owner);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!ready_) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the shard processes are (re)assembling; push again");
+    }
+  }
+  // A short wait per call: the shard asks again while its pusher waits, so no coordinator thread
+  // is held long and a cancelled push stops asking.
+  return ToGrpcStatus(handle_.AdmitPush(request->header(), absl::Seconds(2)));
+}
+
 grpc::Status ShardControlService::ReportStaged(grpc::ServerContext* context,
                                                const v1::StagedReport* request,
                                                v1::PushReply* reply) {

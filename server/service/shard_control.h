@@ -40,6 +40,7 @@ class ShardControlService final : public v1::ShardControl::Service {
   // handle and auth must outlive the service.
   ShardControlService(CoreHandle& handle, Authenticator& auth, Options options);
 
+  grpc::Status Admit(grpc::ServerContext*, const v1::AdmitRequest*, v1::AdmitReply*) override;
   grpc::Status ReportStaged(grpc::ServerContext*, const v1::StagedReport*, v1::PushReply*) override;
   grpc::Status Follow(grpc::ServerContext*, const v1::FollowRequest*,
                       grpc::ServerWriter<v1::ShardOrder>*) override;

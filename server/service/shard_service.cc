@@ -85,8 +85,15 @@ grpc::Status ShardServer::Push(grpc::ServerContext* context,
     return reject(
         absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec())));
   }
+  // The coordinator admits at most max_staged_updates updates at once, the same on every shard
+  // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
+  // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
+  if (absl::Status admitted = AwaitAdmission(*context, header, *identity); !admitted.ok()) {
+    return reject(admitted);
+  }
   {
-    // A slot before reading the stream: pushes beyond the limit wait here, unread.
+    // A local slot as well: admissions the coordinator ended may still be staged here until
+    // their COMMIT or DISCARD order arrives.
     absl::MutexLock lock(&mu_);
     const absl::Time deadline = absl::Now() + kSlotWait;
     // A retry of an update staged already needs no new slot.
@@ -219,6 +226,28 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
   }
   if (due) WriteCheckpoint(*due);  // outside the lock: pushes and pulls go on meanwhile
   return status;
+}
+
+absl::Status ShardServer::AwaitAdmission(const grpc::ServerContext& push,
+                                         const v1::PushHeader& header,
+                                         const std::string& identity) {
+  v1::AdmitRequest request;
+  request.set_shard_index(options_.shard_index);
+  *request.mutable_header() = header;
+  request.set_identity(identity);
+  const absl::Time deadline = absl::Now() + kSlotWait;
+  while (true) {
+    grpc::ClientContext call;
+    call.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    if (!options_.token.empty()) call.AddMetadata(kTokenMetadata, options_.token);
+    v1::AdmitReply reply;
+    const grpc::Status status = control_->Admit(&call, request, &reply);
+    if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED || push.IsCancelled() ||
+        absl::Now() >= deadline) {
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          status.error_message());
+    }
+  }
 }
 
 void ShardServer::WriteCheckpoint(const v1::ShardCheckpoint& checkpoint) {

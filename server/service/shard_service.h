@@ -64,6 +64,10 @@ class ShardServer final : public v1::ParameterService::Service {
   // Applies one order; an error means this state cannot follow the log any more.
   absl::Status ApplyOrder(const v1::ShardOrder& order);
   absl::Status Restore(uint64_t version);
+  // Asks the coordinator to admit the update `header` names (ShardControl.Admit) until it does,
+  // refuses, the push is cancelled or kSlotWait passes.
+  absl::Status AwaitAdmission(const grpc::ServerContext& push, const v1::PushHeader& header,
+                              const std::string& identity);
   // Writes `checkpoint` (options_.checkpoints must be set); logs a failure and carries on.
   void WriteCheckpoint(const v1::ShardCheckpoint& checkpoint);
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

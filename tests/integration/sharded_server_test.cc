@@ -538,3 +538,90 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
 
 }  // namespace
 }  // namespace aloe::testing
+
+namespace aloe::testing {
+namespace {
+
+// 16 workers push 6 MiB updates at the same moment into shards that stage 2 updates each: the
+// coordinator admits the same 2 on both shards, so each push completes in turn (were each shard
+// to admit on its own, each could fill with updates the other never takes, and nothing would
+// commit again).
+TEST_F(ShardedServerTest, SimultaneousPushesBeyondStagingAllComplete) {
+  constexpr int kWorkers = 16;
+  model_ = "model { vocab_size: 256 seq_len: 32 d_model: 256 num_layers: 2 num_heads: 4 }";
+  const int port = StartServer(
+      absl::StrCat(
+          "shard_processes: 2\nmax_staged_updates: 2\nlocal_steps: 10\nmax_versions: ", kWorkers,
+          "\neval_every: 1000000\naggregation { mode: AGGREGATION_ASYNC min_workers: 1 "
+          "grace_seconds: 0 }\n"),
+      kNesterov, {"--role=coordinator"});
+  ASSERT_GT(port, 0);
+  auto shard0 = StartShard(0, port, false);
+  auto shard1 = StartShard(1, port, false);
+
+  std::atomic<int> ready{0};
+  std::atomic<int> pushed{0};
+  std::vector<std::string> failures(kWorkers);
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&, w] {
+      worker::ClientOptions options;
+      options.address = absl::StrCat("127.0.0.1:", port);
+      worker::ServerClient client(options);
+      v1::JoinRequest join;
+      join.set_name(absl::StrCat("sim", w));
+      join.set_role(v1::ROLE_TRAINER);
+      absl::StatusOr<v1::JoinReply> joined;
+      for (int i = 0; i < 300; ++i) {  // until the shards are assembled
+        joined = client.Join(join);
+        if (joined.ok()) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      absl::StatusOr<v1::Task> task;
+      if (joined.ok()) {
+        (void)client.SetShards(
+            {joined->shard_addresses().begin(), joined->shard_addresses().end()});
+        task = client.RequestTask(joined->worker_id());
+      }
+      ++ready;
+      if (!joined.ok() || !task.ok() || task->kind() != v1::Task::TRAIN) {
+        failures[w] = "no task";
+        return;
+      }
+      while (ready.load() < kWorkers) std::this_thread::yield();  // all push at once
+      v1::PushHeader header;
+      header.set_worker_id(joined->worker_id());
+      header.set_task_id(task->task_id());
+      header.set_update_id(1);
+      header.set_base_version(task->base_version());
+      header.set_steps_done(task->local_steps());
+      header.set_tokens_learned(100);
+      header.set_codec(v1::CODEC_FP32);
+      uint64_t bytes = 0;
+      absl::StatusOr<v1::PushReply> reply =
+          client.Push(header, joined->model_spec(), PseudoGradient(joined->model_spec(), w + 1, 1),
+                      {}, 256, nullptr, &bytes);
+      if (reply.ok() && !reply->staged()) {
+        ++pushed;
+      } else {
+        failures[w] = reply.ok() ? "still staged" : reply.status().ToString();
+      }
+      (void)client.Leave(joined->worker_id());
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  for (int w = 0; w < kWorkers; ++w) EXPECT_EQ(failures[w], "") << "worker " << w;
+  EXPECT_EQ(pushed.load(), kWorkers);
+  std::optional<int> code = server_->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.has_value()) << "coordinator did not finish\n" << ShardLogs();
+  EXPECT_EQ(*code, 0);
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), absl::StrCat("version=", kWorkers)))
+      << ShardLogs();
+  shard0->Signal(SIGTERM);
+  shard1->Signal(SIGTERM);
+  EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0));
+  EXPECT_EQ(shard1->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+}  // namespace
+}  // namespace aloe::testing

@@ -878,6 +878,14 @@ v1::PushHeader HeaderOf(uint64_t worker, const v1::Task& task, uint64_t update_i
   return h;
 }
 
+// A shard's part of an update as a shard process delivers it: admitted first, then reported.
+absl::StatusOr<v1::PushReply> Part(ServerCore& core, uint32_t shard, const v1::PushHeader& h) {
+  absl::StatusOr<bool> admitted = core.AdmitPush(h);
+  if (!admitted.ok()) return admitted.status();
+  EXPECT_TRUE(*admitted) << "update " << h.update_id() << " of worker " << h.worker_id();
+  return core.SubmitShardPart(shard, h);
+}
+
 TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart) {
   v1::ServerConfig config = TinyConfig();
   config.set_shard_processes(2);
@@ -901,21 +909,21 @@ TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart)
   ASSERT_EQ(ta.kind(), v1::Task::TRAIN);
 
   // a: both parts in; b: only shard 1's part so far. Sync (min 2): nothing committed yet.
-  auto first = core_->SubmitShardPart(0, HeaderOf(a, ta, 11));
+  auto first = Part(*core_, 0, HeaderOf(a, ta, 11));
   ASSERT_THAT(first, IsOk());
   EXPECT_TRUE(first->staged());
   EXPECT_EQ(first->slices_received(), 1u);
-  EXPECT_THAT(core_->SubmitShardPart(1, HeaderOf(a, ta, 11)), IsOk());
-  EXPECT_THAT(core_->SubmitShardPart(1, HeaderOf(b, tb, 21)), IsOk());
+  EXPECT_THAT(Part(*core_, 1, HeaderOf(a, ta, 11)), IsOk());
+  EXPECT_THAT(Part(*core_, 1, HeaderOf(b, tb, 21)), IsOk());
   EXPECT_TRUE(core_->orders().empty());
   EXPECT_EQ(core_->version(), 0u);
   // A shard index out of range, or a part of an update with no open task, is refused.
-  EXPECT_THAT(core_->SubmitShardPart(2, HeaderOf(b, tb, 21)),
+  EXPECT_THAT(Part(*core_, 2, HeaderOf(b, tb, 21)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 shard processes")));
-  EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(a, ta, 11)),
+  EXPECT_THAT(Part(*core_, 0, HeaderOf(a, ta, 11)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
   // b's last part completes the round: one COMMIT of version 1, the plain mean of two updates.
-  auto last = core_->SubmitShardPart(0, HeaderOf(b, tb, 21));
+  auto last = Part(*core_, 0, HeaderOf(b, tb, 21));
   ASSERT_THAT(last, IsOk());
   EXPECT_FALSE(last->staged());
   EXPECT_TRUE(last->applied());
@@ -937,7 +945,7 @@ TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart)
   // A worker that leaves with a part staged on one shard: the shards are told to drop it.
   const v1::Task ta2 = Request(a);
   ASSERT_EQ(ta2.kind(), v1::Task::TRAIN);
-  ASSERT_THAT(core_->SubmitShardPart(1, HeaderOf(a, ta2, 12)), IsOk());
+  ASSERT_THAT(Part(*core_, 1, HeaderOf(a, ta2, 12)), IsOk());
   v1::LeaveRequest leave;
   leave.set_worker_id(a);
   ASSERT_THAT(core_->Leave(leave), IsOk());
@@ -960,8 +968,8 @@ TEST_F(ServerCoreTest, ShardedStalenessDiscountTravelsInTheCommitWeight) {
   const uint64_t b = Join();
   const v1::Task ta = Request(a);
   const v1::Task tb = Request(b);
-  ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, ta, 1)), IsOk());  // staleness 0
-  ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(b, tb, 1)), IsOk());  // staleness 1
+  ASSERT_THAT(Part(*core_, 0, HeaderOf(a, ta, 1)), IsOk());  // staleness 0
+  ASSERT_THAT(Part(*core_, 0, HeaderOf(b, tb, 1)), IsOk());  // staleness 1
   ASSERT_EQ(core_->orders().size(), 2u);
   EXPECT_FLOAT_EQ(core_->orders()[0].entries(0).weight(), 1.0f);
   EXPECT_FLOAT_EQ(core_->orders()[1].entries(0).weight(), 0.5f);  // (1 + 1)^-1
@@ -979,7 +987,7 @@ TEST_F(ServerCoreTest, ShardedOrderLogTrimsInBatchesWithStableIndices) {
   const uint64_t a = Join();
   const uint64_t n = ServerCore::kOrderTrimBatch + 100;
   for (uint64_t round = 0; round < n; ++round) {
-    ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, Request(a), round + 1)), IsOk());
+    ASSERT_THAT(Part(*core_, 0, HeaderOf(a, Request(a), round + 1)), IsOk());
   }
   ASSERT_EQ(core_->orders().size(), n);  // one COMMIT per version
   EXPECT_EQ(core_->OrderIndexAfter(0), std::optional<uint64_t>(0));
@@ -1018,6 +1026,52 @@ TEST_F(ServerCoreTest, ReplacementContinuesWorkerAndTaskIds) {
   EXPECT_THAT(core_->RequestTask(request), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
 }
 
+// At most max_staged_updates updates are admitted at once (the same on every shard); an
+// admission ends with the update's COMMIT or DISCARD, a newer update of its worker, or its
+// worker leaving; an update that was not admitted cannot be reported.
+TEST_F(ServerCoreTest, ShardedAdmissionIsBoundedAndEndsWithTheUpdate) {
+  v1::ServerConfig config = TinyConfig();
+  config.set_shard_processes(2);
+  config.set_max_staged_updates(2);
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  Make(config);
+  core_->SetShardAddress(0, "s0");
+  core_->SetShardAddress(1, "s1");
+  const uint64_t a = Join(), b = Join(), c = Join();
+  const v1::Task ta = Request(a), tb = Request(b), tc = Request(c);
+  auto admit = [&](const v1::PushHeader& h) {
+    absl::StatusOr<bool> admitted = core_->AdmitPush(h);
+    EXPECT_THAT(admitted, IsOk());
+    return admitted.ok() && *admitted;
+  };
+  EXPECT_TRUE(admit(HeaderOf(a, ta, 1)));
+  EXPECT_TRUE(admit(HeaderOf(a, ta, 1)));  // a retry
+  EXPECT_TRUE(admit(HeaderOf(b, tb, 1)));
+  EXPECT_FALSE(admit(HeaderOf(c, tc, 1)));  // 2 of 2
+  EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(c, tc, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not admitted")));
+  // a's update reaches both shards and commits: its admission ends, c gets one.
+  ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, ta, 1)), IsOk());
+  EXPECT_EQ(core_->admitted_updates(), 2u);  // on one shard only: still admitted
+  ASSERT_THAT(core_->SubmitShardPart(1, HeaderOf(a, ta, 1)), IsOk());
+  EXPECT_EQ(core_->version(), 1u);
+  EXPECT_TRUE(admit(HeaderOf(c, tc, 1)));
+  // b gives up its update for a newer one: the old one's part is discarded, the new admitted.
+  ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(b, tb, 1)), IsOk());
+  EXPECT_TRUE(admit(HeaderOf(b, tb, 2)));
+  EXPECT_EQ(core_->orders().back().kind(), v1::ShardOrder::DISCARD);
+  EXPECT_EQ(core_->orders().back().entries(0).update_id(), 1u);
+  EXPECT_EQ(core_->admitted_updates(), 2u);  // c's and b's second
+  // c leaves: its admission ends.
+  v1::LeaveRequest leave;
+  leave.set_worker_id(c);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  EXPECT_EQ(core_->admitted_updates(), 1u);
+  // A stale push (no open task) is refused at admission.
+  EXPECT_FALSE(core_->AdmitPush(HeaderOf(a, ta, 7)).ok());
+}
+
 // A coordinator keeps every due checkpoint (a restarted shard can only go back to a version the
 // coordinator checkpointed too); a single-process core only the newest.
 TEST_F(ServerCoreTest, ShardedCoordinatorKeepsEveryDueCheckpoint) {
@@ -1034,7 +1088,7 @@ TEST_F(ServerCoreTest, ShardedCoordinatorKeepsEveryDueCheckpoint) {
     for (uint32_t round = 0; round < 5; ++round) {
       const v1::Task task = Request(a);
       if (processes > 0) {
-        ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, task, round + 1)), IsOk());
+        ASSERT_THAT(Part(*core_, 0, HeaderOf(a, task, round + 1)), IsOk());
       } else {
         ASSERT_THAT(core_->SubmitUpdate(VariedUpdate(core_->spec(), a, task, round)), IsOk());
       }
