@@ -568,7 +568,7 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   // Pushed updates and pulled snapshots are megabytes each: reuse heap memory instead of
   // page-faulting fresh buffers for every one (may re-execute the program once).
-  aloe::KeepLargeBuffersInHeap(argv);
+  aloe::KeepLargeBuffersInHeap(argv, /*arena_max=*/1);  // see common/allocator.h
   aloe::SetUsage(
       "aloe-server --config FILE [flags]\n"
       "Parameter server for asynchronous Local-SGD (DiLoCo) training: holds the global model and\n"
