@@ -326,12 +326,6 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   EXPECT_LT(losses.back(), losses.front() - 0.3) << summary;
 }
 
-}  // namespace
-}  // namespace aloe::testing
-
-namespace aloe::testing {
-namespace {
-
 TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
   constexpr int kWorkers = 16;
   constexpr uint64_t kVersions = 40;
@@ -535,12 +529,6 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
       static_cast<unsigned long>(restores[0]), static_cast<unsigned long>(restores[1]), discounted,
       anomalies, rollbacks, clipped, max_diff, max_moved);
 }
-
-}  // namespace
-}  // namespace aloe::testing
-
-namespace aloe::testing {
-namespace {
 
 // 16 workers push 6 MiB updates at the same moment into shards that stage 2 updates each: the
 // coordinator admits the same 2 on both shards, so each push completes in turn (were each shard
