@@ -427,6 +427,7 @@ absl::Status Run() {
     } else {
       ALOE_RETURN_IF_ERROR(loaded.status());
       ALOE_RETURN_IF_ERROR(core->RestoreCheckpoint(loaded->checkpoint));
+      core->SkipWorkerIdsOfLostProcess();
       ALOE_LOG_INFO("server", "resumed from %s", loaded->path);
     }
   }

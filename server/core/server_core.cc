@@ -973,6 +973,10 @@ void ServerCore::ContinueIdsOf(const ServerCore& previous) {
   membership_.set_next_id(previous.membership_.next_id());
 }
 
+void ServerCore::SkipWorkerIdsOfLostProcess() {
+  membership_.set_next_id(membership_.next_id() + kWorkerIdGapAfterRestart);
+}
+
 std::vector<v1::ServerCheckpoint> ServerCore::TakeDueCheckpoints() {
   return std::exchange(due_checkpoints_, {});
 }

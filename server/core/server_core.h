@@ -101,6 +101,13 @@ class ServerCore {
   // replaces `previous` in the same process (a sharded coordinator going back to a checkpoint):
   // a worker of the old core must get NOT_FOUND, never act under an id given to a new joiner.
   void ContinueIdsOf(const ServerCore& previous);
+  // After RestoreCheckpoint in a restarted process: the process that died may have handed out
+  // worker ids after its last checkpoint, and its workers come back with them. New joiners get
+  // ids from kWorkerIdGapAfterRestart above the checkpoint's on, so none of them collides (the
+  // old workers get NOT_FOUND and join again). Task ids are left alone: task seeds derive from
+  // them, and a restarted old worker's task ids are refused with its worker id anyway.
+  void SkipWorkerIdsOfLostProcess();
+  static constexpr uint64_t kWorkerIdGapAfterRestart = uint64_t{1} << 20;
 
   // --- Sharded across processes (config.shard_processes > 0): this core is the coordinator.
   // It holds no parameters; each outer step becomes a COMMIT order that every shard process

@@ -1072,6 +1072,25 @@ TEST_F(ServerCoreTest, ShardedAdmissionIsBoundedAndEndsWithTheUpdate) {
   EXPECT_FALSE(core_->AdmitPush(HeaderOf(a, ta, 7)).ok());
 }
 
+// A restarted process skips the worker ids its predecessor may have handed out after the
+// checkpoint: a worker of the dead process comes back with such an id and must get NOT_FOUND.
+TEST_F(ServerCoreTest, RestartedProcessSkipsWorkerIdsOfTheLostOne) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_aggregation()->set_min_workers(1);
+  Make(config);
+  Join();
+  const v1::ServerCheckpoint checkpoint = core_->CaptureCheckpoint();
+  const uint64_t after_checkpoint = Join();  // the dead process handed this one out
+  Make(config);
+  ASSERT_THAT(core_->RestoreCheckpoint(checkpoint), IsOk());
+  core_->SkipWorkerIdsOfLostProcess();
+  const uint64_t joiner = Join();
+  EXPECT_EQ(joiner, after_checkpoint + ServerCore::kWorkerIdGapAfterRestart);
+  v1::TaskRequest request;
+  request.set_worker_id(after_checkpoint);
+  EXPECT_THAT(core_->RequestTask(request), StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
 // A coordinator keeps every due checkpoint (a restarted shard can only go back to a version the
 // coordinator checkpointed too); a single-process core only the newest.
 TEST_F(ServerCoreTest, ShardedCoordinatorKeepsEveryDueCheckpoint) {
