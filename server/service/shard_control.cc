@@ -16,21 +16,27 @@ ShardControlService::ShardControlService(CoreHandle& handle, Authenticator& auth
   followers_.resize(options_.shard_processes);
 }
 
-grpc::Status ShardControlService::Admit(grpc::ServerContext* context,
-                                        const v1::AdmitRequest* request, v1::AdmitReply*) {
-  if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
+grpc::Status ShardControlService::CheckPartCall(const grpc::ServerContext& context,
+                                                uint64_t worker_id, const std::string& identity) {
+  if (absl::StatusOr<std::string> who = auth_.Identify(context); !who.ok()) {
     return ToGrpcStatus(who.status());
   }
-  if (absl::Status owner = auth_.CheckOwner(request->header().worker_id(), request->identity());
-      !owner.ok()) {
+  if (absl::Status owner = auth_.CheckOwner(worker_id, identity); !owner.ok()) {
     return ToGrpcStatus(owner);
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (!ready_) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "the shard processes are (re)assembling; push again");
-    }
+  absl::MutexLock lock(&mu_);
+  if (!ready_) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "the shard processes are (re)assembling; push again");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardControlService::Admit(grpc::ServerContext* context,
+                                        const v1::AdmitRequest* request, v1::AdmitReply*) {
+  if (grpc::Status ok = CheckPartCall(*context, request->header().worker_id(), request->identity());
+      !ok.ok()) {
+    return ok;
   }
   // A short wait per call: the shard asks again while its pusher waits, so no coordinator thread
   // is held long and a cancelled push stops asking.
@@ -40,19 +46,9 @@ grpc::Status ShardControlService::Admit(grpc::ServerContext* context,
 grpc::Status ShardControlService::ReportStaged(grpc::ServerContext* context,
                                                const v1::StagedReport* request,
                                                v1::PushReply* reply) {
-  if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
-    return ToGrpcStatus(who.status());
-  }
-  if (absl::Status owner = auth_.CheckOwner(request->header().worker_id(), request->identity());
-      !owner.ok()) {
-    return ToGrpcStatus(owner);
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    if (!ready_) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "the shard processes are (re)assembling; push again");
-    }
+  if (grpc::Status ok = CheckPartCall(*context, request->header().worker_id(), request->identity());
+      !ok.ok()) {
+    return ok;
   }
   absl::StatusOr<v1::PushReply> result = handle_.Run([&](ServerCore& core) {
     return core.SubmitShardPart(request->shard_index(), request->header());

@@ -52,6 +52,10 @@ class ShardControlService final : public v1::ShardControl::Service {
     uint64_t sent = 0;        // absolute index of the next order to send it
     v1::FollowRequest request;
   };
+  // What Admit and ReportStaged check first: the shard's token, that `identity` owns the worker,
+  // and that the shards are assembled (UNAVAILABLE while they reassemble).
+  grpc::Status CheckPartCall(const grpc::ServerContext& context, uint64_t worker_id,
+                             const std::string& identity) ABSL_LOCKS_EXCLUDED(mu_);
   // Starts a new assembly (ends every stream). Requires mu_.
   void BeginAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the assembly when every shard joined it. Requires mu_.

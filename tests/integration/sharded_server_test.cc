@@ -104,6 +104,19 @@ std::vector<std::vector<float>> PseudoGradient(const v1::ModelSpec& spec, uint64
   return layers;
 }
 
+// The header of a simulated worker's push of update `update_id` for `task`.
+v1::PushHeader TrainHeader(uint64_t worker_id, const v1::Task& task, uint64_t update_id) {
+  v1::PushHeader header;
+  header.set_worker_id(worker_id);
+  header.set_task_id(task.task_id());
+  header.set_update_id(update_id);
+  header.set_base_version(task.base_version());
+  header.set_steps_done(task.local_steps());
+  header.set_tokens_learned(100);
+  header.set_codec(v1::CODEC_FP32);
+  return header;
+}
+
 // What the simulated workers share with the test.
 struct Simulation {
   std::atomic<bool> stop{false};
@@ -160,14 +173,7 @@ void RunSimulatedWorker(int port, int index, Simulation& sim) {
             if (sim.initial.empty()) sim.initial = std::move(params);
           }
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
-          v1::PushHeader header;
-          header.set_worker_id(id);
-          header.set_task_id(task->task_id());
-          header.set_update_id(++update_id);
-          header.set_base_version(task->base_version());
-          header.set_steps_done(task->local_steps());
-          header.set_tokens_learned(100);
-          header.set_codec(v1::CODEC_FP32);
+          const v1::PushHeader header = TrainHeader(id, *task, ++update_id);
           absl::StatusOr<v1::PushReply> pushed = client.Push(
               header, spec, PseudoGradient(spec, id, update_id), {}, 256, nullptr, &bytes);
           if (pushed.ok()) ++sim.pushes;
@@ -224,13 +230,7 @@ std::pair<uint64_t, uint64_t> PushAndVanish(int port) {
     EXPECT_TRUE(coordinator->RequestTask(&context, request, &task).ok());
   }
   EXPECT_EQ(task.kind(), v1::Task::TRAIN);
-  v1::PushHeader header;
-  header.set_worker_id(joined.worker_id());
-  header.set_task_id(task.task_id());
-  header.set_update_id(1);
-  header.set_base_version(task.base_version());
-  header.set_steps_done(task.local_steps());
-  header.set_codec(v1::CODEC_FP32);
+  const v1::PushHeader header = TrainHeader(joined.worker_id(), task, 1);
   const auto g = PseudoGradient(joined.model_spec(), joined.worker_id(), 1);
   for (uint32_t shard : {0u, 1u}) {
     auto stub = v1::ParameterService::NewStub(
@@ -577,14 +577,7 @@ TEST_F(ShardedServerTest, SimultaneousPushesBeyondStagingAllComplete) {
         return;
       }
       while (ready.load() < kWorkers) std::this_thread::yield();  // all push at once
-      v1::PushHeader header;
-      header.set_worker_id(joined->worker_id());
-      header.set_task_id(task->task_id());
-      header.set_update_id(1);
-      header.set_base_version(task->base_version());
-      header.set_steps_done(task->local_steps());
-      header.set_tokens_learned(100);
-      header.set_codec(v1::CODEC_FP32);
+      const v1::PushHeader header = TrainHeader(joined->worker_id(), *task, 1);
       uint64_t bytes = 0;
       absl::StatusOr<v1::PushReply> reply =
           client.Push(header, joined->model_spec(), PseudoGradient(joined->model_spec(), w + 1, 1),
