@@ -233,6 +233,15 @@ std::pair<uint64_t, uint64_t> PushAndVanish(int port) {
   const v1::PushHeader header = TrainHeader(joined.worker_id(), task, 1);
   const auto g = PseudoGradient(joined.model_spec(), joined.worker_id(), 1);
   for (uint32_t shard : {0u, 1u}) {
+    {
+      // Alive until it dies: a loaded machine must not let its 3 s lease run out mid-push.
+      grpc::ClientContext context;
+      v1::HeartbeatRequest beat;
+      beat.set_worker_id(joined.worker_id());
+      v1::HeartbeatReply reply;
+      const grpc::Status status = coordinator->Heartbeat(&context, beat, &reply);
+      EXPECT_TRUE(status.ok()) << status.error_message();
+    }
     auto stub = v1::ParameterService::NewStub(
         grpc::CreateChannel(joined.shard_addresses(shard), grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
@@ -252,9 +261,12 @@ std::pair<uint64_t, uint64_t> PushAndVanish(int port) {
       chunks[0].mutable_data()->resize(chunks[0].data().size() / 8 * 4);  // half the floats
       const bool written = writer->Write(chunks[0]);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      context.TryCancel();  // the process dies: its connection breaks off mid-layer
+      // The process dies: its connection breaks off mid-layer. (A refused stream keeps the
+      // shard's status for the message below.)
+      if (written) context.TryCancel();
       const grpc::Status status = writer->Finish();
-      EXPECT_TRUE(written) << status.error_code() << " " << status.error_message();
+      EXPECT_TRUE(written) << "shard 1 ended the push early: " << status.error_code() << " "
+                           << status.error_message();
     }
   }
   return {joined.worker_id(), 1};
