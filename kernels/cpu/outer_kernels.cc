@@ -110,6 +110,13 @@ void Scale(float* x, size_t n, float s) {
   }
 }
 
+void ScaledCopy(const float* x, float w, float* out, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = w * x[i];
+  }
+}
+
 double SquaredL2Norm(const float* x, size_t n) {
   double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
@@ -128,6 +135,23 @@ bool AllFinite(const float* x, size_t n) {
     non_finite |= NonFiniteBit(x[i]);
   }
   return non_finite == 0;
+}
+
+bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
+  // |x| <= limit as an integer compare of the magnitude bits: IEEE-754 orders non-negative
+  // floats like their bit patterns, and NaN/Inf patterns lie above every finite limit's.
+  uint32_t limit_bits;
+  std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
+  const auto* bytes = static_cast<const unsigned char*>(in);
+  uint32_t over = 0;
+#pragma omp simd reduction(| : over)
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, bytes + i * sizeof(float), sizeof(bits));
+    std::memcpy(out + i, &bits, sizeof(bits));
+    over |= static_cast<uint32_t>((bits & 0x7fffffffu) > limit_bits);
+  }
+  return over == 0;
 }
 
 namespace reference {
@@ -179,6 +203,10 @@ void Scale(float* x, size_t n, float s) {
   for (size_t i = 0; i < n; ++i) x[i] *= s;
 }
 
+void ScaledCopy(const float* x, float w, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = w * x[i];
+}
+
 double SquaredL2Norm(const float* x, size_t n) {
   double sum = 0.0;
   for (size_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
@@ -190,6 +218,15 @@ bool AllFinite(const float* x, size_t n) {
     if (!std::isfinite(x[i])) return false;
   }
   return true;
+}
+
+bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
+  bool ok = true;
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(out + i, static_cast<const char*>(in) + i * sizeof(float), sizeof(float));
+    if (!(std::fabs(out[i]) <= limit)) ok = false;
+  }
+  return ok;
 }
 
 }  // namespace reference

@@ -68,6 +68,9 @@ void WeightedAccumulate(const float* x, float w, float* acc, size_t n);
 // x[i] *= s.
 void Scale(float* x, size_t n, float s);
 
+// out[i] = w * x[i] (the first term of a weighted sum, written without zero-filling out first).
+void ScaledCopy(const float* x, float w, float* out, size_t n);
+
 // sum_i x[i]^2, accumulated in double (EDiT norms, paper 000 Alg. 2). The vectorised summation
 // order differs from a sequential loop, so results agree with it to rounding, not bit for bit.
 double SquaredL2Norm(const float* x, size_t n);
@@ -75,6 +78,12 @@ double SquaredL2Norm(const float* x, size_t n);
 // True when no element is NaN, +Inf or -Inf. Scans all n elements (no early exit) so the loop
 // stays branch-free and vectorised; it is meant for the common all-finite case.
 bool AllFinite(const float* x, size_t n);
+
+// Copies n float32 values from `in` (little-endian bytes, any alignment) to out and returns true
+// when every value has |x| <= limit (limit finite and >= 0); NaN and +-Inf always fail. One
+// branch-free pass: decoding and screening a pushed chunk without re-reading it. out is fully
+// written either way; which element failed is for the caller's slow path to find.
+bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit);
 
 namespace reference {
 
@@ -92,8 +101,10 @@ void AdamApply(const float* g, float* m, float* v, const float* theta_in, float*
                float inv_sqrt_bias2);
 void WeightedAccumulate(const float* x, float w, float* acc, size_t n);
 void Scale(float* x, size_t n, float s);
+void ScaledCopy(const float* x, float w, float* out, size_t n);
 double SquaredL2Norm(const float* x, size_t n);
 bool AllFinite(const float* x, size_t n);
+bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit);
 
 }  // namespace reference
 }  // namespace aloe::kernels

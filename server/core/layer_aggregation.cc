@@ -21,10 +21,20 @@ void WeightedSum(absl::Span<const absl::Span<const float>> inputs, absl::Span<co
     std::copy(inputs[last].begin(), inputs[last].end(), out.begin());
     return;
   }
-  std::fill(out.begin(), out.end(), 0.0f);
+  if (nonzero == 0) {
+    std::fill(out.begin(), out.end(), 0.0f);
+    return;
+  }
+  bool first = true;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (weights[i] == 0.0f) continue;  // e.g. an update the penalty flagged as anomalous
-    kernels::WeightedAccumulate(inputs[i].data(), weights[i], out.data(), out.size());
+    if (first) {
+      // = 0 + w * x without the zero-fill pass (the same value, but -0 for w * x = -0).
+      kernels::ScaledCopy(inputs[i].data(), weights[i], out.data(), out.size());
+      first = false;
+    } else {
+      kernels::WeightedAccumulate(inputs[i].data(), weights[i], out.data(), out.size());
+    }
   }
 }
 
@@ -45,6 +55,15 @@ absl::StatusOr<LayerStep> FixedWeightsAggregation::Aggregate(
   }
   WeightedSum(inputs, weights_, g);
   return LayerStep::kApply;
+}
+
+const std::vector<float>* FixedWeightsAggregation::Passthrough(
+    size_t layer, absl::Span<const PendingUpdate* const> updates) {
+  if (updates.size() != 1 || weights_.size() != 1 || weights_[0] != 1.0f ||
+      layer >= updates[0]->layers.size()) {
+    return nullptr;
+  }
+  return &updates[0]->layers[layer];
 }
 
 }  // namespace aloe::server

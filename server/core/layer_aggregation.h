@@ -37,6 +37,14 @@ class LayerAggregation {
   virtual absl::StatusOr<LayerStep> Aggregate(size_t layer,
                                               absl::Span<const PendingUpdate* const> updates,
                                               absl::Span<float> g) = 0;
+
+  // When the layer's g is exactly one update's own buffer (a lone update of weight 1), that
+  // buffer: the store applies it as it is instead of copying it through Aggregate. nullptr (the
+  // default) when g must be computed.
+  virtual const std::vector<float>* Passthrough(size_t layer,
+                                                absl::Span<const PendingUpdate* const> updates) {
+    return nullptr;
+  }
 };
 
 // g = sum_i weights[i] * g_i with the same weights for every layer (the pre-penalty behaviour).
@@ -49,14 +57,17 @@ class FixedWeightsAggregation final : public LayerAggregation {
 
   absl::StatusOr<LayerStep> Aggregate(size_t layer, absl::Span<const PendingUpdate* const> updates,
                                       absl::Span<float> g) override;
+  const std::vector<float>* Passthrough(size_t layer,
+                                        absl::Span<const PendingUpdate* const> updates) override;
 
  private:
   absl::Span<const float> weights_;
 };
 
-// out = sum_i weights[i] * inputs[i], one fused pass per input with a non-zero weight
-// (kernels::WeightedAccumulate); a lone input of weight exactly 1 is copied, so the result is
-// bit-exact. Preconditions: inputs.size() == weights.size(), every input has out.size() elements.
+// out = sum_i weights[i] * inputs[i]: the first input with a non-zero weight is scaled into out,
+// each further one is added in a fused pass (kernels::WeightedAccumulate); a lone input of
+// weight exactly 1 is copied, so the result is bit-exact. Preconditions: inputs.size() ==
+// weights.size(), every input has out.size() elements.
 void WeightedSum(absl::Span<const absl::Span<const float>> inputs, absl::Span<const float> weights,
                  absl::Span<float> out);
 

@@ -36,6 +36,9 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
     store->layers_.push_back(std::make_shared<std::vector<float>>(std::move(initial[i])));
     store->scratch_.emplace_back(layer.num_elements());
   }
+  size_t bytes = 0;
+  for (const auto& layer : store->layers_) bytes += layer->size() * sizeof(float);
+  store->buffers_ = FloatBufferPool::Create(bytes);
   return store;
 }
 
@@ -99,16 +102,21 @@ absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdat
 absl::Status ParameterStore::ApplyLayer(size_t layer,
                                         const std::vector<const PendingUpdate*>& updates,
                                         LayerAggregation& aggregation) {
-  std::vector<float>& g = scratch_[layer];
-  ALOE_ASSIGN_OR_RETURN(const LayerStep step,
-                        aggregation.Aggregate(layer, updates, absl::MakeSpan(g)));
-  if (step == LayerStep::kSkip) return absl::OkStatus();  // rollback: theta_{t+1} = theta_t
+  // A lone update of weight 1 is applied from its own buffer, without the copy into scratch.
+  const std::vector<float>* passthrough = aggregation.Passthrough(layer, updates);
+  const std::vector<float>& g = passthrough != nullptr ? *passthrough : scratch_[layer];
+  if (passthrough == nullptr) {
+    ALOE_ASSIGN_OR_RETURN(const LayerStep step,
+                          aggregation.Aggregate(layer, updates, absl::MakeSpan(scratch_[layer])));
+    if (step == LayerStep::kSkip) return absl::OkStatus();  // rollback: theta_{t+1} = theta_t
+  }
   std::shared_ptr<std::vector<float>>& current = layers_[layer];
   if (current.use_count() == 1) {
     // Nobody is streaming this buffer: update in place.
     return optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*current));
   }
-  auto next = std::make_shared<std::vector<float>>(g.size());
+  // Every element is written by the optimizer: a recycled buffer needs no zero-fill.
+  std::shared_ptr<std::vector<float>> next = buffers_->MakeShared(g.size());
   ALOE_RETURN_IF_ERROR(optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*next)));
   current = std::move(next);
   return absl::OkStatus();

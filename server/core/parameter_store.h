@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/buffer_pool.h"
 #include "common/executor.h"
 #include "proto/aloe.pb.h"
 #include "server/core/layer_aggregation.h"
@@ -83,6 +84,9 @@ class ParameterStore {
   std::vector<std::unique_ptr<OuterOptimizer>> optimizers_;  // one per layer
   std::vector<std::vector<float>> scratch_;                  // aggregated g per layer, reused
   std::vector<std::vector<size_t>> shard_layers_;            // layer ids of each shard
+  // Copy-on-write targets: the buffers of versions nobody reads any more, reused unzeroed (at
+  // most one model's worth idle).
+  std::shared_ptr<FloatBufferPool> buffers_;
 };
 
 }  // namespace aloe::server

@@ -90,6 +90,11 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
     ALOE_ASSIGN_OR_RETURN(core->store_,
                           ParameterStore::Create(std::move(model.spec), std::move(model.initial),
                                                  config.outer_optimizer(), executor));
+    size_t bytes = 0;
+    for (const v1::LayerSpec& layer : core->spec_.layers()) {
+      bytes += layer.num_elements() * sizeof(float);
+    }
+    core->staging_buffers_ = FloatBufferPool::Create(2 * bytes);
   } else {
     // The shard processes hold the parameters; the coordinator keeps only their layout.
     core->shard_addresses_.resize(config.shard_processes());
@@ -608,6 +613,11 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   }
   ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f", version(),
                 batch.updates.size(), loss_sum / static_cast<double>(batch.updates.size()));
+  if (staging_buffers_ != nullptr) {
+    for (PendingUpdate& u : batch.updates) {
+      for (std::vector<float>& layer : u.layers) staging_buffers_->Give(std::move(layer));
+    }
+  }
   UpdateStopping();
   return absl::OkStatus();
 }

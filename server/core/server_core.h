@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/buffer_pool.h"
 #include "common/clock.h"
 #include "common/executor.h"
 #include "common/metrics.h"
@@ -71,6 +72,8 @@ class ServerCore {
 
   // The current version's parameters; sharded (config.shard_processes > 0) only its version.
   ModelSnapshot Snapshot() const;
+  // Where a single-process server's pushes take their layer buffers (null when sharded).
+  std::shared_ptr<FloatBufferPool> staging_buffers() const { return staging_buffers_; }
   // The snapshot a Pull streams: the requested version — the current one, or an older one that
   // an open or released task starts from (kFailedPrecondition for any other) — or the latest.
   // kNotFound for an unknown worker; kInvalidArgument for a bad slice request.
@@ -229,6 +232,9 @@ class ServerCore {
   MetricsSink& metrics_;
   v1::ModelSpec spec_;
   std::unique_ptr<ParameterStore> store_;  // null when sharded across processes
+  // Single process: applied updates give their layer buffers back here for the next pushes
+  // (UpdateAssembler); at most two updates' worth idle. Null when sharded.
+  std::shared_ptr<FloatBufferPool> staging_buffers_;
   // Sharded coordinator: the version of the last COMMIT order, the order log since
   // orders_base_version_, the shards' addresses and the parts staged per worker.
   uint64_t commit_version_ = 0;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -86,7 +87,12 @@ ShardState::ShardState(v1::ModelSpec spec, uint32_t shard_index, uint32_t max_st
       max_staged_(max_staged),
       owned_(std::move(owned)),
       local_of_global_(std::move(local_of_global)),
-      store_(std::move(store)) {}
+      store_(std::move(store)) {
+  size_t bytes = 0;
+  for (uint32_t g : owned_)
+    bytes += spec_.layers(static_cast<int>(g)).num_elements() * sizeof(float);
+  staging_buffers_ = FloatBufferPool::Create(2 * bytes);
+}
 
 absl::Status ShardState::CheckPart(const PendingUpdate& part) const {
   if (part.layers.size() != static_cast<size_t>(spec_.layers_size())) {
@@ -155,7 +161,7 @@ absl::StatusOr<StageResult> ShardState::Stage(PendingUpdate part) {
     std::vector<float>& src = part.layers[owned_[local]];
     std::vector<float>& dst = staged.merged.layers[local];
     if (part.slices == 1) {
-      dst = std::move(src);
+      staging_buffers_->Give(std::exchange(dst, std::move(src)));
       continue;
     }
     const auto [begin, end] = SliceRange(src.size(), part.slices, part.slice);
@@ -178,7 +184,11 @@ bool ShardState::IsStaged(uint64_t worker_id, uint64_t update_id) const {
 }
 
 void ShardState::Discard(uint64_t worker_id, uint64_t update_id) {
-  staged_.erase(UpdateKey(worker_id, update_id));
+  auto it = staged_.find(UpdateKey(worker_id, update_id));
+  if (it == staged_.end()) return;
+  for (std::vector<float>& layer : it->second.merged.layers)
+    staging_buffers_->Give(std::move(layer));
+  staged_.erase(it);
 }
 
 uint64_t ShardState::staged_bytes() const {

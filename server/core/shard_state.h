@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/buffer_pool.h"
 #include "common/executor.h"
 #include "proto/aloe.pb.h"
 #include "server/core/parameter_store.h"
@@ -145,6 +146,10 @@ class ShardState {
   //     without penalty state starts the statistics afresh).
   absl::Status Restore(const v1::ShardCheckpoint& c, const std::string& fingerprint);
 
+  // Where pushes to this shard take their layer buffers (UpdateAssembler): committed and
+  // discarded updates give theirs back here, so staging rarely allocates or zero-fills.
+  std::shared_ptr<FloatBufferPool> staging_buffers() const { return staging_buffers_; }
+
  private:
   using UpdateKey = std::pair<uint64_t, uint64_t>;  // (worker_id, update_id)
 
@@ -176,6 +181,7 @@ class ShardState {
   std::map<uint64_t, ModelSnapshot> retained_;  // older versions (local order) kept for pulls
   std::unique_ptr<PseudoGradientPenalty> penalty_;  // null = off; modules = owned layers
   std::vector<PenaltyModuleReport> penalty_reports_;
+  std::shared_ptr<FloatBufferPool> staging_buffers_;  // idle: at most two updates' owned layers
 };
 
 }  // namespace aloe::server

@@ -5,6 +5,7 @@
 #include "absl/strings/str_format.h"
 #include "common/model_spec.h"
 #include "common/tensor_codec.h"
+#include "kernels/cpu/outer_kernels.h"
 
 namespace aloe::server {
 namespace {
@@ -37,8 +38,12 @@ PendingUpdate UpdateOfHeader(const v1::PushHeader& header) {
 }
 
 UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header,
-                                 std::optional<uint32_t> only_shard)
-    : spec_(spec), filled_(spec.layers_size(), 0), only_shard_(only_shard) {
+                                 std::optional<uint32_t> only_shard,
+                                 std::shared_ptr<FloatBufferPool> buffers)
+    : spec_(spec),
+      filled_(spec.layers_size(), 0),
+      only_shard_(only_shard),
+      buffers_(std::move(buffers)) {
   update_ = UpdateOfHeader(header);
   update_.layers.resize(spec.layers_size());
   if (header.codec() != v1::CODEC_UNSPECIFIED) default_codec_ = header.codec();
@@ -97,17 +102,27 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
         layer.name(), offset, offset + count, layer.num_elements()));
   }
   std::vector<float>& buffer = update_.layers[layer_id];
-  if (buffer.empty()) buffer.resize(layer.num_elements());
-  const absl::Span<float> out = absl::MakeSpan(buffer.data() + offset, count);
-  absl::Status s = DecodeChunk(codec, payload, out);
-  if (!s.ok()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer %d (%s) at offset %d: %s", layer_id, layer.name(), offset, s.message()));
+  if (buffer.empty()) {
+    // Unsliced, the chunks cover the whole layer: a recycled buffer is overwritten in full.
+    buffer = buffers_ != nullptr && update_.slices <= 1 ? buffers_->Take(layer.num_elements())
+                                                        : std::vector<float>(layer.num_elements());
   }
-  if (const size_t i = FirstOversized(out); i != out.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
-        layer_id, layer.name(), out[i], offset + i, kMaxPushMagnitude));
+  const absl::Span<float> out = absl::MakeSpan(buffer.data() + offset, count);
+  // float32 (the common case): decode, finiteness and magnitude in one pass; the slow path below
+  // runs only for other codecs and to name what a refused chunk got wrong.
+  const bool fp32 = codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED;
+  if (!fp32 ||
+      !kernels::CopyWithinMagnitude(payload.data(), out.data(), count, kMaxPushMagnitude)) {
+    absl::Status s = DecodeChunk(codec, payload, out);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d (%s) at offset %d: %s", layer_id,
+                                                        layer.name(), offset, s.message()));
+    }
+    if (const size_t i = FirstOversized(out); i != out.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
+          layer_id, layer.name(), out[i], offset + i, kMaxPushMagnitude));
+    }
   }
   filled_[layer_id] += count;
   bytes_received_ += payload.size();

@@ -8,11 +8,13 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/buffer_pool.h"
 #include "proto/aloe.pb.h"
 #include "server/core/update.h"
 
@@ -35,8 +37,11 @@ class UpdateAssembler {
   // `spec` must outlive the assembler. only_shard: a shard process of a layer-sharded server
   // assembles only the layers it owns (spec.layers[l].shard == *only_shard); a chunk of any other
   // layer is kInvalidArgument, and the other layers stay empty in the finished update.
+  // buffers: where whole-layer buffers of an unsliced push come from (recycled, not zeroed: the
+  // chunks must cover every element before Finish succeeds); nullptr = fresh zeroed buffers.
   UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header,
-                  std::optional<uint32_t> only_shard = std::nullopt);
+                  std::optional<uint32_t> only_shard = std::nullopt,
+                  std::shared_ptr<FloatBufferPool> buffers = nullptr);
 
   // Adds the elements [offset, offset + count) of layer `layer_id` that `payload` encodes with
   // `codec` (CODEC_UNSPECIFIED = the header's codec, or FP32). Chunks of a layer must arrive in
@@ -67,6 +72,7 @@ class UpdateAssembler {
   std::array<uint64_t, v1::Codec_ARRAYSIZE> bytes_by_codec_{};
   v1::Codec default_codec_ = v1::CODEC_FP32;
   std::optional<uint32_t> only_shard_;
+  std::shared_ptr<FloatBufferPool> buffers_;
 };
 
 }  // namespace aloe::server

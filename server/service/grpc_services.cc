@@ -150,11 +150,14 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
   if (absl::Status owner = auth_.CheckOwner(header.worker_id(), *identity); !owner.ok()) {
     return reject(owner);
   }
-  absl::Status status =
-      handle_.Run([&](ServerCore& core) { return core.CheckPushHeader(header); });
+  std::shared_ptr<FloatBufferPool> buffers;
+  absl::Status status = handle_.Run([&](ServerCore& core) {
+    buffers = core.staging_buffers();
+    return core.CheckPushHeader(header);
+  });
   if (!status.ok()) return reject(status);
 
-  UpdateAssembler assembler(handle_.spec(), header);
+  UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers));
   bool first = true;
   do {
     if (!first && chunk.has_header()) {

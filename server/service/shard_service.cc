@@ -91,6 +91,7 @@ grpc::Status ShardServer::Push(grpc::ServerContext* context,
   if (absl::Status admitted = AwaitAdmission(*context, header, *identity); !admitted.ok()) {
     return reject(admitted);
   }
+  std::shared_ptr<FloatBufferPool> buffers;
   {
     // A local slot as well: admissions the coordinator ended may still be staged here until
     // their COMMIT or DISCARD order arrives.
@@ -111,6 +112,7 @@ grpc::Status ShardServer::Push(grpc::ServerContext* context,
       }
     }
     ++receiving_;
+    buffers = state_->staging_buffers();
   }
   struct Release {
     ShardServer* server;
@@ -121,7 +123,7 @@ grpc::Status ShardServer::Push(grpc::ServerContext* context,
     }
   } release{this};
 
-  UpdateAssembler assembler(spec_, header, options_.shard_index);
+  UpdateAssembler assembler(spec_, header, options_.shard_index, std::move(buffers));
   bool first = true;
   do {
     if (!first && chunk.has_header()) {

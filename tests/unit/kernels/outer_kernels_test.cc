@@ -7,9 +7,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef ALOE_HAVE_CUDA
@@ -264,6 +266,20 @@ TEST_P(OuterKernelsSizeTest, ScaleMatchesReference) {
   for (size_t i = 0; i < n; ++i) ASSERT_NEAR(x[i], -3.5 * original[i], 4 * kTol);
 }
 
+TEST_P(OuterKernelsSizeTest, ScaledCopyEqualsAZeroAccumulatorPlusTheWeightedInput) {
+  const size_t n = GetParam();
+  const std::vector<float> x = RandomVector(n, 18);
+  std::vector<float> out(n, 123.0f), ref(n, 123.0f), acc(n, 0.0f);
+  ScaledCopy(x.data(), -0.3f, out.data(), n);
+  reference::ScaledCopy(x.data(), -0.3f, ref.data(), n);
+  WeightedAccumulate(x.data(), -0.3f, acc.data(), n);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(out[i], ref[i]) << i;
+    ASSERT_EQ(out[i], acc[i]) << i;  // bit-equal to the fill-then-accumulate it replaces
+    ASSERT_NEAR(out[i], -0.3 * x[i], kTol);
+  }
+}
+
 TEST_P(OuterKernelsSizeTest, SquaredL2NormMatchesDoubleLoop) {
   const size_t n = GetParam();
   const std::vector<float> x = RandomVector(n, 12, -100.0f, 100.0f);
@@ -318,6 +334,46 @@ TEST_P(OuterKernelsSizeTest, AllFiniteDetectsNanAndInfAtFirstMiddleLast) {
   }
 }
 
+// CopyWithinMagnitude from a deliberately misaligned byte buffer: returns (result, reference
+// result) and checks that both copies equal the input bit for bit.
+std::pair<bool, bool> CopyFromUnaligned(const std::vector<float>& x, float limit) {
+  std::vector<unsigned char> bytes(x.size() * sizeof(float) + 1);
+  if (!x.empty()) std::memcpy(bytes.data() + 1, x.data(), x.size() * sizeof(float));
+  std::vector<float> out(x.size(), 7.0f), ref(x.size(), 7.0f);
+  const bool fast = CopyWithinMagnitude(bytes.data() + 1, out.data(), x.size(), limit);
+  const bool slow = reference::CopyWithinMagnitude(bytes.data() + 1, ref.data(), x.size(), limit);
+  EXPECT_EQ(0, x.empty() ? 0 : std::memcmp(out.data(), x.data(), x.size() * sizeof(float)));
+  EXPECT_EQ(0, x.empty() ? 0 : std::memcmp(ref.data(), x.data(), x.size() * sizeof(float)));
+  return {fast, slow};
+}
+
+TEST_P(OuterKernelsSizeTest, CopyWithinMagnitudeCopiesExactlyAndScreensTheLimit) {
+  const size_t n = GetParam();
+  const float limit = 1e6f;
+  std::vector<float> x = RandomVector(n, 17);
+  const float edges[] = {limit, -limit, -0.0f, std::numeric_limits<float>::denorm_min(), 0.5f};
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 4 == 0) x[i] = edges[(i / 4) % 5];
+  }
+  EXPECT_EQ(CopyFromUnaligned(x, limit), std::make_pair(true, true));
+  if (n == 0) return;
+  const float bad_values[] = {
+      std::nextafter(limit, 2 * limit),         -std::nextafter(limit, 2 * limit),
+      std::numeric_limits<float>::max(),        std::numeric_limits<float>::quiet_NaN(),
+      -std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+      -std::numeric_limits<float>::infinity()};
+  for (float bad : bad_values) {
+    for (size_t pos : {size_t{0}, n / 2, n - 1}) {
+      std::vector<float> y = x;
+      y[pos] = bad;
+      EXPECT_EQ(CopyFromUnaligned(y, limit), std::make_pair(false, false))
+          << "value " << bad << " at " << pos << " of " << n;
+    }
+  }
+  // Limit 0 admits only zeros of either sign.
+  EXPECT_EQ(CopyFromUnaligned(std::vector<float>(n, -0.0f), 0.0f), std::make_pair(true, true));
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, OuterKernelsSizeTest, ::testing::ValuesIn(kSizes),
                          [](const ::testing::TestParamInfo<size_t>& info) {
                            return "n" + std::to_string(info.param);
@@ -331,8 +387,10 @@ TEST(OuterKernelsTest, NullPointersWithZeroLengthAreNoOps) {
   AdamApply(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 1.0f, 0.9f, 0.999f, 1e-8f, 1.0f);
   WeightedAccumulate(nullptr, 1.0f, nullptr, 0);
   Scale(nullptr, 0, 2.0f);
+  ScaledCopy(nullptr, 2.0f, nullptr, 0);
   EXPECT_EQ(SquaredL2Norm(nullptr, 0), 0.0);
   EXPECT_TRUE(AllFinite(nullptr, 0));
+  EXPECT_TRUE(CopyWithinMagnitude(nullptr, nullptr, 0, 1.0f));
 }
 
 TEST(OuterKernelsTest, NesterovWithZeroMomentumIsSgd) {
