@@ -157,6 +157,10 @@ class Worker {
   absl::Status Finish();
   absl::StatusOr<const TokenSource*> Shard(const std::string& file);
   absl::Status Train(const v1::Task& task);
+  // Tells the server this worker (its slice) holds the base version of `task` in full, so the
+  // server need not keep that version while the round trains. Best effort: on failure the
+  // server keeps it until the task ends, as before.
+  void ReportPulled(const v1::Task& task, uint32_t slice, uint32_t slices);
   // Overlapped rounds (--overlap) from `task`, a TRAIN task just handed out, until the server
   // hands out no look-ahead task or the worker stops.
   absl::Status TrainOverlapped(v1::Task task);
@@ -478,6 +482,7 @@ absl::Status Worker::Train(const v1::Task& task) {
                            .Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
                                  joined_.model_spec(), &base_, &pulled, slice, slices)
                            .status());
+  ReportPulled(task, slice, slices);
   const auto t1 = std::chrono::steady_clock::now();
   ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats, TrainRound(task, base_));
   const auto t2 = std::chrono::steady_clock::now();
@@ -489,6 +494,20 @@ absl::Status Worker::Train(const v1::Task& task) {
   ReportRound(task, stats, *reply, pulled, pushed, Seconds(t1, t2), Seconds(t0, t3),
               Seconds(t0, t1) + Seconds(t2, t3));
   return absl::OkStatus();
+}
+
+void Worker::ReportPulled(const v1::Task& task, uint32_t slice, uint32_t slices) {
+  v1::HeartbeatRequest request;
+  request.set_worker_id(joined_.worker_id());
+  request.set_pulled_task_id(task.task_id());
+  if (slices > 1) {
+    request.set_pulled_slice(slice);
+    request.set_pulled_slices(slices);
+  }
+  if (absl::StatusOr<v1::HeartbeatReply> reply = client_.Heartbeat(request); !reply.ok()) {
+    ALOE_LOG_WARNING("worker", "could not report task %d's base version as pulled: %s",
+                     task.task_id(), reply.status().message());
+  }
 }
 
 absl::StatusOr<LocalTrainer::RoundStats> Worker::TrainRound(
@@ -615,6 +634,7 @@ absl::Status Worker::TrainOverlapped(v1::Task task) {
                            .Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
                                  joined_.model_spec(), &base_, &pulled)
                            .status());
+  ReportPulled(task, 0, 1);
   double pull_s = Seconds(pull0, std::chrono::steady_clock::now());
   std::vector<std::vector<float>> start = base_;
   // The previous round, pushed in the background while this one trains.
@@ -646,7 +666,11 @@ absl::Status Worker::TrainOverlapped(v1::Task task) {
                                   .Pull(joined_.worker_id(), c.next->base_version(),
                                         /*latest=*/false, joined_.model_spec(), &c.base, &c.pulled)
                                   .status();
-        if (!pulled.ok()) c.next = pulled;
+        if (!pulled.ok()) {
+          c.next = pulled;
+        } else {
+          ReportPulled(*c.next, 0, 1);
+        }
       }
       return c;
     });

@@ -207,7 +207,13 @@ absl::StatusOr<v1::HeartbeatReply> ServerCore::Heartbeat(const v1::HeartbeatRequ
         absl::StrFormat("steps_per_second must be finite and >= 0, got %g",
                         request.steps_per_second()));
   }
+  if (request.pulled_task_id() != 0) {
+    // Checked before anything changes: a refused heartbeat renews nothing.
+    ALOE_RETURN_IF_ERROR(LiveMember(request.worker_id()).status());
+    ALOE_RETURN_IF_ERROR(CheckSlice(request.pulled_slice(), request.pulled_slices()));
+  }
   ALOE_RETURN_IF_ERROR(membership_.Renew(request.worker_id(), request.steps_per_second()));
+  ALOE_RETURN_IF_ERROR(MarkBasePulled(request.worker_id(), request));
   planner_.ReportSpeed(request.worker_id(), request.steps_per_second());
   PublishSpeed(request.worker_id());
   v1::HeartbeatReply reply;
@@ -745,10 +751,37 @@ void ServerCore::PublishShards() {
   }
 }
 
+absl::Status ServerCore::MarkBasePulled(uint64_t worker, const v1::HeartbeatRequest& request) {
+  if (request.pulled_task_id() == 0) return absl::OkStatus();
+  const uint32_t slices = std::max<uint32_t>(1, request.pulled_slices());
+  OpenTask* task = nullptr;
+  for (auto* tasks : {&open_tasks_, &ahead_tasks_}) {
+    auto it = tasks->find(worker);
+    if (it != tasks->end() && it->second.task.task_id() == request.pulled_task_id() &&
+        it->second.task.kind() == v1::Task::TRAIN) {
+      task = &it->second;
+    }
+  }
+  if (task == nullptr || task->base_pulled) return absl::OkStatus();
+  if (task->pulled.size() != slices) task->pulled.assign(slices, false);
+  task->pulled[request.pulled_slice()] = true;
+  if (std::find(task->pulled.begin(), task->pulled.end(), false) != task->pulled.end()) {
+    return absl::OkStatus();
+  }
+  task->base_pulled = true;
+  PruneRetained();
+  return absl::OkStatus();
+}
+
 void ServerCore::PruneRetained() {
+  // A task's base version is kept until its worker has pulled it (or the task ends).
   std::set<uint64_t> needed;
-  for (const auto& [worker, open] : open_tasks_) needed.insert(open.task.base_version());
-  for (const auto& [worker, ahead] : ahead_tasks_) needed.insert(ahead.task.base_version());
+  for (const auto& [worker, open] : open_tasks_) {
+    if (!open.base_pulled) needed.insert(open.task.base_version());
+  }
+  for (const auto& [worker, ahead] : ahead_tasks_) {
+    if (!ahead.base_pulled) needed.insert(ahead.task.base_version());
+  }
   if (auto pending = aggregation_->PendingStartVersion()) needed.insert(*pending);
   for (auto it = retained_.begin(); it != retained_.end();) {
     it = needed.count(it->first) ? std::next(it) : retained_.erase(it);

@@ -185,10 +185,18 @@ class ServerCore {
     v1::Task task;
     size_t shard = 0;
     uint64_t assigned_tokens = 0;  // counted in flight by the shard sampler
+    // Slices of the base version the worker reported pulled (HeartbeatRequest.pulled_task_id);
+    // once all are in, the base version is no longer kept for this task.
+    std::vector<bool> pulled;
+    bool base_pulled = false;
   };
 
   ServerCore(const v1::ServerConfig& config, const Clock& clock, MetricsSink& metrics);
   absl::StatusOr<const Member*> LiveMember(uint64_t worker_id) const;
+  // HeartbeatRequest.pulled_task_id: marks the slice of the worker's open (or look-ahead) task
+  // as pulled and lets its base version go once every slice is. An id that names no open task of
+  // the worker (answered, expired) is ignored; a bad slice is kInvalidArgument.
+  absl::Status MarkBasePulled(uint64_t worker, const v1::HeartbeatRequest& request);
   // Stages one slice; returns the merged update once every slice is in, else nullopt.
   absl::StatusOr<std::optional<PendingUpdate>> StageSlice(PendingUpdate update);
   v1::Task NewTask(v1::Task::Kind kind);

@@ -3,9 +3,10 @@
 //
 // Every simulated worker is a real gRPC client (worker/client.h, the code path of aloe-worker):
 // it joins as a trainer (retrying while the server answers UNAVAILABLE: a layer-sharded server
-// until its shard processes follow the coordinator), then loops RequestTask -> Push of a full
-// fp32 update (every value 0, so the model does not drift) -> --round_seconds of simulated
-// training; a worker's first push is not measured (it warms the connections). Against a
+// until its shard processes follow the coordinator), then loops RequestTask -> --round_seconds of
+// simulated training -> Push of a full fp32 update (every value 0, so the model does not drift);
+// a worker's first push (right after its first task) is not measured (it warms the
+// connections). Against a
 // layer-sharded server (JoinReply.shard_addresses) every push goes to the shard processes
 // directly, each getting its own layers, as aloe-worker's do. The server must run in plain async
 // mode (aggregation { mode: AGGREGATION_ASYNC }, no grace window) so that every push is applied
@@ -68,6 +69,10 @@ ABSL_FLAG(double, round_seconds, 0,
           "Simulated training time of a worker between the reply to one push and its next push "
           "(the inner steps of a DiLoCo round); each worker's first push comes at a random phase "
           "in [0, round). 0 = push back to back (a closed loop without pause)");
+ABSL_FLAG(bool, report_pulled, true,
+          "Tell the server at each task's start that its base version is held (a simulated worker "
+          "pushes zeros and never reads parameters, so it skips the pull itself); false: keep "
+          "every open task's base version on the server for the whole round");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the workers' first-push phases (--round_seconds)");
 ABSL_FLAG(double, join_seconds, 30,
           "How long to retry Join while the server answers UNAVAILABLE (a layer-sharded server "
@@ -267,6 +272,7 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
   }
   absl::Notification go;       // the workers start (their first push at their phase)
   absl::Notification measure;  // the window opens: pushes started from now on count
+  const bool report_pulled = absl::GetFlag(FLAGS_report_pulled);
   absl::Notification stop;     // the window closes: pushes finished from now on do not
   std::atomic<int> warm{0};    // workers whose first push is done
   std::vector<Result> per_worker(workers);
@@ -278,9 +284,11 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
       const uint64_t id = joined[w].worker_id();
       Result& r = per_worker[w];
       uint64_t update_id = 0;
-      // RequestTask -> Push. Returns false when the worker must stop (no task). The push counts
-      // in r when the window was open at its start and had not closed at its end.
-      auto push = [&] {
+      // RequestTask -> `train` seconds of simulated training -> Push, as a worker's round: the
+      // task (and the version it starts from) is open while the worker trains. Returns false when
+      // the worker must stop (no task, or the window closed while training). The push counts in
+      // r when the window was open at its start and had not closed at its end.
+      auto push = [&](double train) {
         while (true) {
           absl::StatusOr<v1::Task> task = client.RequestTask(id);
           if (!task.ok() || task->kind() == v1::Task::STOP) {
@@ -289,6 +297,16 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
             return false;
           }
           if (task->kind() != v1::Task::TRAIN) continue;  // WAIT: the server held it a while
+          if (report_pulled) {
+            v1::HeartbeatRequest pulled;
+            pulled.set_worker_id(id);
+            pulled.set_pulled_task_id(task->task_id());
+            if (absl::StatusOr<v1::HeartbeatReply> beat = client.Heartbeat(pulled); !beat.ok()) {
+              std::fprintf(stderr, "heartbeat: %s\n", beat.status().ToString().c_str());
+              ++r.errors;
+            }
+          }
+          if (train > 0 && stop.WaitForNotificationWithTimeout(absl::Seconds(train))) return false;
           v1::PushHeader header;
           header.set_worker_id(id);
           header.set_task_id(task->task_id());
@@ -318,13 +336,9 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
       if (phases[w] > 0 && stop.WaitForNotificationWithTimeout(absl::Seconds(phases[w]))) return;
       // The first push is never counted: connections and gRPC's flow-control windows are set up
       // once in a worker's life (a real one has pulled from the shards before), not every round.
-      bool ok = push();
+      bool ok = push(0);
       ++warm;
-      while (ok && !stop.HasBeenNotified()) {
-        // The next round's local training.
-        if (round > 0 && stop.WaitForNotificationWithTimeout(absl::Seconds(round))) return;
-        ok = push();
-      }
+      while (ok && !stop.HasBeenNotified()) ok = push(round);
     });
   }
   go.Notify();

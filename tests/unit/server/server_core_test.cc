@@ -20,6 +20,7 @@ namespace {
 
 using ::aloe::testing::IsOk;
 using ::aloe::testing::StatusIs;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 v1::ServerConfig TinyConfig() {
@@ -384,7 +385,8 @@ TEST_F(ServerCoreTest, EvaluatorGetsInitialAndFinalVersionsThenStop) {
   report.set_version(0);
   report.set_loss(std::nan(""));
   report.set_tokens(10);
-  EXPECT_THAT(core_->ReportEval(report), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss")));
+  EXPECT_THAT(core_->ReportEval(report),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loss")));
   report.set_loss(2.5);
   ASSERT_THAT(core_->ReportEval(report), IsOk());
   EXPECT_DOUBLE_EQ(metrics_.Value("aloe_eval_perplexity"), std::exp(2.5));
@@ -524,8 +526,9 @@ PendingUpdate VariedUpdate(const v1::ModelSpec& spec, uint64_t worker, const v1:
   for (const auto& layer : spec.layers()) {
     std::vector<float> g(layer.num_elements());
     for (size_t i = 0; i < g.size(); ++i) {
-      g[i] = static_cast<float>(((seed * 2654435761u + layer.id() * 40503u + i * 977u) % 2001) /
-                                1000.0 - 1.0) * 0.01f;
+      g[i] = static_cast<float>(
+                 ((seed * 2654435761u + layer.id() * 40503u + i * 977u) % 2001) / 1000.0 - 1.0) *
+             0.01f;
     }
     u.layers.push_back(std::move(g));
   }
@@ -685,7 +688,7 @@ TEST_F(AsyncServerCoreTest, TooStaleUpdateIsDroppedAndChangesNothing) {
   Make(config);
   const uint64_t a = Join(), b = Join();
   const v1::Task ta = Request(a), tb = Request(b);
-  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());  // v1
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());          // v1
   ASSERT_THAT(core_->SubmitUpdate(Update(a, Request(a), 1.0f)), IsOk());  // v2
   const auto before = Params();
   // b started from v0: staleness 2 > 1.
@@ -1005,6 +1008,59 @@ TEST_F(ServerCoreTest, ShardedOrderLogTrimsInBatchesWithStableIndices) {
   EXPECT_EQ(core_->OrderIndexAfter(ServerCore::kOrderTrimBatch + 60),
             std::optional<uint64_t>(ServerCore::kOrderTrimBatch + 60));
   EXPECT_EQ(core_->OrderIndexAfter(10), std::nullopt);
+}
+
+v1::HeartbeatRequest PulledBeat(uint64_t worker, uint64_t task_id, uint32_t slice = 0,
+                                uint32_t slices = 0) {
+  v1::HeartbeatRequest beat;
+  beat.set_worker_id(worker);
+  beat.set_pulled_task_id(task_id);
+  beat.set_pulled_slice(slice);
+  beat.set_pulled_slices(slices);
+  return beat;
+}
+
+// Async: a task's base version is kept only until its worker says it holds it (all slices), not
+// for the whole round; the task itself stays open and its push is applied with its staleness.
+TEST_F(ServerCoreTest, BaseVersionIsKeptOnlyUntilTheWorkerHasPulledIt) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  Make(config);
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);  // base 0, pulled in 2 slices (a two-rank node)
+  const v1::Task tb = Request(b);  // base 0
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)), IsOk());   // version 1
+  const v1::Task tb2 = Request(b);                                 // base 1
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb2, 1.0f)), IsOk());  // version 2
+  const v1::Task tb3 = Request(b);                                 // base 2, open
+  EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 2));       // 1's only task has ended
+
+  // A bad slice is refused and changes nothing; an unknown or answered task is ignored.
+  EXPECT_THAT(core_->Heartbeat(PulledBeat(a, ta.task_id(), 2, 2)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("slice 2 of 2")));
+  ASSERT_THAT(core_->Heartbeat(PulledBeat(a, ta.task_id() + 100)), IsOk());
+  ASSERT_THAT(core_->Heartbeat(PulledBeat(b, tb.task_id())), IsOk());
+  ASSERT_THAT(core_->Heartbeat(PulledBeat(b, ta.task_id())), IsOk());  // a's task, not b's
+  EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 2));
+
+  ASSERT_THAT(core_->Heartbeat(PulledBeat(a, ta.task_id(), 1, 2)), IsOk());
+  EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 2));  // slice 0 still out
+  ASSERT_THAT(core_->Heartbeat(PulledBeat(a, ta.task_id(), 0, 2)), IsOk());
+  EXPECT_THAT(core_->RetainedVersions(), ElementsAre(2));  // b's task from 2 has not pulled
+  ASSERT_THAT(core_->Heartbeat(PulledBeat(b, tb3.task_id())), IsOk());
+  EXPECT_THAT(core_->RetainedVersions(), ElementsAre());
+
+  // Version 0 is gone for pulls, but a's push from it is still applied (staleness 2).
+  v1::PullRequest pull;
+  pull.set_worker_id(a);
+  pull.set_version(0);
+  EXPECT_THAT(core_->SnapshotFor(pull),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not available")));
+  auto applied = core_->SubmitUpdate(Update(a, ta, 1.0f));
+  ASSERT_THAT(applied, IsOk());
+  EXPECT_EQ(applied->version(), 3u);
 }
 
 // A core that replaces another (a coordinator going back to a checkpoint) never hands out an id
