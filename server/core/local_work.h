@@ -37,8 +37,11 @@
 //     First tasks of H steps applied one by one with growing staleness cost the whole run in
 //     the simulations (the model falls behind while the per-shard LR schedule moves on). The
 //     price is one wait for the slowest worker's first H steps. (A shorter calibration round,
-//     ceil(H / 10) steps, avoided that wait but made the whole run worse, +35% perplexity at
-//     equal speeds in aloe-sim; why is not understood yet, so it is not used.)
+//     ceil(H / 10) steps, avoided that wait and planned the later rounds exactly as designed,
+//     but the small aloe-sim model left its bigram loss plateau later at equal and slight
+//     speed differences (+2% to +64% perplexity over 8 seeds and levels; better at `very`),
+//     also with the data stream held equal and with zero-size calibration updates: a worker-side
+//     effect (AdamW state, task assignment), see README "Straggler simulations"; not used.)
 //   - Each plan says its round and its slack (T + k P - s - steps / v: how long before the round
 //     end the worker is expected to finish; 0 for budgets); the grace window uses them to wait
 //     for the rest of a round (GracePeriodAggregation::Expect).
