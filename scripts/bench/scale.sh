@@ -2,9 +2,12 @@
 # 8, 16, 32 and 64 concurrent simulated workers pushing 16.3 MiB updates; ratio = p99 at 64 / p50
 # at 16. Sourced by scripts/bench.sh (lib.sh loaded, cwd = repository root).
 #
-# Workers train between pushes, as real ones do: each pushes, then spends one round of simulated
-# training (--round_seconds) before its next push, its first push at a random phase in
-# [0, round) (fixed seed). A closed loop that never pauses would measure only the queue: with the
+# Workers train between pushes, as real ones do: each takes a task (and tells the server it holds
+# the task's base version, as aloe-worker does once it has pulled it), spends one round of
+# simulated training (--round_seconds) with the task open, then pushes; its first push at a
+# random phase in [0, round) (fixed seed). With --report_pulled=false (aloe-bench-push) the
+# server keeps every open task's base version for the whole round, as it did before workers
+# reported their pulls: at 64 workers the shards then peak at ~700 MiB instead of ~100 MiB. A closed loop that never pauses would measure only the queue: with the
 # server saturated, 4x the workers means 4x the queue at the same throughput (Little's law), so
 # p99 at 64 could never come near p50 at 16 on any one machine. A DiLoCo round is H local steps
 # between two pushes. The default round, 5 s, is the shortest this project runs, so the most
