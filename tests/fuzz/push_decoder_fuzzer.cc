@@ -15,6 +15,8 @@
 //     what the reference decoders produced for the accepted chunks (zeros outside the slice),
 //     and the header's fields, slice and slices included.
 //   - The slices of every layer are contiguous, in order, and cover it exactly once.
+//   - Unsliced pushes decode into recycled buffers pre-filled with NaN (FloatBufferPool, as a
+//     server's staging does), so an element the accepted chunks left uncovered fails the above.
 //
 // Input format (little-endian; reading past the end yields zero bytes, so every input is
 // valid; tests/fuzz/make_push_seeds.py writes the seeds):
@@ -46,12 +48,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "common/buffer_pool.h"
 #include "common/model_spec.h"
 #include "common/tensor_codec.h"
 #include "kernels/cpu/codec_kernels.h"
@@ -281,7 +287,14 @@ void Run(const uint8_t* data, size_t size) {
     header.set_slice(slice % slices);
   }
 
-  server::UpdateAssembler assembler(spec, header);
+  // Recycled buffers full of NaN: an unsliced push writes into them without zeroing, so any
+  // element the accepted chunks did not cover would show up in the checks below.
+  std::shared_ptr<FloatBufferPool> buffers = FloatBufferPool::Create(1 << 24);
+  for (int i = 0; i < num_layers; ++i) {
+    buffers->Give(
+        std::vector<float>(spec.layers(i).num_elements(), std::numeric_limits<float>::quiet_NaN()));
+  }
+  server::UpdateAssembler assembler(spec, header, std::nullopt, buffers);
   std::vector<uint64_t> filled(num_layers);
   std::vector<uint64_t> end(num_layers);
   std::vector<std::vector<float>> expected(num_layers);
