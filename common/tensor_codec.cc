@@ -53,20 +53,24 @@ size_t MaxChunkElements(v1::Codec codec, size_t int8_block_size) {
   }
 }
 
+absl::Status CheckFinite(absl::Span<const float> values) {
+  if (kernels::AllFinite(values.data(), values.size())) return absl::OkStatus();
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("non-finite value %f at element %d", values[i], i));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t int8_block_size,
                          std::string* out, float* residual) {
   const size_t old = out->size();
   switch (codec) {
     case v1::CODEC_UNSPECIFIED:
     case v1::CODEC_FP32:
-      if (!kernels::AllFinite(values.data(), values.size())) {
-        for (size_t i = 0; i < values.size(); ++i) {
-          if (!std::isfinite(values[i])) {
-            return absl::InvalidArgumentError(
-                absl::StrFormat("non-finite value %f at element %d", values[i], i));
-          }
-        }
-      }
+      if (absl::Status s = CheckFinite(values); !s.ok()) return s;
       AppendFloats(values, out);
       if (residual != nullptr) std::fill(residual, residual + values.size(), 0.0f);
       return absl::OkStatus();

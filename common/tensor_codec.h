@@ -36,6 +36,9 @@ absl::Status DecodeFloats(std::string_view bytes, absl::Span<float> out);
 // The most elements one chunk of `codec` may carry so that its payload stays <= kMaxChunkBytes.
 size_t MaxChunkElements(v1::Codec codec, size_t int8_block_size);
 
+// kInvalidArgument naming the first NaN or +-Inf in values (what EncodeChunk refuses for FP32).
+absl::Status CheckFinite(absl::Span<const float> values);
+
 // Appends the encoding of values to out. When residual is not null it receives
 // values - decode(encode(values)) (error feedback; zeros for FP32). kInvalidArgument for NaN/Inf
 // in values, an unknown codec, or (INT8_BLOCKWISE) a block size outside [1, 65536].

@@ -7,7 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/logging.h"
 #include "common/model_spec.h"
+#include "common/push_wire.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 
@@ -229,22 +231,90 @@ absl::StatusOr<PulledStream> ReadPullStream(
   return got;
 }
 
-// Streams `chunks` (the header in the first) to `stub` as one Push; *bytes grows by the payload
-// bytes written.
-absl::StatusOr<v1::PushReply> SendPush(const ServerClient& client, v1::ParameterService::Stub* stub,
-                                       const std::vector<v1::PushChunk>& chunks, uint64_t* bytes) {
-  grpc::ClientContext context;
-  client.PrepareContext(&context, kTransferDeadlineSeconds);
-  v1::PushReply reply;
-  std::unique_ptr<grpc::ClientWriter<v1::PushChunk>> writer = stub->Push(&context, &reply);
-  for (const v1::PushChunk& chunk : chunks) {
-    *bytes += chunk.data().size();
-    if (!writer->Write(chunk)) break;  // the server ended the stream early; Finish() says why
+// One message of a push: a chunk's fields and its payload, either encoded bytes or, for float32,
+// the caller's floats themselves (sent from where they are, see SendPush).
+struct OutgoingChunk {
+  uint32_t layer_id = 0;
+  uint64_t offset = 0;
+  v1::Codec codec = v1::CODEC_UNSPECIFIED;
+  std::string encoded;
+  absl::Span<const float> floats;  // float32: the payload, not copied
+};
+
+// Payload slices that point into a caller's memory, counted so that the caller can wait until
+// gRPC holds none of them any more (it may keep a slice past the end of the call, until its
+// transport drops the stream).
+class SliceLoans {
+ public:
+  grpc::Slice Lend(const void* data, size_t size) {
+    absl::MutexLock lock(&mu_);
+    ++lent_;
+    return grpc::Slice(const_cast<void*>(data), size, &SliceLoans::Return, this);
   }
-  writer->WritesDone();
-  absl::Status s = FromGrpcStatus(writer->Finish());
-  if (!s.ok()) return s;
-  return reply;
+  // Blocks until every lent slice is back.
+  void AwaitReturned() {
+    absl::MutexLock lock(&mu_);
+    while (
+        !mu_.AwaitWithTimeout(absl::Condition(this, &SliceLoans::AllReturned), absl::Seconds(10))) {
+      ALOE_LOG_WARNING("worker",
+                       "push: gRPC still holds %d payload slices 10 s after the call "
+                       "ended; waiting",
+                       lent_);
+    }
+  }
+
+ private:
+  static void Return(void* self) {
+    auto* loans = static_cast<SliceLoans*>(self);
+    absl::MutexLock lock(&loans->mu_);
+    --loans->lent_;
+  }
+  bool AllReturned() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return lent_ == 0; }
+
+  absl::Mutex mu_;
+  int lent_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Streams `chunks` to `channel` as one Push, the header in the first message; *bytes grows by
+// the payload bytes written. Each message is framed by hand (common/push_wire.h): a few bytes of
+// fields, then the payload straight from where it is (float32: the caller's buffers), with no
+// copy into protobuf strings and none to serialise them.
+absl::StatusOr<v1::PushReply> SendPush(const ServerClient& client,
+                                       const std::shared_ptr<grpc::Channel>& channel,
+                                       const v1::PushHeader& header,
+                                       const std::vector<OutgoingChunk>& chunks, uint64_t* bytes) {
+  SliceLoans loans;  // outlives the call and whatever its transport still holds
+  absl::StatusOr<v1::PushReply> result;
+  {
+    grpc::ClientContext context;
+    client.PrepareContext(&context, kTransferDeadlineSeconds);
+    v1::PushReply reply;
+    const grpc::internal::RpcMethod method(kPushMethod, grpc::internal::RpcMethod::CLIENT_STREAMING,
+                                           channel);
+    std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+        grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel.get(), method,
+                                                                      &context, &reply));
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const OutgoingChunk& c = chunks[i];
+      const bool fp32 = !c.floats.empty();
+      const size_t size = fp32 ? c.floats.size() * sizeof(float) : c.encoded.size();
+      grpc::Slice parts[2] = {grpc::Slice(PushChunkPrefix(i == 0 ? &header : nullptr, c.layer_id,
+                                                          c.offset, c.codec, size)),
+                              size == 0
+                                  ? grpc::Slice()
+                                  : loans.Lend(fp32 ? static_cast<const void*>(c.floats.data())
+                                                    : static_cast<const void*>(c.encoded.data()),
+                                               size)};
+      grpc::ByteBuffer message(parts, size > 0 ? 2 : 1);
+      *bytes += size;
+      if (!writer->Write(message)) break;  // the server ended the stream early; Finish() says why
+    }
+    writer->WritesDone();
+    const absl::Status s = FromGrpcStatus(writer->Finish());
+    result = s.ok() ? absl::StatusOr<v1::PushReply>(reply) : s;
+  }
+  loans.AwaitReturned();
+  return result;
 }
 
 // The answer to a push from the answers of its shards: the first error in shard order; else the
@@ -352,7 +422,7 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
   }
   // Encode everything first: a value that cannot be encoded must not leave half an update on
   // the wire. One stream of chunks for the single server, or one per shard with its layers.
-  std::vector<std::vector<v1::PushChunk>> streams(shards->empty() ? 1 : shards->size());
+  std::vector<std::vector<OutgoingChunk>> streams(shards->empty() ? 1 : shards->size());
   for (size_t layer = 0; layer < layers.size(); ++layer) {
     const v1::Codec codec = layer < codecs.size() ? codecs[layer] : v1::CODEC_FP32;
     const size_t max_elements = MaxChunkElements(codec, int8_block_size);
@@ -361,36 +431,41 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
     if (header.slices() > 1 && layer < static_cast<size_t>(spec.layers_size())) {
       first = SliceRange(spec.layers(layer).num_elements(), header.slices(), header.slice()).first;
     }
-    std::vector<v1::PushChunk>& chunks =
+    std::vector<OutgoingChunk>& chunks =
         streams[shards->empty() ? 0 : spec.layers(static_cast<int>(layer)).shard()];
     for (auto [begin, end] : ChunkRanges(layers[layer].size(), max_elements)) {
-      v1::PushChunk chunk;
-      chunk.set_layer_id(static_cast<uint32_t>(layer));
-      chunk.set_offset(first + begin);
-      chunk.set_codec(codec);
+      OutgoingChunk& chunk = chunks.emplace_back();
+      chunk.layer_id = static_cast<uint32_t>(layer);
+      chunk.offset = first + begin;
+      chunk.codec = codec;
+      const absl::Span<const float> values =
+          absl::MakeConstSpan(layers[layer].data() + begin, end - begin);
       float* residual = residuals ? (*residuals)[layer].data() + begin : nullptr;
-      absl::Status s =
-          EncodeChunk(codec, absl::MakeConstSpan(layers[layer].data() + begin, end - begin),
-                      int8_block_size, chunk.mutable_data(), residual);
+      absl::Status s;
+      if (codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED) {
+        s = CheckFinite(values);
+        chunk.floats = values;
+        if (residual != nullptr) std::fill(residual, residual + values.size(), 0.0f);
+      } else {
+        s = EncodeChunk(codec, values, int8_block_size, &chunk.encoded, residual);
+      }
       if (!s.ok()) {
         return absl::InvalidArgumentError(
             absl::StrFormat("layer %d at offset %d: %s", layer, begin, s.message()));
       }
-      chunks.push_back(std::move(chunk));
     }
   }
   // Every stream carries the header, even one without chunks.
-  for (std::vector<v1::PushChunk>& chunks : streams) {
+  for (std::vector<OutgoingChunk>& chunks : streams) {
     if (chunks.empty()) chunks.emplace_back();
-    *chunks.front().mutable_header() = header;
   }
-  if (shards->empty()) return SendPush(*this, parameters_.get(), streams[0], bytes);
+  if (shards->empty()) return SendPush(*this, channel_, header, streams[0], bytes);
 
   std::vector<absl::StatusOr<v1::PushReply>> replies(streams.size());
   std::vector<uint64_t> sent(streams.size(), 0);
   RunInParallel(streams.size(), [&](size_t i) {
     const Shard& shard = (*shards)[i];
-    replies[i] = SendPush(*this, shard.parameters.get(), streams[i], &sent[i]);
+    replies[i] = SendPush(*this, shard.channel, header, streams[i], &sent[i]);
     if (!replies[i].ok()) {
       replies[i] = Labelled(replies[i].status(), StreamLabel(static_cast<int>(i), shard.address));
     }

@@ -1,6 +1,9 @@
 #include "server/core/update_assembler.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <string>
 
 #include "absl/strings/str_format.h"
 #include "common/model_spec.h"
@@ -20,6 +23,32 @@ size_t FirstOversized(absl::Span<const float> values) {
     if (!(std::fabs(values[i]) <= kMaxPushMagnitude)) return i;
   }
   return values.size();
+}
+
+// kernels::CopyWithinMagnitude over float32 bytes that arrive in pieces of any length: a value
+// split between two pieces is put together first. False as soon as a value is non-finite or
+// too large (out is then partly written).
+bool CopyPiecesWithinMagnitude(absl::Span<const std::string_view> pieces, float* out) {
+  char split[sizeof(float)];
+  size_t have = 0;  // bytes of a split value gathered so far
+  for (std::string_view p : pieces) {
+    if (have > 0) {
+      const size_t take = std::min(sizeof(float) - have, p.size());
+      std::memcpy(split + have, p.data(), take);
+      have += take;
+      p.remove_prefix(take);
+      if (have < sizeof(float)) continue;
+      if (!kernels::CopyWithinMagnitude(split, out++, 1, kMaxPushMagnitude)) return false;
+      have = 0;
+    }
+    const size_t n = p.size() / sizeof(float);
+    if (!kernels::CopyWithinMagnitude(p.data(), out, n, kMaxPushMagnitude)) return false;
+    out += n;
+    p.remove_prefix(n * sizeof(float));
+    std::memcpy(split, p.data(), p.size());
+    have = p.size();
+  }
+  return have == 0;
 }
 
 }  // namespace
@@ -63,6 +92,11 @@ UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader
 
 absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
                                        std::string_view payload, v1::Codec codec) {
+  return AddChunk(layer_id, offset, absl::MakeConstSpan(&payload, 1), codec);
+}
+
+absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
+                                       absl::Span<const std::string_view> pieces, v1::Codec codec) {
   if (layer_id >= static_cast<uint32_t>(spec_.layers_size())) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "unknown layer %d (the model has %d layers)", layer_id, spec_.layers_size()));
@@ -78,13 +112,29 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
     return absl::InvalidArgumentError(
         absl::StrFormat("layer %d (%s): unknown codec %d", layer_id, layer.name(), codec));
   }
-  absl::StatusOr<size_t> elements = EncodedElementCount(codec, payload);
-  if (!elements.ok()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer %d (%s): %s %s", layer_id, layer.name(), v1::Codec_Name(codec),
-        elements.status().message()));
+  const bool fp32 = codec == v1::CODEC_FP32;
+  size_t size = 0;
+  for (std::string_view p : pieces) size += p.size();
+  // float32 in pieces is decoded from them; anything else in pieces is joined first.
+  const bool in_pieces = pieces.size() > 1 && fp32 && size % sizeof(float) == 0;
+  std::string joined;
+  std::string_view payload = pieces.size() == 1 ? pieces[0] : std::string_view();
+  auto join = [&] {
+    joined.reserve(size);
+    for (std::string_view p : pieces) joined.append(p);
+    payload = joined;
+  };
+  if (pieces.size() > 1 && !in_pieces) join();
+  uint64_t count = size / sizeof(float);
+  if (!in_pieces) {
+    absl::StatusOr<size_t> elements = EncodedElementCount(codec, payload);
+    if (!elements.ok()) {
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d (%s): %s %s", layer_id,
+                                                        layer.name(), v1::Codec_Name(codec),
+                                                        elements.status().message()));
+    }
+    count = *elements;
   }
-  const uint64_t count = *elements;
   if (offset != filled_[layer_id]) {
     return absl::InvalidArgumentError(
         absl::StrFormat("layer %d (%s): chunk at offset %d, expected offset %d", layer_id,
@@ -110,9 +160,11 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   const absl::Span<float> out = absl::MakeSpan(buffer.data() + offset, count);
   // float32 (the common case): decode, finiteness and magnitude in one pass; the slow path below
   // runs only for other codecs and to name what a refused chunk got wrong.
-  const bool fp32 = codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED;
-  if (!fp32 ||
-      !kernels::CopyWithinMagnitude(payload.data(), out.data(), count, kMaxPushMagnitude)) {
+  const bool decoded = fp32 && (in_pieces ? CopyPiecesWithinMagnitude(pieces, out.data())
+                                          : kernels::CopyWithinMagnitude(payload.data(), out.data(),
+                                                                         count, kMaxPushMagnitude));
+  if (!decoded) {
+    if (in_pieces) join();
     absl::Status s = DecodeChunk(codec, payload, out);
     if (!s.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat("layer %d (%s) at offset %d: %s", layer_id,
@@ -125,8 +177,8 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
     }
   }
   filled_[layer_id] += count;
-  bytes_received_ += payload.size();
-  bytes_by_codec_[codec] += payload.size();
+  bytes_received_ += size;
+  bytes_by_codec_[codec] += size;
   return absl::OkStatus();
 }
 

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/buffer_pool.h"
 #include "proto/aloe.pb.h"
 #include "server/core/update.h"
@@ -51,6 +52,12 @@ class UpdateAssembler {
   // malformed; a rejected chunk changes nothing the caller can observe, and the stream may go on
   // with a corrected chunk at the same offset.
   absl::Status AddChunk(uint32_t layer_id, uint64_t offset, std::string_view payload,
+                        v1::Codec codec = v1::CODEC_UNSPECIFIED);
+  // The same for a payload that arrives in pieces (the slices of a received message, see
+  // common/push_wire.h): float32 is decoded straight from the pieces, other codecs are joined
+  // first (they are the compact ones).
+  absl::Status AddChunk(uint32_t layer_id, uint64_t offset,
+                        absl::Span<const std::string_view> payload,
                         v1::Codec codec = v1::CODEC_UNSPECIFIED);
 
   // Returns the update when every layer (or its slice) is complete; kInvalidArgument otherwise.

@@ -129,9 +129,8 @@ grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
                         metrics_);
 }
 
-grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
-                                        grpc::ServerReader<v1::PushChunk>* reader,
-                                        v1::PushReply* reply) {
+grpc::Status ParameterServiceImpl::ServePush(grpc::ServerContext* context, PushStreamReader* reader,
+                                             v1::PushReply* reply) {
   const absl::Time start = absl::Now();
   auto reject = [&](const absl::Status& status) {
     handle_.Run([&](ServerCore& core) { core.CountRejected(status); });
@@ -139,14 +138,15 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
   };
   absl::StatusOr<std::string> identity = Authorize(auth_, *context, std::nullopt);
   if (!identity.ok()) return reject(identity.status());
-  v1::PushChunk chunk;
+  PushChunkView chunk;
   if (!reader->Read(&chunk)) {
-    return reject(absl::InvalidArgumentError("empty push stream"));
+    return reject(reader->status().ok() ? absl::InvalidArgumentError("empty push stream")
+                                        : reader->status());
   }
-  if (!chunk.has_header()) {
+  if (!chunk.has_header) {
     return reject(absl::InvalidArgumentError("the first push message must carry the header"));
   }
-  const v1::PushHeader header = chunk.header();
+  const v1::PushHeader header = chunk.header;
   if (absl::Status owner = auth_.CheckOwner(header.worker_id(), *identity); !owner.ok()) {
     return reject(owner);
   }
@@ -160,13 +160,16 @@ grpc::Status ParameterServiceImpl::Push(grpc::ServerContext* context,
   UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers));
   bool first = true;
   do {
-    if (!first && chunk.has_header()) {
+    if (!first && chunk.has_header) {
       return reject(absl::InvalidArgumentError("push header repeated after the first message"));
     }
     first = false;
-    status = assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data(), chunk.codec());
+    if (chunk.has_header && chunk.data_size == 0) continue;  // the header alone: no chunk
+    status = assembler.AddChunk(chunk.layer_id, chunk.offset, chunk.data,
+                                static_cast<v1::Codec>(chunk.codec));
     if (!status.ok()) return reject(status);
   } while (reader->Read(&chunk));
+  if (!reader->status().ok()) return reject(reader->status());
   CountReceivedBytes(assembler, metrics_);
 
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();

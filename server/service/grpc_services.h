@@ -12,6 +12,7 @@
 #include "server/core/update_assembler.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
+#include "server/service/raw_push.h"
 
 namespace aloe::server {
 
@@ -44,7 +45,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   Authenticator& auth_;
 };
 
-class ParameterServiceImpl final : public v1::ParameterService::Service {
+class ParameterServiceImpl final : public RawPushParameterService {
  public:
   // handle, auth and metrics must outlive the service. pull_delay: every Pull waits this long
   // before it streams (a slow link, for tests of overlapped communication).
@@ -54,8 +55,7 @@ class ParameterServiceImpl final : public v1::ParameterService::Service {
 
   grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
                     grpc::ServerWriter<v1::ParamChunk>*) override;
-  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<v1::PushChunk>*,
-                    v1::PushReply*) override;
+  grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
 
  private:
   CoreHandle& handle_;

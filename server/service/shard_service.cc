@@ -65,8 +65,8 @@ grpc::Status ShardServer::Pull(grpc::ServerContext* context, const v1::PullReque
                         metrics_);
 }
 
-grpc::Status ShardServer::Push(grpc::ServerContext* context,
-                               grpc::ServerReader<v1::PushChunk>* reader, v1::PushReply* reply) {
+grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamReader* reader,
+                                    v1::PushReply* reply) {
   const absl::Time start = absl::Now();
   auto reject = [&](const absl::Status& status) {
     metrics_.Add(kUpdatesRejected, 1, {RejectReason(status)});
@@ -74,12 +74,15 @@ grpc::Status ShardServer::Push(grpc::ServerContext* context,
   };
   absl::StatusOr<std::string> identity = auth_.Identify(*context);
   if (!identity.ok()) return reject(identity.status());
-  v1::PushChunk chunk;
-  if (!reader->Read(&chunk)) return reject(absl::InvalidArgumentError("empty push stream"));
-  if (!chunk.has_header()) {
+  PushChunkView chunk;
+  if (!reader->Read(&chunk)) {
+    return reject(reader->status().ok() ? absl::InvalidArgumentError("empty push stream")
+                                        : reader->status());
+  }
+  if (!chunk.has_header) {
     return reject(absl::InvalidArgumentError("the first push message must carry the header"));
   }
-  const v1::PushHeader header = chunk.header();
+  const v1::PushHeader header = chunk.header;
   if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return reject(s);
   if (!v1::Codec_IsValid(header.codec())) {
     return reject(
@@ -126,14 +129,16 @@ grpc::Status ShardServer::Push(grpc::ServerContext* context,
   UpdateAssembler assembler(spec_, header, options_.shard_index, std::move(buffers));
   bool first = true;
   do {
-    if (!first && chunk.has_header()) {
+    if (!first && chunk.has_header) {
       return reject(absl::InvalidArgumentError("push header repeated after the first message"));
     }
     first = false;
-    absl::Status status =
-        assembler.AddChunk(chunk.layer_id(), chunk.offset(), chunk.data(), chunk.codec());
+    if (chunk.has_header && chunk.data_size == 0) continue;  // the header alone: no chunk
+    absl::Status status = assembler.AddChunk(chunk.layer_id, chunk.offset, chunk.data,
+                                             static_cast<v1::Codec>(chunk.codec));
     if (!status.ok()) return reject(status);
   } while (reader->Read(&chunk));
+  if (!reader->status().ok()) return reject(reader->status());
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();
   absl::StatusOr<PendingUpdate> part = std::move(assembler).Finish();

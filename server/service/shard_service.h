@@ -26,10 +26,11 @@
 #include "server/core/checkpoint_store.h"
 #include "server/core/shard_state.h"
 #include "server/service/auth.h"
+#include "server/service/raw_push.h"
 
 namespace aloe::server {
 
-class ShardServer final : public v1::ParameterService::Service {
+class ShardServer final : public RawPushParameterService {
  public:
   struct Options {
     uint32_t shard_index = 0;
@@ -49,8 +50,7 @@ class ShardServer final : public v1::ParameterService::Service {
 
   grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
                     grpc::ServerWriter<v1::ParamChunk>*) override;
-  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<v1::PushChunk>*,
-                    v1::PushReply*) override;
+  grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
 
   // Follows the coordinator until `stop` is set.
   void RunFollowLoop(const std::atomic<bool>& stop);

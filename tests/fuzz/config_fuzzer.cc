@@ -10,34 +10,25 @@
 //     unchanged (NaN equal to NaN), and validates again.
 //   - For a valid config whose model is small enough to describe quickly, BuildTransformerSpec
 //     describes exactly the parameter count of the layout documented in common/model_spec.h.
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/field_comparator.h>
+#include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
-#include <google/protobuf/text_format.h>
-#include <google/protobuf/util/field_comparator.h>
-#include <google/protobuf/util/json_util.h>
-#include <google/protobuf/util/message_differencer.h>
-
 #include "absl/status/status.h"
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "proto/aloe.pb.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace aloe {
 namespace {
-
-#define FUZZ_CHECK(cond, ...)                                 \
-  do {                                                        \
-    if (!(cond)) {                                            \
-      std::fprintf(stderr, "FUZZ_CHECK failed: %s: ", #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                      \
-      std::fprintf(stderr, "\n");                             \
-      std::abort();                                           \
-    }                                                         \
-  } while (0)
 
 // Same meaning: NaN equals NaN, and a field set to its default value equals an unset one (a
 // text-format `max_seconds: -0` is a set -0.0 in proto3, which JSON prints as an unset 0).

@@ -63,19 +63,10 @@
 #include "kernels/cpu/codec_kernels.h"
 #include "proto/aloe.pb.h"
 #include "server/core/update_assembler.h"
+#include "tests/fuzz/fuzz_check.h"
 
 namespace aloe {
 namespace {
-
-#define FUZZ_CHECK(cond, ...)                                        \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      std::fprintf(stderr, "FUZZ_CHECK failed: %s: ", #cond);        \
-      std::fprintf(stderr, __VA_ARGS__);                             \
-      std::fprintf(stderr, "\n");                                    \
-      std::abort();                                                  \
-    }                                                                \
-  } while (0)
 
 // Generated chunks hold at most this many elements (4x the largest layer), raw payloads at most
 // this many bytes (an int8 header and kMaxElements values and scales fit).

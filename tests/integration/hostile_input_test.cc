@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/push_wire.h"
 #include "tests/integration/loopback_cluster.h"
 #include "tests/testing/subprocess.h"
 
@@ -48,6 +49,23 @@ class HostileInputTest : public RawClientTest {
     auto writer = parameters_->Push(&context, &reply);
     for (const v1::PushChunk& m : messages) {
       if (!writer->Write(m)) break;  // the server already answered
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  // Sends `messages` as one Push stream of raw message bytes, which need not parse.
+  grpc::Status PushBytes(const std::vector<std::string>& messages) {
+    grpc::ClientContext context;
+    v1::PushReply reply;
+    const grpc::internal::RpcMethod method(kPushMethod, grpc::internal::RpcMethod::CLIENT_STREAMING,
+                                           channel_);
+    std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+        grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel_.get(), method,
+                                                                      &context, &reply));
+    for (const std::string& m : messages) {
+      grpc::Slice slice(m);
+      if (!writer->Write(grpc::ByteBuffer(&slice, 1))) break;
     }
     writer->WritesDone();
     return writer->Finish();
@@ -263,6 +281,54 @@ TEST_F(HostileInputTest, AThousandMalformedPushesAreRejectedAndChangeNothing) {
     messages.insert(messages.end(), good.begin(), good.end());
     return messages;
   }());
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(Scraped("aloe_model_version"), 1);
+  EXPECT_NE(PullLatest(joined.worker_id()), before);
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+// Messages that are not PushChunks at all (the server parses push messages itself,
+// common/push_wire.h): refused as malformed, first or later in the stream, and nothing changes.
+TEST_F(HostileInputTest, UnparsableMessagesAreRejectedAndChangeNothing) {
+  const int port = StartServer("local_steps: 3\n");
+  ASSERT_GT(port, 0);
+  Connect(port);
+  v1::JoinReply joined;
+  v1::Task task;
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("garbled", &joined, &task));
+  const auto before = PullLatest(joined.worker_id());
+  v1::PushChunk first;
+  *first.mutable_header() = HeaderFor(joined, task);
+  std::vector<std::string> good = {first.SerializeAsString()};
+  for (const v1::PushChunk& c : FullUpdate(0.25f)) good.push_back(c.SerializeAsString());
+  const std::vector<std::pair<std::string, std::string>> garbage = {
+      {std::string("\x22\x7f"
+                   "abc",
+                   5),
+       "truncated length-delimited field (field 4)"},
+      {std::string("\x10\xff\xff", 3), "bad varint (field 2)"},
+      {std::string("\x0a\x02\x08\xff", 4), "bad header (field 1)"},
+      {std::string("\x27", 1), "wire type 7"},
+      {std::string("\x02\x00", 2), "field number 0"},
+  };
+  int pushes = 0;
+  for (const auto& [bytes, says] : garbage) {
+    for (size_t at : {size_t{0}, size_t{1}, good.size()}) {
+      std::vector<std::string> messages = good;
+      messages.insert(messages.begin() + at, bytes);
+      const grpc::Status status = PushBytes(messages);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << says << " at " << at;
+      EXPECT_TRUE(absl::StrContains(status.error_message(), "malformed push message: " + says))
+          << status.error_message();
+      ++pushes;
+    }
+  }
+  EXPECT_EQ(RejectedTotal(), pushes);
+  EXPECT_EQ(Scraped("aloe_model_version"), 0);
+  EXPECT_EQ(PullLatest(joined.worker_id()), before);
+  // The same stream without the garbage is applied.
+  const grpc::Status ok = PushBytes(good);
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(Scraped("aloe_model_version"), 1);
   EXPECT_NE(PullLatest(joined.worker_id()), before);

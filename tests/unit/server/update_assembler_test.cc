@@ -3,12 +3,19 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string_view>
+
 #include "common/status_matchers.h"
 #include "common/tensor_codec.h"
+#include "tests/testing/pieces.h"
 
 namespace aloe::server {
 namespace {
 
+using ::aloe::testing::CutAt;
 using ::aloe::testing::IsOk;
 using ::aloe::testing::StatusIs;
 using ::testing::HasSubstr;
@@ -61,6 +68,71 @@ TEST(UpdateAssemblerTest, MalformedEncodedChunkNamesTheLayerAndCodec) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("CODEC_INT8_BLOCKWISE")));
   EXPECT_THAT(assembler.AddChunk(0, 0, std::string(3, '\0'), v1::CODEC_BF16),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 0 (only)")));
+}
+
+TEST(UpdateAssemblerTest, PayloadInPiecesDecodesAsTheWholeWhereverItIsCut) {
+  const v1::ModelSpec spec = OneLayer(7);
+  const std::vector<float> g = {0.5f, -1.25f, 3e-8f, -0.0f, 1e6f, -7.75f, 2.0f};
+  std::string payload;
+  AppendFloats(g, &payload);
+  // Two and three pieces, values split between pieces, empty pieces, one-byte pieces.
+  std::vector<std::vector<size_t>> cuts;
+  for (size_t a = 0; a <= payload.size(); ++a) {
+    cuts.push_back({a});
+    for (size_t b = a; b <= payload.size(); b += 3) cuts.push_back({a, b});
+  }
+  cuts.push_back({});
+  std::vector<size_t> every;
+  for (size_t a = 1; a < payload.size(); ++a) every.push_back(a);
+  cuts.push_back(every);
+  for (const std::vector<size_t>& at : cuts) {
+    UpdateAssembler assembler(spec, v1::PushHeader());
+    // The first 3 values as one chunk in pieces, the rest as another.
+    const std::string_view head = std::string_view(payload).substr(0, 12);
+    std::vector<size_t> head_at;
+    for (size_t a : at) head_at.push_back(std::min<size_t>(a, 12));
+    ASSERT_THAT(assembler.AddChunk(0, 0, absl::MakeConstSpan(CutAt(head, head_at))), IsOk());
+    const std::string_view tail = std::string_view(payload).substr(12);
+    std::vector<size_t> tail_at;
+    for (size_t a : at) tail_at.push_back(a < 12 ? 0 : a - 12);
+    ASSERT_THAT(assembler.AddChunk(0, 3, absl::MakeConstSpan(CutAt(tail, tail_at))), IsOk());
+    EXPECT_EQ(assembler.bytes_received(), payload.size());
+    auto update = std::move(assembler).Finish();
+    ASSERT_THAT(update, IsOk());
+    ASSERT_EQ(update->layers[0].size(), g.size());
+    EXPECT_EQ(std::memcmp(update->layers[0].data(), g.data(), 4 * g.size()), 0);
+  }
+}
+
+TEST(UpdateAssemblerTest, BadValueSplitBetweenPiecesIsNamed) {
+  const v1::ModelSpec spec = OneLayer(4);
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), 2e6f}) {
+    std::string payload;
+    AppendFloats(std::vector<float>{1.0f, 2.0f, bad, 4.0f}, &payload);
+    for (size_t a = 0; a <= payload.size(); ++a) {
+      UpdateAssembler assembler(spec, v1::PushHeader());
+      const absl::Status s = assembler.AddChunk(
+          0, 0, absl::MakeConstSpan(CutAt(payload, {a, a + 1 <= payload.size() ? a + 1 : a})));
+      EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument,
+                              HasSubstr(std::isnan(bad) ? "non-finite" : "element 2")))
+          << "cut at " << a;
+      // Refused: the stream may go on with a corrected chunk at the same offset.
+      EXPECT_THAT(assembler.AddChunk(0, 0, std::string(16, '\0')), IsOk());
+    }
+  }
+  // A byte count that is not a whole number of floats, and another codec, in pieces.
+  UpdateAssembler assembler(spec, v1::PushHeader());
+  const std::string odd(15, '\0');
+  EXPECT_THAT(assembler.AddChunk(0, 0, absl::MakeConstSpan(CutAt(odd, {5, 9}))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not float32")));
+  std::string bf16;
+  ASSERT_THAT(EncodeChunk(v1::CODEC_BF16, std::vector<float>{1, 2, 3, 4}, 0, &bf16, nullptr),
+              IsOk());
+  ASSERT_THAT(assembler.AddChunk(0, 0, absl::MakeConstSpan(CutAt(bf16, {1, 5})), v1::CODEC_BF16),
+              IsOk());
+  auto update = std::move(assembler).Finish();
+  ASSERT_THAT(update, IsOk());
+  EXPECT_EQ(update->layers[0], (std::vector<float>{1, 2, 3, 4}));
 }
 
 }  // namespace

@@ -1,0 +1,51 @@
+// PushChunk messages (proto/aloe.proto) read and written without copying their payload. A push
+// is almost all payload: protobuf would copy it into a std::string when the client builds the
+// message, again when gRPC serialises it, and once more when the server parses it. Here the
+// server parses the received message's slices in place (the data field stays a list of views
+// into them) and the client frames a chunk as a few bytes of fields followed by the payload's
+// own memory. The bytes on the wire are an ordinary serialised PushChunk, so either side works
+// with a peer that uses the generated protobuf code.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "proto/aloe.pb.h"
+
+namespace aloe {
+
+// The full name of ParameterService.Push as gRPC calls it.
+inline constexpr char kPushMethod[] = "/aloe.v1.ParameterService/Push";
+
+// One parsed PushChunk. `data` views the message's own bytes: valid while they are.
+struct PushChunkView {
+  bool has_header = false;
+  v1::PushHeader header;
+  uint32_t layer_id = 0;
+  uint64_t offset = 0;
+  int32_t codec = 0;  // a v1::Codec value, possibly unknown (proto3 enums are open)
+  std::vector<std::string_view> data;  // the data field, in pieces; empty pieces dropped
+  size_t data_size = 0;
+};
+
+// Parses one serialised PushChunk that arrives as consecutive pieces (a gRPC message's slices).
+// Field semantics are protobuf's: the last occurrence of a scalar or of `data` wins, repeated
+// headers merge, a known field number with an unexpected wire type and unknown fields are
+// skipped. Differences: unknown fields of the deprecated group wire types (3, 4) are refused,
+// and so is anything protobuf refuses (truncated fields, varints over 10 bytes, field number 0,
+// wire types 6 and 7, a malformed header). kInvalidArgument naming the problem; *out is then
+// unspecified.
+absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunkView* out);
+
+// The serialised fields of a PushChunk up to and including the data field's tag and length:
+// a message is these bytes followed by `data_size` payload bytes. Fields at their proto3
+// default are left out, as protobuf does; header == nullptr: no header.
+std::string PushChunkPrefix(const v1::PushHeader* header, uint32_t layer_id, uint64_t offset,
+                            v1::Codec codec, size_t data_size);
+
+}  // namespace aloe
