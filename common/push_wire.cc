@@ -183,4 +183,21 @@ std::string PushChunkPrefix(const v1::PushHeader* header, uint32_t layer_id, uin
   return out;
 }
 
+std::string ParamChunkPrefix(uint64_t version, uint32_t layer_id, uint64_t offset,
+                             uint64_t layer_elements, size_t data_size) {
+  // ParamChunk: version 1, layer_id 2, offset 3, layer_elements 4, data 5 (proto/aloe.proto).
+  std::string out;
+  const uint64_t varints[] = {version, layer_id, offset, layer_elements};
+  for (uint32_t f = 0; f < 4; ++f) {
+    if (varints[f] == 0) continue;
+    AppendTag(f + 1, kVarint, &out);
+    AppendVarint(varints[f], &out);
+  }
+  if (data_size != 0) {
+    AppendTag(5, kLengthDelimited, &out);
+    AppendVarint(data_size, &out);
+  }
+  return out;
+}
+
 }  // namespace aloe

@@ -1,4 +1,5 @@
-// PushChunk messages (proto/aloe.proto) read and written without copying their payload. A push
+// PushChunk messages (proto/aloe.proto) read and written without copying their payload, and
+// ParamChunk messages written so. A push
 // is almost all payload: protobuf would copy it into a std::string when the client builds the
 // message, again when gRPC serialises it, and once more when the server parses it. Here the
 // server parses the received message's slices in place (the data field stays a list of views
@@ -19,8 +20,9 @@
 
 namespace aloe {
 
-// The full name of ParameterService.Push as gRPC calls it.
+// The full names of ParameterService.Push and .Pull as gRPC calls them.
 inline constexpr char kPushMethod[] = "/aloe.v1.ParameterService/Push";
+inline constexpr char kPullMethod[] = "/aloe.v1.ParameterService/Pull";
 
 // One parsed PushChunk. `data` views the message's own bytes: valid while they are.
 struct PushChunkView {
@@ -47,5 +49,11 @@ absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunk
 // default are left out, as protobuf does; header == nullptr: no header.
 std::string PushChunkPrefix(const v1::PushHeader* header, uint32_t layer_id, uint64_t offset,
                             v1::Codec codec, size_t data_size);
+
+// The serialised fields of a ParamChunk (a pulled chunk of parameters) up to and including the
+// data field's tag and length, in field order: followed by the `data_size` payload bytes they are
+// exactly protobuf's serialisation of the chunk.
+std::string ParamChunkPrefix(uint64_t version, uint32_t layer_id, uint64_t offset,
+                             uint64_t layer_elements, size_t data_size);
 
 }  // namespace aloe

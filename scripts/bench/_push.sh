@@ -1,5 +1,5 @@
-# Shared by scripts/bench/ingest.sh and scale.sh (not a benchmark: bench.sh skips files named
-# _*). Starts aloe-server with deploy/configs/bench-push.textproto, layer-sharded: one
+# Shared by scripts/bench/ingest.sh, egress.sh and scale.sh (not a benchmark: bench.sh skips
+# files named _*). Starts aloe-server with deploy/configs/bench-push.textproto, layer-sharded: one
 # --role coordinator and SHARDS --role shard processes (the config plus `shard_processes: SHARDS`
 # and `max_staged_updates: S`), or with SHARDS 0 one single-process aloe-server as before the
 # split. Runs aloe-bench-push against it with the given flags, then prints every server process's
@@ -145,11 +145,11 @@ bench_push_run() {
   # The last line waits until the memory report is out: it stays the benchmark's last line.
   local rc=0
   "$ALOE_BIN_DIR/aloe-bench-push" --server="127.0.0.1:$port" --watch="$watch" "$@" |
-    tee "$BENCH_PUSH_DIR/bench.out" | sed -E '/^(ingest|scale): /d' || rc=$?
+    tee "$BENCH_PUSH_DIR/bench.out" | sed -E '/^(ingest|egress|scale): /d' || rc=$?
   bench_push_report_memory "$max_staged" "$overhead_mib"
   bench_push_stop
   trap - EXIT INT TERM
   echo "load average at the end (1/5/15 min): $(cut -d' ' -f1-3 /proc/loadavg)"
-  grep -E '^(ingest|scale): ' "$BENCH_PUSH_DIR/bench.out" || true
+  grep -E '^(ingest|egress|scale): ' "$BENCH_PUSH_DIR/bench.out" || true
   return "$rc"
 }

@@ -78,10 +78,9 @@ grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,
 }
 
 grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& snapshot,
-                            uint32_t slice, uint32_t slices_requested,
-                            grpc::ServerWriter<v1::ParamChunk>& writer, MetricsSink& metrics) {
+                            uint32_t slice, uint32_t slices_requested, PullStreamWriter& writer,
+                            MetricsSink& metrics) {
   uint64_t bytes = 0;
-  v1::ParamChunk chunk;
   // Whole layers, or one slice of each (validated by the caller).
   const uint32_t slices = std::max<uint32_t>(1, slices_requested);
   for (size_t layer = 0; layer < snapshot.layers.size(); ++layer) {
@@ -92,14 +91,9 @@ grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& s
       const size_t begin = first + chunk_begin;
       const size_t end = first + chunk_end;
       if (context.IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "pull cancelled");
-      chunk.set_version(snapshot.version);
-      chunk.set_layer_id(static_cast<uint32_t>(layer));
-      chunk.set_offset(begin);
-      chunk.set_layer_elements(params.size());
-      chunk.mutable_data()->clear();
-      AppendFloats(absl::MakeConstSpan(params.data() + begin, end - begin), chunk.mutable_data());
-      bytes += chunk.data().size();
-      if (!writer.Write(chunk)) {
+      bytes += (end - begin) * sizeof(float);
+      if (!writer.Write(ParamChunkMessage(snapshot.version, static_cast<uint32_t>(layer),
+                                          snapshot.layers[layer], begin, end))) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "client stopped reading the pull");
       }
     }
@@ -117,9 +111,9 @@ void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics) 
   }
 }
 
-grpc::Status ParameterServiceImpl::Pull(grpc::ServerContext* context,
-                                        const v1::PullRequest* request,
-                                        grpc::ServerWriter<v1::ParamChunk>* writer) {
+grpc::Status ParameterServiceImpl::ServePull(grpc::ServerContext* context,
+                                             const v1::PullRequest* request,
+                                             PullStreamWriter* writer) {
   ALOE_AUTHORIZE(request->worker_id());
   if (pull_delay_ > absl::ZeroDuration()) absl::SleepFor(pull_delay_);
   absl::StatusOr<ModelSnapshot> snapshot =

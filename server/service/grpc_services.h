@@ -12,7 +12,7 @@
 #include "server/core/update_assembler.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
-#include "server/service/raw_push.h"
+#include "server/service/parameter_wire.h"
 
 namespace aloe::server {
 
@@ -21,9 +21,10 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 // Streams the layers of `snapshot` (skipping null ones: another shard process's) in <= 1 MiB
 // chunks, whole or slice `slice` of `slices` of each (already validated), and counts the bytes.
+// The payloads are sent from the snapshot's buffers (ParamChunkMessage).
 grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& snapshot,
-                            uint32_t slice, uint32_t slices,
-                            grpc::ServerWriter<v1::ParamChunk>& writer, MetricsSink& metrics);
+                            uint32_t slice, uint32_t slices, PullStreamWriter& writer,
+                            MetricsSink& metrics);
 
 // Adds the payload bytes an assembler accepted to the received-bytes metric, per codec.
 void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics);
@@ -45,7 +46,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   Authenticator& auth_;
 };
 
-class ParameterServiceImpl final : public RawPushParameterService {
+class ParameterServiceImpl final : public WireParameterService {
  public:
   // handle, auth and metrics must outlive the service. pull_delay: every Pull waits this long
   // before it streams (a slow link, for tests of overlapped communication).
@@ -53,8 +54,7 @@ class ParameterServiceImpl final : public RawPushParameterService {
                        absl::Duration pull_delay = absl::ZeroDuration())
       : handle_(handle), auth_(auth), metrics_(metrics), pull_delay_(pull_delay) {}
 
-  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
-                    grpc::ServerWriter<v1::ParamChunk>*) override;
+  grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;
   grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
 
  private:

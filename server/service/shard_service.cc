@@ -42,8 +42,8 @@ void ShardServer::Publish() {
   metrics_.Set(kStagedBytes, static_cast<double>(state_->staged_bytes()));
 }
 
-grpc::Status ShardServer::Pull(grpc::ServerContext* context, const v1::PullRequest* request,
-                               grpc::ServerWriter<v1::ParamChunk>* writer) {
+grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::PullRequest* request,
+                                    PullStreamWriter* writer) {
   if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
     return ToGrpcStatus(who.status());
   }

@@ -26,11 +26,11 @@
 #include "server/core/checkpoint_store.h"
 #include "server/core/shard_state.h"
 #include "server/service/auth.h"
-#include "server/service/raw_push.h"
+#include "server/service/parameter_wire.h"
 
 namespace aloe::server {
 
-class ShardServer final : public RawPushParameterService {
+class ShardServer final : public WireParameterService {
  public:
   struct Options {
     uint32_t shard_index = 0;
@@ -48,8 +48,7 @@ class ShardServer final : public RawPushParameterService {
   ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, Options options,
               Authenticator& auth, MetricsSink& metrics);
 
-  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
-                    grpc::ServerWriter<v1::ParamChunk>*) override;
+  grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;
   grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
 
   // Follows the coordinator until `stop` is set.

@@ -16,6 +16,10 @@
 //     (bytes of acknowledged pushes / wall time) vs the GB/s of --pushers concurrent loopback TCP
 //     streams (1 MiB writes, a reader thread per stream) measured first in the same process.
 //     Last line: "ingest: accepted_gbps=<X> ratio=<X / tcp> (raw TCP <Y> GB/s, N streams)".
+//   --mode egress: the other direction: --pushers concurrent workers each pulling every layer of
+//     the latest version back to back (a joiner's download, from every shard at once) for
+//     --seconds; GB/s of parameters served vs the same raw TCP baseline. Last line:
+//     "egress: served_gbps=<X> ratio=<X / tcp> (raw TCP <Y> GB/s, N streams)".
 //   --mode scale: for each worker count in --workers, that many concurrent workers for --seconds:
 //     offered load (workers x update bytes / round), accepted GB/s, updates/s, push latency
 //     p50/p99 (first byte sent to reply). Last line:
@@ -61,8 +65,9 @@
 
 ABSL_FLAG(std::string, server, "127.0.0.1:7070",
           "aloe-server address (plain async mode; for a layer-sharded server the coordinator)");
-ABSL_FLAG(std::string, mode, "ingest", "ingest | scale");
-ABSL_FLAG(int32_t, pushers, 4, "ingest: concurrent workers (and TCP streams of the baseline)");
+ABSL_FLAG(std::string, mode, "ingest", "ingest | egress | scale");
+ABSL_FLAG(int32_t, pushers, 4,
+          "ingest / egress: concurrent workers (and TCP streams of the baseline)");
 ABSL_FLAG(std::string, workers, "8,16,32,64", "scale: worker counts, comma-separated");
 ABSL_FLAG(double, seconds, 10, "Measured seconds per configuration");
 ABSL_FLAG(double, round_seconds, 0,
@@ -239,7 +244,9 @@ struct Result {
 // `workers` concurrent simulated workers pushing full updates, each pausing `round` seconds after
 // every push (its first push at a random phase in [0, round), not measured), measured for
 // `seconds` from when every worker has pushed once and at least one round has passed.
-Result RunWorkers(int workers, double seconds, double round, const std::vector<Watched>& watched) {
+// pull: each worker pulls the latest version back to back instead (egress; round ignored).
+Result RunWorkers(int workers, double seconds, double round, const std::vector<Watched>& watched,
+                  bool pull = false) {
   worker::ClientOptions options;
   options.address = absl::GetFlag(FLAGS_server);
   std::vector<std::unique_ptr<worker::ServerClient>> clients;
@@ -289,6 +296,26 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
       // the worker must stop (no task, or the window closed while training). The push counts in
       // r when the window was open at its start and had not closed at its end.
       auto push = [&](double train) {
+        if (pull) {
+          // A joiner's download: every layer of the latest version, from every shard at once.
+          std::vector<std::vector<float>> layers;
+          uint64_t bytes = 0;
+          const bool counted = measure.HasBeenNotified();
+          const auto t0 = Clock::now();
+          absl::StatusOr<uint64_t> version = client.Pull(id, 0, true, spec, &layers, &bytes);
+          const double latency = Since(t0);
+          if (!version.ok()) {
+            std::fprintf(stderr, "pull: %s\n", version.status().ToString().c_str());
+            ++r.errors;
+            return false;
+          }
+          if (counted && !stop.HasBeenNotified()) {
+            ++r.updates;
+            r.bytes += bytes;
+            r.latencies.push_back(latency);
+          }
+          return true;
+        }
         while (true) {
           absl::StatusOr<v1::Task> task = client.RequestTask(id);
           if (!task.ok() || task->kind() == v1::Task::STOP) {
@@ -436,31 +463,34 @@ int Main() {
   }
   std::vector<std::string> names;
   for (const Watched& w : *watched) names.push_back(w.name);
-  if (mode == "ingest") {
-    const int pushers = absl::GetFlag(FLAGS_pushers);
-    const double tcp = RawTcpGbps(pushers, seconds);
-    std::printf("raw loopback TCP, %d streams: %.3f GB/s\n", pushers, tcp);
+  if (mode == "ingest" || mode == "egress") {
+    // The same run both ways: pushes accepted (ingest) or pulls served (egress).
+    const bool pull = mode == "egress";
+    const char* ops = pull ? "pull" : "push";
+    const int workers = absl::GetFlag(FLAGS_pushers);
+    const double tcp = RawTcpGbps(workers, seconds);
+    std::printf("raw loopback TCP, %d streams: %.3f GB/s\n", workers, tcp);
     if (DescribeServer() == 0) return 1;
-    const Result r = RunWorkers(pushers, seconds, round, *watched);
+    const Result r = RunWorkers(workers, seconds, pull ? 0 : round, *watched, pull);
     const double gbps = static_cast<double>(r.bytes) / r.seconds / 1e9;
     std::printf(
-        "aloe-server, %d pushers: %llu updates of %.1f MiB in %.1f s, %.3f GB/s, "
-        "push p50 %.1f ms p99 %.1f ms, %d errors\n",
-        pushers, static_cast<unsigned long long>(r.updates),
-        r.updates ? r.bytes / 1048576.0 / r.updates : 0.0, r.seconds, gbps,
+        "aloe-server, %d %sers: %llu %s of %.1f MiB in %.1f s, %.3f GB/s, "
+        "%s p50 %.1f ms p99 %.1f ms, %d errors\n",
+        workers, ops, static_cast<unsigned long long>(r.updates), pull ? "pulls" : "updates",
+        r.updates ? r.bytes / 1048576.0 / r.updates : 0.0, r.seconds, gbps, ops,
         1e3 * Percentile(r.latencies, 0.5), 1e3 * Percentile(r.latencies, 0.99), r.errors);
     std::string cpu = absl::StrFormat("aloe-bench-push %.2f", r.bench_cores);
     for (size_t i = 0; i < watched->size(); ++i) {
       absl::StrAppendFormat(&cpu, ", %s %.2f", names[i], r.watched_cores[i]);
     }
-    std::printf("CPU while pushing (cores of %u): %s\n", std::thread::hardware_concurrency(),
+    std::printf("CPU while %sing (cores of %u): %s\n", ops, std::thread::hardware_concurrency(),
                 cpu.c_str());
     if (!watched->empty()) {
       std::printf("peak RSS MiB (%s): %s\n", absl::StrJoin(names, "/").c_str(),
                   PeakRssList(*watched).c_str());
     }
-    std::printf("ingest: accepted_gbps=%.3f ratio=%.2f (raw TCP %.3f GB/s, %d streams)\n", gbps,
-                tcp > 0 ? gbps / tcp : 0.0, tcp, pushers);
+    std::printf("%s: %s_gbps=%.3f ratio=%.2f (raw TCP %.3f GB/s, %d streams)\n", mode.c_str(),
+                pull ? "served" : "accepted", gbps, tcp > 0 ? gbps / tcp : 0.0, tcp, workers);
     return r.errors == 0 && r.updates > 0 ? 0 : 1;
   }
   if (mode == "scale") {
@@ -514,7 +544,7 @@ int Main() {
                 p99_at_max, p50_at_16 > 0 ? p99_at_max / p50_at_16 : 0.0, p50_at_16);
     return errors == 0 ? 0 : 1;
   }
-  std::fprintf(stderr, "--mode must be ingest or scale\n");
+  std::fprintf(stderr, "--mode must be ingest, egress or scale\n");
   return 2;
 }
 
@@ -524,12 +554,13 @@ int Main() {
 int main(int argc, char** argv) {
   aloe::KeepLargeBuffersInHeap(argv);  // as aloe-worker does
   aloe::SetUsage(
-      "aloe-bench-push --server HOST:PORT --mode ingest|scale [flags]\n"
+      "aloe-bench-push --server HOST:PORT --mode ingest|egress|scale [flags]\n"
       "Measures how fast a running aloe-server (plain async mode; single-process or the\n"
       "coordinator of a layer-sharded one) accepts pseudo-gradient pushes from simulated\n"
-      "workers, against raw loopback TCP in the same run (ingest), or push latency and\n"
-      "updates/s per number of concurrent workers, each training --round_seconds between pushes\n"
-      "(scale). See scripts/bench/ingest.sh and scripts/bench/scale.sh.");
+      "workers, against raw loopback TCP in the same run (ingest), serves pulls of the latest\n"
+      "version to them (egress), or push latency and updates/s per number of concurrent\n"
+      "workers, each training --round_seconds between pushes (scale). See\n"
+      "scripts/bench/ingest.sh, egress.sh and scale.sh.");
   absl::ParseCommandLine(argc, argv);
   return aloe::bench::Main();
 }

@@ -40,6 +40,8 @@ TEST(PushWireTest, MethodNameIsTheGeneratedOne) {
           "aloe.v1.ParameterService.Push");
   ASSERT_NE(push, nullptr);
   EXPECT_EQ(std::string(kPushMethod), "/" + push->service()->full_name() + "/" + push->name());
+  EXPECT_EQ(std::string(kPullMethod), "/" + push->service()->full_name() + "/Pull");
+  EXPECT_NE(push->service()->FindMethodByName("Pull"), nullptr);
 }
 
 TEST(PushWireTest, ParsesWhatProtobufSerialisesCutAnywhere) {
@@ -128,6 +130,28 @@ TEST(PushWireTest, FollowsProtobufFieldSemantics) {
   EXPECT_EQ(Joined(view.data), "second");
   EXPECT_EQ(merged.data(), "second");
   EXPECT_EQ(view.codec, 0);
+}
+
+TEST(PushWireTest, ParamChunkPrefixPlusPayloadIsProtobufsSerialisation) {
+  const std::string payload(4 * 300, '\x3f');
+  for (uint64_t version : {uint64_t{0}, uint64_t{7}, uint64_t{1} << 50}) {
+    for (uint32_t layer : {0u, 3u, 70000u}) {
+      for (uint64_t offset : {uint64_t{0}, uint64_t{262144}}) {
+        for (size_t size : {size_t{0}, payload.size()}) {
+          v1::ParamChunk chunk;
+          chunk.set_version(version);
+          chunk.set_layer_id(layer);
+          chunk.set_offset(offset);
+          chunk.set_layer_elements(offset + 300);
+          chunk.set_data(payload.substr(0, size));
+          EXPECT_EQ(ParamChunkPrefix(version, layer, offset, offset + 300, size) +
+                        payload.substr(0, size),
+                    chunk.SerializeAsString())
+              << version << " " << layer << " " << offset << " " << size;
+        }
+      }
+    }
+  }
 }
 
 TEST(PushWireTest, MalformedMessagesAreRefusedLikeProtobufRefusesThem) {

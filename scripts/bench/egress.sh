@@ -1,0 +1,11 @@
+# scripts/bench.sh egress: GB/s of parameters ONE shard process of a layer-sharded aloe-server
+# serves to 4 concurrent pullers (each pulling every layer of the latest version back to back, a
+# joiner's download) vs 4 raw loopback TCP streams in the same run: ingest's other direction.
+# Sourced by scripts/bench.sh (lib.sh loaded, cwd = repository root).
+# Environment: ALOE_BENCH_SECONDS (measured seconds, default 10); ALOE_BENCH_SHARDS (shard
+# processes, default 1; 0 = the single-process server).
+# shellcheck shell=bash
+# shellcheck source=scripts/bench/_push.sh
+. "$ALOE_ROOT/scripts/bench/_push.sh"
+bench_push_run "${ALOE_BENCH_SHARDS:-1}" --mode=egress --pushers=4 \
+  --seconds="${ALOE_BENCH_SECONDS:-10}"
