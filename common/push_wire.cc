@@ -100,10 +100,11 @@ void AppendTag(uint32_t field, WireType type, std::string* out) {
   AppendVarint((uint64_t{field} << 3) | type, out);
 }
 
-}  // namespace
-
-absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunkView* out) {
-  *out = PushChunkView();
+// Reads every field of one message from `pieces` and hands it to on_field(field, wire type,
+// value (varints, lengths), bytes (length-delimited fields, as views)); stops at the first
+// error, its own or on_field's.
+template <typename OnField>
+absl::Status ScanFields(absl::Span<const std::string_view> pieces, OnField on_field) {
   PieceReader in(pieces);
   std::vector<std::string_view> bytes;
   while (in.remaining() > 0) {
@@ -134,6 +135,17 @@ absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunk
       default:
         return Malformed(absl::StrFormat("wire type %d", type), field);
     }
+    if (absl::Status s = on_field(field, type, value, bytes); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunkView* out) {
+  *out = PushChunkView();
+  return ScanFields(pieces, [&](uint32_t field, uint32_t type, uint64_t value,
+                                const std::vector<std::string_view>& bytes) {
     if (field == kHeaderField && type == kLengthDelimited) {
       std::string header;
       header.reserve(value);
@@ -150,8 +162,28 @@ absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunk
     } else if (field == kCodecField && type == kVarint) {
       out->codec = static_cast<int32_t>(static_cast<uint32_t>(value));
     }
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
+}
+
+absl::Status ParseParamChunk(absl::Span<const std::string_view> pieces, ParamChunkView* out) {
+  *out = ParamChunkView();
+  // ParamChunk: version 1, layer_id 2, offset 3, layer_elements 4, data 5 (proto/aloe.proto).
+  return ScanFields(pieces, [&](uint32_t field, uint32_t type, uint64_t value,
+                                const std::vector<std::string_view>& bytes) {
+    if (type == kVarint && field >= 1 && field <= 4) {
+      uint64_t* fields[] = {&out->version, nullptr, &out->offset, &out->layer_elements};
+      if (field == 2) {
+        out->layer_id = static_cast<uint32_t>(value);
+      } else {
+        *fields[field - 1] = value;
+      }
+    } else if (field == 5 && type == kLengthDelimited) {
+      out->data = bytes;
+      out->data_size = value;
+    }
+    return absl::OkStatus();
+  });
 }
 
 std::string PushChunkPrefix(const v1::PushHeader* header, uint32_t layer_id, uint64_t offset,

@@ -8,8 +8,10 @@
 // with a peer that uses the generated protobuf code.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -43,6 +45,46 @@ struct PushChunkView {
 // wire types 6 and 7, a malformed header). kInvalidArgument naming the problem; *out is then
 // unspecified.
 absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunkView* out);
+
+// One parsed ParamChunk (a pulled chunk of parameters). `data` views the message's own bytes.
+struct ParamChunkView {
+  uint64_t version = 0;
+  uint32_t layer_id = 0;
+  uint64_t offset = 0;
+  uint64_t layer_elements = 0;
+  std::vector<std::string_view> data;  // the data field, in pieces; empty pieces dropped
+  size_t data_size = 0;
+};
+
+// ParsePushChunk for a ParamChunk, with the same semantics and refusals.
+absl::Status ParseParamChunk(absl::Span<const std::string_view> pieces, ParamChunkView* out);
+
+// Calls run(bytes, out, n) over the float32 values that `pieces` hold, writing to `out` onward:
+// each piece's whole values in place, a value split between pieces gathered first. Returns
+// false as soon as run does, and when the bytes are not a whole number of values.
+template <typename Run>
+bool ForEachFloatRun(absl::Span<const std::string_view> pieces, float* out, Run run) {
+  char split[sizeof(float)];
+  size_t have = 0;  // bytes of a split value gathered so far
+  for (std::string_view p : pieces) {
+    if (have > 0) {
+      const size_t take = std::min(sizeof(float) - have, p.size());
+      std::memcpy(split + have, p.data(), take);
+      have += take;
+      p.remove_prefix(take);
+      if (have < sizeof(float)) continue;
+      if (!run(split, out++, size_t{1})) return false;
+      have = 0;
+    }
+    const size_t n = p.size() / sizeof(float);
+    if (!run(p.data(), out, n)) return false;
+    out += n;
+    p.remove_prefix(n * sizeof(float));
+    std::memcpy(split, p.data(), p.size());
+    have = p.size();
+  }
+  return have == 0;
+}
 
 // The serialised fields of a PushChunk up to and including the data field's tag and length:
 // a message is these bytes followed by `data_size` payload bytes. Fields at their proto3

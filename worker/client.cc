@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "common/push_wire.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
+#include "kernels/cpu/outer_kernels.h"
 
 namespace aloe::worker {
 namespace {
@@ -47,7 +49,6 @@ ServerClient::ServerClient(const ClientOptions& options)
   }
   channel_ = MakeChannel(options.address);
   coordinator_ = v1::Coordinator::NewStub(channel_);
-  parameters_ = v1::ParameterService::NewStub(channel_);
 }
 
 std::shared_ptr<grpc::Channel> ServerClient::MakeChannel(const std::string& address) const {
@@ -67,8 +68,7 @@ absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses) 
   }
   auto next = std::make_shared<ShardSet>();
   for (const std::string& address : addresses) {
-    Shard shard{address, MakeChannel(address), nullptr};
-    shard.parameters = v1::ParameterService::NewStub(shard.channel);
+    Shard shard{address, MakeChannel(address)};
     next->push_back(std::move(shard));
   }
   absl::MutexLock lock(&mu_);
@@ -183,23 +183,48 @@ struct PulledStream {
 // streams of a sharded pull write disjoint layers and `filled` entries (elements received per
 // layer, from the window start). *bytes grows by the payload bytes received. kDataLoss on a bad
 // chunk; errors are prefixed by `label`.
-absl::StatusOr<PulledStream> ReadPullStream(
-    const ServerClient& client, v1::ParameterService::Stub* stub, const v1::PullRequest& request,
-    const v1::ModelSpec& spec, const PullWindows& windows, int owner, const std::string& label,
-    std::vector<std::vector<float>>* layers, std::vector<uint64_t>* filled, uint64_t* bytes) {
+absl::StatusOr<PulledStream> ReadPullStream(const ServerClient& client,
+                                            const std::shared_ptr<grpc::Channel>& channel,
+                                            const v1::PullRequest& request,
+                                            const v1::ModelSpec& spec, const PullWindows& windows,
+                                            int owner, const std::string& label,
+                                            std::vector<std::vector<float>>* layers,
+                                            std::vector<uint64_t>* filled, uint64_t* bytes) {
   grpc::ClientContext context;
   client.PrepareContext(&context, kTransferDeadlineSeconds);
-  std::unique_ptr<grpc::ClientReader<v1::ParamChunk>> reader = stub->Pull(&context, request);
+  // Raw messages parsed in place (common/push_wire.h): the payload is decoded straight from the
+  // received slices into the layer.
+  const grpc::internal::RpcMethod method(kPullMethod, grpc::internal::RpcMethod::SERVER_STREAMING,
+                                         channel);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), method, &context,
+                                                                    request));
   PulledStream got;
-  v1::ParamChunk chunk;
+  grpc::ByteBuffer message;
+  std::vector<grpc::Slice> slices;
+  std::vector<std::string_view> pieces;
+  ParamChunkView chunk;
   absl::Status bad;
-  while (bad.ok() && reader->Read(&chunk)) {
+  while (bad.ok() && reader->Read(&message)) {
+    slices.clear();
+    pieces.clear();
+    if (grpc::Status dumped = message.Dump(&slices); !dumped.ok()) {
+      bad = absl::DataLossError(absl::StrCat(label, "pull stream: ", dumped.error_message()));
+      break;
+    }
+    for (const grpc::Slice& slice : slices) {
+      pieces.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    }
+    if (absl::Status parsed = ParseParamChunk(pieces, &chunk); !parsed.ok()) {
+      bad = absl::DataLossError(absl::StrCat(label, "pull stream: ", parsed.message()));
+      break;
+    }
     if (!got.have_version) {
-      got.version = chunk.version();
+      got.version = chunk.version;
       got.have_version = true;
     }
-    const uint32_t id = chunk.layer_id();
-    if (chunk.version() != got.version) {
+    const uint32_t id = chunk.layer_id;
+    if (chunk.version != got.version) {
       bad = absl::DataLossError(absl::StrCat(label, "pull stream mixes model versions"));
     } else if (owner >= 0 && id < static_cast<uint32_t>(spec.layers_size()) &&
                spec.layers(id).shard() != static_cast<uint32_t>(owner)) {
@@ -207,19 +232,29 @@ absl::StatusOr<PulledStream> ReadPullStream(
       bad = absl::DataLossError(absl::StrFormat("%spull stream: layer %d belongs to shard %d",
                                                 label, id, spec.layers(id).shard()));
     } else if (id >= static_cast<uint32_t>(spec.layers_size()) ||
-               chunk.layer_elements() != spec.layers(id).num_elements() ||
-               chunk.offset() != windows.first[id] + (*filled)[id] ||
-               chunk.data().size() % sizeof(float) != 0 ||
-               (*filled)[id] + chunk.data().size() / sizeof(float) > windows.length[id]) {
+               chunk.layer_elements != spec.layers(id).num_elements() ||
+               chunk.offset != windows.first[id] + (*filled)[id] ||
+               chunk.data_size % sizeof(float) != 0 ||
+               (*filled)[id] + chunk.data_size / sizeof(float) > windows.length[id]) {
       bad =
           absl::DataLossError(absl::StrFormat("%spull stream: bad chunk for layer %d", label, id));
     } else {
-      const size_t count = chunk.data().size() / sizeof(float);
-      absl::Status s =
-          DecodeFloats(chunk.data(), absl::MakeSpan((*layers)[id].data() + (*filled)[id], count));
-      if (!s.ok()) bad = absl::DataLossError(absl::StrCat(label, "pull stream: ", s.message()));
+      const size_t count = chunk.data_size / sizeof(float);
+      float* out = (*layers)[id].data() + (*filled)[id];
+      // Finite values only (NaN and +-Inf fail the magnitude check at any limit).
+      const bool finite = ForEachFloatRun(chunk.data, out, [](const char* in, float* to, size_t n) {
+        return kernels::CopyWithinMagnitude(in, to, n, std::numeric_limits<float>::max());
+      });
+      if (!finite) {
+        // The slow path names the bad value.
+        std::string joined;
+        for (std::string_view p : chunk.data) joined.append(p);
+        absl::Status s = DecodeFloats(joined, absl::MakeSpan(out, count));
+        bad = absl::DataLossError(absl::StrCat(
+            label, "pull stream: ", s.ok() ? "undecodable float32 payload" : s.message()));
+      }
       (*filled)[id] += count;
-      *bytes += chunk.data().size();
+      *bytes += chunk.data_size;
     }
   }
   if (!bad.ok()) {
@@ -372,13 +407,13 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
   std::vector<uint64_t> received(streams, 0);
   RunInParallel(streams, [&](size_t i) {
     if (shards->empty()) {
-      got[i] = ReadPullStream(*this, parameters_.get(), request, spec, windows, /*owner=*/-1, "",
-                              layers, &filled, &received[i]);
+      got[i] = ReadPullStream(*this, channel_, request, spec, windows, /*owner=*/-1, "", layers,
+                              &filled, &received[i]);
     } else {
       const Shard& shard = (*shards)[i];
-      got[i] = ReadPullStream(*this, shard.parameters.get(), request, spec, windows,
-                              static_cast<int>(i), StreamLabel(static_cast<int>(i), shard.address),
-                              layers, &filled, &received[i]);
+      got[i] = ReadPullStream(*this, shard.channel, request, spec, windows, static_cast<int>(i),
+                              StreamLabel(static_cast<int>(i), shard.address), layers, &filled,
+                              &received[i]);
     }
   });
   for (uint64_t n : received) *bytes += n;

@@ -90,7 +90,6 @@ class ServerClient {
   struct Shard {
     std::string address;
     std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<v1::ParameterService::Stub> parameters;
   };
   using ShardSet = std::vector<Shard>;
 
@@ -105,7 +104,6 @@ class ServerClient {
   grpc::ChannelArguments channel_args_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
-  std::unique_ptr<v1::ParameterService::Stub> parameters_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const ShardSet> shards_ ABSL_GUARDED_BY(mu_);
 };

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/model_spec.h"
+#include "common/push_wire.h"
 #include "common/tensor_codec.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -23,32 +24,6 @@ size_t FirstOversized(absl::Span<const float> values) {
     if (!(std::fabs(values[i]) <= kMaxPushMagnitude)) return i;
   }
   return values.size();
-}
-
-// kernels::CopyWithinMagnitude over float32 bytes that arrive in pieces of any length: a value
-// split between two pieces is put together first. False as soon as a value is non-finite or
-// too large (out is then partly written).
-bool CopyPiecesWithinMagnitude(absl::Span<const std::string_view> pieces, float* out) {
-  char split[sizeof(float)];
-  size_t have = 0;  // bytes of a split value gathered so far
-  for (std::string_view p : pieces) {
-    if (have > 0) {
-      const size_t take = std::min(sizeof(float) - have, p.size());
-      std::memcpy(split + have, p.data(), take);
-      have += take;
-      p.remove_prefix(take);
-      if (have < sizeof(float)) continue;
-      if (!kernels::CopyWithinMagnitude(split, out++, 1, kMaxPushMagnitude)) return false;
-      have = 0;
-    }
-    const size_t n = p.size() / sizeof(float);
-    if (!kernels::CopyWithinMagnitude(p.data(), out, n, kMaxPushMagnitude)) return false;
-    out += n;
-    p.remove_prefix(n * sizeof(float));
-    std::memcpy(split, p.data(), p.size());
-    have = p.size();
-  }
-  return have == 0;
 }
 
 }  // namespace
@@ -160,9 +135,14 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   const absl::Span<float> out = absl::MakeSpan(buffer.data() + offset, count);
   // float32 (the common case): decode, finiteness and magnitude in one pass; the slow path below
   // runs only for other codecs and to name what a refused chunk got wrong.
-  const bool decoded = fp32 && (in_pieces ? CopyPiecesWithinMagnitude(pieces, out.data())
-                                          : kernels::CopyWithinMagnitude(payload.data(), out.data(),
-                                                                         count, kMaxPushMagnitude));
+  const bool decoded =
+      fp32 &&
+      (in_pieces
+           ? ForEachFloatRun(pieces, out.data(),
+                             [](const char* in, float* to, size_t n) {
+                               return kernels::CopyWithinMagnitude(in, to, n, kMaxPushMagnitude);
+                             })
+           : kernels::CopyWithinMagnitude(payload.data(), out.data(), count, kMaxPushMagnitude));
   if (!decoded) {
     if (in_pieces) join();
     absl::Status s = DecodeChunk(codec, payload, out);

@@ -295,10 +295,11 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
       // task (and the version it starts from) is open while the worker trains. Returns false when
       // the worker must stop (no task, or the window closed while training). The push counts in
       // r when the window was open at its start and had not closed at its end.
+      std::vector<std::vector<float>> layers;  // egress: where this worker pulls to
       auto push = [&](double train) {
         if (pull) {
-          // A joiner's download: every layer of the latest version, from every shard at once.
-          std::vector<std::vector<float>> layers;
+          // A joiner's download: every layer of the latest version, from every shard at once,
+          // into the worker's own buffers (reused, as a worker's parameters are).
           uint64_t bytes = 0;
           const bool counted = measure.HasBeenNotified();
           const auto t0 = Clock::now();

@@ -16,6 +16,8 @@
 //   - Data views are non-empty and lie inside the input.
 //   - Writing the parsed fields back with PushChunkPrefix + the data gives bytes protobuf
 //     parses to the same fields.
+//   - All of the above also for the same bytes read as a ParamChunk (ParseParamChunk,
+//     ParamChunkPrefix), the message a pull streams.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -60,6 +62,41 @@ void CheckSame(const PushChunkView& view, const v1::PushChunk& chunk, const char
              "%s: data differs (%zu vs %zu bytes)", what, view.data_size, chunk.data().size());
 }
 
+// The same bytes read as a ParamChunk (ParseParamChunk), against protobuf's ParamChunk.
+void CheckParamChunk(const std::vector<std::string_view>& pieces, std::string_view message) {
+  ParamChunkView view;
+  const absl::Status parsed = ParseParamChunk(pieces, &view);
+  v1::ParamChunk chunk;
+  const bool protobuf_ok = chunk.ParseFromArray(message.data(), static_cast<int>(message.size()));
+  if (!parsed.ok()) {
+    bool group = false;
+    if (protobuf_ok) {
+      const google::protobuf::UnknownFieldSet& unknown =
+          chunk.GetReflection()->GetUnknownFields(chunk);
+      for (int i = 0; i < unknown.field_count(); ++i) {
+        group |= unknown.field(i).type() == google::protobuf::UnknownField::TYPE_GROUP;
+      }
+    }
+    FUZZ_CHECK(!protobuf_ok || group, "protobuf reads the ParamChunk, ParseParamChunk refuses: %s",
+               parsed.ToString().c_str());
+    return;
+  }
+  FUZZ_CHECK(protobuf_ok, "ParseParamChunk reads a message protobuf refuses");
+  FUZZ_CHECK(view.version == chunk.version() && view.layer_id == chunk.layer_id() &&
+                 view.offset == chunk.offset() && view.layer_elements == chunk.layer_elements(),
+             "ParamChunk fields differ");
+  FUZZ_CHECK(view.data_size == chunk.data().size() && Joined(view.data) == chunk.data(),
+             "ParamChunk data differs");
+  const std::string rewritten = ParamChunkPrefix(view.version, view.layer_id, view.offset,
+                                                 view.layer_elements, view.data_size) +
+                                Joined(view.data);
+  v1::ParamChunk back;
+  FUZZ_CHECK(back.ParseFromString(rewritten) && back.version() == chunk.version() &&
+                 back.layer_id() == chunk.layer_id() && back.offset() == chunk.offset() &&
+                 back.layer_elements() == chunk.layer_elements() && back.data() == chunk.data(),
+             "ParamChunkPrefix + data does not read back");
+}
+
 void Run(const uint8_t* data, size_t size) {
   if (size == 0) return;
   const size_t k = data[0] % 8;
@@ -89,6 +126,7 @@ void Run(const uint8_t* data, size_t size) {
              parsed.ToString().c_str(), parsed_whole.ToString().c_str());
 
   if (!parsed.ok()) {
+    CheckParamChunk(pieces, message);
     FUZZ_CHECK(parsed.code() == absl::StatusCode::kInvalidArgument &&
                    absl::StrContains(parsed.message(), "malformed push message"),
                "refusal: %s", parsed.ToString().c_str());
@@ -105,6 +143,8 @@ void Run(const uint8_t* data, size_t size) {
                    d.data() + d.size() <= message.data() + message.size(),
                "a data view outside the message");
   }
+
+  CheckParamChunk(pieces, message);
 
   const std::string rewritten =
       PushChunkPrefix(view.has_header ? &view.header : nullptr, view.layer_id, view.offset,

@@ -154,6 +154,40 @@ TEST(PushWireTest, ParamChunkPrefixPlusPayloadIsProtobufsSerialisation) {
   }
 }
 
+TEST(PushWireTest, ParsesParamChunksCutAnywhere) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 100; ++trial) {
+    v1::ParamChunk chunk;
+    chunk.set_version(trial % 3 == 0 ? 0 : rng());
+    chunk.set_layer_id(trial % 4 == 0 ? 0 : rng());
+    chunk.set_offset(trial % 5 == 0 ? 0 : (uint64_t{rng()} << 12));
+    chunk.set_layer_elements(rng());
+    std::string data(rng() % 2000, '\0');
+    for (char& c : data) c = static_cast<char>(rng());
+    chunk.set_data(data);
+    std::string bytes = chunk.SerializeAsString();
+    if (trial % 2 == 1) bytes += std::string("\x30\x05\x3a\x01z", 5);  // unknown fields 6, 7
+    std::vector<size_t> at;
+    for (int i = rng() % 5; i > 0; --i) at.push_back(rng() % (bytes.size() + 1));
+    std::sort(at.begin(), at.end());
+    ParamChunkView view;
+    ASSERT_TRUE(ParseParamChunk(CutAt(bytes, at), &view).ok()) << trial;
+    EXPECT_EQ(view.version, chunk.version());
+    EXPECT_EQ(view.layer_id, chunk.layer_id());
+    EXPECT_EQ(view.offset, chunk.offset());
+    EXPECT_EQ(view.layer_elements, chunk.layer_elements());
+    EXPECT_EQ(view.data_size, data.size());
+    EXPECT_EQ(Joined(view.data), data);
+  }
+  ParamChunkView view;
+  EXPECT_THAT(ParseParamChunk({std::string("\x2a\x09"
+                                           "abc",
+                                           5)},
+                              &view)
+                  .message(),
+              HasSubstr("malformed push message: truncated length-delimited field (field 5)"));
+}
+
 TEST(PushWireTest, MalformedMessagesAreRefusedLikeProtobufRefusesThem) {
   struct Case {
     std::string bytes;
