@@ -8,13 +8,18 @@
 # on every exit path (trap). The benchmark's last line (`ingest: ...` / `scale: ...`) is printed
 # last.
 #
-# Environment: ALOE_BENCH_MAX_STAGED = S (default 8, the server's default);
+# Environment: ALOE_BENCH_PIN = RECEIVER,SENDER (CPU numbers; ingest and egress): the server
+# processes and the raw TCP baseline's readers run on RECEIVER only, the benchmark's workers and
+# the TCP writers on SENDER only, so that neither side of either measurement shares its core
+# with the other side (unset: no pinning); ALOE_BENCH_MAX_STAGED = S (default 8, the server's
+# default);
 # ALOE_BENCH_RSS_OVERHEAD_MIB = the fixed overhead of the bound (default 32: a shard process of
 # this binary with a model of a few thousand parameters peaks at ~22 MiB under 4 pushers).
 # shellcheck shell=bash
 
 BENCH_PUSH_NAMES=()
 BENCH_PUSH_PIDS=()
+BENCH_PUSH_PREFIX=()  # command prefix of the server processes (taskset with ALOE_BENCH_PIN)
 BENCH_PUSH_DIR=""
 
 # Prints `N` TCP ports of 127.0.0.1 that were free a moment ago (the shard processes need fixed
@@ -35,8 +40,8 @@ EOF
 bench_push_start() {
   local name="$1"
   shift
-  "$ALOE_BIN_DIR/aloe-server" "$@" --port_file="$BENCH_PUSH_DIR/$name.ports" \
-    >"$BENCH_PUSH_DIR/$name.log" 2>&1 &
+  ${BENCH_PUSH_PREFIX[@]+"${BENCH_PUSH_PREFIX[@]}"} "$ALOE_BIN_DIR/aloe-server" "$@" \
+    --port_file="$BENCH_PUSH_DIR/$name.ports" >"$BENCH_PUSH_DIR/$name.log" 2>&1 &
   BENCH_PUSH_NAMES+=("$name")
   BENCH_PUSH_PIDS+=("$!")
   local pid=$!
@@ -107,6 +112,17 @@ bench_push_run() {
       echo "ALOE_BENCH_SHARDS, ALOE_BENCH_MAX_STAGED, ALOE_BENCH_RSS_OVERHEAD_MIB: integers" >&2
       return 2 ;;
   esac
+  local pin="${ALOE_BENCH_PIN:-}" pin_flags=()
+  if [ -n "$pin" ]; then
+    if ! [[ "$pin" =~ ^[0-9]+,[0-9]+$ ]]; then
+      echo "ALOE_BENCH_PIN: RECEIVER,SENDER (two CPU numbers), got '${ALOE_BENCH_PIN}'" >&2
+      return 2
+    fi
+    BENCH_PUSH_PREFIX=(taskset -c "${pin%,*}")
+    pin_flags=(--pin="$pin")
+    echo "pinned: server processes and TCP readers on CPU ${pin%,*}, the benchmark's workers" \
+      "and TCP writers on CPU ${pin#*,}"
+  fi
   aloe_build aloe-server aloe-bench-push >/dev/null
   "$ALOE_ROOT/scripts/prepare-corpus.sh" data/sotu >/dev/null
   BENCH_PUSH_DIR="$ALOE_ROOT/out/bench-push"
@@ -144,7 +160,8 @@ bench_push_run() {
 
   # The last line waits until the memory report is out: it stays the benchmark's last line.
   local rc=0
-  "$ALOE_BIN_DIR/aloe-bench-push" --server="127.0.0.1:$port" --watch="$watch" "$@" |
+  "$ALOE_BIN_DIR/aloe-bench-push" --server="127.0.0.1:$port" --watch="$watch" \
+    ${pin_flags[@]+"${pin_flags[@]}"} "$@" |
     tee "$BENCH_PUSH_DIR/bench.out" | sed -E '/^(ingest|egress|scale): /d' || rc=$?
   bench_push_report_memory "$max_staged" "$overhead_mib"
   bench_push_stop

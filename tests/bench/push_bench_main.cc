@@ -32,6 +32,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -46,6 +48,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -79,6 +82,11 @@ ABSL_FLAG(bool, report_pulled, true,
           "pushes zeros and never reads parameters, so it skips the pull itself); false: keep "
           "every open task's base version on the server for the whole round");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the workers' first-push phases (--round_seconds)");
+ABSL_FLAG(std::string, pin, "",
+          "RECEIVER,SENDER: CPU numbers. The raw TCP baseline's reader threads run on RECEIVER and "
+          "its writers on SENDER, and this process's workers on SENDER (start the server "
+          "processes on RECEIVER, e.g. with taskset): both sides of both measurements on their "
+          "own core. Empty = no pinning");
 ABSL_FLAG(double, join_seconds, 30,
           "How long to retry Join while the server answers UNAVAILABLE (a layer-sharded server "
           "until all its shard processes follow the coordinator)");
@@ -153,9 +161,37 @@ std::string PeakRssList(const std::vector<Watched>& watched) {
   return values.empty() ? "-" : absl::StrJoin(values, "/");
 }
 
+// The calling thread (and the threads it starts from now on) runs on `cpu` only; -1: anywhere.
+void PinThisThread(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0) {
+    std::fprintf(stderr, "cannot pin a thread to CPU %d\n", cpu);
+    std::exit(2);
+  }
+}
+
+// --pin: (receiver CPU, sender CPU), or (-1, -1).
+std::pair<int, int> PinnedCpus() {
+  const std::string pin = absl::GetFlag(FLAGS_pin);
+  if (pin.empty()) return {-1, -1};
+  std::vector<std::string> parts = absl::StrSplit(pin, ',');
+  int receiver = -1, sender = -1;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &receiver) ||
+      !absl::SimpleAtoi(parts[1], &sender) || receiver < 0 || sender < 0) {
+    std::fprintf(stderr, "--pin must be RECEIVER,SENDER (two CPU numbers), got '%s'\n",
+                 pin.c_str());
+    std::exit(2);
+  }
+  return {receiver, sender};
+}
+
 // GB/s of `streams` concurrent loopback TCP connections, each written with 1 MiB send()s for
-// `seconds` and drained by its own reader thread.
-double RawTcpGbps(int streams, double seconds) {
+// `seconds` and drained by its own reader thread (readers on CPU `receiver_cpu`, writers on
+// `sender_cpu` when those are >= 0).
+double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender_cpu = -1) {
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -179,7 +215,8 @@ double RawTcpGbps(int streams, double seconds) {
     }
     const int in = accept(listener, nullptr, nullptr);
     senders.push_back(out);
-    threads.emplace_back([in, &received] {
+    threads.emplace_back([in, &received, receiver_cpu] {
+      PinThisThread(receiver_cpu);
       std::vector<char> buffer(1 << 20);
       ssize_t n;
       while ((n = recv(in, buffer.data(), buffer.size(), 0)) > 0) received += n;
@@ -191,7 +228,8 @@ double RawTcpGbps(int streams, double seconds) {
   std::vector<std::thread> writers;
   writers.reserve(senders.size());
   for (int out : senders) {
-    writers.emplace_back([out, &stop] {
+    writers.emplace_back([out, &stop, sender_cpu] {
+      PinThisThread(sender_cpu);
       std::vector<char> buffer(1 << 20, 'x');
       while (!stop.load()) {
         size_t sent = 0;
@@ -469,8 +507,15 @@ int Main() {
     const bool pull = mode == "egress";
     const char* ops = pull ? "pull" : "push";
     const int workers = absl::GetFlag(FLAGS_pushers);
-    const double tcp = RawTcpGbps(workers, seconds);
-    std::printf("raw loopback TCP, %d streams: %.3f GB/s\n", workers, tcp);
+    const auto [receiver_cpu, sender_cpu] = PinnedCpus();
+    const double tcp = RawTcpGbps(workers, seconds, receiver_cpu, sender_cpu);
+    std::printf("raw loopback TCP, %d streams: %.3f GB/s%s\n", workers, tcp,
+                receiver_cpu >= 0 ? absl::StrFormat(" (readers on CPU %d, writers on CPU %d)",
+                                                    receiver_cpu, sender_cpu)
+                                        .c_str()
+                                  : "");
+    // Every gRPC thread of the workers starts after this: they all run on the sender's CPU.
+    PinThisThread(sender_cpu);
     if (DescribeServer() == 0) return 1;
     const Result r = RunWorkers(workers, seconds, pull ? 0 : round, *watched, pull);
     const double gbps = static_cast<double>(r.bytes) / r.seconds / 1e9;
