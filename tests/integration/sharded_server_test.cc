@@ -416,7 +416,9 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
   // tasks handed out before the stop are still applied).
   int final_version = 0;
   for (absl::string_view line : absl::StrSplit(ReadFile(dir_ + "/summary"), '\n')) {
-    if (absl::ConsumePrefix(&line, "version=")) ASSERT_TRUE(absl::SimpleAtoi(line, &final_version));
+    if (absl::ConsumePrefix(&line, "version=")) {
+      ASSERT_TRUE(absl::SimpleAtoi(line, &final_version));
+    }
   }
   ASSERT_GE(final_version, static_cast<int>(kVersions)) << ShardLogs();
   EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard0.log")), final_version) << ShardLogs();
@@ -432,7 +434,9 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
   for (const v1::ShardOrder& o : *orders) {
     if (o.kind() == v1::ShardOrder::RESTORE) restores.push_back(o.version());
     for (const v1::CommitEntry& e : o.entries()) {
-      if (o.kind() == v1::ShardOrder::COMMIT) EXPECT_NE(e.worker_id(), victim);
+      if (o.kind() == v1::ShardOrder::COMMIT) {
+        EXPECT_NE(e.worker_id(), victim);
+      }
     }
   }
   ASSERT_EQ(restores.size(), 2u);
