@@ -171,12 +171,22 @@ absl::Status ParseParamChunk(absl::Span<const std::string_view> pieces, ParamChu
   // ParamChunk: version 1, layer_id 2, offset 3, layer_elements 4, data 5 (proto/aloe.proto).
   return ScanFields(pieces, [&](uint32_t field, uint32_t type, uint64_t value,
                                 const std::vector<std::string_view>& bytes) {
-    if (type == kVarint && field >= 1 && field <= 4) {
-      uint64_t* fields[] = {&out->version, nullptr, &out->offset, &out->layer_elements};
-      if (field == 2) {
-        out->layer_id = static_cast<uint32_t>(value);
-      } else {
-        *fields[field - 1] = value;
+    if (type == kVarint) {
+      switch (field) {
+        case 1:
+          out->version = value;
+          break;
+        case 2:
+          out->layer_id = static_cast<uint32_t>(value);
+          break;
+        case 3:
+          out->offset = value;
+          break;
+        case 4:
+          out->layer_elements = value;
+          break;
+        default:
+          break;  // unknown
       }
     } else if (field == 5 && type == kLengthDelimited) {
       out->data = bytes;

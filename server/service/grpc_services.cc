@@ -132,15 +132,9 @@ grpc::Status ParameterServiceImpl::ServePush(grpc::ServerContext* context, PushS
   };
   absl::StatusOr<std::string> identity = Authorize(auth_, *context, std::nullopt);
   if (!identity.ok()) return reject(identity.status());
-  PushChunkView chunk;
-  if (!reader->Read(&chunk)) {
-    return reject(reader->status().ok() ? absl::InvalidArgumentError("empty push stream")
-                                        : reader->status());
-  }
-  if (!chunk.has_header) {
-    return reject(absl::InvalidArgumentError("the first push message must carry the header"));
-  }
-  const v1::PushHeader header = chunk.header;
+  absl::StatusOr<v1::PushHeader> first = reader->ReadHeader();
+  if (!first.ok()) return reject(first.status());
+  const v1::PushHeader header = *std::move(first);
   if (absl::Status owner = auth_.CheckOwner(header.worker_id(), *identity); !owner.ok()) {
     return reject(owner);
   }
@@ -152,18 +146,7 @@ grpc::Status ParameterServiceImpl::ServePush(grpc::ServerContext* context, PushS
   if (!status.ok()) return reject(status);
 
   UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers));
-  bool first = true;
-  do {
-    if (!first && chunk.has_header) {
-      return reject(absl::InvalidArgumentError("push header repeated after the first message"));
-    }
-    first = false;
-    if (chunk.has_header && chunk.data_size == 0) continue;  // the header alone: no chunk
-    status = assembler.AddChunk(chunk.layer_id, chunk.offset, chunk.data,
-                                static_cast<v1::Codec>(chunk.codec));
-    if (!status.ok()) return reject(status);
-  } while (reader->Read(&chunk));
-  if (!reader->status().ok()) return reject(reader->status());
+  if (absl::Status read = reader->ReadChunks(assembler); !read.ok()) return reject(read);
   CountReceivedBytes(assembler, metrics_);
 
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace aloe::server {
 namespace {
@@ -17,7 +18,7 @@ void ReleaseLayer(void* owner) { delete static_cast<LayerBuffer*>(owner); }
 
 }  // namespace
 
-bool PushStreamReader::Read(PushChunkView* chunk) {
+bool PushStreamReader::Read() {
   if (!reader_->Read(&message_)) return false;
   slices_.clear();
   pieces_.clear();
@@ -29,8 +30,32 @@ bool PushStreamReader::Read(PushChunkView* chunk) {
   for (const grpc::Slice& s : slices_) {
     pieces_.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
   }
-  status_ = ParsePushChunk(pieces_, chunk);
+  status_ = ParsePushChunk(pieces_, &chunk_);
   return status_.ok();
+}
+
+absl::StatusOr<v1::PushHeader> PushStreamReader::ReadHeader() {
+  if (!Read()) {
+    return status_.ok() ? absl::InvalidArgumentError("empty push stream") : status_;
+  }
+  if (!chunk_.has_header) {
+    return absl::InvalidArgumentError("the first push message must carry the header");
+  }
+  return chunk_.header;
+}
+
+absl::Status PushStreamReader::ReadChunks(UpdateAssembler& assembler) {
+  bool first = true;
+  do {
+    if (!first && chunk_.has_header) {
+      return absl::InvalidArgumentError("push header repeated after the first message");
+    }
+    first = false;
+    if (chunk_.has_header && chunk_.data_size == 0) continue;  // the header alone: no chunk
+    ALOE_RETURN_IF_ERROR(assembler.AddChunk(chunk_.layer_id, chunk_.offset, chunk_.data,
+                                            static_cast<v1::Codec>(chunk_.codec)));
+  } while (Read());
+  return status_;
 }
 
 grpc::ByteBuffer ParamChunkMessage(uint64_t version, uint32_t layer_id, LayerBuffer layer,

@@ -12,28 +12,38 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/push_wire.h"
 #include "proto/aloe.grpc.pb.h"
+#include "server/core/update_assembler.h"
 
 namespace aloe::server {
 
-// A Push stream's messages, parsed as they are read.
+// A Push stream's messages, parsed as they are read, and the stream's framing rules: the first
+// message carries the header (alone, or with the first chunk), no later message does.
 class PushStreamReader {
  public:
   explicit PushStreamReader(grpc::ServerReaderInterface<grpc::ByteBuffer>* reader)
       : reader_(reader) {}
 
-  // Reads the next message into *chunk, whose data views stay valid until the next Read: true.
-  // False at the end of the stream, or for a message that does not parse, which status() then
-  // names (kInvalidArgument).
-  bool Read(PushChunkView* chunk);
-  const absl::Status& status() const { return status_; }
+  // Reads the first message and returns its header. kInvalidArgument for an empty stream, a
+  // first message without a header, or one that does not parse.
+  absl::StatusOr<v1::PushHeader> ReadHeader();
+  // After ReadHeader: adds the first message's chunk (if it has data) and every later message's
+  // to `assembler`, to the end of the stream. kInvalidArgument for a repeated header or a message
+  // that does not parse; else the first error of assembler.AddChunk.
+  absl::Status ReadChunks(UpdateAssembler& assembler);
 
  private:
+  // Reads the next message into chunk_, whose data views stay valid until the next Read: true.
+  // False at the end of the stream, or for a message that does not parse (status_ says so).
+  bool Read();
+
   grpc::ServerReaderInterface<grpc::ByteBuffer>* reader_;
   grpc::ByteBuffer message_;
   std::vector<grpc::Slice> slices_;
   std::vector<std::string_view> pieces_;
+  PushChunkView chunk_;
   absl::Status status_;
 };
 

@@ -74,15 +74,9 @@ grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamRead
   };
   absl::StatusOr<std::string> identity = auth_.Identify(*context);
   if (!identity.ok()) return reject(identity.status());
-  PushChunkView chunk;
-  if (!reader->Read(&chunk)) {
-    return reject(reader->status().ok() ? absl::InvalidArgumentError("empty push stream")
-                                        : reader->status());
-  }
-  if (!chunk.has_header) {
-    return reject(absl::InvalidArgumentError("the first push message must carry the header"));
-  }
-  const v1::PushHeader header = chunk.header;
+  absl::StatusOr<v1::PushHeader> first = reader->ReadHeader();
+  if (!first.ok()) return reject(first.status());
+  const v1::PushHeader header = *std::move(first);
   if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return reject(s);
   if (!v1::Codec_IsValid(header.codec())) {
     return reject(
@@ -127,18 +121,7 @@ grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamRead
   } release{this};
 
   UpdateAssembler assembler(spec_, header, options_.shard_index, std::move(buffers));
-  bool first = true;
-  do {
-    if (!first && chunk.has_header) {
-      return reject(absl::InvalidArgumentError("push header repeated after the first message"));
-    }
-    first = false;
-    if (chunk.has_header && chunk.data_size == 0) continue;  // the header alone: no chunk
-    absl::Status status = assembler.AddChunk(chunk.layer_id, chunk.offset, chunk.data,
-                                             static_cast<v1::Codec>(chunk.codec));
-    if (!status.ok()) return reject(status);
-  } while (reader->Read(&chunk));
-  if (!reader->status().ok()) return reject(reader->status());
+  if (absl::Status read = reader->ReadChunks(assembler); !read.ok()) return reject(read);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();
   absl::StatusOr<PendingUpdate> part = std::move(assembler).Finish();
