@@ -140,8 +140,11 @@ bool AllFinite(const float* x, size_t n) {
 bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
   // |x| <= limit as an integer compare of the magnitude bits: IEEE-754 orders non-negative
   // floats like their bit patterns, and NaN/Inf patterns lie above every finite limit's.
+  // The bits of |limit|: limit -0.0f admits the zeros, as 0.0f does (its sign bit would
+  // otherwise put every pattern, NaN included, below it).
   uint32_t limit_bits;
   std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
+  limit_bits &= 0x7fffffffu;
   const auto* bytes = static_cast<const unsigned char*>(in);
   uint32_t over = 0;
 #pragma omp simd reduction(| : over)
