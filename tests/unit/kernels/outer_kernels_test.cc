@@ -334,77 +334,57 @@ TEST_P(OuterKernelsSizeTest, AllFiniteDetectsNanAndInfAtFirstMiddleLast) {
   }
 }
 
-using CopyKernel = bool (*)(const void*, float*, size_t, float);
-
-// `copy` (CopyWithinMagnitude or its reference) from a deliberately misaligned byte buffer
-// into a destination `out_offset` floats past a 64-byte boundary: returns (result, reference
+// CopyWithinMagnitude from a deliberately misaligned byte buffer: returns (result, reference
 // result) and checks that both copies equal the input bit for bit and that nothing around the
 // destination was written.
-std::pair<bool, bool> CopyFromUnaligned(const std::vector<float>& x, float limit,
-                                        CopyKernel copy = CopyWithinMagnitude,
-                                        size_t out_offset = 0) {
+std::pair<bool, bool> CopyFromUnaligned(const std::vector<float>& x, float limit) {
   std::vector<unsigned char> bytes(x.size() * sizeof(float) + 1);
   if (!x.empty()) std::memcpy(bytes.data() + 1, x.data(), x.size() * sizeof(float));
   constexpr size_t kGuard = 16;  // floats before and after the destination
-  std::vector<float> storage(x.size() + 2 * kGuard + 16, 7.0f), ref(x.size(), 7.0f);
-  float* base = storage.data();
-  while (reinterpret_cast<uintptr_t>(base) % 64 != 0) ++base;
-  float* out = base + kGuard + out_offset;
-  const bool fast = copy(bytes.data() + 1, out, x.size(), limit);
+  std::vector<float> storage(x.size() + 2 * kGuard, 7.0f), ref(x.size(), 7.0f);
+  float* out = storage.data() + kGuard;
+  const bool fast = CopyWithinMagnitude(bytes.data() + 1, out, x.size(), limit);
   const bool slow = reference::CopyWithinMagnitude(bytes.data() + 1, ref.data(), x.size(), limit);
   EXPECT_EQ(0, x.empty() ? 0 : std::memcmp(out, x.data(), x.size() * sizeof(float)));
   EXPECT_EQ(0, x.empty() ? 0 : std::memcmp(ref.data(), x.data(), x.size() * sizeof(float)));
-  for (float* p = storage.data(); p < storage.data() + storage.size(); ++p) {
-    if (p < out || p >= out + x.size()) {
-      EXPECT_EQ(*p, 7.0f) << "wrote outside the destination at " << (p - out);
-    }
+  for (size_t i = 0; i < kGuard; ++i) {
+    EXPECT_EQ(storage[i], 7.0f) << "wrote " << kGuard - i << " before the destination";
+    EXPECT_EQ(storage[kGuard + x.size() + i], 7.0f) << "wrote " << i << " past the destination";
   }
   return {fast, slow};
 }
 
-// Values that pass the limit 1e6, some exactly at it, and values just beyond it or not finite.
-std::vector<float> WithinLimitValues(size_t n) {
+TEST_P(OuterKernelsSizeTest, CopyWithinMagnitudeCopiesExactlyAndScreensTheLimit) {
+  const size_t n = GetParam();
   const float limit = 1e6f;
   std::vector<float> x = RandomVector(n, 17);
   const float edges[] = {limit, -limit, -0.0f, std::numeric_limits<float>::denorm_min(), 0.5f};
   for (size_t i = 0; i < n; ++i) {
     if (i % 4 == 0) x[i] = edges[(i / 4) % 5];
   }
-  return x;
-}
-const float kBeyondLimit[] = {std::nextafter(1e6f, 2e6f),
-                              -std::nextafter(1e6f, 2e6f),
-                              std::numeric_limits<float>::max(),
-                              std::numeric_limits<float>::quiet_NaN(),
-                              -std::numeric_limits<float>::quiet_NaN(),
-                              std::numeric_limits<float>::infinity(),
-                              -std::numeric_limits<float>::infinity()};
-
-TEST_P(OuterKernelsSizeTest, CopyWithinMagnitudeCopiesExactlyAndScreensTheLimit) {
-  const size_t n = GetParam();
-  const float limit = 1e6f;
-  const std::vector<float> x = WithinLimitValues(n);
-  for (CopyKernel copy : {CopyWithinMagnitude, reference::CopyWithinMagnitude}) {
-    EXPECT_EQ(CopyFromUnaligned(x, limit, copy), std::make_pair(true, true));
-    if (n == 0) continue;
-    for (float bad : kBeyondLimit) {
-      for (size_t pos : {size_t{0}, n / 2, n - 1}) {
-        std::vector<float> y = x;
-        y[pos] = bad;
-        EXPECT_EQ(CopyFromUnaligned(y, limit, copy), std::make_pair(false, false))
-            << "value " << bad << " at " << pos << " of " << n;
-      }
+  EXPECT_EQ(CopyFromUnaligned(x, limit), std::make_pair(true, true));
+  if (n == 0) return;
+  const float bad_values[] = {
+      std::nextafter(limit, 2 * limit),         -std::nextafter(limit, 2 * limit),
+      std::numeric_limits<float>::max(),        std::numeric_limits<float>::quiet_NaN(),
+      -std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+      -std::numeric_limits<float>::infinity()};
+  for (float bad : bad_values) {
+    for (size_t pos : {size_t{0}, n / 2, n - 1}) {
+      std::vector<float> y = x;
+      y[pos] = bad;
+      EXPECT_EQ(CopyFromUnaligned(y, limit), std::make_pair(false, false))
+          << "value " << bad << " at " << pos << " of " << n;
     }
-    // Limit 0 (of either sign) admits only zeros of either sign.
-    for (float zero : {0.0f, -0.0f}) {
-      EXPECT_EQ(CopyFromUnaligned(std::vector<float>(n, -0.0f), zero, copy),
-                std::make_pair(true, true));
-      std::vector<float> y(n, 0.0f);
-      y[n - 1] = std::numeric_limits<float>::denorm_min();
-      EXPECT_EQ(CopyFromUnaligned(y, zero, copy), std::make_pair(false, false));
-      y[n - 1] = std::numeric_limits<float>::quiet_NaN();
-      EXPECT_EQ(CopyFromUnaligned(y, zero, copy), std::make_pair(false, false));
-    }
+  }
+  // Limit 0 (of either sign) admits only zeros of either sign.
+  for (float zero : {0.0f, -0.0f}) {
+    EXPECT_EQ(CopyFromUnaligned(std::vector<float>(n, -0.0f), zero), std::make_pair(true, true));
+    std::vector<float> y(n, 0.0f);
+    y[n - 1] = std::numeric_limits<float>::denorm_min();
+    EXPECT_EQ(CopyFromUnaligned(y, zero), std::make_pair(false, false));
+    y[n - 1] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_EQ(CopyFromUnaligned(y, zero), std::make_pair(false, false));
   }
 }
 
