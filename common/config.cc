@@ -208,6 +208,7 @@ void FillServerDefaults(v1::ServerConfig* c) {
   if (c->lease_seconds() == 0) c->set_lease_seconds(10);
   if (c->eval_every() == 0) c->set_eval_every(1);
   if (c->max_staged_updates() == 0) c->set_max_staged_updates(8);
+  if (c->receive_window_kib() == 0) c->set_receive_window_kib(2048);
 }
 
 absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
@@ -321,6 +322,10 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (c.max_staged_updates() < 1 || c.max_staged_updates() > 4096) {
     return absl::InvalidArgumentError(
         absl::StrFormat("max_staged_updates must be in [1, 4096], got %d", c.max_staged_updates()));
+  }
+  if (c.receive_window_kib() < 64 || c.receive_window_kib() > 262144) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "receive_window_kib must be in [64, 262144], got %d", c.receive_window_kib()));
   }
   ALOE_RETURN_IF_ERROR(Positive("lease_seconds", c.lease_seconds()));
   if (!(c.max_seconds() >= 0) || !std::isfinite(c.max_seconds())) {

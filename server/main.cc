@@ -17,6 +17,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/allocator.h"
 #include "common/clock.h"
 #include "common/config.h"
@@ -270,14 +271,19 @@ absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig
   return prometheus;
 }
 
-// Builds, registers and starts the gRPC server on `address`; *port is the port bound.
+// Builds, registers and starts the gRPC server on `address` (receive windows of
+// receive_window_kib); *port is the port bound.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
     const std::string& address, std::shared_ptr<grpc::ServerCredentials> credentials,
-    const std::vector<grpc::Service*>& services, int* port) {
+    const std::vector<grpc::Service*>& services, uint32_t receive_window_kib, int* port) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, credentials, port);
   // Chunks are <= 1 MiB; anything much larger is hostile or broken.
   builder.SetMaxReceiveMessageSize(2 << 20);
+  // Fixed receive windows instead of gRPC's BDP-probed ones (see receive_window_kib).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
+                             static_cast<int>(receive_window_kib << 10));
   for (grpc::Service* service : services) builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || *port == 0) {
@@ -364,8 +370,9 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   const size_t owned_layers = state->owned_layers().size();
   auto shard = std::make_unique<ShardServer>(spec, std::move(state), options, *auth, *metrics);
   int grpc_port = 0;
-  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
-                        StartGrpc(listen, credentials, {shard.get()}, &grpc_port));
+  ALOE_ASSIGN_OR_RETURN(
+      std::unique_ptr<grpc::Server> server,
+      StartGrpc(listen, credentials, {shard.get()}, config.receive_window_kib(), &grpc_port));
   ALOE_LOG_INFO("shard",
                 "shard %d of %d listening on %s (metrics port %d): %d layers, %d parameters; "
                 "following the coordinator at %s",
@@ -491,7 +498,8 @@ absl::Status Run() {
   }
   int grpc_port = 0;
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<grpc::Server> server,
-                        StartGrpc(config.listen_address(), credentials, services, &grpc_port));
+                        StartGrpc(config.listen_address(), credentials, services,
+                                  config.receive_window_kib(), &grpc_port));
   ALOE_LOG_INFO("server", "security: %s, %s, %s",
                 config.security().tls_cert_file().empty() ? "plaintext" : "TLS",
                 config.security().tls_client_ca_file().empty() ? "no client certificates"
@@ -570,6 +578,9 @@ int main(int argc, char** argv) {
   // Pushed updates and pulled snapshots are megabytes each: reuse heap memory instead of
   // page-faulting fresh buffers for every one (may re-execute the program once).
   aloe::KeepLargeBuffersInHeap(argv, /*arena_max=*/1);  // see common/allocator.h
+  // Debian's abseil is built without NDEBUG, so every absl::Mutex lock would run deadlock
+  // detection (a lock-order graph update); the tests keep it, the daemons skip the cost.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   aloe::SetUsage(
       "aloe-server --config FILE [flags]\n"
       "Parameter server for asynchronous Local-SGD (DiLoCo) training: holds the global model and\n"

@@ -854,6 +854,9 @@ absl::Status Main() {
 int main(int argc, char** argv) {
   // Pulled models and pushed pseudo-gradients are megabytes each (may re-execute once).
   aloe::KeepLargeBuffersInHeap(argv);
+  // Debian's abseil is built without NDEBUG, so every absl::Mutex lock would run deadlock
+  // detection (a lock-order graph update); the tests keep it, the daemons skip the cost.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   aloe::SetUsage(
       "aloe-worker --server HOST:PORT [--role trainer|evaluator] [flags]\n"
       "Training daemon for ALOE: joins aloe-server, pulls the global model, trains H local AdamW\n"

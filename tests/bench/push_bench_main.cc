@@ -58,6 +58,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/allocator.h"
@@ -599,6 +600,7 @@ int Main() {
 
 int main(int argc, char** argv) {
   aloe::KeepLargeBuffersInHeap(argv);  // as aloe-worker does
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // as aloe-worker does
   aloe::SetUsage(
       "aloe-bench-push --server HOST:PORT --mode ingest|egress|scale [flags]\n"
       "Measures how fast a running aloe-server (plain async mode; single-process or the\n"

@@ -35,6 +35,7 @@ TEST(ConfigTest, TextFormatLoadsWithDefaults) {
   EXPECT_FLOAT_EQ(config->outer_optimizer().momentum(), 0.9f);
   EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_NESTEROV);
   EXPECT_EQ(config->listen_address(), "127.0.0.1:7070");
+  EXPECT_EQ(config->receive_window_kib(), 2048u);
 }
 
 TEST(ConfigTest, JsonLoads) {
@@ -58,6 +59,8 @@ TEST(ConfigTest, ErrorsNameTheField) {
       {"corpus_dir: 'c' lease_seconds: -2", "lease_seconds"},
       {"local_steps: 3", "corpus_dir"},
       {"corpus_dir: 'c' inner_optimizer { lr: 0.01 min_lr: 0.5 }", "inner_optimizer."},
+      {"corpus_dir: 'c' receive_window_kib: 63", "receive_window_kib must be in [64, 262144]"},
+      {"corpus_dir: 'c' receive_window_kib: 262145", "receive_window_kib must be in [64, 262144]"},
   };
   int i = 0;
   for (const Case& c : cases) {
