@@ -17,12 +17,22 @@
 # A worker's first push (first round) is not measured. Each row prints the offered load (workers
 # x update bytes / round, an upper bound: a worker also waits for its push) next to what was
 # accepted, and the peak RSS of each server process so far (the 64 row: RSS at 64 workers).
+# Real rounds are not all the same length: each round's training time is drawn around the round
+# with a standard deviation of ALOE_BENCH_ROUND_JITTER x round (default 0.007: the spread of a
+# real aloe-worker's rounds, `scripts/demo.sh --seconds 60` on 2026-11-25, 20 steps each: 5.31 to
+# 5.42 s, sd 0.037 s). With 0, every worker keeps its phase forever, so two pushes that collide
+# once (and, sharing the cores, end together) collide again every round: at 64 workers 18 of 255
+# pushes overlapped two or more others instead of the ~1% that independent arrivals give. The
+# table after the main one shows how many pushes ran alone, beside one other or beside more, and
+# their latencies: the tail is the pushes that shared the machine.
 # Takes about 2 minutes.
 # Environment: ALOE_BENCH_SECONDS (measured seconds per worker count, default 20: 4 rounds);
-# ALOE_BENCH_ROUND_SECONDS (default 5; 0 = push back to back); ALOE_BENCH_SHARDS (shard
+# ALOE_BENCH_ROUND_SECONDS (default 5; 0 = push back to back); ALOE_BENCH_ROUND_JITTER (default
+# 0.007; 0 = every round exactly ALOE_BENCH_ROUND_SECONDS); ALOE_BENCH_SHARDS (shard
 # processes, default 2; 0 = the single-process server); ALOE_BENCH_MAX_STAGED (default 8).
 # shellcheck shell=bash
 # shellcheck source=scripts/bench/_push.sh
 . "$ALOE_ROOT/scripts/bench/_push.sh"
 bench_push_run "${ALOE_BENCH_SHARDS:-2}" --mode=scale --workers=8,16,32,64 \
-  --round_seconds="${ALOE_BENCH_ROUND_SECONDS:-5}" --seconds="${ALOE_BENCH_SECONDS:-20}"
+  --round_seconds="${ALOE_BENCH_ROUND_SECONDS:-5}" \
+  --round_jitter="${ALOE_BENCH_ROUND_JITTER:-0.007}" --seconds="${ALOE_BENCH_SECONDS:-20}"

@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -78,6 +79,11 @@ ABSL_FLAG(double, round_seconds, 0,
           "Simulated training time of a worker between the reply to one push and its next push "
           "(the inner steps of a DiLoCo round); each worker's first push comes at a random phase "
           "in [0, round). 0 = push back to back (a closed loop without pause)");
+ABSL_FLAG(double, round_jitter, 0,
+          "Standard deviation of each round's training time as a fraction of --round_seconds "
+          "(normal, clamped to [0.5, 1.5] x round; each worker its own seeded generator). Real "
+          "rounds vary; with 0 every worker keeps its phase forever, so two pushes that collide "
+          "once collide every round");
 ABSL_FLAG(bool, report_pulled, true,
           "Tell the server at each task's start that its base version is held (a simulated worker "
           "pushes zeros and never reads parameters, so it skips the pull itself); false: keep "
@@ -275,6 +281,11 @@ struct Result {
   uint64_t bytes = 0;
   double seconds = 0;
   std::vector<double> latencies;  // seconds per push, sorted
+  // Every push of every worker that ended without error, counted or not, as (start, end) seconds
+  // on one clock, and which of them were counted (in `latencies`): how many pushes were in flight
+  // beside each counted one.
+  std::vector<std::pair<double, double>> spans;
+  std::vector<bool> span_counted;
   int errors = 0;
   double bench_cores = 0;             // CPU of this process while pushing, in cores
   std::vector<double> watched_cores;  // the same for each --watch process
@@ -312,15 +323,17 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
   // Phases drawn up front from one generator: the same seed gives the same schedule.
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
   std::uniform_real_distribution<double> uniform(0, round);
+  const double jitter = absl::GetFlag(FLAGS_round_jitter);
   std::vector<double> phases(workers, 0.0);
   if (round > 0) {
     for (double& phase : phases) phase = uniform(rng);
   }
-  absl::Notification go;       // the workers start (their first push at their phase)
-  absl::Notification measure;  // the window opens: pushes started from now on count
+  absl::Notification go;            // the workers start (their first push at their phase)
+  const auto epoch = Clock::now();  // of Result.spans
+  absl::Notification measure;       // the window opens: pushes started from now on count
   const bool report_pulled = absl::GetFlag(FLAGS_report_pulled);
-  absl::Notification stop;     // the window closes: pushes finished from now on do not
-  std::atomic<int> warm{0};    // workers whose first push is done
+  absl::Notification stop;   // the window closes: pushes finished from now on do not
+  std::atomic<int> warm{0};  // workers whose first push is done
   std::vector<Result> per_worker(workers);
   std::vector<std::thread> threads;
   threads.reserve(workers);
@@ -391,10 +404,15 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
           if (!reply.ok()) {
             std::fprintf(stderr, "push: %s\n", reply.status().ToString().c_str());
             ++r.errors;
-          } else if (counted && !stop.HasBeenNotified()) {
-            ++r.updates;
-            r.bytes += bytes;
-            r.latencies.push_back(latency);
+          } else {
+            const double start = std::chrono::duration<double>(t0 - epoch).count();
+            r.spans.emplace_back(start, start + latency);
+            r.span_counted.push_back(counted && !stop.HasBeenNotified());
+            if (r.span_counted.back()) {
+              ++r.updates;
+              r.bytes += bytes;
+              r.latencies.push_back(latency);
+            }
           }
           return true;
         }
@@ -405,7 +423,13 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
       // once in a worker's life (a real one has pulled from the shards before), not every round.
       bool ok = push(0);
       ++warm;
-      while (ok && !stop.HasBeenNotified()) ok = push(round);
+      // Each worker's round lengths from its own generator: the same seed, the same schedule.
+      std::mt19937_64 round_rng(absl::GetFlag(FLAGS_seed) * 1000003 + w);
+      std::normal_distribution<double> round_length(round, round * jitter);
+      while (ok && !stop.HasBeenNotified()) {
+        ok = push(jitter > 0 ? std::clamp(round_length(round_rng), 0.5 * round, 1.5 * round)
+                             : round);
+      }
     });
   }
   go.Notify();
@@ -438,6 +462,9 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
     total.errors += per_worker[w].errors;
     total.latencies.insert(total.latencies.end(), per_worker[w].latencies.begin(),
                            per_worker[w].latencies.end());
+    total.spans.insert(total.spans.end(), per_worker[w].spans.begin(), per_worker[w].spans.end());
+    total.span_counted.insert(total.span_counted.end(), per_worker[w].span_counted.begin(),
+                              per_worker[w].span_counted.end());
     (void)clients[w]->Leave(joined[w].worker_id());
   }
   std::sort(total.latencies.begin(), total.latencies.end());
@@ -449,6 +476,24 @@ double Percentile(const std::vector<double>& sorted, double p) {
   const size_t i =
       std::min(sorted.size() - 1, static_cast<size_t>(std::lround(p * (sorted.size() - 1))));
   return sorted[i];
+}
+
+// The counted pushes of `r` by how many other pushes (counted or not) were in flight at some
+// moment of theirs: [0] alone, [1] beside one other, [2] beside two or more. Latencies in
+// seconds, sorted.
+std::array<std::vector<double>, 3> LatenciesByOverlap(const Result& r) {
+  std::array<std::vector<double>, 3> out;
+  for (size_t i = 0; i < r.spans.size(); ++i) {
+    if (!r.span_counted[i]) continue;
+    const auto [start, end] = r.spans[i];
+    int others = 0;
+    for (size_t j = 0; j < r.spans.size(); ++j) {
+      if (j != i && r.spans[j].first < end && r.spans[j].second > start) ++others;
+    }
+    out[std::min(others, 2)].push_back(end - start);
+  }
+  for (std::vector<double>& v : out) std::sort(v.begin(), v.end());
+  return out;
 }
 
 // Joins once (waiting for a layer-sharded server to assemble), prints the model and, when the
@@ -492,8 +537,10 @@ int Main() {
   const double seconds = absl::GetFlag(FLAGS_seconds);
   const double round = absl::GetFlag(FLAGS_round_seconds);
   const std::string mode = absl::GetFlag(FLAGS_mode);
-  if (!(round >= 0) || !(seconds > 0)) {
-    std::fprintf(stderr, "--seconds must be > 0 and --round_seconds >= 0\n");
+  const double jitter = absl::GetFlag(FLAGS_round_jitter);
+  if (!(round >= 0) || !(seconds > 0) || !(jitter >= 0 && jitter <= 0.5)) {
+    std::fprintf(stderr,
+                 "--seconds must be > 0, --round_seconds >= 0 and --round_jitter in [0, 0.5]\n");
     return 2;
   }
   absl::StatusOr<std::vector<Watched>> watched = ParseWatch(absl::GetFlag(FLAGS_watch));
@@ -569,8 +616,16 @@ int Main() {
                 "peak RSS MiB");
     double p50_at_16 = 0, p99_at_max = 0;
     int errors = 0;
+    std::vector<std::string> overlap_rows;
     for (int n : counts) {
       const Result r = RunWorkers(n, seconds, round, *watched);
+      // Where the tail comes from: pushes that shared the machine with others take longer.
+      std::string row = absl::StrFormat("%8d", n);
+      for (const std::vector<double>& v : LatenciesByOverlap(r)) {
+        absl::StrAppendFormat(&row, " %7d %6.1f %6.1f", v.size(), 1e3 * Percentile(v, 0.5),
+                              1e3 * Percentile(v, 1.0));
+      }
+      overlap_rows.push_back(row);
       const double p50 = 1e3 * Percentile(r.latencies, 0.5);
       const double p99 = 1e3 * Percentile(r.latencies, 0.99);
       double server_cores = 0;
@@ -587,6 +642,11 @@ int Main() {
       p99_at_max = p99;
       errors += r.errors;
     }
+    std::printf(
+        "pushes by how many other pushes overlapped them: count, p50 ms, max ms\n"
+        "%8s %22s %22s %22s\n",
+        "workers", "alone", "beside 1 other", "beside 2+ others");
+    for (const std::string& row : overlap_rows) std::printf("%s\n", row.c_str());
     std::printf("scale: p99_at_%d=%.1f ms ratio=%.2f (p50 at 16 workers: %.1f ms)\n", counts.back(),
                 p99_at_max, p50_at_16 > 0 ? p99_at_max / p50_at_16 : 0.0, p50_at_16);
     return errors == 0 ? 0 : 1;
@@ -599,7 +659,7 @@ int Main() {
 }  // namespace aloe::bench
 
 int main(int argc, char** argv) {
-  aloe::KeepLargeBuffersInHeap(argv);  // as aloe-worker does
+  aloe::KeepLargeBuffersInHeap(argv);                                   // as aloe-worker does
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // as aloe-worker does
   aloe::SetUsage(
       "aloe-bench-push --server HOST:PORT --mode ingest|egress|scale [flags]\n"
