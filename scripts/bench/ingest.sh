@@ -14,4 +14,4 @@
 # shellcheck source=scripts/bench/_push.sh
 . "$ALOE_ROOT/scripts/bench/_push.sh"
 bench_push_run "${ALOE_BENCH_SHARDS:-1}" --mode=ingest --pushers=4 \
-  --seconds="${ALOE_BENCH_SECONDS:-10}"
+  --seconds="${ALOE_BENCH_SECONDS:-10}" --staged_slots="${ALOE_BENCH_MAX_STAGED:-8}"
