@@ -37,6 +37,7 @@
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 #include "server/service/grpc_services.h"
+#include "server/service/raw_push_listener.h"
 #include "server/service/shard_control.h"
 #include "server/service/shard_service.h"
 
@@ -73,6 +74,10 @@ ABSL_FLAG(std::string, order_journal, "",
 ABSL_FLAG(int32_t, shard_index, -1, "--role shard: which shard process this is, 0-based");
 ABSL_FLAG(std::string, coordinator, "",
           "--role shard: the coordinator's address (default: the config's listen_address)");
+ABSL_FLAG(std::string, push_listen, "",
+          "--role shard: also take raw pushes (the float32 payload over plain TCP, without gRPC's "
+          "framing; about 1.5x the ingest of gRPC pushes) on this HOST:PORT (a fixed port: "
+          "workers are told it). Refused with TLS: raw pushes are not encrypted");
 ABSL_FLAG(std::string, token_file, "",
           "--role shard: file whose first line is the token this shard presents to the "
           "coordinator (security.token_file)");
@@ -102,7 +107,8 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
   if (absl::GetFlag(FLAGS_max_versions) >= 0) {
     config.set_max_versions(absl::GetFlag(FLAGS_max_versions));
   }
-  if (absl::GetFlag(FLAGS_max_seconds) >= 0) config.set_max_seconds(absl::GetFlag(FLAGS_max_seconds));
+  if (absl::GetFlag(FLAGS_max_seconds) >= 0)
+    config.set_max_seconds(absl::GetFlag(FLAGS_max_seconds));
   if (!absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
     config.mutable_checkpoint()->set_dir(absl::GetFlag(FLAGS_checkpoint_dir));
   }
@@ -133,6 +139,19 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
   }
   if (!absl::GetFlag(FLAGS_order_journal).empty() && role != "coordinator") {
     return absl::InvalidArgumentError("--order_journal is for --role coordinator only");
+  }
+  if (const std::string push = absl::GetFlag(FLAGS_push_listen); !push.empty()) {
+    if (role != "shard")
+      return absl::InvalidArgumentError("--push_listen is for --role shard only");
+    if (push.rfind(':') == std::string::npos || push.substr(push.rfind(':') + 1) == "0") {
+      return absl::InvalidArgumentError(
+          "--push_listen needs HOST:PORT with a fixed port (workers are told it)");
+    }
+    if (!config.security().tls_cert_file().empty()) {
+      return absl::InvalidArgumentError(
+          "--push_listen with TLS configured (security.tls_cert_file): raw pushes are not "
+          "encrypted; leave --push_listen off to keep every push on TLS");
+    }
   }
   if (role == "shard") {
     const int32_t index = absl::GetFlag(FLAGS_shard_index);
@@ -181,14 +200,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
     return absl::InvalidArgumentError("security.tls_key_file is required with tls_cert_file");
   }
   grpc::SslServerCredentialsOptions options;
-  ALOE_ASSIGN_OR_RETURN(std::string cert, ReadWholeFile("TLS certificate", security.tls_cert_file()));
+  ALOE_ASSIGN_OR_RETURN(std::string cert,
+                        ReadWholeFile("TLS certificate", security.tls_cert_file()));
   ALOE_ASSIGN_OR_RETURN(std::string key, ReadWholeFile("TLS key", security.tls_key_file()));
   options.pem_key_cert_pairs.push_back({key, cert});
   if (!security.tls_client_ca_file().empty()) {
     ALOE_ASSIGN_OR_RETURN(options.pem_root_certs,
                           ReadWholeFile("TLS client CA", security.tls_client_ca_file()));
-    options.client_certificate_request =
-        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);
 }
@@ -367,17 +386,30 @@ absl::Status RunShard(const v1::ServerConfig& config) {
     return make_state(std::move(fresh.initial));
   };
   options.address = listen;  // told to the coordinator, and by it to the workers
+  options.push_address = absl::GetFlag(FLAGS_push_listen);
   const size_t owned_layers = state->owned_layers().size();
   auto shard = std::make_unique<ShardServer>(spec, std::move(state), options, *auth, *metrics);
   int grpc_port = 0;
   ALOE_ASSIGN_OR_RETURN(
       std::unique_ptr<grpc::Server> server,
       StartGrpc(listen, credentials, {shard.get()}, config.receive_window_kib(), &grpc_port));
+  std::unique_ptr<RawPushListener> raw_pushes;
+  if (!options.push_address.empty()) {
+    ALOE_ASSIGN_OR_RETURN(raw_pushes, RawPushListener::Start(
+                                          options.push_address,
+                                          [&shard](const RawPushRequest& request, ByteReader& in) {
+                                            return shard->ServeRawPush(request, in);
+                                          },
+                                          RawPushListener::Options()));
+  }
   ALOE_LOG_INFO("shard",
-                "shard %d of %d listening on %s (metrics port %d): %d layers, %d parameters; "
+                "shard %d of %d listening on %s%s (metrics port %d): %d layers, %d parameters; "
                 "following the coordinator at %s",
-                index, config.shard_processes(), listen, metrics_port, owned_layers, params,
-                coordinator);
+                index, config.shard_processes(), listen,
+                options.push_address.empty()
+                    ? ""
+                    : absl::StrCat(", raw pushes on ", options.push_address).c_str(),
+                metrics_port, owned_layers, params, coordinator);
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     ALOE_RETURN_IF_ERROR(WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, metrics_port));
   }
@@ -388,6 +420,7 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   while (g_signal.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   stop.store(true);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (raw_pushes != nullptr) raw_pushes->Shutdown();
   follow.join();
   shard->WriteFinalCheckpoint();
   ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
@@ -423,8 +456,8 @@ absl::Status Run() {
                         ServerCore::Create(config, train, heldout_file, clock, executor, *metrics));
   std::unique_ptr<CheckpointStore> checkpoints;
   if (!config.checkpoint().dir().empty()) {
-    checkpoints = std::make_unique<CheckpointStore>(config.checkpoint().dir(),
-                                                    config.checkpoint().keep());
+    checkpoints =
+        std::make_unique<CheckpointStore>(config.checkpoint().dir(), config.checkpoint().keep());
   }
   if (absl::GetFlag(FLAGS_resume)) {
     absl::StatusOr<CheckpointStore::Loaded> loaded = checkpoints->LoadLatest();
@@ -549,15 +582,15 @@ absl::Status Run() {
     const auto& evals = core.eval_history();
     std::string eval_line = "no evaluations";
     if (!evals.empty()) {
-      eval_line = absl::StrFormat(
-          "eval loss %.4f -> %.4f, perplexity %.2f -> %.2f (versions %d -> %d)",
-          evals.front().loss, evals.back().loss, std::exp(evals.front().loss),
-          std::exp(evals.back().loss), evals.front().version, evals.back().version);
+      eval_line =
+          absl::StrFormat("eval loss %.4f -> %.4f, perplexity %.2f -> %.2f (versions %d -> %d)",
+                          evals.front().loss, evals.back().loss, std::exp(evals.front().loss),
+                          std::exp(evals.back().loss), evals.front().version, evals.back().version);
     }
     ALOE_LOG_INFO("server", "summary: version %d, %d updates applied; %s", core.version(),
                   core.updates_applied(), eval_line);
-    std::string text = absl::StrFormat("version=%d\nupdates_applied=%d\n", core.version(),
-                                       core.updates_applied());
+    std::string text =
+        absl::StrFormat("version=%d\nupdates_applied=%d\n", core.version(), core.updates_applied());
     for (const EvalPoint& e : evals) {
       absl::StrAppendFormat(&text, "eval=%d:%.6f\n", e.version, e.loss);
     }

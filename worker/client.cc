@@ -1,5 +1,7 @@
 #include "worker/client.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -11,6 +13,7 @@
 #include "common/logging.h"
 #include "common/model_spec.h"
 #include "common/push_wire.h"
+#include "common/raw_push.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "kernels/cpu/outer_kernels.h"
@@ -34,6 +37,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 ServerClient::ServerClient(const ClientOptions& options)
     : token_(options.token),
+      raw_push_(options.raw_push && options.tls_ca_pem.empty()),
       credentials_(grpc::InsecureChannelCredentials()),
       shards_(std::make_shared<const ShardSet>()) {
   channel_args_.SetMaxReceiveMessageSize(2 << 20);
@@ -55,20 +59,33 @@ std::shared_ptr<grpc::Channel> ServerClient::MakeChannel(const std::string& addr
   return grpc::CreateCustomChannel(address, credentials_, channel_args_);
 }
 
-absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses) {
+ServerClient::RawConnection::~RawConnection() {
+  absl::MutexLock lock(&mu);
+  if (fd >= 0) close(fd);
+}
+
+absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses,
+                                     const std::vector<std::string>& push_addresses) {
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (addresses[i].empty()) {
       return absl::InvalidArgumentError(absl::StrFormat("shard %d has no address", i));
     }
   }
-  const std::shared_ptr<const ShardSet> current = Shards();
-  if (std::equal(addresses.begin(), addresses.end(), current->begin(), current->end(),
-                 [](const std::string& a, const Shard& s) { return a == s.address; })) {
-    return absl::OkStatus();  // a re-join names the same shards: keep their connections
+  if (!push_addresses.empty() && push_addresses.size() != addresses.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("%d raw push addresses for %d shards",
+                                                      push_addresses.size(), addresses.size()));
   }
+  auto push_address = [&](size_t i) { return push_addresses.empty() ? "" : push_addresses[i]; };
+  const std::shared_ptr<const ShardSet> current = Shards();
+  bool same = addresses.size() == current->size();
+  for (size_t i = 0; same && i < addresses.size(); ++i) {
+    same = addresses[i] == (*current)[i].address && push_address(i) == (*current)[i].push_address;
+  }
+  if (same) return absl::OkStatus();  // a re-join names the same shards: keep their connections
   auto next = std::make_shared<ShardSet>();
-  for (const std::string& address : addresses) {
-    Shard shard{address, MakeChannel(address)};
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    Shard shard{addresses[i], MakeChannel(addresses[i]), push_address(i), nullptr};
+    if (!shard.push_address.empty()) shard.raw = std::make_shared<RawConnection>();
     next->push_back(std::move(shard));
   }
   absl::MutexLock lock(&mu_);
@@ -500,13 +517,74 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
   std::vector<uint64_t> sent(streams.size(), 0);
   RunInParallel(streams.size(), [&](size_t i) {
     const Shard& shard = (*shards)[i];
-    replies[i] = SendPush(*this, shard.channel, header, streams[i], &sent[i]);
+    // Raw when the shard offers it and every layer it gets is float32.
+    bool raw = raw_push_ && shard.raw != nullptr;
+    for (size_t l = 0; raw && l < layers.size(); ++l) {
+      const v1::Codec codec = l < codecs.size() ? codecs[l] : v1::CODEC_FP32;
+      raw = spec.layers(static_cast<int>(l)).shard() != i || codec == v1::CODEC_FP32 ||
+            codec == v1::CODEC_UNSPECIFIED;
+    }
+    replies[i] = raw ? SendRawPush(shard, static_cast<uint32_t>(i), header, spec, layers, &sent[i])
+                     : SendPush(*this, shard.channel, header, streams[i], &sent[i]);
     if (!replies[i].ok()) {
       replies[i] = Labelled(replies[i].status(), StreamLabel(static_cast<int>(i), shard.address));
     }
   });
   for (uint64_t n : sent) *bytes += n;
   return CombineShardReplies(replies);
+}
+
+absl::StatusOr<v1::PushReply> ServerClient::SendRawPush(
+    const Shard& shard, uint32_t index, const v1::PushHeader& header, const v1::ModelSpec& spec,
+    const std::vector<std::vector<float>>& layers, uint64_t* bytes) const {
+  const std::vector<RawPushRange> ranges = RawPushRanges(spec, index, header);
+  for (const RawPushRange& range : ranges) {
+    if (layers[range.layer_id].size() != range.count) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d: %d values to push, its %s has %d", range.layer_id,
+          layers[range.layer_id].size(), header.slices() > 1 ? "slice" : "layer", range.count));
+    }
+  }
+  const uint64_t payload = RawPushPayloadBytes(ranges);
+  const std::string prelude = EncodeRawPushPrelude(token_, header, payload);
+  // The shard may hold a push unread while it waits for admission (up to 2 minutes).
+  const absl::Duration timeout = absl::Seconds(kTransferDeadlineSeconds);
+  RawConnection& connection = *shard.raw;
+  absl::MutexLock lock(&connection.mu);
+  for (int attempt = 0;; ++attempt) {
+    const bool reused = connection.fd >= 0;
+    if (!reused) {
+      absl::StatusOr<int> fd =
+          ConnectTcp(shard.push_address, absl::Seconds(kControlDeadlineSeconds));
+      if (!fd.ok()) return fd.status();
+      connection.fd = *fd;
+    }
+    absl::Status sent = WriteAll(connection.fd, prelude.data(), prelude.size(), timeout);
+    for (size_t r = 0; sent.ok() && r < ranges.size(); ++r) {
+      const std::vector<float>& values = layers[ranges[r].layer_id];
+      sent = WriteAll(connection.fd, reinterpret_cast<const char*>(values.data()),
+                      values.size() * sizeof(float), timeout);
+    }
+    absl::Status outcome;
+    v1::PushReply reply;
+    SocketReader in(connection.fd, timeout);
+    const absl::Status received = sent.ok() ? ReadRawPushReply(in, &outcome, &reply) : sent;
+    if (received.ok() && outcome.ok()) {
+      *bytes += payload;
+      return reply;
+    }
+    // A refused push ends its connection on the server too; a broken one is useless.
+    close(connection.fd);
+    connection.fd = -1;
+    if (!received.ok()) {
+      // A kept-open connection the shard has closed meanwhile (idle, or restarted): once more
+      // on a new one. Pushes are idempotent by update id.
+      if (reused && attempt == 0 && received.code() == absl::StatusCode::kUnavailable) continue;
+      return absl::Status(received.code(), absl::StrCat("raw push to ", shard.push_address, ": ",
+                                                        received.message()));
+    }
+    return outcome;
+  }
 }
 
 }  // namespace aloe::worker

@@ -25,11 +25,14 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 // certificate for mutual TLS), plus the shared token sent as x-aloe-token on every call.
 struct ClientOptions {
   std::string address;
-  std::string token;             // "" = none
-  std::string tls_ca_pem;        // "" = plaintext
-  std::string tls_cert_pem;      // client certificate chain (mutual TLS), optional
+  std::string token;         // "" = none
+  std::string tls_ca_pem;    // "" = plaintext
+  std::string tls_cert_pem;  // client certificate chain (mutual TLS), optional
   std::string tls_key_pem;
-  std::string tls_server_name;   // overrides the name checked in the server certificate
+  std::string tls_server_name;  // overrides the name checked in the server certificate
+  // Push float32 layers to shards that offer raw pushes (JoinReply.shard_push_addresses,
+  // common/raw_push.h) over plain TCP instead of gRPC. Never with TLS (tls_ca_pem set).
+  bool raw_push = true;
 };
 
 class ServerClient {
@@ -53,8 +56,11 @@ class ServerClient {
   // (JoinReply.shard_addresses; call it with every join reply). Channels use the credentials,
   // token and channel arguments of the main channel; setting the same list again keeps them.
   // kInvalidArgument (nothing changed) for an empty address. Pulls and pushes already under way
-  // finish on the shards they started with.
-  absl::Status SetShards(const std::vector<std::string>& addresses);
+  // finish on the shards they started with. push_addresses (JoinReply.shard_push_addresses):
+  // empty, or one per shard, "" where a shard takes no raw pushes; kInvalidArgument when there
+  // are some but not one per shard.
+  absl::Status SetShards(const std::vector<std::string>& addresses,
+                         const std::vector<std::string>& push_addresses = {});
 
   // Pulls `version` (or the latest when latest is true) into layers, resized per spec. With
   // slices > 1 only slice `slice` of every layer is pulled (SliceRange, common/model_spec.h) and
@@ -76,7 +82,11 @@ class ServerClient {
   //
   // With shards every shard gets, in parallel, a stream of the chunks of its own layers under
   // the same header (a header-only message when it has none) and answers staged = true until
-  // the shards' parts (and, sliced, all slices) are in. The result is the first shard error in
+  // the shards' parts (and, sliced, all slices) are in. A shard that takes raw pushes gets its
+  // layers that way (over one kept-open TCP connection, reopened once when a reused one turns
+  // out closed) when all of them are float32 and ClientOptions.raw_push allows it; kInvalidArgument
+  // (nothing sent there) when a layer buffer's size is not its layer's (or slice's). The result
+  // is the first shard error in
   // shard order; else the reply with staged = false; else staged = true with slices_received
   // the minimum and version the maximum over the shards. kInvalidArgument (nothing sent) when
   // a spec layer names a shard that does not exist or layers does not match the spec.
@@ -87,9 +97,17 @@ class ServerClient {
 
  private:
   // One shard process of a layer-sharded server.
+  // A kept-open raw push connection; one push at a time.
+  struct RawConnection {
+    absl::Mutex mu;
+    int fd ABSL_GUARDED_BY(mu) = -1;
+    ~RawConnection();
+  };
   struct Shard {
     std::string address;
     std::shared_ptr<grpc::Channel> channel;
+    std::string push_address;            // "" = gRPC pushes only
+    std::shared_ptr<RawConnection> raw;  // set with push_address
   };
   using ShardSet = std::vector<Shard>;
 
@@ -99,7 +117,14 @@ class ServerClient {
   // set it started with while SetShards swaps in another.
   std::shared_ptr<const ShardSet> Shards() const;
 
+  // One raw push of `layers`' ranges to shard `index`.
+  absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, uint32_t index,
+                                            const v1::PushHeader& header, const v1::ModelSpec& spec,
+                                            const std::vector<std::vector<float>>& layers,
+                                            uint64_t* bytes) const;
+
   std::string token_;
+  bool raw_push_ = true;
   std::shared_ptr<grpc::ChannelCredentials> credentials_;
   grpc::ChannelArguments channel_args_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -52,6 +52,10 @@ ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA that signed the server certifica
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual TLS)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM client private key (mutual TLS)");
 ABSL_FLAG(std::string, tls_server_name, "", "Name to verify in the server certificate");
+ABSL_FLAG(
+    bool, raw_push, true,
+    "Push float32 layers to shard processes that offer raw pushes (aloe-server --push_listen) "
+    "over plain TCP instead of gRPC; never with TLS");
 ABSL_FLAG(int32_t, nproc, 1,
           "Ranks of this node (trainers): N > 1 starts N processes that train one model replica "
           "together with FSDP over Gloo (each rank holds 1/N of the parameters, gradients and "
@@ -195,8 +199,8 @@ class Worker {
   std::map<std::string, std::unique_ptr<TokenShard>> shards_;
   std::vector<std::vector<float>> base_;
   std::vector<std::vector<float>> delta_;
-  std::vector<v1::Codec> codecs_;                   // per layer, from the server's transport
-  std::vector<std::vector<float>> residual_;        // error feedback, per layer
+  std::vector<v1::Codec> codecs_;             // per layer, from the server's transport
+  std::vector<std::vector<float>> residual_;  // error feedback, per layer
   uint64_t update_id_ = 0;
   // --overlap: 0 off, 1 delayed, 2 eager; refused once the server grants no look-ahead task.
   int overlap_ = 0;
@@ -240,8 +244,9 @@ absl::Status Worker::JoinServer() {
 absl::Status Worker::Joined(const v1::JoinReply& joined) {
   // A layer-sharded server: pulls and pushes go to its shard processes. Every rank of a node
   // comes through here (REJOIN), as each pulls and pushes its own slices.
-  absl::Status shards =
-      client_.SetShards({joined.shard_addresses().begin(), joined.shard_addresses().end()});
+  absl::Status shards = client_.SetShards(
+      {joined.shard_addresses().begin(), joined.shard_addresses().end()},
+      {joined.shard_push_addresses().begin(), joined.shard_push_addresses().end()});
   if (!shards.ok()) {
     return absl::Status(shards.code(),
                         absl::StrCat("the server's shard addresses: ", shards.message()));
@@ -277,8 +282,8 @@ absl::Status Worker::Joined(const v1::JoinReply& joined) {
   const v1::TransportConfig& transport = joined_.transport();
   codecs_.clear();
   for (const v1::LayerSpec& layer : joined_.model_spec().layers()) {
-    v1::Codec codec = transport.codec() == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32
-                                                                : transport.codec();
+    v1::Codec codec =
+        transport.codec() == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32 : transport.codec();
     for (const v1::LayerCodec& o : transport.layer_codecs()) {
       if (o.layer() == layer.name()) codec = o.codec();
     }
@@ -749,8 +754,8 @@ absl::Status Worker::Evaluate(const v1::Task& task) {
   ALOE_ASSIGN_OR_RETURN(double loss,
                         trainer_->Evaluate(*heldout, absl::GetFlag(FLAGS_eval_sequences)));
   const uint64_t seq = joined_.model().seq_len();
-  const uint64_t windows = std::min<uint64_t>(absl::GetFlag(FLAGS_eval_sequences),
-                                              heldout->num_tokens() / (seq + 1));
+  const uint64_t windows =
+      std::min<uint64_t>(absl::GetFlag(FLAGS_eval_sequences), heldout->num_tokens() / (seq + 1));
   v1::EvalReport report;
   report.set_worker_id(joined_.worker_id());
   report.set_task_id(task.task_id());
@@ -822,6 +827,7 @@ absl::Status Main() {
   }
   ClientOptions options;
   options.address = absl::GetFlag(FLAGS_server);
+  options.raw_push = absl::GetFlag(FLAGS_raw_push);
   auto read = [](const char* what, const std::string& path, std::string* out) -> absl::Status {
     if (path.empty()) return absl::OkStatus();
     std::ifstream in(path);
@@ -832,11 +838,14 @@ absl::Status Main() {
     return absl::OkStatus();
   };
   ALOE_RETURN_IF_ERROR(read("--token_file", absl::GetFlag(FLAGS_token_file), &options.token));
-  options.token = std::string(absl::StripAsciiWhitespace(options.token.substr(0, options.token.find('\n'))));
-  ALOE_RETURN_IF_ERROR(read("--tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &options.tls_ca_pem));
+  options.token =
+      std::string(absl::StripAsciiWhitespace(options.token.substr(0, options.token.find('\n'))));
+  ALOE_RETURN_IF_ERROR(
+      read("--tls_ca_file", absl::GetFlag(FLAGS_tls_ca_file), &options.tls_ca_pem));
   ALOE_RETURN_IF_ERROR(
       read("--tls_cert_file", absl::GetFlag(FLAGS_tls_cert_file), &options.tls_cert_pem));
-  ALOE_RETURN_IF_ERROR(read("--tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls_key_pem));
+  ALOE_RETURN_IF_ERROR(
+      read("--tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls_key_pem));
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   ServerClient client(options);
   std::unique_ptr<Collectives> node;

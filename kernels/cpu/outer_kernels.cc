@@ -157,6 +157,21 @@ bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
   return over == 0;
 }
 
+bool AllWithinMagnitude(const float* x, size_t n, float limit) {
+  // As CopyWithinMagnitude: an integer compare of the magnitude bits.
+  uint32_t limit_bits;
+  std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
+  limit_bits &= 0x7fffffffu;
+  uint32_t over = 0;
+#pragma omp simd reduction(| : over)
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    over |= static_cast<uint32_t>((bits & 0x7fffffffu) > limit_bits);
+  }
+  return over == 0;
+}
+
 namespace reference {
 
 void SgdApply(const float* g, const float* theta_in, float* theta_out, size_t n, float lr) {
@@ -228,6 +243,14 @@ bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
   for (size_t i = 0; i < n; ++i) {
     std::memcpy(out + i, static_cast<const char*>(in) + i * sizeof(float), sizeof(float));
     if (!(std::fabs(out[i]) <= limit)) ok = false;
+  }
+  return ok;
+}
+
+bool AllWithinMagnitude(const float* x, size_t n, float limit) {
+  bool ok = true;
+  for (size_t i = 0; i < n; ++i) {
+    if (!(std::fabs(x[i]) <= std::fabs(limit))) ok = false;
   }
   return ok;
 }

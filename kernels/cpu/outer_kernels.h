@@ -85,6 +85,10 @@ bool AllFinite(const float* x, size_t n);
 // written either way; which element failed is for the caller's slow path to find.
 bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit);
 
+// CopyWithinMagnitude's screen alone, of values already in place: true when every element has
+// |x| <= limit (limit finite; its sign is ignored); NaN and +-Inf always fail. Branch-free.
+bool AllWithinMagnitude(const float* x, size_t n, float limit);
+
 namespace reference {
 
 // Plain scalar loops with the same contracts as above; the definition of the results in tests.
@@ -105,6 +109,7 @@ void ScaledCopy(const float* x, float w, float* out, size_t n);
 double SquaredL2Norm(const float* x, size_t n);
 bool AllFinite(const float* x, size_t n);
 bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit);
+bool AllWithinMagnitude(const float* x, size_t n, float limit);
 
 }  // namespace reference
 }  // namespace aloe::kernels

@@ -12,7 +12,9 @@
 # processes and the raw TCP baseline's readers run on RECEIVER only, the benchmark's workers and
 # the TCP writers on SENDER only, so that neither side of either measurement shares its core
 # with the other side (unset: no pinning); ALOE_BENCH_MAX_STAGED = S (default 8, the server's
-# default);
+# default); ALOE_BENCH_TRANSPORT = raw (default: the shard processes also take raw pushes,
+# aloe-server --push_listen, which the benchmark's workers then use for their float32 layers) or
+# grpc (every push over gRPC);
 # ALOE_BENCH_RSS_OVERHEAD_MIB = the fixed overhead of the bound (default 32: a shard process of
 # this binary with a model of a few thousand parameters peaks at ~22 MiB under 4 pushers).
 # shellcheck shell=bash
@@ -107,6 +109,11 @@ bench_push_run() {
   shift
   local max_staged="${ALOE_BENCH_MAX_STAGED:-8}"
   local overhead_mib="${ALOE_BENCH_RSS_OVERHEAD_MIB:-32}"
+  local transport="${ALOE_BENCH_TRANSPORT:-raw}"
+  if [ "$transport" != raw ] && [ "$transport" != grpc ]; then
+    echo "ALOE_BENCH_TRANSPORT: raw or grpc, got '$transport'" >&2
+    return 2
+  fi
   case "$shards$max_staged$overhead_mib" in
     *[!0-9]*)
       echo "ALOE_BENCH_SHARDS, ALOE_BENCH_MAX_STAGED, ALOE_BENCH_RSS_OVERHEAD_MIB: integers" >&2
@@ -149,11 +156,16 @@ bench_push_run() {
     bench_push_start coordinator "${common[@]}" --role=coordinator
     port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$BENCH_PUSH_DIR/coordinator.ports")
     watch="coordinator:${BENCH_PUSH_PIDS[0]}"
-    local shard_ports i
+    local shard_ports push_ports i raw
     read -r -a shard_ports <<<"$(bench_push_free_ports "$shards")"
+    read -r -a push_ports <<<"$(bench_push_free_ports "$shards")"
+    echo "pushes: $transport (ALOE_BENCH_TRANSPORT)"
     for ((i = 0; i < shards; i++)); do
+      raw=()
+      [ "$transport" = raw ] && raw=(--push_listen="127.0.0.1:${push_ports[$i]}")
       bench_push_start "shard$i" "${common[@]}" --role=shard --shard_index="$i" \
-        --listen="127.0.0.1:${shard_ports[$i]}" --coordinator="127.0.0.1:$port"
+        --listen="127.0.0.1:${shard_ports[$i]}" --coordinator="127.0.0.1:$port" \
+        ${raw[@]+"${raw[@]}"}
       watch+=",shard$i:${BENCH_PUSH_PIDS[$((i + 1))]}"
     done
   fi

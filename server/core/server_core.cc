@@ -98,12 +98,12 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   } else {
     // The shard processes hold the parameters; the coordinator keeps only their layout.
     core->shard_addresses_.resize(config.shard_processes());
+    core->shard_push_addresses_.resize(config.shard_processes());
   }
   for (const v1::LayerCodec& layer_codec : config.transport().layer_codecs()) {
     const auto& layers = core->spec().layers();
-    if (std::none_of(layers.begin(), layers.end(), [&](const v1::LayerSpec& l) {
-          return l.name() == layer_codec.layer();
-        })) {
+    if (std::none_of(layers.begin(), layers.end(),
+                     [&](const v1::LayerSpec& l) { return l.name() == layer_codec.layer(); })) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "transport.layer_codecs: the model has no layer \"%s\"", layer_codec.layer()));
     }
@@ -115,8 +115,7 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
     if (PlannerOptions(config).align_rounds) core->aligned_grace_ = grace_aggregation.get();
     core->aggregation_ = std::move(grace_aggregation);
   } else {
-    core->aggregation_ =
-        std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
+    core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
   }
   if (config.penalty().enabled() && config.shard_processes() == 0) {  // sharded: on the shards
     ALOE_ASSIGN_OR_RETURN(core->penalty_, PseudoGradientPenalty::Create(
@@ -167,10 +166,9 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
         "this server trains the imported model %s (model_file %s), but the worker %s: start it "
         "with --torchscript and the TorchScript file that model was imported from",
         model_fingerprint_, config_.model_file(),
-        request.model_fingerprint().empty()
-            ? "has the built-in transformer"
-            : absl::StrCat("brings another model (fingerprint ", request.model_fingerprint(),
-                           ")")));
+        request.model_fingerprint().empty() ? "has the built-in transformer"
+                                            : absl::StrCat("brings another model (fingerprint ",
+                                                           request.model_fingerprint(), ")")));
   }
   if (sharded() && !shards_ready()) {
     return absl::UnavailableError(
@@ -197,15 +195,18 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   *reply.mutable_outer_optimizer() = config_.outer_optimizer();
   reply.set_model_fingerprint(model_fingerprint_);
   for (const std::string& address : shard_addresses_) reply.add_shard_addresses(address);
+  if (std::any_of(shard_push_addresses_.begin(), shard_push_addresses_.end(),
+                  [](const std::string& a) { return !a.empty(); })) {
+    for (const std::string& a : shard_push_addresses_) reply.add_shard_push_addresses(a);
+  }
   PublishMembership();
   return reply;
 }
 
 absl::StatusOr<v1::HeartbeatReply> ServerCore::Heartbeat(const v1::HeartbeatRequest& request) {
   if (!(request.steps_per_second() >= 0) || !std::isfinite(request.steps_per_second())) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("steps_per_second must be finite and >= 0, got %g",
-                        request.steps_per_second()));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "steps_per_second must be finite and >= 0, got %g", request.steps_per_second()));
   }
   if (request.pulled_task_id() != 0) {
     // Checked before anything changes: a refused heartbeat renews nothing.
@@ -260,8 +261,8 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   if (!base) return NewTask(v1::Task::WAIT);
   if (*base != current && retained_.count(*base) == 0) {
     // Cannot happen: released versions are retained when the release happens.
-    ALOE_LOG_ERROR("server", "version %d to start worker %d from is gone; using %d", *base,
-                   worker, current);
+    ALOE_LOG_ERROR("server", "version %d to start worker %d from is gone; using %d", *base, worker,
+                   current);
     base = current;
   }
   if (*base == current && retained_.count(current) == 0) retained_[current] = Snapshot();
@@ -394,8 +395,8 @@ absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
   if (open == open_tasks_.end() || open->second.task.kind() != v1::Task::TRAIN ||
       open->second.task.task_id() != header.task_id()) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "worker %d has no open training task %d (already pushed, or never assigned)",
-        member->id, header.task_id()));
+        "worker %d has no open training task %d (already pushed, or never assigned)", member->id,
+        header.task_id()));
   }
   if (header.base_version() != open->second.task.base_version()) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -408,8 +409,8 @@ absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
   ALOE_RETURN_IF_ERROR(CheckSlice(header.slice(), header.slices()));
   const uint32_t limit = 1000 * std::max<uint32_t>(1, open->second.task.local_steps());
   if (header.steps_done() == 0 || header.steps_done() > limit) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "steps_done must be in [1, %d], got %d", limit, header.steps_done()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("steps_done must be in [1, %d], got %d", limit, header.steps_done()));
   }
   if (!std::isfinite(header.train_loss()) || !std::isfinite(header.compute_seconds()) ||
       header.compute_seconds() < 0) {
@@ -633,19 +634,19 @@ absl::Status ServerCore::ReportEval(const v1::EvalReport& report) {
   auto open = open_tasks_.find(member->id);
   if (open == open_tasks_.end() || open->second.task.kind() != v1::Task::EVAL ||
       open->second.task.task_id() != report.task_id()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "worker %d has no open evaluation task %d", member->id, report.task_id()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("worker %d has no open evaluation task %d", member->id, report.task_id()));
   }
   // The evaluator pulls the task's version (retained until reported).
   if (report.version() < open->second.task.base_version() || report.version() > version()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "evaluated version %d is outside [%d, %d]", report.version(),
-        open->second.task.base_version(), version()));
+    return absl::InvalidArgumentError(absl::StrFormat("evaluated version %d is outside [%d, %d]",
+                                                      report.version(),
+                                                      open->second.task.base_version(), version()));
   }
   if (!std::isfinite(report.loss()) || report.loss() < 0 || report.tokens() == 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "evaluation loss must be finite and >= 0 over > 0 tokens, got %g over %d", report.loss(),
-        report.tokens()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("evaluation loss must be finite and >= 0 over > 0 tokens, got %g over %d",
+                        report.loss(), report.tokens()));
   }
   open_tasks_.erase(open);
   PruneRetained();
@@ -821,8 +822,8 @@ double ServerCore::TrainedSeconds() const {
 }
 
 std::string ServerCore::Fingerprint() const {
-  std::string f = absl::StrFormat("outer=%s/N=%d;", v1::OuterOptimizerType_Name(
-                                                        config_.outer_optimizer().type()),
+  std::string f = absl::StrFormat("outer=%s/N=%d;",
+                                  v1::OuterOptimizerType_Name(config_.outer_optimizer().type()),
                                   config_.outer_optimizer().dn_buffer_size());
   for (const v1::LayerSpec& layer : spec().layers()) {
     absl::StrAppendFormat(&f, "%s:%d;", layer.name(), layer.num_elements());
@@ -840,8 +841,10 @@ ModelSnapshot ServerCore::Snapshot() const {
   return snapshot;
 }
 
-void ServerCore::SetShardAddress(uint32_t shard, std::string address) {
-  if (shard < shard_addresses_.size()) shard_addresses_[shard] = std::move(address);
+void ServerCore::SetShardAddress(uint32_t shard, std::string address, std::string push_address) {
+  if (shard >= shard_addresses_.size()) return;
+  shard_addresses_[shard] = std::move(address);
+  shard_push_addresses_[shard] = std::move(push_address);
 }
 
 bool ServerCore::shards_ready() const {
@@ -1026,12 +1029,13 @@ std::vector<v1::ServerCheckpoint> ServerCore::TakeDueCheckpoints() {
 
 absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   if (c.format() != 1) {
-    return absl::InvalidArgumentError(absl::StrFormat("checkpoint format %d is unknown", c.format()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("checkpoint format %d is unknown", c.format()));
   }
   if (c.fingerprint() != Fingerprint()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "checkpoint is for another model or optimizer (%s) than this config (%s)",
-        c.fingerprint(), Fingerprint()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("checkpoint is for another model or optimizer (%s) than this config (%s)",
+                        c.fingerprint(), Fingerprint()));
   }
   if (c.eval_versions_size() != c.eval_losses_size()) {
     return absl::InvalidArgumentError("checkpoint evaluation history is malformed");

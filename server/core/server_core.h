@@ -119,9 +119,10 @@ class ServerCore {
   bool sharded() const { return config_.shard_processes() > 0; }
   // The bring-your-own model's fingerprint (ServerConfig.model_file), "" for the built-in one.
   const std::string& model_fingerprint() const { return model_fingerprint_; }
-  // Shard process `shard` follows the coordinator and serves workers at `address` ("" = gone).
+  // Shard process `shard` follows the coordinator and serves workers at `address` ("" = gone)
+  // and takes raw pushes at `push_address` ("" = none; JoinReply.shard_push_addresses).
   // Join answers kUnavailable until every shard has an address.
-  void SetShardAddress(uint32_t shard, std::string address);
+  void SetShardAddress(uint32_t shard, std::string address, std::string push_address = "");
   bool shards_ready() const;
   // Admits the update `header` names to be pushed to the shards (AdmitRequest): at most
   // max_staged_updates updates are admitted at once, the same on every shard. true when admitted
@@ -250,7 +251,8 @@ class ServerCore {
   uint64_t orders_first_index_ = 0;   // the absolute index of orders_[0]
   std::vector<v1::ShardOrder> orders_;
   std::vector<std::string> shard_addresses_;
-  std::map<uint64_t, Parts> parts_;  // by worker
+  std::vector<std::string> shard_push_addresses_;  // parallel to shard_addresses_
+  std::map<uint64_t, Parts> parts_;                // by worker
   // Admitted updates (worker_id, update_id) -> submitted (every shard staged its part).
   std::map<std::pair<uint64_t, uint64_t>, bool> admitted_;
   Membership membership_;
@@ -266,14 +268,14 @@ class ServerCore {
   std::map<uint64_t, ModelSnapshot> retained_;
 
   uint64_t next_task_id_ = 1;
-  std::map<uint64_t, OpenTask> open_tasks_;   // by worker
-  std::map<uint64_t, OpenTask> ahead_tasks_;  // by worker: handed out while its open one runs
-  std::map<uint64_t, OpenTask> submitted_;   // task id -> its task, until applied
-  std::map<uint64_t, StagedUpdate> staged_;  // by worker: a sliced update being received
-  std::optional<uint64_t> last_eval_version_;   // latest version handed out for evaluation
+  std::map<uint64_t, OpenTask> open_tasks_;    // by worker
+  std::map<uint64_t, OpenTask> ahead_tasks_;   // by worker: handed out while its open one runs
+  std::map<uint64_t, OpenTask> submitted_;     // task id -> its task, until applied
+  std::map<uint64_t, StagedUpdate> staged_;    // by worker: a sliced update being received
+  std::optional<uint64_t> last_eval_version_;  // latest version handed out for evaluation
   std::vector<EvalPoint> eval_history_;
   std::optional<absl::Time> started_;  // when the first round opened
-  double restored_seconds_ = 0;          // training time before a resume
+  double restored_seconds_ = 0;        // training time before a resume
   std::vector<v1::ServerCheckpoint> due_checkpoints_;
   // Label values {worker id, name} of each live trainer's per-worker series.
   std::map<uint64_t, LabelValues> trainer_labels_;

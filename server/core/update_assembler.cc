@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/model_spec.h"
 #include "common/push_wire.h"
+#include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -65,16 +66,15 @@ UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader
   }
 }
 
-absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
-                                       std::string_view payload, v1::Codec codec) {
+absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset, std::string_view payload,
+                                       v1::Codec codec) {
   return AddChunk(layer_id, offset, absl::MakeConstSpan(&payload, 1), codec);
 }
 
-absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
-                                       absl::Span<const std::string_view> pieces, v1::Codec codec) {
+absl::Status UpdateAssembler::CheckLayer(uint32_t layer_id) const {
   if (layer_id >= static_cast<uint32_t>(spec_.layers_size())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "unknown layer %d (the model has %d layers)", layer_id, spec_.layers_size()));
+    return absl::InvalidArgumentError(absl::StrFormat("unknown layer %d (the model has %d layers)",
+                                                      layer_id, spec_.layers_size()));
   }
   const v1::LayerSpec& layer = spec_.layers(layer_id);
   if (only_shard_ && layer.shard() != *only_shard_) {
@@ -82,6 +82,71 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
         "layer %d (%s) belongs to shard process %d, but this push went to shard process %d",
         layer_id, layer.name(), layer.shard(), *only_shard_));
   }
+  return absl::OkStatus();
+}
+
+absl::Status UpdateAssembler::CheckRange(uint32_t layer_id, uint64_t offset, uint64_t count) const {
+  const v1::LayerSpec& layer = spec_.layers(layer_id);
+  if (offset != filled_[layer_id]) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d (%s): chunk at offset %d, expected offset %d", layer_id,
+                        layer.name(), offset, filled_[layer_id]));
+  }
+  if (offset + count > end_[layer_id]) {
+    if (update_.slices > 1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d (%s): wrong size: chunk [%d, %d) exceeds slice %d of %d, which ends at %d",
+          layer_id, layer.name(), offset, offset + count, update_.slice, update_.slices,
+          end_[layer_id]));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d (%s): wrong size: chunk [%d, %d) exceeds the layer's %d elements",
+                        layer_id, layer.name(), offset, offset + count, layer.num_elements()));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<float>& UpdateAssembler::Buffer(uint32_t layer_id) {
+  std::vector<float>& buffer = update_.layers[layer_id];
+  if (buffer.empty()) {
+    // Unsliced, the chunks cover the whole layer: a recycled buffer is overwritten in full.
+    const uint64_t n = spec_.layers(layer_id).num_elements();
+    buffer = buffers_ != nullptr && update_.slices <= 1 ? buffers_->Take(n) : std::vector<float>(n);
+  }
+  return buffer;
+}
+
+absl::Status UpdateAssembler::AddFp32InPlace(
+    uint32_t layer_id, uint64_t offset, uint64_t count,
+    absl::FunctionRef<absl::Status(absl::Span<float>)> fill) {
+  ALOE_RETURN_IF_ERROR(CheckLayer(layer_id));
+  ALOE_RETURN_IF_ERROR(CheckRange(layer_id, offset, count));
+  const absl::Span<float> out = absl::MakeSpan(Buffer(layer_id).data() + offset, count);
+  ALOE_RETURN_IF_ERROR(fill(out));
+  if (!kernels::AllWithinMagnitude(out.data(), out.size(), kMaxPushMagnitude)) {
+    const v1::LayerSpec& layer = spec_.layers(layer_id);
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (!std::isfinite(out[i])) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("layer %d (%s) at offset %d: non-finite value %f at element %d",
+                            layer_id, layer.name(), offset, out[i], i));
+      }
+    }
+    const size_t i = FirstOversized(out);
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
+        layer_id, layer.name(), out[i], offset + i, kMaxPushMagnitude));
+  }
+  filled_[layer_id] += count;
+  bytes_received_ += count * sizeof(float);
+  bytes_by_codec_[v1::CODEC_FP32] += count * sizeof(float);
+  return absl::OkStatus();
+}
+
+absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
+                                       absl::Span<const std::string_view> pieces, v1::Codec codec) {
+  ALOE_RETURN_IF_ERROR(CheckLayer(layer_id));
+  const v1::LayerSpec& layer = spec_.layers(layer_id);
   if (codec == v1::CODEC_UNSPECIFIED) codec = default_codec_;
   if (!v1::Codec_IsValid(codec)) {
     return absl::InvalidArgumentError(
@@ -110,29 +175,8 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
     }
     count = *elements;
   }
-  if (offset != filled_[layer_id]) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("layer %d (%s): chunk at offset %d, expected offset %d", layer_id,
-                        layer.name(), offset, filled_[layer_id]));
-  }
-  if (offset + count > end_[layer_id]) {
-    if (update_.slices > 1) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "layer %d (%s): wrong size: chunk [%d, %d) exceeds slice %d of %d, which ends at %d",
-          layer_id, layer.name(), offset, offset + count, update_.slice, update_.slices,
-          end_[layer_id]));
-    }
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer %d (%s): wrong size: chunk [%d, %d) exceeds the layer's %d elements", layer_id,
-        layer.name(), offset, offset + count, layer.num_elements()));
-  }
-  std::vector<float>& buffer = update_.layers[layer_id];
-  if (buffer.empty()) {
-    // Unsliced, the chunks cover the whole layer: a recycled buffer is overwritten in full.
-    buffer = buffers_ != nullptr && update_.slices <= 1 ? buffers_->Take(layer.num_elements())
-                                                        : std::vector<float>(layer.num_elements());
-  }
-  const absl::Span<float> out = absl::MakeSpan(buffer.data() + offset, count);
+  ALOE_RETURN_IF_ERROR(CheckRange(layer_id, offset, count));
+  const absl::Span<float> out = absl::MakeSpan(Buffer(layer_id).data() + offset, count);
   // float32 (the common case): decode, finiteness and magnitude in one pass; the slow path below
   // runs only for other codecs and to name what a refused chunk got wrong.
   const bool decoded =

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string_view>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -60,6 +61,15 @@ class UpdateAssembler {
                         absl::Span<const std::string_view> payload,
                         v1::Codec codec = v1::CODEC_UNSPECIFIED);
 
+  // Adds the float32 elements [offset, offset + count) of layer `layer_id` that `fill` writes
+  // straight into the update's own buffer (a raw push receives them from its socket there,
+  // common/raw_push.h), then screens them as AddChunk does (NaN/Inf and kMaxPushMagnitude,
+  // kInvalidArgument naming the element). The same layer, order and size rules as AddChunk,
+  // checked before `fill` runs; a failure of `fill` is returned as it is. On any error nothing
+  // counts as received (the elements may have been written over).
+  absl::Status AddFp32InPlace(uint32_t layer_id, uint64_t offset, uint64_t count,
+                              absl::FunctionRef<absl::Status(absl::Span<float>)> fill);
+
   // Returns the update when every layer (or its slice) is complete; kInvalidArgument otherwise.
   absl::StatusOr<PendingUpdate> Finish() &&;
 
@@ -71,6 +81,14 @@ class UpdateAssembler {
   }
 
  private:
+  // kInvalidArgument for an unknown layer or, on a shard, another shard's layer.
+  absl::Status CheckLayer(uint32_t layer_id) const;
+  // kInvalidArgument unless [offset, offset + count) continues layer_id where it stands and
+  // ends within it (or within its slice).
+  absl::Status CheckRange(uint32_t layer_id, uint64_t offset, uint64_t count) const;
+  // The layer's buffer, taken from the pool (or zero-filled, sliced) on first use.
+  std::vector<float>& Buffer(uint32_t layer_id);
+
   const v1::ModelSpec& spec_;
   PendingUpdate update_;
   std::vector<uint64_t> filled_;  // next expected element per layer

@@ -20,14 +20,14 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromTokenFile(
     std::vector<std::string> fields =
         absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     if (fields.size() != 2) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "token file %s line %d: expected 'identity token', got %d fields", path, number,
-          fields.size()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("token file %s line %d: expected 'identity token', got %d fields", path,
+                          number, fields.size()));
     }
     if (fields[1].size() < 16) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "token file %s line %d: token of identity %s is shorter than 16 characters", path,
-          number, fields[0]));
+          "token file %s line %d: token of identity %s is shorter than 16 characters", path, number,
+          fields[0]));
     }
     if (!auth->tokens_.emplace(fields[1], fields[0]).second) {
       return absl::InvalidArgumentError(
@@ -47,9 +47,15 @@ absl::StatusOr<std::string> Authenticator::Identify(const grpc::ServerContext& c
   if (it == metadata.end()) {
     return absl::UnauthenticatedError("missing x-aloe-token metadata (see --token_file)");
   }
-  auto token = tokens_.find(std::string(it->second.data(), it->second.size()));
-  if (token == tokens_.end()) return absl::UnauthenticatedError("unknown token");
-  return token->second;
+  return IdentifyToken(std::string_view(it->second.data(), it->second.size()));
+}
+
+absl::StatusOr<std::string> Authenticator::IdentifyToken(std::string_view token) const {
+  if (!enabled()) return std::string();
+  if (token.empty()) return absl::UnauthenticatedError("missing token (see --token_file)");
+  auto found = tokens_.find(std::string(token));
+  if (found == tokens_.end()) return absl::UnauthenticatedError("unknown token");
+  return found->second;
 }
 
 void Authenticator::Bind(uint64_t worker_id, const std::string& identity) {

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -30,6 +31,8 @@ class Authenticator {
 
   // The caller's identity; kUnauthenticated for a missing or unknown token.
   absl::StatusOr<std::string> Identify(const grpc::ServerContext& context) const;
+  // The same for a token carried outside gRPC metadata (a raw push, common/raw_push.h).
+  absl::StatusOr<std::string> IdentifyToken(std::string_view token) const;
 
   // Records that `identity` owns worker `worker_id` (after a Join).
   void Bind(uint64_t worker_id, const std::string& identity);

@@ -93,7 +93,8 @@ void ShardControlService::MaybeCompleteAssembly() {
   if (options_.journal != nullptr) options_.journal->Assembled(version);
   handle_.Run([&](ServerCore& core) {
     for (uint32_t i = 0; i < options_.shard_processes; ++i) {
-      core.SetShardAddress(i, followers_[i].request.address());
+      core.SetShardAddress(i, followers_[i].request.address(),
+                           followers_[i].request.push_address());
     }
   });
   ready_ = true;
@@ -160,7 +161,9 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
       // Lost only its connection: follows on from its version.
       me.epoch = epoch_;
       cursor = *next;
-      handle_.Run([&](ServerCore& core) { core.SetShardAddress(shard, request->address()); });
+      handle_.Run([&](ServerCore& core) {
+        core.SetShardAddress(shard, request->address(), request->push_address());
+      });
       ALOE_LOG_INFO("coordinator", "shard %d follows again from version %d", shard,
                     request->version());
     } else {

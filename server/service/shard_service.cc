@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/model_spec.h"
+#include "common/status_macros.h"
 #include "server/core/server_metrics.h"
 #include "server/core/update_assembler.h"
 #include "server/service/grpc_services.h"
@@ -19,6 +20,11 @@ namespace {
 // How long a push waits for a staging slot, and a pull for its version to be committed here.
 constexpr absl::Duration kSlotWait = absl::Seconds(120);
 constexpr absl::Duration kVersionWait = absl::Seconds(10);
+
+// A raw push answers with the status a gRPC push would have.
+absl::Status AbslStatusOf(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
 
 }  // namespace
 
@@ -68,15 +74,73 @@ grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::Pull
 grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamReader* reader,
                                     v1::PushReply* reply) {
   const absl::Time start = absl::Now();
-  auto reject = [&](const absl::Status& status) {
-    metrics_.Add(kUpdatesRejected, 1, {RejectReason(status)});
-    return ToGrpcStatus(status);
-  };
   absl::StatusOr<std::string> identity = auth_.Identify(*context);
-  if (!identity.ok()) return reject(identity.status());
-  absl::StatusOr<v1::PushHeader> first = reader->ReadHeader();
-  if (!first.ok()) return reject(first.status());
-  const v1::PushHeader header = *std::move(first);
+  if (!identity.ok()) return Reject(identity.status());
+  absl::StatusOr<v1::PushHeader> header = reader->ReadHeader();
+  if (!header.ok()) return Reject(header.status());
+  return AcceptPush(
+      *header, *identity, [context] { return context->IsCancelled(); },
+      [reader](UpdateAssembler& assembler) { return reader->ReadChunks(assembler); }, reply, start);
+}
+
+absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& request,
+                                                        ByteReader& in) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> identity = auth_.IdentifyToken(request.token);
+  if (!identity.ok()) return AbslStatusOf(Reject(identity.status()));
+  const v1::PushHeader& header = request.header;
+  if (header.codec() != v1::CODEC_FP32 && header.codec() != v1::CODEC_UNSPECIFIED) {
+    return AbslStatusOf(Reject(absl::InvalidArgumentError(absl::StrFormat(
+        "raw push: codec %s; raw pushes carry float32 only (push other codecs over gRPC)",
+        v1::Codec_IsValid(header.codec()) ? v1::Codec_Name(header.codec())
+                                          : std::to_string(header.codec())))));
+  }
+  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) {
+    return AbslStatusOf(Reject(s));
+  }
+  const std::vector<RawPushRange> ranges = RawPushRanges(spec_, options_.shard_index, header);
+  const uint64_t expected = RawPushPayloadBytes(ranges);
+  if (request.payload_bytes != expected) {
+    return AbslStatusOf(Reject(absl::InvalidArgumentError(absl::StrFormat(
+        "raw push: payload of %d bytes, but shard process %d expects %d (float32 of its %d "
+        "layers%s)",
+        request.payload_bytes, options_.shard_index, expected, ranges.size(),
+        header.slices() > 1 ? absl::StrFormat(", slice %d of %d", header.slice(), header.slices())
+                            : ""))));
+  }
+  // Each piece is screened right after it lands, while it is in cache.
+  constexpr uint64_t kPieceFloats = 256 << 10;
+  auto read = [&](UpdateAssembler& assembler) -> absl::Status {
+    for (const RawPushRange& range : ranges) {
+      for (uint64_t done = 0; done < range.count;) {
+        const uint64_t n = std::min(kPieceFloats, range.count - done);
+        ALOE_RETURN_IF_ERROR(assembler.AddFp32InPlace(
+            range.layer_id, range.first + done, n, [&](absl::Span<float> out) {
+              return in.ReadExactly(reinterpret_cast<char*>(out.data()),
+                                    out.size() * sizeof(float));
+            }));
+        done += n;
+      }
+    }
+    return absl::OkStatus();
+  };
+  v1::PushReply reply;
+  const grpc::Status status = AcceptPush(
+      header, *identity, [] { return false; }, read, &reply, start);
+  if (!status.ok()) return AbslStatusOf(status);
+  return reply;
+}
+
+grpc::Status ShardServer::Reject(const absl::Status& status) {
+  metrics_.Add(kUpdatesRejected, 1, {RejectReason(status)});
+  return ToGrpcStatus(status);
+}
+
+grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::string& identity,
+                                     const std::function<bool()>& cancelled,
+                                     absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
+                                     v1::PushReply* reply, absl::Time start) {
+  auto reject = [&](const absl::Status& status) { return Reject(status); };
   if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return reject(s);
   if (!v1::Codec_IsValid(header.codec())) {
     return reject(
@@ -85,7 +149,7 @@ grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamRead
   // The coordinator admits at most max_staged_updates updates at once, the same on every shard
   // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
   // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
-  if (absl::Status admitted = AwaitAdmission(*context, header, *identity); !admitted.ok()) {
+  if (absl::Status admitted = AwaitAdmission(cancelled, header, identity); !admitted.ok()) {
     return reject(admitted);
   }
   std::shared_ptr<FloatBufferPool> buffers;
@@ -101,7 +165,7 @@ grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamRead
               state_->HasRoom(header.worker_id(), header.update_id()));
     };
     while (!room()) {
-      if (context->IsCancelled() || changed_.WaitWithDeadline(&mu_, deadline)) {
+      if (cancelled() || changed_.WaitWithDeadline(&mu_, deadline)) {
         return reject(absl::ResourceExhaustedError(absl::StrFormat(
             "shard %d: staging full (%d updates staged or being received) for %.0f s; push again "
             "later",
@@ -121,7 +185,7 @@ grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamRead
   } release{this};
 
   UpdateAssembler assembler(spec_, header, options_.shard_index, std::move(buffers));
-  if (absl::Status read = reader->ReadChunks(assembler); !read.ok()) return reject(read);
+  if (absl::Status s = read(assembler); !s.ok()) return reject(s);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();
   absl::StatusOr<PendingUpdate> part = std::move(assembler).Finish();
@@ -143,7 +207,7 @@ grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamRead
   report.set_shard_index(options_.shard_index);
   *report.mutable_header() = header;
   report.set_bytes_received(bytes);
-  report.set_identity(*identity);
+  report.set_identity(identity);
   grpc::ClientContext call;
   call.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   if (!options_.token.empty()) call.AddMetadata(kTokenMetadata, options_.token);
@@ -218,7 +282,7 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
   return status;
 }
 
-absl::Status ShardServer::AwaitAdmission(const grpc::ServerContext& push,
+absl::Status ShardServer::AwaitAdmission(const std::function<bool()>& cancelled,
                                          const v1::PushHeader& header,
                                          const std::string& identity) {
   v1::AdmitRequest request;
@@ -232,7 +296,7 @@ absl::Status ShardServer::AwaitAdmission(const grpc::ServerContext& push,
     if (!options_.token.empty()) call.AddMetadata(kTokenMetadata, options_.token);
     v1::AdmitReply reply;
     const grpc::Status status = control_->Admit(&call, request, &reply);
-    if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED || push.IsCancelled() ||
+    if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED || cancelled() ||
         absl::Now() >= deadline) {
       return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                           status.error_message());
@@ -269,6 +333,7 @@ void ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
     v1::FollowRequest request;
     request.set_shard_index(options_.shard_index);
     request.set_address(options_.address);
+    request.set_push_address(options_.push_address);
     request.set_fingerprint(options_.fingerprint);
     {
       absl::MutexLock lock(&mu_);

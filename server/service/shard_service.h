@@ -20,11 +20,14 @@
 #include <set>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
+#include "common/raw_push.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/core/checkpoint_store.h"
 #include "server/core/shard_state.h"
+#include "server/core/update_assembler.h"
 #include "server/service/auth.h"
 #include "server/service/parameter_wire.h"
 
@@ -34,7 +37,8 @@ class ShardServer final : public WireParameterService {
  public:
   struct Options {
     uint32_t shard_index = 0;
-    std::string address;  // where workers reach this process (told to the coordinator)
+    std::string address;       // where workers reach this process (told to the coordinator)
+    std::string push_address;  // where it takes raw pushes (RawPushListener); "" = none
     std::string fingerprint;
     std::shared_ptr<grpc::Channel> coordinator;  // with its credentials
     std::string token;                           // x-aloe-token for calls to the coordinator
@@ -50,6 +54,11 @@ class ShardServer final : public WireParameterService {
 
   grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;
   grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
+  // A raw push (common/raw_push.h; RawPushListener's handler): the float32 payload of this
+  // shard's layers read from `in` straight into staging, then the same admission, staging and
+  // report as ServePush. kInvalidArgument for another codec than float32 or a payload size
+  // other than this shard's layers (or slice) take; otherwise ServePush's errors.
+  absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in);
 
   // Follows the coordinator until `stop` is set.
   void RunFollowLoop(const std::atomic<bool>& stop);
@@ -65,8 +74,17 @@ class ShardServer final : public WireParameterService {
   absl::Status Restore(uint64_t version);
   // Asks the coordinator to admit the update `header` names (ShardControl.Admit) until it does,
   // refuses, the push is cancelled or kSlotWait passes.
-  absl::Status AwaitAdmission(const grpc::ServerContext& push, const v1::PushHeader& header,
+  absl::Status AwaitAdmission(const std::function<bool()>& cancelled, const v1::PushHeader& header,
                               const std::string& identity);
+  // Counts a refused push and converts its status.
+  grpc::Status Reject(const absl::Status& status);
+  // A push of either transport once its header is read and its sender identified: admission,
+  // a staging slot, `read` (the transport's reader into the assembler), staging and the report
+  // to the coordinator. `cancelled` tells whether the pusher gave up while it waits.
+  grpc::Status AcceptPush(const v1::PushHeader& header, const std::string& identity,
+                          const std::function<bool()>& cancelled,
+                          absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
+                          v1::PushReply* reply, absl::Time start);
   // Writes `checkpoint` (options_.checkpoints must be set); logs a failure and carries on.
   void WriteCheckpoint(const v1::ShardCheckpoint& checkpoint);
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

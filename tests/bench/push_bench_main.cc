@@ -444,8 +444,9 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
     }
     joined[w] = *reply;
     // A layer-sharded server: the pushes go to its shard processes, as aloe-worker's do.
-    absl::Status shards =
-        clients[w]->SetShards({reply->shard_addresses().begin(), reply->shard_addresses().end()});
+    absl::Status shards = clients[w]->SetShards(
+        {reply->shard_addresses().begin(), reply->shard_addresses().end()},
+        {reply->shard_push_addresses().begin(), reply->shard_push_addresses().end()});
     if (!shards.ok()) {
       std::fprintf(stderr, "shard addresses: %s\n", shards.ToString().c_str());
       std::exit(1);

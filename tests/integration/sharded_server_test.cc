@@ -7,7 +7,11 @@
 //  - SixteenWorkersKilledPushShardRestartAndExactReplay: 16 simulated workers (real gRPC clients
 //    pushing known pseudo-gradients), a worker killed mid-push and a shard restart, with the EDiT
 //    penalty and the staleness discount on; afterwards both shards hold exactly the parameters
-//    of a single-process replay of the coordinator's order journal.
+//    of a single-process replay of the coordinator's order journal. Run twice: pushes over gRPC,
+//    and raw pushes (common/raw_push.h; the victim's push to shard 1 breaks off mid-payload).
+//  - RawPushesRefuseBadInputAndChangeNothing: malformed, mis-sized, non-float32, NaN-carrying,
+//    unadmitted and cut-off raw pushes are refused with errors naming the problem, and the model
+//    afterwards is exactly the initial one stepped once with the clean push that followed.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -15,11 +19,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <map>
 
 #include "absl/synchronization/mutex.h"
 #include "common/config.h"
 #include "common/executor.h"
+#include "common/raw_push.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/outer_kernels.h"
 #include "server/core/checkpoint_store.h"
 #include "server/core/order_journal.h"
@@ -65,6 +73,7 @@ class ShardedServerTest : public LoopbackTest {
                                      absl::StrCat("--listen=127.0.0.1:", shard_ports_[index]),
                                      absl::StrCat("--coordinator=127.0.0.1:", coordinator_port)};
     if (resume) argv.push_back("--resume");
+    if (raw_pushes_) argv.push_back(absl::StrCat("--push_listen=127.0.0.1:", push_ports_[index]));
     return std::make_unique<Subprocess>(
         argv, absl::StrCat(dir_, "/shard", index, resume ? "-resumed" : "", ".log"));
   }
@@ -78,6 +87,8 @@ class ShardedServerTest : public LoopbackTest {
   }
 
   int shard_ports_[2] = {FreePort(), FreePort()};
+  bool raw_pushes_ = false;  // the shards also take raw pushes
+  int push_ports_[2] = {FreePort(), FreePort()};
 };
 
 uint64_t SplitMix64(uint64_t x) {
@@ -143,7 +154,10 @@ void RunSimulatedWorker(int port, int index, Simulation& sim) {
     join.set_role(v1::ROLE_TRAINER);
     absl::StatusOr<v1::JoinReply> joined = client.Join(join);
     if (!joined.ok() ||
-        !client.SetShards({joined->shard_addresses().begin(), joined->shard_addresses().end()})
+        !client
+             .SetShards(
+                 {joined->shard_addresses().begin(), joined->shard_addresses().end()},
+                 {joined->shard_push_addresses().begin(), joined->shard_push_addresses().end()})
              .ok()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));  // (re)assembling
       continue;
@@ -204,10 +218,52 @@ std::vector<v1::PushChunk> ShardChunks(const v1::ModelSpec& spec, uint32_t shard
   return chunks;
 }
 
+// Joins `client` as trainer `name`, retried while the shards assemble (up to 30 s), and points it
+// at the shard processes (and their raw push listeners) of the reply.
+absl::StatusOr<v1::JoinReply> JoinTrainer(worker::ServerClient& client, const std::string& name) {
+  v1::JoinRequest join;
+  join.set_name(name);
+  join.set_role(v1::ROLE_TRAINER);
+  absl::StatusOr<v1::JoinReply> joined;
+  for (int i = 0; i < 300; ++i) {
+    joined = client.Join(join);
+    if (joined.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!joined.ok()) return joined.status();
+  ALOE_RETURN_IF_ERROR(client.SetShards(
+      {joined->shard_addresses().begin(), joined->shard_addresses().end()},
+      {joined->shard_push_addresses().begin(), joined->shard_push_addresses().end()}));
+  return joined;
+}
+
+// Writes `bytes` to a new raw push connection to `address` and reads the reply into *carried.
+// Returns the transport's status.
+absl::Status RawExchange(const std::string& address, const std::string& bytes,
+                         absl::Status* carried, v1::PushReply* reply) {
+  absl::StatusOr<int> fd = ConnectTcp(address, absl::Seconds(10));
+  if (!fd.ok()) return fd.status();
+  absl::Status s = WriteAll(*fd, bytes.data(), bytes.size(), absl::Seconds(30));
+  SocketReader in(*fd, absl::Seconds(30));
+  if (s.ok()) s = ReadRawPushReply(in, carried, reply);
+  close(*fd);
+  return s;
+}
+
+// The float32 bytes of the layers of `spec` that shard process `shard` owns, in layer order.
+std::string RawPayload(const v1::ModelSpec& spec, uint32_t shard,
+                       const std::vector<std::vector<float>>& g) {
+  std::string bytes;
+  for (const RawPushRange& r : RawPushRanges(spec, shard, v1::PushHeader())) {
+    bytes.append(reinterpret_cast<const char*>(g[r.layer_id].data()), r.count * sizeof(float));
+  }
+  return bytes;
+}
+
 // A worker killed in the middle of its push: it joins, takes a task, pushes its whole part to
-// shard 0 and half of its first chunk to shard 1, then its streams break off and it is never
-// heard from again. Returns (worker id, update id).
-std::pair<uint64_t, uint64_t> PushAndVanish(int port) {
+// shard 0 and half of its first chunk to shard 1 (raw: half of its payload), then its streams
+// break off and it is never heard from again. Returns (worker id, update id).
+std::pair<uint64_t, uint64_t> PushAndVanish(int port, bool raw) {
   auto channel =
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
   auto coordinator = v1::Coordinator::NewStub(channel);
@@ -222,6 +278,7 @@ std::pair<uint64_t, uint64_t> PushAndVanish(int port) {
   }
   EXPECT_EQ(joined.shard_addresses_size(), 2);
   if (joined.shard_addresses_size() != 2) return {0, 0};
+  EXPECT_EQ(joined.shard_push_addresses_size(), raw ? 2 : 0);
   v1::Task task;
   for (int i = 0; i < 100 && task.kind() != v1::Task::TRAIN; ++i) {
     grpc::ClientContext context;
@@ -241,6 +298,19 @@ std::pair<uint64_t, uint64_t> PushAndVanish(int port) {
       v1::HeartbeatReply reply;
       const grpc::Status status = coordinator->Heartbeat(&context, beat, &reply);
       EXPECT_TRUE(status.ok()) << status.error_message();
+    }
+    if (raw && shard == 1) {
+      // Half of the payload, then the connection breaks off mid-layer.
+      absl::StatusOr<int> fd = ConnectTcp(joined.shard_push_addresses(1), absl::Seconds(10));
+      EXPECT_TRUE(fd.ok()) << fd.status();
+      if (!fd.ok()) return {0, 0};
+      const std::string payload = RawPayload(joined.model_spec(), 1, g);
+      const std::string bytes = EncodeRawPushPrelude("", header, payload.size()) +
+                                payload.substr(0, payload.size() / 8 * 4);
+      EXPECT_TRUE(WriteAll(*fd, bytes.data(), bytes.size(), absl::Seconds(30)).ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      close(*fd);
+      continue;
     }
     auto stub = v1::ParameterService::NewStub(
         grpc::CreateChannel(joined.shard_addresses(shard), grpc::InsecureChannelCredentials()));
@@ -341,7 +411,10 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   EXPECT_LT(losses.back(), losses.front() - 0.3) << summary;
 }
 
-TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
+class ShardedReplayTest : public ShardedServerTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(ShardedReplayTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
+  raw_pushes_ = GetParam();
   constexpr int kWorkers = 16;
   constexpr uint64_t kVersions = 40;
   const std::string ckpt = dir_ + "/ckpt";
@@ -365,7 +438,7 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
 
   // A worker dies mid-push: shard 0 staged its part, shard 1 got half a chunk. Once its lease
   // runs out the coordinator tells the shards to discard it.
-  const auto [victim, victim_update] = PushAndVanish(port);
+  const auto [victim, victim_update] = PushAndVanish(port, raw_pushes_);
   ASSERT_GT(victim, 0u) << ShardLogs();
   auto discarded = [&] {
     for (const v1::ShardOrder& o : Journal(journal)) {
@@ -553,7 +626,8 @@ TEST_F(ShardedServerTest, SixteenWorkersKilledPushShardRestartAndExactReplay) {
 // coordinator admits the same 2 on both shards, so each push completes in turn (were each shard
 // to admit on its own, each could fill with updates the other never takes, and nothing would
 // commit again).
-TEST_F(ShardedServerTest, SimultaneousPushesBeyondStagingAllComplete) {
+TEST_P(ShardedReplayTest, SimultaneousPushesBeyondStagingAllComplete) {
+  raw_pushes_ = GetParam();  // raw: pushes wait for admission with their payload unread
   constexpr int kWorkers = 16;
   model_ = "model { vocab_size: 256 seq_len: 32 d_model: 256 num_layers: 2 num_heads: 4 }";
   const int port = StartServer(
@@ -575,21 +649,9 @@ TEST_F(ShardedServerTest, SimultaneousPushesBeyondStagingAllComplete) {
       worker::ClientOptions options;
       options.address = absl::StrCat("127.0.0.1:", port);
       worker::ServerClient client(options);
-      v1::JoinRequest join;
-      join.set_name(absl::StrCat("sim", w));
-      join.set_role(v1::ROLE_TRAINER);
-      absl::StatusOr<v1::JoinReply> joined;
-      for (int i = 0; i < 300; ++i) {  // until the shards are assembled
-        joined = client.Join(join);
-        if (joined.ok()) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
+      absl::StatusOr<v1::JoinReply> joined = JoinTrainer(client, absl::StrCat("sim", w));
       absl::StatusOr<v1::Task> task;
-      if (joined.ok()) {
-        (void)client.SetShards(
-            {joined->shard_addresses().begin(), joined->shard_addresses().end()});
-        task = client.RequestTask(joined->worker_id());
-      }
+      if (joined.ok()) task = client.RequestTask(joined->worker_id());
       ++ready;
       if (!joined.ok() || !task.ok() || task->kind() != v1::Task::TRAIN) {
         failures[w] = "no task";
@@ -617,6 +679,109 @@ TEST_F(ShardedServerTest, SimultaneousPushesBeyondStagingAllComplete) {
   EXPECT_EQ(*code, 0);
   EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), absl::StrCat("version=", kWorkers)))
       << ShardLogs();
+  shard0->Signal(SIGTERM);
+  shard1->Signal(SIGTERM);
+  EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0));
+  EXPECT_EQ(shard1->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ShardedReplayTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "RawPushes" : "GrpcPushes";
+                         });
+
+TEST_F(ShardedServerTest, RawPushesRefuseBadInputAndChangeNothing) {
+  raw_pushes_ = true;
+  const int port = StartServer(
+      "shard_processes: 2\nmax_staged_updates: 2\nlocal_steps: 10\neval_every: 1000000\n"
+      "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n",
+      "outer_optimizer { type: OUTER_SGD lr: 0.5 }", {"--role=coordinator"});
+  ASSERT_GT(port, 0);
+  auto shard0 = StartShard(0, port, false);
+  auto shard1 = StartShard(1, port, false);
+  worker::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  worker::ServerClient client(options);
+  absl::StatusOr<v1::JoinReply> joined = JoinTrainer(client, "hostile");
+  ASSERT_TRUE(joined.ok()) << joined.status() << ShardLogs();
+  ASSERT_EQ(joined->shard_push_addresses_size(), 2);
+  const v1::ModelSpec& spec = joined->model_spec();
+  absl::StatusOr<v1::Task> task = client.RequestTask(joined->worker_id());
+  ASSERT_TRUE(task.ok() && task->kind() == v1::Task::TRAIN) << task.status();
+  std::vector<std::vector<float>> initial;
+  uint64_t bytes = 0;
+  ASSERT_TRUE(client.Pull(joined->worker_id(), 0, false, spec, &initial, &bytes).ok());
+
+  const v1::PushHeader header = TrainHeader(joined->worker_id(), *task, 1);
+  const std::vector<std::vector<float>> g = PseudoGradient(spec, joined->worker_id(), 1);
+  const std::string raw0 = joined->shard_push_addresses(0);
+  const std::string payload = RawPayload(spec, 0, g);
+  std::string with_nan = payload;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(with_nan.data() + 4 * 1000, &nan,
+              sizeof(nan));  // element 1000 of shard 0's first layer
+  v1::PushHeader bf16 = header;
+  bf16.set_codec(v1::CODEC_BF16);
+  v1::PushHeader stranger = header;
+  stranger.set_worker_id(joined->worker_id() + 1000);
+  struct Case {
+    const char* what;
+    std::string bytes;
+    absl::StatusCode code;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"an HTTP/2 client", "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + std::string(64, '\0'),
+       absl::StatusCode::kInvalidArgument, "not a raw push"},
+      {"a short payload", EncodeRawPushPrelude("", header, payload.size() - 4) + payload,
+       absl::StatusCode::kInvalidArgument, "expects"},
+      {"bf16", EncodeRawPushPrelude("", bf16, payload.size()) + payload,
+       absl::StatusCode::kInvalidArgument, "float32 only"},
+      {"a NaN", EncodeRawPushPrelude("", header, payload.size()) + with_nan,
+       absl::StatusCode::kInvalidArgument, "non-finite value nan at element 1000"},
+      {"an unknown worker", EncodeRawPushPrelude("", stranger, payload.size()) + payload,
+       absl::StatusCode::kNotFound, ""},
+  };
+  for (const Case& c : cases) {
+    absl::Status carried;
+    v1::PushReply reply;
+    ASSERT_TRUE(RawExchange(raw0, c.bytes, &carried, &reply).ok()) << c.what << ShardLogs();
+    EXPECT_EQ(carried.code(), c.code) << c.what << ": " << carried;
+    EXPECT_TRUE(absl::StrContains(carried.message(), c.message)) << c.what << ": " << carried;
+  }
+  // A push cut off mid-payload: no reply, nothing staged.
+  {
+    absl::StatusOr<int> fd = ConnectTcp(raw0, absl::Seconds(10));
+    ASSERT_TRUE(fd.ok());
+    const std::string cut =
+        EncodeRawPushPrelude("", header, payload.size()) + payload.substr(0, payload.size() / 2);
+    ASSERT_TRUE(WriteAll(*fd, cut.data(), cut.size(), absl::Seconds(30)).ok());
+    close(*fd);
+  }
+  // Nothing was applied: the model is still version 0.
+  std::vector<std::vector<float>> now;
+  absl::StatusOr<uint64_t> version = client.Pull(joined->worker_id(), 0, true, spec, &now, &bytes);
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 0u);
+  EXPECT_EQ(now, initial);
+
+  // The clean push (raw to both shards, through the client) is the one outer step.
+  absl::StatusOr<v1::PushReply> pushed = client.Push(header, spec, g, {}, 256, nullptr, &bytes);
+  ASSERT_TRUE(pushed.ok()) << pushed.status() << ShardLogs();
+  EXPECT_TRUE(pushed->applied());
+  version = client.Pull(joined->worker_id(), 0, true, spec, &now, &bytes);
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 1u);
+  double worst = 0;
+  for (size_t l = 0; l < now.size(); ++l) {
+    for (size_t i = 0; i < now[l].size(); ++i) {
+      const double expected = static_cast<double>(initial[l][i]) - 0.5 * g[l][i];
+      worst = std::max(worst, std::abs(now[l][i] - expected));
+    }
+  }
+  EXPECT_LT(worst, 1e-6) << "theta_1 = theta_0 - 0.5 g, nothing else";
+  (void)client.Leave(joined->worker_id());
+  server_->Signal(SIGTERM);
   shard0->Signal(SIGTERM);
   shard1->Signal(SIGTERM);
   EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0));

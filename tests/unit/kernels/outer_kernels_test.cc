@@ -335,7 +335,7 @@ TEST_P(OuterKernelsSizeTest, AllFiniteDetectsNanAndInfAtFirstMiddleLast) {
 }
 
 // CopyWithinMagnitude from a deliberately misaligned byte buffer: returns (result, reference
-// result) and checks that both copies equal the input bit for bit and that nothing around the
+// result), checks that AllWithinMagnitude of the values in place agrees with each, and checks that both copies equal the input bit for bit and that nothing around the
 // destination was written.
 std::pair<bool, bool> CopyFromUnaligned(const std::vector<float>& x, float limit) {
   std::vector<unsigned char> bytes(x.size() * sizeof(float) + 1);
@@ -345,6 +345,9 @@ std::pair<bool, bool> CopyFromUnaligned(const std::vector<float>& x, float limit
   float* out = storage.data() + kGuard;
   const bool fast = CopyWithinMagnitude(bytes.data() + 1, out, x.size(), limit);
   const bool slow = reference::CopyWithinMagnitude(bytes.data() + 1, ref.data(), x.size(), limit);
+  // The screen alone, of the values in place, answers the same (fast kernel and reference).
+  EXPECT_EQ(AllWithinMagnitude(x.data(), x.size(), limit), fast);
+  EXPECT_EQ(reference::AllWithinMagnitude(x.data(), x.size(), limit), slow);
   EXPECT_EQ(0, x.empty() ? 0 : std::memcmp(out, x.data(), x.size() * sizeof(float)));
   EXPECT_EQ(0, x.empty() ? 0 : std::memcmp(ref.data(), x.data(), x.size() * sizeof(float)));
   for (size_t i = 0; i < kGuard; ++i) {
@@ -405,6 +408,7 @@ TEST(OuterKernelsTest, NullPointersWithZeroLengthAreNoOps) {
   EXPECT_EQ(SquaredL2Norm(nullptr, 0), 0.0);
   EXPECT_TRUE(AllFinite(nullptr, 0));
   EXPECT_TRUE(CopyWithinMagnitude(nullptr, nullptr, 0, 1.0f));
+  EXPECT_TRUE(AllWithinMagnitude(nullptr, 0, 1.0f));
 }
 
 TEST(OuterKernelsTest, NesterovWithZeroMomentumIsSgd) {

@@ -37,15 +37,15 @@ TEST(UpdateAssemblerTest, MixedCodecChunksOfOneLayerDecodeInPlace) {
   header.set_codec(v1::CODEC_BF16);  // default for chunks that do not say
   UpdateAssembler assembler(spec, header);
   std::string a, b, c;
-  ASSERT_THAT(EncodeChunk(v1::CODEC_INT8_BLOCKWISE, absl::MakeConstSpan(g.data(), 300), 64, &a,
-                          nullptr),
-              IsOk());
-  ASSERT_THAT(EncodeChunk(v1::CODEC_FP32, absl::MakeConstSpan(g.data() + 300, 300), 64, &b,
-                          nullptr),
-              IsOk());
-  ASSERT_THAT(EncodeChunk(v1::CODEC_BF16, absl::MakeConstSpan(g.data() + 600, 400), 64, &c,
-                          nullptr),
-              IsOk());
+  ASSERT_THAT(
+      EncodeChunk(v1::CODEC_INT8_BLOCKWISE, absl::MakeConstSpan(g.data(), 300), 64, &a, nullptr),
+      IsOk());
+  ASSERT_THAT(
+      EncodeChunk(v1::CODEC_FP32, absl::MakeConstSpan(g.data() + 300, 300), 64, &b, nullptr),
+      IsOk());
+  ASSERT_THAT(
+      EncodeChunk(v1::CODEC_BF16, absl::MakeConstSpan(g.data() + 600, 400), 64, &c, nullptr),
+      IsOk());
   ASSERT_THAT(assembler.AddChunk(0, 0, a, v1::CODEC_INT8_BLOCKWISE), IsOk());
   // Out of order: the next chunk must start at 300.
   EXPECT_THAT(assembler.AddChunk(0, 600, c),
@@ -59,6 +59,99 @@ TEST(UpdateAssemblerTest, MixedCodecChunksOfOneLayerDecodeInPlace) {
   for (size_t i = 300; i < 600; ++i) ASSERT_EQ(got[i], g[i]);  // fp32 exact
   for (size_t i = 0; i < 300; ++i) ASSERT_NEAR(got[i], g[i], 0.5f / 254 * 1.001f);
   for (size_t i = 600; i < 1000; ++i) ASSERT_NEAR(got[i], g[i], std::abs(g[i]) / 256 + 1e-9f);
+}
+
+// Writes `values` into the span AddFp32InPlace offers (as a raw push's socket read does).
+auto Fill(const std::vector<float>& values, size_t from) {
+  return [&values, from](absl::Span<float> out) {
+    std::memcpy(out.data(), values.data() + from, out.size() * sizeof(float));
+    return absl::OkStatus();
+  };
+}
+
+TEST(UpdateAssemblerTest, InPlaceFloat32PiecesAssembleTheLayerAndCountTheBytes) {
+  const v1::ModelSpec spec = OneLayer(1000);
+  std::vector<float> g(1000);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.25f * static_cast<float>(i) - 100.0f;
+  UpdateAssembler assembler(spec, v1::PushHeader());
+  ASSERT_THAT(assembler.AddFp32InPlace(0, 0, 600, Fill(g, 0)), IsOk());
+  // Out of order and past the end: refused before anything is written.
+  bool filled = false;
+  auto mark = [&](absl::Span<float>) {
+    filled = true;
+    return absl::OkStatus();
+  };
+  EXPECT_THAT(assembler.AddFp32InPlace(0, 700, 300, mark),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected offset 600")));
+  EXPECT_THAT(
+      assembler.AddFp32InPlace(0, 600, 401, mark),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceeds the layer's 1000 elements")));
+  EXPECT_THAT(assembler.AddFp32InPlace(1, 0, 1, mark),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown layer 1")));
+  EXPECT_FALSE(filled);
+  // A failing reader's status comes back as it is, and nothing counts as received.
+  EXPECT_THAT(assembler.AddFp32InPlace(
+                  0, 600, 400,
+                  [](absl::Span<float>) { return absl::UnavailableError("connection closed"); }),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("connection closed")));
+  EXPECT_EQ(assembler.bytes_received(), 600 * sizeof(float));
+  ASSERT_THAT(assembler.AddFp32InPlace(0, 600, 400, Fill(g, 600)), IsOk());
+  EXPECT_EQ(assembler.bytes_received(), 4000u);
+  EXPECT_EQ(assembler.bytes_by_codec()[v1::CODEC_FP32], 4000u);
+  auto update = std::move(assembler).Finish();
+  ASSERT_THAT(update, IsOk());
+  EXPECT_EQ(update->layers[0], g);
+}
+
+TEST(UpdateAssemblerTest, InPlaceValuesAreScreenedAndTheBadOneIsNamed) {
+  const v1::ModelSpec spec = OneLayer(100);
+  struct Case {
+    float value;
+    const char* message;
+  };
+  const Case cases[] = {
+      {std::numeric_limits<float>::quiet_NaN(), "non-finite value nan at element 37"},
+      {-std::numeric_limits<float>::infinity(), "non-finite value -inf at element 37"},
+      {std::nextafter(kMaxPushMagnitude, 2 * kMaxPushMagnitude),
+       "at element 87 exceeds the pseudo-gradient magnitude limit"},
+  };
+  for (const Case& c : cases) {
+    std::vector<float> g(100, 0.5f);
+    g[87] = c.value;
+    UpdateAssembler assembler(spec, v1::PushHeader());
+    ASSERT_THAT(assembler.AddFp32InPlace(0, 0, 50, Fill(g, 0)), IsOk());
+    EXPECT_THAT(assembler.AddFp32InPlace(0, 50, 50, Fill(g, 50)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+        << c.value;
+    EXPECT_EQ(assembler.bytes_received(), 50 * sizeof(float));
+    EXPECT_THAT(std::move(assembler).Finish(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("received 50 of 100")));
+  }
+}
+
+TEST(UpdateAssemblerTest, InPlaceRefusesAnotherShardsLayerAndFillsASlice) {
+  v1::ModelSpec spec = OneLayer(10);
+  v1::LayerSpec* second = spec.add_layers();
+  second->set_id(1);
+  second->set_name("second");
+  second->set_num_elements(10);
+  second->set_shard(1);
+  v1::PushHeader header;
+  header.set_slice(1);
+  header.set_slices(2);  // elements [5, 10) of each layer
+  UpdateAssembler assembler(spec, header, /*only_shard=*/1);
+  const std::vector<float> g = {1, 2, 3, 4, 5};
+  EXPECT_THAT(assembler.AddFp32InPlace(0, 5, 5, Fill(g, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("belongs to shard process 0, but this push went to shard "
+                                 "process 1")));
+  EXPECT_THAT(assembler.AddFp32InPlace(1, 0, 5, Fill(g, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected offset 5")));
+  ASSERT_THAT(assembler.AddFp32InPlace(1, 5, 5, Fill(g, 0)), IsOk());
+  auto update = std::move(assembler).Finish();
+  ASSERT_THAT(update, IsOk());
+  EXPECT_TRUE(update->layers[0].empty());
+  EXPECT_EQ(update->layers[1], (std::vector<float>{0, 0, 0, 0, 0, 1, 2, 3, 4, 5}));
 }
 
 TEST(UpdateAssemblerTest, MalformedEncodedChunkNamesTheLayerAndCodec) {

@@ -3,13 +3,19 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "common/raw_push.h"
 #include "common/status_matchers.h"
 #include "common/tensor_codec.h"
 #include "worker/client.h"
@@ -400,6 +406,177 @@ TEST_F(ClientShardsTest, AShardWithoutAnAddressIsRefused) {
   Layers layers;
   uint64_t bytes = 0;
   EXPECT_THAT(client_.Pull(3, 7, false, spec_, &layers, &bytes), IsOk());
+}
+
+// A shard's raw push listener (common/raw_push.h) on a loopback port: serves one connection at a
+// time (a client pushes to a shard one push at a time), records every push and answers as set.
+class FakeRawShard {
+ public:
+  struct Received {
+    std::string token;
+    v1::PushHeader header;
+    std::vector<float> payload;
+  };
+
+  FakeRawShard() {
+    absl::StatusOr<int> fd = ListenTcp("127.0.0.1:0", &port_);
+    EXPECT_THAT(fd, IsOk());
+    fd_ = fd.value_or(-1);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~FakeRawShard() {
+    shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    close(fd_);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  void SetAnswer(const absl::Status& status, const v1::PushReply& reply) {
+    absl::MutexLock lock(&mu_);
+    status_ = status;
+    reply_ = reply;
+  }
+  // Closes each connection after answering its first push, as a shard closes idle ones.
+  void CloseAfterEachPush() { close_after_push_ = true; }
+  std::vector<Received> Pushes() const {
+    absl::MutexLock lock(&mu_);
+    return pushes_;
+  }
+  int connections() const { return connections_.load(); }
+
+ private:
+  void Run() {
+    while (true) {
+      const int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      ++connections_;
+      Serve(c);
+      close(c);
+    }
+  }
+  void Serve(int c) {
+    SocketReader in(c, absl::Seconds(10));
+    while (true) {
+      absl::StatusOr<RawPushRequest> request = ReadRawPushPrelude(in);
+      if (!request.ok()) return;
+      Received got{request->token, request->header,
+                   std::vector<float>(request->payload_bytes / sizeof(float))};
+      if (!in.ReadExactly(reinterpret_cast<char*>(got.payload.data()), request->payload_bytes)
+               .ok()) {
+        return;
+      }
+      std::string answer;
+      {
+        absl::MutexLock lock(&mu_);
+        pushes_.push_back(std::move(got));
+        answer = EncodeRawPushReply(status_, reply_);
+      }
+      if (!WriteAll(c, answer.data(), answer.size(), absl::Seconds(10)).ok()) return;
+      if (close_after_push_) return;
+    }
+  }
+
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<int> connections_{0};
+  std::atomic<bool> close_after_push_{false};
+  std::thread thread_;
+  mutable absl::Mutex mu_;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  v1::PushReply reply_ ABSL_GUARDED_BY(mu_);
+  std::vector<Received> pushes_ ABSL_GUARDED_BY(mu_);
+};
+
+ClientOptions WithToken(const std::string& address, const std::string& token) {
+  ClientOptions options = Plaintext(address);
+  options.token = token;
+  return options;
+}
+
+// Shard 0 takes raw pushes, shard 1 only gRPC ones.
+class ClientRawPushTest : public ::testing::Test {
+ protected:
+  ClientRawPushTest() : client_(WithToken(main_.address, "tok")) {
+    EXPECT_THAT(client_.SetShards({shards_[0].address, shards_[1].address}, {raw_.address(), ""}),
+                IsOk());
+    raw_.SetAnswer(absl::OkStatus(), Reply(true, 6));
+    shards_[1].service.SetPushAnswer(grpc::Status::OK, Reply(false, 7));
+  }
+
+  FakeServer main_;
+  FakeServer shards_[2];
+  FakeRawShard raw_;
+  ServerClient client_;
+  const v1::ModelSpec spec_ = Spec();
+};
+
+TEST_F(ClientRawPushTest, FloatLayersGoRawWithTheTokenHeaderAndTheShardsLayersInOrder) {
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> reply =
+      client_.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_TRUE(reply->applied());  // shard 1 (gRPC) completed the update
+  EXPECT_EQ(bytes, PayloadBytes(spec_));
+  EXPECT_TRUE(shards_[0].service.Pushes().empty()) << "shard 0 got a gRPC push";
+  ASSERT_EQ(shards_[1].service.Pushes().size(), 1u);
+  const std::vector<FakeRawShard::Received> pushes = raw_.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  EXPECT_EQ(pushes[0].token, "tok");
+  EXPECT_EQ(pushes[0].header.SerializeAsString(), Header().SerializeAsString());
+  const Layers values = Values(spec_);
+  std::vector<float> expected = values[0];  // layers 0 and 2, in order
+  expected.insert(expected.end(), values[2].begin(), values[2].end());
+  EXPECT_EQ(pushes[0].payload, expected);
+  // The connection stays open for the next push.
+  ASSERT_THAT(client_.Push(Header(), spec_, values, {}, 256, nullptr, &bytes), IsOk());
+  EXPECT_EQ(raw_.Pushes().size(), 2u);
+  EXPECT_EQ(raw_.connections(), 1);
+}
+
+TEST_F(ClientRawPushTest, AShardWithAnEncodedLayerGetsItsPushOverGrpc) {
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 6));
+  uint64_t bytes = 0;
+  const std::vector<v1::Codec> codecs = {v1::CODEC_FP32, v1::CODEC_FP32, v1::CODEC_BF16};
+  ASSERT_THAT(client_.Push(Header(), spec_, Values(spec_), codecs, 256, nullptr, &bytes), IsOk());
+  EXPECT_TRUE(raw_.Pushes().empty());
+  EXPECT_EQ(shards_[0].service.Pushes().size(), 1u);
+}
+
+TEST_F(ClientRawPushTest, TheShardsRefusalIsThePushErrorAndTheNextPushReconnects) {
+  raw_.SetAnswer(absl::InvalidArgumentError("layer 2 (head): non-finite value nan"),
+                 v1::PushReply());
+  uint64_t bytes = 0;
+  EXPECT_THAT(client_.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("non-finite value nan")));
+  raw_.SetAnswer(absl::OkStatus(), Reply(true, 6));
+  EXPECT_THAT(client_.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes), IsOk());
+  EXPECT_EQ(raw_.connections(), 2);
+}
+
+TEST_F(ClientRawPushTest, AKeptConnectionTheShardClosedIsOpenedAgainOnce) {
+  raw_.CloseAfterEachPush();
+  uint64_t bytes = 0;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_THAT(client_.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes), IsOk())
+        << "push " << i;
+  }
+  EXPECT_EQ(raw_.Pushes().size(), 3u);
+  EXPECT_EQ(raw_.connections(), 3);
+}
+
+TEST_F(ClientRawPushTest, RawPushesOffOrTlsUseGrpcAndAddressListsMustMatch) {
+  ClientOptions options = Plaintext(main_.address);
+  options.raw_push = false;
+  ServerClient grpc_only(options);
+  ASSERT_THAT(grpc_only.SetShards({shards_[0].address, shards_[1].address}, {raw_.address(), ""}),
+              IsOk());
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 6));
+  uint64_t bytes = 0;
+  ASSERT_THAT(grpc_only.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes), IsOk());
+  EXPECT_TRUE(raw_.Pushes().empty());
+  EXPECT_EQ(shards_[0].service.Pushes().size(), 1u);
+  EXPECT_THAT(
+      client_.SetShards({shards_[0].address, shards_[1].address}, {raw_.address()}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("1 raw push addresses for 2")));
 }
 
 }  // namespace

@@ -1,0 +1,136 @@
+#include "server/service/raw_push_listener.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "common/logging.h"
+
+namespace aloe::server {
+
+absl::StatusOr<std::unique_ptr<RawPushListener>> RawPushListener::Start(const std::string& address,
+                                                                        Handler handler,
+                                                                        Options options) {
+  int port = 0;
+  absl::StatusOr<int> fd = ListenTcp(address, &port);
+  if (!fd.ok()) return fd.status();
+  std::unique_ptr<RawPushListener> listener(
+      new RawPushListener(*fd, port, std::move(handler), options));
+  listener->acceptor_ = std::thread([l = listener.get()] { l->AcceptLoop(); });
+  return listener;
+}
+
+RawPushListener::RawPushListener(int fd, int port, Handler handler, Options options)
+    : listen_fd_(fd), port_(port), handler_(std::move(handler)), options_(options) {}
+
+RawPushListener::~RawPushListener() { Shutdown(); }
+
+void RawPushListener::Shutdown() {
+  if (stopping_.exchange(true)) return;
+  shutdown(listen_fd_, SHUT_RDWR);  // wakes accept()
+  if (acceptor_.joinable()) acceptor_.join();
+  close(listen_fd_);
+  std::list<Connection> connections;
+  {
+    absl::MutexLock lock(&mu_);
+    for (Connection& c : connections_) shutdown(c.fd, SHUT_RDWR);  // wakes its reads
+    connections.splice(connections.end(), connections_);
+  }
+  for (Connection& c : connections) {
+    if (c.thread.joinable()) c.thread.join();
+    close(c.fd);
+  }
+}
+
+void RawPushListener::Reap() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if (!it->done) {
+      ++it;
+      continue;
+    }
+    it->thread.join();  // has returned already
+    close(it->fd);
+    it = connections_.erase(it);
+  }
+}
+
+void RawPushListener::AcceptLoop() {
+  bool warned = false;
+  while (!stopping_.load()) {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (stopping_.load()) return;
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      // EMFILE and the like: back off instead of spinning.
+      ALOE_LOG_WARNING("raw-push", "accept: %s", std::strerror(errno));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    absl::MutexLock lock(&mu_);
+    Reap();
+    if (static_cast<int>(connections_.size()) >= options_.max_connections) {
+      if (!warned) {
+        ALOE_LOG_WARNING("raw-push", "%d connections open: closing new ones",
+                         options_.max_connections);
+        warned = true;
+      }
+      close(fd);
+      continue;
+    }
+    Connection& c = connections_.emplace_back();
+    c.fd = fd;
+    c.thread = std::thread([this, &c] { Serve(&c); });
+  }
+}
+
+void RawPushListener::Serve(Connection* connection) {
+  const int fd = connection->fd;
+  while (!stopping_.load()) {
+    // Between pushes a connection may idle for a whole training round.
+    pollfd p{fd, POLLIN, 0};
+    const int ready =
+        poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(options_.idle_timeout)));
+    if (ready <= 0 && !(ready < 0 && errno == EINTR)) break;
+    if (ready < 0) continue;
+    SocketReader in(fd, options_.io_timeout);
+    bool nothing_read = true;
+    absl::StatusOr<RawPushRequest> request = ReadRawPushPrelude(in, &nothing_read);
+    absl::StatusOr<v1::PushReply> reply =
+        request.ok() ? handler_(*request, in) : absl::StatusOr<v1::PushReply>(request.status());
+    if (!request.ok() &&
+        (nothing_read || request.status().code() != absl::StatusCode::kInvalidArgument)) {
+      break;  // closed between pushes, or broken: nobody to answer
+    }
+    const std::string bytes =
+        EncodeRawPushReply(reply.status(), reply.ok() ? *reply : v1::PushReply());
+    if (!WriteAll(fd, bytes.data(), bytes.size(), options_.io_timeout).ok()) break;
+    if (!reply.ok()) {
+      // The client reads the reply once it has sent the whole payload: take in what it still
+      // sends (closing with unread data would reset the connection and lose the reply), until
+      // it closes or stalls.
+      shutdown(fd, SHUT_WR);
+      char scratch[64 << 10];
+      const int wait_ms = static_cast<int>(absl::ToInt64Milliseconds(options_.io_timeout));
+      while (!stopping_.load()) {
+        pollfd more{fd, POLLIN, 0};
+        if (poll(&more, 1, wait_ms) == 0) break;
+        const ssize_t r = recv(fd, scratch, sizeof(scratch), MSG_DONTWAIT);
+        if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) break;
+      }
+      break;
+    }
+  }
+  shutdown(fd, SHUT_RDWR);
+  absl::MutexLock lock(&mu_);
+  connection->done = true;
+}
+
+}  // namespace aloe::server
