@@ -395,12 +395,12 @@ absl::Status RunShard(const v1::ServerConfig& config) {
       StartGrpc(listen, credentials, {shard.get()}, config.receive_window_kib(), &grpc_port));
   std::unique_ptr<RawPushListener> raw_pushes;
   if (!options.push_address.empty()) {
-    ALOE_ASSIGN_OR_RETURN(raw_pushes, RawPushListener::Start(
-                                          options.push_address,
-                                          [&shard](const RawPushRequest& request, ByteReader& in) {
-                                            return shard->ServeRawPush(request, in);
-                                          },
-                                          RawPushListener::Options()));
+    auto serve = [&shard](const RawPushRequest& request, ByteReader& in,
+                          const std::function<bool()>& cancelled) {
+      return shard->ServeRawPush(request, in, cancelled);
+    };
+    ALOE_ASSIGN_OR_RETURN(raw_pushes, RawPushListener::Start(options.push_address, serve,
+                                                             RawPushListener::Options()));
   }
   ALOE_LOG_INFO("shard",
                 "shard %d of %d listening on %s%s (metrics port %d): %d layers, %d parameters; "

@@ -103,8 +103,14 @@ void RawPushListener::Serve(Connection* connection) {
     SocketReader in(fd, options_.io_timeout);
     bool nothing_read = true;
     absl::StatusOr<RawPushRequest> request = ReadRawPushPrelude(in, &nothing_read);
-    absl::StatusOr<v1::PushReply> reply =
-        request.ok() ? handler_(*request, in) : absl::StatusOr<v1::PushReply>(request.status());
+    const std::function<bool()> cancelled = [this, fd] {
+      if (stopping_.load()) return true;
+      pollfd hung{fd, POLLRDHUP, 0};
+      return poll(&hung, 1, 0) > 0 && (hung.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+    };
+    absl::StatusOr<v1::PushReply> reply = request.ok()
+                                              ? handler_(*request, in, cancelled)
+                                              : absl::StatusOr<v1::PushReply>(request.status());
     if (!request.ok() &&
         (nothing_read || request.status().code() != absl::StatusCode::kInvalidArgument)) {
       break;  // closed between pushes, or broken: nobody to answer

@@ -26,9 +26,11 @@ namespace aloe::server {
 class RawPushListener {
  public:
   // Reads the payload of `request` from `in` (exactly request.payload_bytes, or fails) and
-  // answers. Called on the connection's thread, several at once.
-  using Handler =
-      std::function<absl::StatusOr<v1::PushReply>(const RawPushRequest& request, ByteReader& in)>;
+  // answers. `cancelled` turns true once the listener shuts down or the client hung up: a
+  // handler waiting (for admission, a staging slot) should give up then. Called on the
+  // connection's thread, several at once.
+  using Handler = std::function<absl::StatusOr<v1::PushReply>(
+      const RawPushRequest& request, ByteReader& in, const std::function<bool()>& cancelled)>;
 
   struct Options {
     absl::Duration io_timeout = absl::Seconds(60);    // no progress inside a push

@@ -84,7 +84,8 @@ grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamRead
 }
 
 absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& request,
-                                                        ByteReader& in) {
+                                                        ByteReader& in,
+                                                        const std::function<bool()>& cancelled) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::string> identity = auth_.IdentifyToken(request.token);
   if (!identity.ok()) return AbslStatusOf(Reject(identity.status()));
@@ -125,8 +126,7 @@ absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& re
     return absl::OkStatus();
   };
   v1::PushReply reply;
-  const grpc::Status status = AcceptPush(
-      header, *identity, [] { return false; }, read, &reply, start);
+  const grpc::Status status = AcceptPush(header, *identity, cancelled, read, &reply, start);
   if (!status.ok()) return AbslStatusOf(status);
   return reply;
 }

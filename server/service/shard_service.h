@@ -58,7 +58,9 @@ class ShardServer final : public WireParameterService {
   // shard's layers read from `in` straight into staging, then the same admission, staging and
   // report as ServePush. kInvalidArgument for another codec than float32 or a payload size
   // other than this shard's layers (or slice) take; otherwise ServePush's errors.
-  absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in);
+  // `cancelled` as RawPushListener::Handler's.
+  absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in,
+                                             const std::function<bool()>& cancelled);
 
   // Follows the coordinator until `stop` is set.
   void RunFollowLoop(const std::atomic<bool>& stop);
