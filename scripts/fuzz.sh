@@ -2,9 +2,9 @@
 # Builds the libFuzzer targets of tests/fuzz (clang, ASan + UBSan) in their own build folder and
 # fuzzes each for a bounded time over a temporary copy of its seeds (tests/fuzz/corpus/<target>/
 # and the saved crash inputs tests/fuzz/crashes/<target>-*), so the checkout is never written.
-# Usage: scripts/fuzz.sh [--seconds N] [--target push_decoder|push_wire|config|all] [-- libFuzzer flags]
+# Usage: scripts/fuzz.sh [--seconds N] [--target push_decoder|push_wire|raw_push|config|all] [-- libFuzzer flags]
 #   --seconds N  fuzzing time per target, default 60
-#   --target T   push_decoder, push_wire, config or all (default)
+#   --target T   push_decoder, push_wire, raw_push, config or all (default)
 # Build folder: $ALOE_FUZZ_BUILD_DIR, default build-fuzz/. Ends with `fuzz: N passed, M failed`
 # and exits 1 when a target crashed, leaked, ran out of memory or timed out.
 set -euo pipefail
@@ -31,9 +31,9 @@ if ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
   echo "fuzz.sh: --seconds needs a positive whole number, got '$seconds'" >&2; exit 2
 fi
 case "$target" in
-  all) targets=(push_decoder push_wire config) ;;
-  push_decoder|push_wire|config) targets=("$target") ;;
-  *) echo "fuzz.sh: unknown target '$target' (push_decoder, push_wire, config or all)" >&2; exit 2 ;;
+  all) targets=(push_decoder push_wire raw_push config) ;;
+  push_decoder|push_wire|raw_push|config) targets=("$target") ;;
+  *) echo "fuzz.sh: unknown target '$target' (push_decoder, push_wire, raw_push, config or all)" >&2; exit 2 ;;
 esac
 
 build_dir="${ALOE_FUZZ_BUILD_DIR:-$ALOE_ROOT/build-fuzz}"
