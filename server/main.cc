@@ -76,7 +76,7 @@ ABSL_FLAG(std::string, coordinator, "",
           "--role shard: the coordinator's address (default: the config's listen_address)");
 ABSL_FLAG(std::string, push_listen, "",
           "--role shard: also take raw pushes (the float32 payload over plain TCP, without gRPC's "
-          "framing; about 1.5x the ingest of gRPC pushes) on this HOST:PORT (a fixed port: "
+          "framing; 1.2-1.5x the ingest of gRPC pushes here) on this HOST:PORT (a fixed port: "
           "workers are told it). Refused with TLS: raw pushes are not encrypted");
 ABSL_FLAG(std::string, token_file, "",
           "--role shard: file whose first line is the token this shard presents to the "
@@ -395,6 +395,13 @@ absl::Status RunShard(const v1::ServerConfig& config) {
       StartGrpc(listen, credentials, {shard.get()}, config.receive_window_kib(), &grpc_port));
   std::unique_ptr<RawPushListener> raw_pushes;
   if (!options.push_address.empty()) {
+    // Plaintext, as gRPC without TLS: the same rule for non-loopback addresses.
+    if (!IsLoopback(options.push_address) && !config.security().insecure()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "refusing raw pushes on non-loopback address %s: they are not encrypted; pass "
+          "--insecure (security.insecure) on a trusted network",
+          options.push_address));
+    }
     auto serve = [&shard](const RawPushRequest& request, ByteReader& in,
                           const std::function<bool()>& cancelled) {
       return shard->ServeRawPush(request, in, cancelled);
