@@ -1,6 +1,6 @@
 // Security on real processes: shared-token auth with per-worker identities, TLS and mutual TLS
 // (certificates from scripts/make-test-ca.sh), and the refusal to listen on a non-loopback
-// address without TLS and a token.
+// address without TLS and a token. Raw pushes (--push_listen) only in plaintext.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -43,22 +43,26 @@ class SecurityTest : public ::testing::Test {
                            "/ca > /dev/null")
                               .c_str()),
               0);
-    std::ofstream(dir_ + "/tokens") << "# identity token\nalpha " << kTokenA << "\nbravo "
-                                    << kTokenB << "\n";
+    std::ofstream(dir_ + "/tokens")
+        << "# identity token\nalpha " << kTokenA << "\nbravo " << kTokenB << "\n";
     std::ofstream(dir_ + "/token_a") << kTokenA << "\n";
   }
 
-  // Starts aloe-server with `security` (a SecurityConfig body); returns the gRPC port or 0.
+  // Starts aloe-server with `security` (a SecurityConfig body) and `extra_config` (more config
+  // fields); returns the gRPC port or 0.
   int Start(const std::string& security, const std::string& listen = "127.0.0.1:0",
-            std::vector<std::string> extra_flags = {}) {
+            std::vector<std::string> extra_flags = {}, const std::string& extra_config = "") {
     std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
-      listen_address: ")", listen, R"("
+      listen_address: ")",
+                                                              listen, R"("
       metrics_address: "off"
-      corpus_dir: ")", dir_, R"("
+      corpus_dir: ")",
+                                                              dir_, R"("
       model { vocab_size: 256 seq_len: 16 d_model: 32 num_layers: 1 num_heads: 2 }
       local_steps: 3
       max_versions: 3
-      security { )", security, " }\n");
+      security { )",
+                                                              security, " }\n", extra_config, "\n");
     std::vector<std::string> argv = {std::string(ALOE_BIN_DIR) + "/aloe-server",
                                      "--config=" + dir_ + "/server.textproto",
                                      "--port_file=" + dir_ + "/ports"};
@@ -133,10 +137,10 @@ TEST_F(SecurityTest, TokensIdentifyCallersAndWorkerIdsBelongToTheirIdentity) {
 }
 
 TEST_F(SecurityTest, MutualTlsWorkerTrainsAndClientsWithoutCertificatesAreRefused) {
-  const int port = Start(absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"", dir_,
-                                      "/ca/server.pem\" tls_key_file: \"", dir_,
-                                      "/ca/server.key\" tls_client_ca_file: \"", dir_,
-                                      "/ca/ca.pem\""));
+  const int port =
+      Start(absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"", dir_,
+                         "/ca/server.pem\" tls_key_file: \"", dir_,
+                         "/ca/server.key\" tls_client_ca_file: \"", dir_, "/ca/ca.pem\""));
   ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
   v1::JoinReply joined;
   // Plaintext and TLS without a client certificate both fail the handshake.
@@ -145,14 +149,14 @@ TEST_F(SecurityTest, MutualTlsWorkerTrainsAndClientsWithoutCertificatesAreRefuse
   auto no_cert = Stub(port, true, false);
   EXPECT_EQ(Join(*no_cert, kTokenA, &joined).error_code(), grpc::StatusCode::UNAVAILABLE);
   // A real worker with the client certificate and token trains to the end.
-  Subprocess worker({std::string(ALOE_BIN_DIR) + "/aloe-worker",
-                     absl::StrCat("--server=localhost:", port), "--corpus_dir=" + dir_,
-                     "--metrics=off", "--token_file=" + dir_ + "/token_a",
-                     "--tls_ca_file=" + dir_ + "/ca/ca.pem",
-                     "--tls_cert_file=" + dir_ + "/ca/client.pem",
-                     "--tls_key_file=" + dir_ + "/ca/client.key"},
-                    dir_ + "/worker.log");
-  EXPECT_EQ(worker.Wait(absl::Seconds(60)), std::optional<int>(0)) << ReadFile(dir_ + "/worker.log");
+  Subprocess worker(
+      {std::string(ALOE_BIN_DIR) + "/aloe-worker", absl::StrCat("--server=localhost:", port),
+       "--corpus_dir=" + dir_, "--metrics=off", "--token_file=" + dir_ + "/token_a",
+       "--tls_ca_file=" + dir_ + "/ca/ca.pem", "--tls_cert_file=" + dir_ + "/ca/client.pem",
+       "--tls_key_file=" + dir_ + "/ca/client.key"},
+      dir_ + "/worker.log");
+  EXPECT_EQ(worker.Wait(absl::Seconds(60)), std::optional<int>(0))
+      << ReadFile(dir_ + "/worker.log");
   EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0))
       << ReadFile(dir_ + "/server.log");
   EXPECT_NE(ReadFile(dir_ + "/server.log").find("summary: version 3"), std::string::npos)
@@ -171,6 +175,40 @@ TEST_F(SecurityTest, NonLoopbackWithoutTlsAndTokenIsRefusedUnlessInsecure) {
   EXPECT_GT(port, 0) << ReadFile(dir_ + "/server.log");
   server_->Signal(SIGTERM);
   EXPECT_EQ(server_->Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
+  const std::string tls = absl::StrCat(
+      "tls_cert_file: \"", dir_, "/ca/server.pem\" tls_key_file: \"", dir_, "/ca/server.key\"");
+  const std::vector<std::string> shard = {"--role=shard", "--shard_index=0",
+                                          "--listen=127.0.0.1:17071"};
+  struct Case {
+    std::string security;
+    std::vector<std::string> flags;
+    const char* message;
+  };
+  const Case cases[] = {
+      {tls, {"--push_listen=127.0.0.1:17072"}, "--push_listen with TLS configured"},
+      {"",
+       {"--push_listen=10.1.2.3:17072"},
+       "refusing raw pushes on non-loopback address 10.1.2.3:17072"},
+      {"", {"--push_listen=127.0.0.1:0"}, "--push_listen needs HOST:PORT with a fixed port"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> flags = shard;
+    flags.insert(flags.end(), c.flags.begin(), c.flags.end());
+    EXPECT_EQ(Start(c.security, "127.0.0.1:0", flags, "shard_processes: 1"), 0) << c.message;
+    EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1)) << c.message;
+    EXPECT_NE(ReadFile(dir_ + "/server.log").find(c.message), std::string::npos)
+        << ReadFile(dir_ + "/server.log");
+  }
+  EXPECT_EQ(Start("", "127.0.0.1:0", {"--role=coordinator", "--push_listen=127.0.0.1:17072"},
+                  "shard_processes: 1"),
+            0);
+  EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1));
+  EXPECT_NE(ReadFile(dir_ + "/server.log").find("--push_listen is for --role shard only"),
+            std::string::npos)
+      << ReadFile(dir_ + "/server.log");
 }
 
 }  // namespace
