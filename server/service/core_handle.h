@@ -62,6 +62,19 @@ class CoreHandle {
     return generation_;
   }
 
+  // Waits until the core's order log holds an order at absolute index `index` or later (or the
+  // core was replaced), or until `timeout`. Unlike WaitForChange no other change wakes the
+  // caller: whoever releases the lock evaluates the condition (absl::Mutex::Await), so a call
+  // that adds no order wakes no follow stream.
+  void WaitForOrder(uint64_t index, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    const ServerCore* current = core_.get();
+    auto ready = [&] {
+      return core_.get() != current || core_->first_order_index() + core_->orders().size() > index;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  }
+
   // RequestTask that holds a WAIT answer for up to max_wait, retrying whenever the state changes.
   absl::StatusOr<v1::Task> RequestTask(const v1::TaskRequest& request, absl::Duration max_wait) {
     absl::MutexLock lock(&mu_);

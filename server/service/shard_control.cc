@@ -229,7 +229,9 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
         MaybeTrimLog();
       }
     }
-    handle_.WaitForChange(seen, absl::Milliseconds(200));
+    // Woken by a new order only; a reassembly or a newer connection of this shard is noticed
+    // within the timeout.
+    handle_.WaitForOrder(cursor, absl::Milliseconds(200));
   }
   return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
 }
