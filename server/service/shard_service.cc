@@ -60,9 +60,19 @@ grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::Pull
   {
     absl::MutexLock lock(&mu_);
     const absl::Time deadline = absl::Now() + kVersionWait;
+    const uint64_t restores = restores_;
     while (true) {
       snapshot = state_->SnapshotAt(request->latest() ? state_->version() : request->version());
       if (snapshot.status().code() != absl::StatusCode::kUnavailable) break;
+      if (restores_ != restores) {
+        // The processes went back to a common version: the one asked for, if it comes again,
+        // will hold other parameters. Its task is gone too; the worker joins again.
+        snapshot = absl::FailedPreconditionError(absl::StrFormat(
+            "version %d will not come to shard %d: the shard processes went back to version %d "
+            "(a shard process restarted); join again",
+            request->version(), options_.shard_index, state_->version()));
+        break;
+      }
       if (context->IsCancelled() || changed_.WaitWithDeadline(&mu_, deadline)) break;
     }
   }
@@ -259,6 +269,7 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
       status = Restore(order.version());
       if (status.ok()) {
         fresh_ = false;
+        ++restores_;
         ALOE_LOG_INFO("shard", "shard %d restored version %d", options_.shard_index,
                       order.version());
       }

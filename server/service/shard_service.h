@@ -5,7 +5,9 @@
 // read meanwhile, so gRPC flow control holds the pusher back), assembles and validates this
 // shard's layers, stages them, reports the part to the coordinator and relays its answer. A
 // part the coordinator refuses is dropped again. Pull: waits (up to 10 s) until the
-// requested version is committed here, then streams this shard's layers of it.
+// requested version is committed here, then streams this shard's layers of it; a RESTORE
+// meanwhile (the processes reassembled at an older version) ends the wait with
+// FAILED_PRECONDITION at once.
 //
 // The follow loop (RunFollowLoop) keeps a Follow stream to the coordinator open, reconnecting
 // after any failure, and applies COMMIT (writing a checkpoint every checkpoint.every_versions),
@@ -103,6 +105,8 @@ class ShardServer final : public WireParameterService {
   // The process started (or lost its state): the coordinator must reassemble.
   bool fresh_ ABSL_GUARDED_BY(mu_) = true;
   std::set<uint64_t> unreadable_checkpoints_ ABSL_GUARDED_BY(mu_);
+  // RESTOREs applied: a pull waiting for a version ends when this changes under it.
+  uint64_t restores_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace aloe::server

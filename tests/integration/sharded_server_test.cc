@@ -9,6 +9,8 @@
 //    penalty and the staleness discount on; afterwards both shards hold exactly the parameters
 //    of a single-process replay of the coordinator's order journal. Run twice: pushes over gRPC,
 //    and raw pushes (common/raw_push.h; the victim's push to shard 1 breaks off mid-payload).
+//  - APullWaitingForAVersionEndsWhenTheShardsGoBack: a shard restart makes every process go back
+//    to an older version; a pull waiting for a newer one ends at once instead of after 10 s.
 //  - RawPushesRefuseBadInputAndChangeNothing: malformed, mis-sized, non-float32, NaN-carrying,
 //    unadmitted and cut-off raw pushes are refused with errors naming the problem, and the model
 //    afterwards is exactly the initial one stepped once with the clean push that followed.
@@ -689,6 +691,50 @@ INSTANTIATE_TEST_SUITE_P(Transports, ShardedReplayTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? "RawPushes" : "GrpcPushes";
                          });
+
+TEST_F(ShardedServerTest, APullWaitingForAVersionEndsWhenTheShardsGoBack) {
+  const int port = StartServer(
+      "shard_processes: 2\nmax_staged_updates: 2\nlocal_steps: 10\neval_every: 1000000\n"
+      "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n",
+      kNesterov, {"--role=coordinator"});
+  ASSERT_GT(port, 0);
+  auto shard0 = StartShard(0, port, false);
+  auto shard1 = StartShard(1, port, false);
+  worker::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  worker::ServerClient client(options);
+  absl::StatusOr<v1::JoinReply> joined = JoinTrainer(client, "waiter");
+  ASSERT_TRUE(joined.ok()) << joined.status() << ShardLogs();
+  // Version 1 is committed nowhere yet: a pull of it from shard 1 waits for its COMMIT.
+  auto stub = v1::ParameterService::NewStub(
+      grpc::CreateChannel(joined->shard_addresses(1), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::PullRequest request;
+  request.set_worker_id(joined->worker_id());
+  request.set_version(1);
+  std::unique_ptr<grpc::ClientReader<v1::ParamChunk>> reader = stub->Pull(&context, request);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the pull is waiting
+  // Shard 0 dies and starts again from the initial model: every process goes back to version 0,
+  // so the version 1 the pull waits for would be another one. The wait ends at once.
+  shard0->Signal(SIGKILL);
+  ASSERT_TRUE(shard0->Wait(absl::Seconds(10)).has_value());
+  auto restarted = StartShard(0, port, false);
+  v1::ParamChunk chunk;
+  while (reader->Read(&chunk)) {
+  }
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << status.error_message() << ShardLogs();
+  EXPECT_TRUE(absl::StrContains(status.error_message(),
+                                "version 1 will not come to shard 1: the shard processes went "
+                                "back to version 0"))
+      << status.error_message();
+  server_->Signal(SIGTERM);
+  restarted->Signal(SIGTERM);
+  shard1->Signal(SIGTERM);
+  EXPECT_EQ(restarted->Wait(absl::Seconds(30)), std::optional<int>(0));
+  EXPECT_EQ(shard1->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
 
 TEST_F(ShardedServerTest, RawPushesRefuseBadInputAndChangeNothing) {
   raw_pushes_ = true;
