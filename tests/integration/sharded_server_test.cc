@@ -89,7 +89,28 @@ class ShardedServerTest : public LoopbackTest {
   }
 
   int shard_ports_[2] = {FreePort(), FreePort()};
-  bool raw_pushes_ = false;  // the shards also take raw pushes
+  // A coordinator (plain async, 2 staging slots, `outer_optimizer`) and both shard processes
+  // (shards_); the coordinator's port, or 0 when it did not start.
+  int StartAsyncCluster(const std::string& outer_optimizer) {
+    const int port = StartServer(
+        "shard_processes: 2\nmax_staged_updates: 2\nlocal_steps: 10\neval_every: 1000000\n"
+        "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n",
+        outer_optimizer, {"--role=coordinator"});
+    if (port > 0) {
+      for (int i = 0; i < 2; ++i) shards_[i] = StartShard(i, port, false);
+    }
+    return port;
+  }
+
+  // SIGTERMs the coordinator and both shard processes; expects the shards to exit 0.
+  void StopAsyncCluster() {
+    server_->Signal(SIGTERM);
+    for (auto& shard : shards_) shard->Signal(SIGTERM);
+    for (auto& shard : shards_) EXPECT_EQ(shard->Wait(absl::Seconds(30)), std::optional<int>(0));
+  }
+
+  std::unique_ptr<Subprocess> shards_[2];  // StartAsyncCluster's
+  bool raw_pushes_ = false;                // the shards also take raw pushes
   int push_ports_[2] = {FreePort(), FreePort()};
 };
 
@@ -693,13 +714,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, ShardedReplayTest, ::testing::Bool(),
                          });
 
 TEST_F(ShardedServerTest, APullWaitingForAVersionEndsWhenTheShardsGoBack) {
-  const int port = StartServer(
-      "shard_processes: 2\nmax_staged_updates: 2\nlocal_steps: 10\neval_every: 1000000\n"
-      "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n",
-      kNesterov, {"--role=coordinator"});
+  const int port = StartAsyncCluster(kNesterov);
   ASSERT_GT(port, 0);
-  auto shard0 = StartShard(0, port, false);
-  auto shard1 = StartShard(1, port, false);
   worker::ClientOptions options;
   options.address = absl::StrCat("127.0.0.1:", port);
   worker::ServerClient client(options);
@@ -716,9 +732,9 @@ TEST_F(ShardedServerTest, APullWaitingForAVersionEndsWhenTheShardsGoBack) {
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the pull is waiting
   // Shard 0 dies and starts again from the initial model: every process goes back to version 0,
   // so the version 1 the pull waits for would be another one. The wait ends at once.
-  shard0->Signal(SIGKILL);
-  ASSERT_TRUE(shard0->Wait(absl::Seconds(10)).has_value());
-  auto restarted = StartShard(0, port, false);
+  shards_[0]->Signal(SIGKILL);
+  ASSERT_TRUE(shards_[0]->Wait(absl::Seconds(10)).has_value());
+  shards_[0] = StartShard(0, port, false);
   v1::ParamChunk chunk;
   while (reader->Read(&chunk)) {
   }
@@ -729,22 +745,13 @@ TEST_F(ShardedServerTest, APullWaitingForAVersionEndsWhenTheShardsGoBack) {
                                 "version 1 will not come to shard 1: the shard processes went "
                                 "back to version 0"))
       << status.error_message();
-  server_->Signal(SIGTERM);
-  restarted->Signal(SIGTERM);
-  shard1->Signal(SIGTERM);
-  EXPECT_EQ(restarted->Wait(absl::Seconds(30)), std::optional<int>(0));
-  EXPECT_EQ(shard1->Wait(absl::Seconds(30)), std::optional<int>(0));
+  StopAsyncCluster();
 }
 
 TEST_F(ShardedServerTest, RawPushesRefuseBadInputAndChangeNothing) {
   raw_pushes_ = true;
-  const int port = StartServer(
-      "shard_processes: 2\nmax_staged_updates: 2\nlocal_steps: 10\neval_every: 1000000\n"
-      "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n",
-      "outer_optimizer { type: OUTER_SGD lr: 0.5 }", {"--role=coordinator"});
+  const int port = StartAsyncCluster("outer_optimizer { type: OUTER_SGD lr: 0.5 }");
   ASSERT_GT(port, 0);
-  auto shard0 = StartShard(0, port, false);
-  auto shard1 = StartShard(1, port, false);
   worker::ClientOptions options;
   options.address = absl::StrCat("127.0.0.1:", port);
   worker::ServerClient client(options);
@@ -829,11 +836,7 @@ TEST_F(ShardedServerTest, RawPushesRefuseBadInputAndChangeNothing) {
   }
   EXPECT_LT(worst, 1e-6) << "theta_1 = theta_0 - 0.5 g, nothing else";
   (void)client.Leave(joined->worker_id());
-  server_->Signal(SIGTERM);
-  shard0->Signal(SIGTERM);
-  shard1->Signal(SIGTERM);
-  EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0));
-  EXPECT_EQ(shard1->Wait(absl::Seconds(30)), std::optional<int>(0));
+  StopAsyncCluster();
 }
 
 }  // namespace
