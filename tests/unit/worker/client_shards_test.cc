@@ -532,6 +532,33 @@ TEST_F(ClientRawPushTest, FloatLayersGoRawWithTheTokenHeaderAndTheShardsLayersIn
   EXPECT_EQ(raw_.connections(), 1);
 }
 
+TEST_F(ClientRawPushTest, ASlicedPushSendsEachLayersSliceInOrder) {
+  // An FSDP rank's push: slice 1 of 2 of every layer (SliceRange: the second half, rounded up).
+  v1::PushHeader header = Header();
+  header.set_slice(1);
+  header.set_slices(2);
+  const Layers values = Values(spec_);
+  Layers slices;
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    const uint64_t n = spec_.layers(l).num_elements();
+    const uint64_t first = (n + 1) / 2;
+    slices.emplace_back(values[l].begin() + first, values[l].end());
+  }
+  uint64_t bytes = 0;
+  ASSERT_THAT(client_.Push(header, spec_, slices, {}, 256, nullptr, &bytes), IsOk());
+  const std::vector<FakeRawShard::Received> pushes = raw_.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  EXPECT_EQ(pushes[0].header.slices(), 2u);
+  std::vector<float> expected = slices[0];  // layers 0 and 2 of shard 0: [5, 10) and [3, 5)
+  expected.insert(expected.end(), slices[2].begin(), slices[2].end());
+  EXPECT_EQ(pushes[0].payload, expected);
+  // A slice buffer of the wrong size is refused before anything is sent.
+  slices[2].pop_back();
+  EXPECT_THAT(client_.Push(header, spec_, slices, {}, 256, nullptr, &bytes),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 2: 1 values to push")));
+  EXPECT_EQ(raw_.Pushes().size(), 1u);
+}
+
 TEST_F(ClientRawPushTest, AShardWithAnEncodedLayerGetsItsPushOverGrpc) {
   shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 6));
   uint64_t bytes = 0;
