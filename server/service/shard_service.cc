@@ -150,17 +150,16 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
                                      const std::function<bool()>& cancelled,
                                      absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
                                      v1::PushReply* reply, absl::Time start) {
-  auto reject = [&](const absl::Status& status) { return Reject(status); };
-  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return reject(s);
+  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return Reject(s);
   if (!v1::Codec_IsValid(header.codec())) {
-    return reject(
+    return Reject(
         absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec())));
   }
   // The coordinator admits at most max_staged_updates updates at once, the same on every shard
   // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
   // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
   if (absl::Status admitted = AwaitAdmission(cancelled, header, identity); !admitted.ok()) {
-    return reject(admitted);
+    return Reject(admitted);
   }
   std::shared_ptr<FloatBufferPool> buffers;
   {
@@ -176,7 +175,7 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
     };
     while (!room()) {
       if (cancelled() || changed_.WaitWithDeadline(&mu_, deadline)) {
-        return reject(absl::ResourceExhaustedError(absl::StrFormat(
+        return Reject(absl::ResourceExhaustedError(absl::StrFormat(
             "shard %d: staging full (%d updates staged or being received) for %.0f s; push again "
             "later",
             options_.shard_index, options_.max_staged, absl::ToDoubleSeconds(kSlotWait))));
@@ -195,18 +194,18 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
   } release{this};
 
   UpdateAssembler assembler(spec_, header, options_.shard_index, std::move(buffers));
-  if (absl::Status s = read(assembler); !s.ok()) return reject(s);
+  if (absl::Status s = read(assembler); !s.ok()) return Reject(s);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();
   absl::StatusOr<PendingUpdate> part = std::move(assembler).Finish();
-  if (!part.ok()) return reject(part.status());
+  if (!part.ok()) return Reject(part.status());
   absl::StatusOr<StageResult> staged;
   {
     absl::MutexLock lock(&mu_);
     staged = state_->Stage(*std::move(part));
     Publish();
   }
-  if (!staged.ok()) return reject(staged.status());
+  if (!staged.ok()) return Reject(staged.status());
   if (!staged->complete) {
     reply->set_staged(true);
     reply->set_slices_received(staged->slices_received);
