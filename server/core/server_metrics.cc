@@ -78,6 +78,11 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        "Shard process: pushed updates staged, waiting for the coordinator's commit",
        {}},
       {kStagedBytes, K::kGauge, "Shard process: bytes of the staged updates", {}},
+      {kRawPushBytes,
+       K::kCounter,
+       "Shard process: payload bytes received whole over raw pushes (the rest of "
+       "aloe_received_bytes_total came over gRPC)",
+       {}},
       {kTrainLoss, K::kGauge, "Mean inner training loss reported with the last update", {}},
       {kPenaltyAnomalies,
        K::kCounter,

@@ -36,6 +36,7 @@ inline constexpr char kCheckpointVersion[] = "aloe_checkpoint_version";
 // Shard processes of a layer-sharded server.
 inline constexpr char kStagedUpdates[] = "aloe_staged_updates";
 inline constexpr char kStagedBytes[] = "aloe_staged_bytes";
+inline constexpr char kRawPushBytes[] = "aloe_raw_push_bytes_total";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
 // no per-worker labels.
 inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";

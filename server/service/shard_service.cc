@@ -133,6 +133,7 @@ absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& re
         done += n;
       }
     }
+    metrics_.Add(kRawPushBytes, static_cast<double>(expected));
     return absl::OkStatus();
   };
   v1::PushReply reply;

@@ -73,11 +73,23 @@ class ShardedServerTest : public LoopbackTest {
                                      "--role=shard",
                                      absl::StrCat("--shard_index=", index),
                                      absl::StrCat("--listen=127.0.0.1:", shard_ports_[index]),
-                                     absl::StrCat("--coordinator=127.0.0.1:", coordinator_port)};
+                                     absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
+                                     absl::StrCat("--port_file=", dir_, "/shard", index, ".ports"),
+                                     "--metrics=127.0.0.1:0"};
     if (resume) argv.push_back("--resume");
     if (raw_pushes_) argv.push_back(absl::StrCat("--push_listen=127.0.0.1:", push_ports_[index]));
     return std::make_unique<Subprocess>(
         argv, absl::StrCat(dir_, "/shard", index, resume ? "-resumed" : "", ".log"));
+  }
+
+  // The metrics port shard process `index` wrote to its port file (0 if none yet).
+  int ShardMetricsPort(int index) {
+    const std::string ports = ReadFile(absl::StrCat(dir_, "/shard", index, ".ports"));
+    int port = 0;
+    const size_t at = ports.find("metrics=");
+    if (at != std::string::npos)
+      absl::SimpleAtoi(ports.substr(at + 8, ports.find_first_of(" \n", at) - at - 8), &port);
+    return port;
   }
 
   std::string ShardLogs() {
@@ -835,6 +847,17 @@ TEST_F(ShardedServerTest, RawPushesRefuseBadInputAndChangeNothing) {
     }
   }
   EXPECT_LT(worst, 1e-6) << "theta_1 = theta_0 - 0.5 g, nothing else";
+  // Shard 0 counts the clean push's payload as received over raw pushes, nothing of the others.
+  const int metrics = ShardMetricsPort(0);
+  ASSERT_GT(metrics, 0);
+  const std::string scrape = HttpGet(metrics, "/metrics");
+  double raw_bytes = -1;
+  for (absl::string_view line : absl::StrSplit(scrape, '\n')) {
+    if (absl::ConsumePrefix(&line, "aloe_raw_push_bytes_total ")) {
+      ASSERT_TRUE(absl::SimpleAtod(line, &raw_bytes)) << line;
+    }
+  }
+  EXPECT_EQ(raw_bytes, static_cast<double>(payload.size())) << scrape;
   (void)client.Leave(joined->worker_id());
   StopAsyncCluster();
 }
