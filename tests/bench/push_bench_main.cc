@@ -199,34 +199,50 @@ std::pair<int, int> PinnedCpus() {
   return {receiver, sender};
 }
 
-// GB/s of `streams` concurrent loopback TCP connections, each written with 1 MiB send()s for
-// `seconds` and drained by its own reader thread (readers on CPU `receiver_cpu`, writers on
-// `sender_cpu` when those are >= 0).
-double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender_cpu = -1) {
+// `streams` connected loopback TCP connections as (sending end, receiving end), or none (the
+// error printed) when they cannot be made.
+std::vector<std::pair<int, int>> LoopbackConnections(int streams) {
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
+  std::vector<std::pair<int, int>> connections;
   if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       listen(listener, streams) != 0 ||
       getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    std::perror("raw TCP listener");
-    return 0;
+    std::perror("loopback TCP listener");
+    if (listener >= 0) close(listener);
+    return connections;
   }
+  for (int s = 0; s < streams; ++s) {
+    const int out = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(out, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      std::perror("loopback TCP connect");
+      for (auto [o, i] : connections) close(o), close(i);
+      close(out);
+      close(listener);
+      return {};
+    }
+    connections.emplace_back(out, accept(listener, nullptr, nullptr));
+  }
+  close(listener);
+  return connections;
+}
+
+// GB/s of `streams` concurrent loopback TCP connections, each written with 1 MiB send()s for
+// `seconds` and drained by its own reader thread (readers on CPU `receiver_cpu`, writers on
+// `sender_cpu` when those are >= 0).
+double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender_cpu = -1) {
+  const std::vector<std::pair<int, int>> connections = LoopbackConnections(streams);
+  if (connections.empty()) return 0;
   std::atomic<uint64_t> received{0};
   std::atomic<bool> stop{false};
   std::vector<std::thread> threads;
   std::vector<int> senders;
-  for (int s = 0; s < streams; ++s) {
-    const int out = socket(AF_INET, SOCK_STREAM, 0);
-    if (connect(out, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      std::perror("raw TCP connect");
-      return 0;
-    }
-    const int in = accept(listener, nullptr, nullptr);
+  for (auto [out, in] : connections) {
     senders.push_back(out);
-    threads.emplace_back([in, &received, receiver_cpu] {
+    threads.emplace_back([in = in, &received, receiver_cpu] {
       PinThisThread(receiver_cpu);
       std::vector<char> buffer(1 << 20);
       ssize_t n;
@@ -260,7 +276,6 @@ double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender
   for (std::thread& t : writers) t.join();
   for (int out : senders) shutdown(out, SHUT_RDWR), close(out);
   for (std::thread& t : threads) t.join();
-  close(listener);
   return static_cast<double>(bytes) / elapsed / 1e9;
 }
 
@@ -275,18 +290,9 @@ double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender
 double StagedTcpGbps(int streams, double seconds, uint64_t update_bytes, int slots,
                      int receiver_cpu = -1, int sender_cpu = -1) {
   const size_t n = update_bytes / sizeof(float);
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (n == 0 || listener < 0 ||
-      bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(listener, streams) != 0 ||
-      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    std::perror("staged TCP listener");
-    return 0;
-  }
+  if (n == 0) return 0;
+  const std::vector<std::pair<int, int>> connections = LoopbackConnections(streams);
+  if (connections.empty()) return 0;
   absl::Mutex mu;
   std::vector<std::vector<float>> buffers(slots, std::vector<float>(n));
   std::vector<float*> idle, staged;  // guarded by mu
@@ -315,15 +321,9 @@ double StagedTcpGbps(int streams, double seconds, uint64_t update_bytes, int slo
   });
   std::vector<std::thread> readers, writers;
   std::vector<int> senders;
-  for (int s = 0; s < streams; ++s) {
-    const int out = socket(AF_INET, SOCK_STREAM, 0);
-    if (connect(out, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      std::perror("staged TCP connect");
-      std::exit(1);
-    }
-    const int in = accept(listener, nullptr, nullptr);
+  for (auto [out, in] : connections) {
     senders.push_back(out);
-    readers.emplace_back([&, in] {
+    readers.emplace_back([&, in = in] {
       PinThisThread(receiver_cpu);
       while (true) {
         float* g = nullptr;
@@ -390,7 +390,6 @@ double StagedTcpGbps(int streams, double seconds, uint64_t update_bytes, int slo
   for (std::thread& t : readers) t.join();
   applier.join();
   for (int out : senders) close(out);
-  close(listener);
   return static_cast<double>(bytes) / elapsed / 1e9;
 }
 
