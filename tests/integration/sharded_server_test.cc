@@ -163,6 +163,13 @@ v1::PushHeader TrainHeader(uint64_t worker_id, const v1::Task& task, uint64_t up
   return header;
 }
 
+// Plaintext client options for the coordinator on loopback port `port`.
+worker::ClientOptions ClientOptionsFor(int port) {
+  worker::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  return options;
+}
+
 // What the simulated workers share with the test.
 struct Simulation {
   std::atomic<bool> stop{false};
@@ -179,9 +186,7 @@ struct Simulation {
 // id). Joins again whenever the coordinator forgot it (NOT_FOUND: after a reassembly), retries
 // what fails meanwhile, and leaves when told STOP.
 void RunSimulatedWorker(int port, int index, Simulation& sim) {
-  worker::ClientOptions options;
-  options.address = absl::StrCat("127.0.0.1:", port);
-  worker::ServerClient client(options);
+  worker::ServerClient client(ClientOptionsFor(port));
   const absl::Time deadline = absl::Now() + absl::Seconds(240);
   while (!sim.stop.load() && absl::Now() < deadline) {
     v1::JoinRequest join;
@@ -681,9 +686,7 @@ TEST_P(ShardedReplayTest, SimultaneousPushesBeyondStagingAllComplete) {
   std::vector<std::thread> workers;
   for (int w = 0; w < kWorkers; ++w) {
     workers.emplace_back([&, w] {
-      worker::ClientOptions options;
-      options.address = absl::StrCat("127.0.0.1:", port);
-      worker::ServerClient client(options);
+      worker::ServerClient client(ClientOptionsFor(port));
       absl::StatusOr<v1::JoinReply> joined = JoinTrainer(client, absl::StrCat("sim", w));
       absl::StatusOr<v1::Task> task;
       if (joined.ok()) task = client.RequestTask(joined->worker_id());
@@ -728,9 +731,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, ShardedReplayTest, ::testing::Bool(),
 TEST_F(ShardedServerTest, APullWaitingForAVersionEndsWhenTheShardsGoBack) {
   const int port = StartAsyncCluster(kNesterov);
   ASSERT_GT(port, 0);
-  worker::ClientOptions options;
-  options.address = absl::StrCat("127.0.0.1:", port);
-  worker::ServerClient client(options);
+  worker::ServerClient client(ClientOptionsFor(port));
   absl::StatusOr<v1::JoinReply> joined = JoinTrainer(client, "waiter");
   ASSERT_TRUE(joined.ok()) << joined.status() << ShardLogs();
   // Version 1 is committed nowhere yet: a pull of it from shard 1 waits for its COMMIT.
@@ -764,9 +765,7 @@ TEST_F(ShardedServerTest, RawPushesRefuseBadInputAndChangeNothing) {
   raw_pushes_ = true;
   const int port = StartAsyncCluster("outer_optimizer { type: OUTER_SGD lr: 0.5 }");
   ASSERT_GT(port, 0);
-  worker::ClientOptions options;
-  options.address = absl::StrCat("127.0.0.1:", port);
-  worker::ServerClient client(options);
+  worker::ServerClient client(ClientOptionsFor(port));
   absl::StatusOr<v1::JoinReply> joined = JoinTrainer(client, "hostile");
   ASSERT_TRUE(joined.ok()) << joined.status() << ShardLogs();
   ASSERT_EQ(joined->shard_push_addresses_size(), 2);
