@@ -159,6 +159,12 @@ class Worker {
   absl::Status RunNode();
   v1::NodeDirective NextDirective();
   absl::Status Finish();
+  // Ends the worker on an error of its own (not the server's): leaves the server first, so the
+  // task goes to another worker at once instead of when the lease runs out.
+  absl::Status LeaveAfter(absl::Status error);
+  // The token shard `file` of the corpus. A missing or unreadable file is this node's setup
+  // (--corpus_dir), never the server's: kInvalidArgument, so it ends the worker instead of being
+  // retried as a dropped task (which asked for the same task again in a tight loop).
   absl::StatusOr<const TokenSource*> Shard(const std::string& file);
   absl::Status Train(const v1::Task& task);
   // Tells the server this worker (its slice) holds the base version of `task` in full, so the
@@ -303,10 +309,16 @@ absl::Status Worker::Joined(const v1::JoinReply& joined) {
 absl::StatusOr<const TokenSource*> Worker::Shard(const std::string& file) {
   auto it = shards_.find(file);
   if (it != shards_.end()) return it->second.get();
-  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard,
-                        TokenShard::Open(absl::StrCat(absl::GetFlag(FLAGS_corpus_dir), "/", file)));
-  const TokenSource* source = shard.get();
-  shards_[file] = std::move(shard);
+  absl::StatusOr<std::unique_ptr<TokenShard>> shard =
+      TokenShard::Open(absl::StrCat(absl::GetFlag(FLAGS_corpus_dir), "/", file));
+  if (!shard.ok()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "training data: %s (--corpus_dir %s must hold the corpus the server was configured with, "
+        "prepared by aloe-corpus or scripts/prepare-corpus.sh)",
+        shard.status().message(), absl::GetFlag(FLAGS_corpus_dir)));
+  }
+  const TokenSource* source = shard->get();
+  shards_[file] = *std::move(shard);
   return source;
 }
 
@@ -362,7 +374,7 @@ absl::Status Worker::Run() {
       ALOE_LOG_WARNING("worker", "task %d dropped: %s", task->task_id(), status.message());
       continue;
     }
-    ALOE_RETURN_IF_ERROR(status);
+    if (!status.ok()) return LeaveAfter(status);
   }
   return Finish();
 }
@@ -451,9 +463,18 @@ absl::Status Worker::RunNode() {
                        status.message());
       continue;
     }
-    ALOE_RETURN_IF_ERROR(status);
+    if (!status.ok()) return LeaveAfter(status);
   }
   return Finish();
+}
+
+absl::Status Worker::LeaveAfter(absl::Status error) {
+  heartbeat_.reset();
+  if (leader() && !need_join_) {
+    absl::Status left = client_.Leave(joined_.worker_id());
+    if (!left.ok()) ALOE_LOG_WARNING("worker", "leave: %s", left.ToString());
+  }
+  return error;
 }
 
 absl::Status Worker::Finish() {

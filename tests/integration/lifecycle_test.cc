@@ -82,5 +82,29 @@ TEST_F(LifecycleTest, ServerSigtermDrainsTheRoundInFlightThenCheckpointsAndExits
   EXPECT_EQ(worker->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
 }
 
+TEST_F(LifecycleTest, WorkerWithoutTheTrainingDataSaysSoLeavesAndExitsNonZero) {
+  const int port = StartServer("local_steps: 5\naggregation { min_workers: 1 }\n");
+  ASSERT_GT(port, 0);
+  // A corpus directory with the manifest but none of the token files.
+  const std::string empty = dir_ + "/no_tokens";
+  ASSERT_EQ(
+      std::system(("mkdir -p " + empty + " && cp " + dir_ + "/manifest.tsv " + empty).c_str()), 0);
+  auto worker = StartWorker(port, "trainer", 0, 1.0, {"--corpus_dir=" + empty});
+  const std::optional<int> code = worker->Wait(absl::Seconds(60));
+  ASSERT_TRUE(code.has_value()) << "the worker kept going without its data\n" << Logs();
+  EXPECT_NE(*code, 0);
+  const std::string log = ReadFile(dir_ + "/trainer0.log");
+  EXPECT_TRUE(absl::StrContains(log, "training data: " + empty + "/shards/p")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "no such file")) << log;
+  // Ends at once, not after a loop of asking for the same task again.
+  EXPECT_FALSE(absl::StrContains(log, "dropped")) << log;
+  // It left: the server does not wait for its lease to run out.
+  EXPECT_EQ(Scraped("aloe_workers_left_total"), 1) << Logs();
+  EXPECT_EQ(Scraped("aloe_live_workers"), 0) << Logs();
+  EXPECT_EQ(Scraped("aloe_model_version"), 0) << Logs();
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+}
+
 }  // namespace
 }  // namespace aloe
