@@ -78,6 +78,13 @@ ABSL_FLAG(std::string, push_listen, "",
           "--role shard: also take raw pushes (the float32 payload over plain TCP, without gRPC's "
           "framing; 1.2-1.5x the ingest of gRPC pushes here) on this HOST:PORT (a fixed port: "
           "workers are told it). Refused with TLS: raw pushes are not encrypted");
+ABSL_FLAG(std::string, advertise, "",
+          "--role shard: the HOST:PORT workers are told to reach this shard at (default: "
+          "--listen). Needed when --listen is a wildcard such as 0.0.0.0:7071 (a container, a "
+          "host with several interfaces): name this host as workers dial it (and as its TLS "
+          "certificate names it)");
+ABSL_FLAG(std::string, advertise_push, "",
+          "--role shard: the HOST:PORT workers are told for raw pushes (default: --push_listen)");
 ABSL_FLAG(std::string, token_file, "",
           "--role shard: file whose first line is the token this shard presents to the "
           "coordinator (security.token_file)");
@@ -87,6 +94,34 @@ namespace {
 
 std::atomic<int> g_signal{0};
 void OnSignal(int sig) { g_signal.store(sig); }
+
+// The address a shard tells workers (`flag`, default the one it listens on): one they can dial,
+// so neither a wildcard host nor port 0.
+absl::Status CheckAdvertised(const char* flag, const char* listen_flag, const std::string& given,
+                             const std::string& listen) {
+  const std::string address = given.empty() ? listen : given;
+  const size_t colon = address.rfind(':');
+  const std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
+  const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
+  if (host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]" || host == "*") {
+    if (given.empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s %s listens on every interface, and workers cannot dial that address: pass %s "
+          "HOST:PORT, the name or address of this host as workers reach it",
+          listen_flag, listen, flag));
+    }
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s %s is not an address workers can dial (give this host's name or address and the "
+        "port)",
+        flag, address));
+  }
+  int number = 0;
+  if (!absl::SimpleAtoi(port, &number) || number <= 0 || number > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s %s needs HOST:PORT with a port in [1, 65535]", flag, address));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
   const std::string path = absl::GetFlag(FLAGS_config);
@@ -165,6 +200,19 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
           "--role shard needs --listen with a fixed port (its own address, which workers are "
           "told; listen_address is the coordinator's)");
     }
+    ALOE_RETURN_IF_ERROR(
+        CheckAdvertised("--advertise", "--listen", absl::GetFlag(FLAGS_advertise), listen));
+    if (!absl::GetFlag(FLAGS_advertise_push).empty() && absl::GetFlag(FLAGS_push_listen).empty()) {
+      return absl::InvalidArgumentError("--advertise_push needs --push_listen");
+    }
+    if (!absl::GetFlag(FLAGS_push_listen).empty()) {
+      ALOE_RETURN_IF_ERROR(CheckAdvertised("--advertise_push", "--push_listen",
+                                           absl::GetFlag(FLAGS_advertise_push),
+                                           absl::GetFlag(FLAGS_push_listen)));
+    }
+  } else if (!absl::GetFlag(FLAGS_advertise).empty() ||
+             !absl::GetFlag(FLAGS_advertise_push).empty()) {
+    return absl::InvalidArgumentError("--advertise and --advertise_push are for --role shard only");
   }
   return config;
 }
@@ -367,6 +415,13 @@ absl::Status RunShard(const v1::ServerConfig& config) {
     grpc::SslCredentialsOptions ssl;
     ALOE_ASSIGN_OR_RETURN(ssl.pem_root_certs,
                           ReadWholeFile("TLS certificate", config.security().tls_cert_file()));
+    if (!config.security().tls_client_ca_file().empty()) {
+      // Mutual TLS: the coordinator asks this shard for a client certificate too, and gets the
+      // shard's own (so it must be issued by tls_client_ca_file's CA, as the workers' are).
+      ssl.pem_cert_chain = ssl.pem_root_certs;
+      ALOE_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                            ReadWholeFile("TLS key", config.security().tls_key_file()));
+    }
     channel_credentials = grpc::SslCredentials(ssl);
   }
   ShardServer::Options options;
@@ -385,8 +440,13 @@ absl::Status RunShard(const v1::ServerConfig& config) {
     ALOE_ASSIGN_OR_RETURN(ServerModel fresh, LoadServerModel(config, index));
     return make_state(std::move(fresh.initial));
   };
-  options.address = listen;  // told to the coordinator, and by it to the workers
-  options.push_address = absl::GetFlag(FLAGS_push_listen);
+  // Told to the coordinator, and by it to the workers.
+  options.address =
+      absl::GetFlag(FLAGS_advertise).empty() ? listen : absl::GetFlag(FLAGS_advertise);
+  options.push_address = absl::GetFlag(FLAGS_advertise_push).empty()
+                             ? absl::GetFlag(FLAGS_push_listen)
+                             : absl::GetFlag(FLAGS_advertise_push);
+  const std::string push_listen = absl::GetFlag(FLAGS_push_listen);
   const size_t owned_layers = state->owned_layers().size();
   auto shard = std::make_unique<ShardServer>(spec, std::move(state), options, *auth, *metrics);
   int grpc_port = 0;
@@ -394,28 +454,32 @@ absl::Status RunShard(const v1::ServerConfig& config) {
       std::unique_ptr<grpc::Server> server,
       StartGrpc(listen, credentials, {shard.get()}, config.receive_window_kib(), &grpc_port));
   std::unique_ptr<RawPushListener> raw_pushes;
-  if (!options.push_address.empty()) {
+  if (!push_listen.empty()) {
     // Plaintext, as gRPC without TLS: the same rule for non-loopback addresses.
-    if (!IsLoopback(options.push_address) && !config.security().insecure()) {
+    if (!IsLoopback(push_listen) && !config.security().insecure()) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "refusing raw pushes on non-loopback address %s: they are not encrypted; pass "
           "--insecure (security.insecure) on a trusted network",
-          options.push_address));
+          push_listen));
     }
     auto serve = [&shard](const RawPushRequest& request, ByteReader& in,
                           const std::function<bool()>& cancelled) {
       return shard->ServeRawPush(request, in, cancelled);
     };
-    ALOE_ASSIGN_OR_RETURN(raw_pushes, RawPushListener::Start(options.push_address, serve,
-                                                             RawPushListener::Options()));
+    ALOE_ASSIGN_OR_RETURN(raw_pushes,
+                          RawPushListener::Start(push_listen, serve, RawPushListener::Options()));
   }
   ALOE_LOG_INFO("shard",
-                "shard %d of %d listening on %s%s (metrics port %d): %d layers, %d parameters; "
+                "shard %d of %d listening on %s%s%s (metrics port %d): %d layers, %d parameters; "
                 "following the coordinator at %s",
                 index, config.shard_processes(), listen,
-                options.push_address.empty()
-                    ? ""
-                    : absl::StrCat(", raw pushes on ", options.push_address).c_str(),
+                options.address == listen ? "" : absl::StrCat(" as ", options.address).c_str(),
+                push_listen.empty() ? ""
+                                    : absl::StrCat(", raw pushes on ", push_listen,
+                                                   options.push_address == push_listen
+                                                       ? ""
+                                                       : absl::StrCat(" as ", options.push_address))
+                                          .c_str(),
                 metrics_port, owned_layers, params, coordinator);
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     ALOE_RETURN_IF_ERROR(WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, metrics_port));

@@ -1,6 +1,7 @@
 // Security on real processes: shared-token auth with per-worker identities, TLS and mutual TLS
 // (certificates from scripts/make-test-ca.sh), and the refusal to listen on a non-loopback
-// address without TLS and a token. Raw pushes (--push_listen) only in plaintext.
+// address without TLS and a token. Raw pushes (--push_listen) only in plaintext. A layer-sharded
+// server under mutual TLS and tokens, and shard addresses workers could not dial refused.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -19,6 +20,7 @@
 namespace aloe {
 namespace {
 
+using ::aloe::testing::FreePort;
 using ::aloe::testing::ReadFile;
 using ::aloe::testing::Subprocess;
 using ::aloe::testing::WaitForFile;
@@ -208,6 +210,108 @@ TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
   EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1));
   EXPECT_NE(ReadFile(dir_ + "/server.log").find("--push_listen is for --role shard only"),
             std::string::npos)
+      << ReadFile(dir_ + "/server.log");
+}
+
+TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
+  // Shards present kTokenB (identity bravo) to the coordinator and their own certificate (issued
+  // by the client CA); shard 1 listens on every interface and tells workers "localhost", the
+  // name in the certificate they verify.
+  const std::string security =
+      absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"", dir_,
+                   "/ca/server.pem\" tls_key_file: \"", dir_,
+                   "/ca/server.key\" tls_client_ca_file: \"", dir_, "/ca/ca.pem\"");
+  const std::string sharded = "shard_processes: 2\naggregation { mode: AGGREGATION_ASYNC }";
+  std::ofstream(dir_ + "/token_b") << kTokenB << "\n";
+  const int port = Start(security, "127.0.0.1:0", {"--role=coordinator"}, sharded);
+  ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
+  const int shard_ports[2] = {FreePort(), FreePort()};
+  std::unique_ptr<Subprocess> shards[2];
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::string> argv = {std::string(ALOE_BIN_DIR) + "/aloe-server",
+                                     "--config=" + dir_ + "/server.textproto",
+                                     "--role=shard",
+                                     absl::StrCat("--shard_index=", i),
+                                     absl::StrCat("--coordinator=localhost:", port),
+                                     "--token_file=" + dir_ + "/token_b"};
+    if (i == 0) {
+      argv.push_back(absl::StrCat("--listen=127.0.0.1:", shard_ports[i]));
+    } else {
+      argv.push_back(absl::StrCat("--listen=0.0.0.0:", shard_ports[i]));
+      argv.push_back(absl::StrCat("--advertise=localhost:", shard_ports[i]));
+    }
+    shards[i] = std::make_unique<Subprocess>(argv, absl::StrCat(dir_, "/shard", i, ".log"));
+  }
+  auto logs = [&] {
+    return absl::StrCat(ReadFile(dir_ + "/server.log"), ReadFile(dir_ + "/shard0.log"),
+                        ReadFile(dir_ + "/shard1.log"), ReadFile(dir_ + "/worker.log"));
+  };
+  // A worker with the client certificate and token trains through both shards to the end.
+  Subprocess worker(
+      {std::string(ALOE_BIN_DIR) + "/aloe-worker", absl::StrCat("--server=localhost:", port),
+       "--corpus_dir=" + dir_, "--metrics=off", "--token_file=" + dir_ + "/token_a",
+       "--tls_ca_file=" + dir_ + "/ca/ca.pem", "--tls_cert_file=" + dir_ + "/ca/client.pem",
+       "--tls_key_file=" + dir_ + "/ca/client.key"},
+      dir_ + "/worker.log");
+  EXPECT_EQ(worker.Wait(absl::Seconds(90)), std::optional<int>(0)) << logs();
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0)) << logs();
+  EXPECT_NE(ReadFile(dir_ + "/server.log").find("summary: version 3"), std::string::npos) << logs();
+  EXPECT_NE(ReadFile(dir_ + "/worker.log").find("(2 shard processes)"), std::string::npos)
+      << logs();
+  EXPECT_NE(ReadFile(dir_ + "/shard1.log")
+                .find(absl::StrCat("listening on 0.0.0.0:", shard_ports[1],
+                                   " as localhost:", shard_ports[1])),
+            std::string::npos)
+      << logs();
+  // The shards hold the parameters: a client without a certificate cannot reach them.
+  auto no_cert = Stub(shard_ports[0], true, false);
+  v1::JoinReply joined;
+  EXPECT_EQ(Join(*no_cert, kTokenA, &joined).error_code(), grpc::StatusCode::UNAVAILABLE);
+  for (auto& shard : shards) {
+    shard->Signal(SIGTERM);
+    EXPECT_EQ(shard->Wait(absl::Seconds(30)), std::optional<int>(0)) << logs();
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NE(ReadFile(absl::StrCat(dir_, "/shard", i, ".log")).find("stops at version 3"),
+              std::string::npos)
+        << logs();
+  }
+}
+
+TEST_F(SecurityTest, ShardAddressesWorkersCannotDialAreRefused) {
+  struct Case {
+    std::vector<std::string> flags;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{"--listen=0.0.0.0:17071"},
+       "--listen 0.0.0.0:17071 listens on every interface, and workers cannot dial that address: "
+       "pass --advertise HOST:PORT"},
+      {{"--listen=127.0.0.1:17071", "--advertise=[::]:17071"},
+       "--advertise [::]:17071 is not an address workers can dial"},
+      {{"--listen=127.0.0.1:17071", "--advertise=shard-0:0"},
+       "--advertise shard-0:0 needs HOST:PORT with a port in [1, 65535]"},
+      {{"--listen=127.0.0.1:17071", "--advertise_push=shard-0:7072"},
+       "--advertise_push needs --push_listen"},
+      {{"--listen=127.0.0.1:17071", "--push_listen=0.0.0.0:17072", "--insecure"},
+       "--push_listen 0.0.0.0:17072 listens on every interface, and workers cannot dial that "
+       "address: pass --advertise_push HOST:PORT"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> flags = {"--role=shard", "--shard_index=0"};
+    flags.insert(flags.end(), c.flags.begin(), c.flags.end());
+    EXPECT_EQ(Start("", "127.0.0.1:0", flags, "shard_processes: 1"), 0) << c.message;
+    EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1)) << c.message;
+    EXPECT_NE(ReadFile(dir_ + "/server.log").find(c.message), std::string::npos)
+        << ReadFile(dir_ + "/server.log");
+  }
+  EXPECT_EQ(Start("", "127.0.0.1:0", {"--role=coordinator", "--advertise=shard-0:7071"},
+                  "shard_processes: 1"),
+            0);
+  EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1));
+  EXPECT_NE(
+      ReadFile(dir_ + "/server.log").find("--advertise and --advertise_push are for --role shard"),
+      std::string::npos)
       << ReadFile(dir_ + "/server.log");
 }
 

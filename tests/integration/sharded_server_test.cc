@@ -41,20 +41,6 @@
 namespace aloe::testing {
 namespace {
 
-// A port that was free a moment ago (the shard processes need fixed ports: workers are told
-// their addresses).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // The version a shard process said it stopped at ("shard I stops at version N"), or -1.
 int StoppedAt(const std::string& log) {
   const size_t at = log.rfind("stops at version ");

@@ -39,4 +39,8 @@ bool WaitForFile(const std::string& path, absl::Duration timeout);
 // GET http://127.0.0.1:port/path over a plain socket; returns the body or "" on failure.
 std::string HttpGet(int port, const std::string& path);
 
+// A loopback port that was free a moment ago (for processes that need a fixed port, such as
+// shard processes: workers are told their addresses).
+int FreePort();
+
 }  // namespace aloe::testing
