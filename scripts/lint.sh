@@ -79,6 +79,17 @@ fi
 # Optional: Debian 12 has no current kubectl, so install-deps.sh does not install one.
 if have kubectl "kubectl kustomize deploy/k8s" "optional: Kubernetes' own packages"; then
   check "kubectl kustomize deploy/k8s" kubectl kustomize deploy/k8s
+  # The layer-sharded component, on a copy of the base with it switched on.
+  sharded_k8s() {
+    local tmp rc=0
+    tmp="$(mktemp -d)"
+    cp -r deploy/k8s "$tmp/k8s"
+    sed -i 's/^# components:/components:/; s/^#   - sharded/  - sharded/' "$tmp/k8s/kustomization.yaml"
+    grep -q '^  - sharded' "$tmp/k8s/kustomization.yaml" && kubectl kustomize "$tmp/k8s" || rc=1
+    rm -rf "$tmp"
+    return "$rc"
+  }
+  check "kubectl kustomize deploy/k8s with components: sharded" sharded_k8s
 fi
 
 echo "lint: $passed passed, $failed failed"

@@ -71,6 +71,9 @@ ABSL_FLAG(std::string, order_journal, "",
           "--role coordinator: append every order sent to the shard processes (which updates, "
           "with which weights, formed each version) to this file as length-delimited ShardOrder "
           "messages, plus a RESTORE whenever they (re)assemble");
+ABSL_FLAG(int32_t, shard_processes, -1,
+          "Override shard_processes (0: one process; N > 0: one --role coordinator and N --role "
+          "shard processes, every one given the same N)");
 ABSL_FLAG(int32_t, shard_index, -1, "--role shard: which shard process this is, 0-based");
 ABSL_FLAG(std::string, coordinator, "",
           "--role shard: the coordinator's address (default: the config's listen_address)");
@@ -146,6 +149,13 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
     config.set_max_seconds(absl::GetFlag(FLAGS_max_seconds));
   if (!absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
     config.mutable_checkpoint()->set_dir(absl::GetFlag(FLAGS_checkpoint_dir));
+  }
+  if (const int32_t n = absl::GetFlag(FLAGS_shard_processes); n != -1) {
+    if (n < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--shard_processes must be >= 0, got %d", n));
+    }
+    config.set_shard_processes(static_cast<uint32_t>(n));
   }
   if (absl::GetFlag(FLAGS_insecure)) config.mutable_security()->set_insecure(true);
   const double drain = absl::GetFlag(FLAGS_drain_seconds);

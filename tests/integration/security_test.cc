@@ -221,9 +221,10 @@ TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
       absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"", dir_,
                    "/ca/server.pem\" tls_key_file: \"", dir_,
                    "/ca/server.key\" tls_client_ca_file: \"", dir_, "/ca/ca.pem\"");
-  const std::string sharded = "shard_processes: 2\naggregation { mode: AGGREGATION_ASYNC }";
+  // The shard count comes from the command line (as in deploy/k8s/sharded), not the config.
   std::ofstream(dir_ + "/token_b") << kTokenB << "\n";
-  const int port = Start(security, "127.0.0.1:0", {"--role=coordinator"}, sharded);
+  const int port = Start(security, "127.0.0.1:0", {"--role=coordinator", "--shard_processes=2"},
+                         "aggregation { mode: AGGREGATION_ASYNC }");
   ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
   const int shard_ports[2] = {FreePort(), FreePort()};
   std::unique_ptr<Subprocess> shards[2];
@@ -231,6 +232,7 @@ TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
     std::vector<std::string> argv = {std::string(ALOE_BIN_DIR) + "/aloe-server",
                                      "--config=" + dir_ + "/server.textproto",
                                      "--role=shard",
+                                     "--shard_processes=2",
                                      absl::StrCat("--shard_index=", i),
                                      absl::StrCat("--coordinator=localhost:", port),
                                      "--token_file=" + dir_ + "/token_b"};
@@ -293,6 +295,8 @@ TEST_F(SecurityTest, ShardAddressesWorkersCannotDialAreRefused) {
        "--advertise shard-0:0 needs HOST:PORT with a port in [1, 65535]"},
       {{"--listen=127.0.0.1:17071", "--advertise_push=shard-0:7072"},
        "--advertise_push needs --push_listen"},
+      {{"--listen=127.0.0.1:17071", "--shard_processes=-3"},
+       "--shard_processes must be >= 0, got -3"},
       {{"--listen=127.0.0.1:17071", "--push_listen=0.0.0.0:17072", "--insecure"},
        "--push_listen 0.0.0.0:17072 listens on every interface, and workers cannot dial that "
        "address: pass --advertise_push HOST:PORT"},
