@@ -497,13 +497,21 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
   std::atomic<bool> stop{false};
-  std::thread follow([&] { shard->RunFollowLoop(stop); });
-  while (g_signal.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::atomic<bool> refused{false};
+  absl::Status followed;
+  std::thread follow([&] {
+    followed = shard->RunFollowLoop(stop);
+    refused.store(!followed.ok());
+  });
+  while (g_signal.load() == 0 && !refused.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   stop.store(true);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (raw_pushes != nullptr) raw_pushes->Shutdown();
   follow.join();
   shard->WriteFinalCheckpoint();
+  ALOE_RETURN_IF_ERROR(followed);
   ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
                 shard->version());
   return absl::OkStatus();

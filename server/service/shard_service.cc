@@ -338,7 +338,7 @@ void ShardServer::WriteFinalCheckpoint() {
   if (last) WriteCheckpoint(*last);
 }
 
-void ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
+absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
   bool announced = false;
   while (!stop.load()) {
     v1::FollowRequest request;
@@ -382,12 +382,27 @@ void ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
     if (stop.load() || failed) context.TryCancel();
     const grpc::Status status = reader->Finish();
     if (stop.load()) break;
+    switch (status.error_code()) {
+      case grpc::StatusCode::INVALID_ARGUMENT:
+      case grpc::StatusCode::FAILED_PRECONDITION:
+      case grpc::StatusCode::UNAUTHENTICATED:
+      case grpc::StatusCode::PERMISSION_DENIED:
+        if (!failed) {
+          return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                              absl::StrCat("the coordinator refuses shard ", options_.shard_index,
+                                           ": ", status.error_message()));
+        }
+        break;
+      default:
+        break;
+    }
     if (status.error_code() != grpc::StatusCode::ABORTED && !failed) {
       ALOE_LOG_WARNING("shard", "shard %d: follow stream ended: %s; reconnecting",
                        options_.shard_index, status.error_message());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
+  return absl::OkStatus();
 }
 
 }  // namespace aloe::server

@@ -64,8 +64,11 @@ class ShardServer final : public WireParameterService {
   absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in,
                                              const std::function<bool()>& cancelled);
 
-  // Follows the coordinator until `stop` is set.
-  void RunFollowLoop(const std::atomic<bool>& stop);
+  // Follows the coordinator until `stop` is set (OK), reconnecting whenever the stream ends. The
+  // coordinator refusing this process for good (another config: kInvalidArgument or
+  // kFailedPrecondition; a missing or unknown token: kUnauthenticated or kPermissionDenied)
+  // ends it with that refusal instead, since following again would be refused again.
+  absl::Status RunFollowLoop(const std::atomic<bool>& stop);
   // At exit: checkpoints the current version unless it is on disk already (or the state is
   // still fresh, i.e. never assembled), so that a restart loses nothing that was applied.
   void WriteFinalCheckpoint();

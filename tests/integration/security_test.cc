@@ -319,5 +319,41 @@ TEST_F(SecurityTest, ShardAddressesWorkersCannotDialAreRefused) {
       << ReadFile(dir_ + "/server.log");
 }
 
+TEST_F(SecurityTest, ShardsTheCoordinatorRefusesExitWithTheReason) {
+  // A coordinator with tokens and two shard processes; shards that can never follow it (no
+  // token, an unknown token, another shard count) exit 1 naming why instead of retrying forever.
+  std::ofstream(dir_ + "/token_b") << kTokenB << "\n";
+  std::ofstream(dir_ + "/token_bad") << "not-a-token-the-coordinator-knows\n";
+  const int port = Start(absl::StrCat("token_file: \"", dir_, "/tokens\""), "127.0.0.1:0",
+                         {"--role=coordinator"}, "shard_processes: 2");
+  ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
+  struct Case {
+    std::vector<std::string> flags;
+    const char* message;
+  };
+  const Case cases[] = {
+      {{}, "the coordinator refuses shard 0: missing x-aloe-token"},
+      {{"--token_file=" + dir_ + "/token_bad"}, "the coordinator refuses shard 0: unknown token"},
+      {{"--token_file=" + dir_ + "/token_b", "--shard_processes=3"},
+       "the coordinator refuses shard 0: shard process 0 has another model, optimizer or shard "
+       "count"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> argv = {std::string(ALOE_BIN_DIR) + "/aloe-server",
+                                     "--config=" + dir_ + "/server.textproto",
+                                     "--role=shard",
+                                     "--shard_index=0",
+                                     absl::StrCat("--listen=127.0.0.1:", FreePort()),
+                                     absl::StrCat("--coordinator=127.0.0.1:", port)};
+    argv.insert(argv.end(), c.flags.begin(), c.flags.end());
+    Subprocess shard(argv, dir_ + "/shard.log");
+    EXPECT_EQ(shard.Wait(absl::Seconds(20)), std::optional<int>(1)) << c.message;
+    EXPECT_NE(ReadFile(dir_ + "/shard.log").find(c.message), std::string::npos)
+        << ReadFile(dir_ + "/shard.log");
+  }
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(20)), std::optional<int>(0));
+}
+
 }  // namespace
 }  // namespace aloe
