@@ -438,6 +438,38 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
   for (const absl::StatusOr<PulledStream>& stream : got) {
     if (!stream.ok()) return stream.status();  // the first failure in shard order
   }
+  if (latest && streams > 1) {
+    // Shards apply a commit each on their own, so "latest" may have caught some before the
+    // newest commit: pull those again at the newest version any shard sent (they wait for it).
+    uint64_t newest = 0;
+    for (const absl::StatusOr<PulledStream>& stream : got) {
+      if (stream->have_version) newest = std::max(newest, stream->version);
+    }
+    v1::PullRequest again = request;
+    again.set_latest(false);
+    again.set_version(newest);
+    std::vector<size_t> behind;
+    for (size_t i = 0; i < streams; ++i) {
+      if (got[i]->have_version && got[i]->version != newest) behind.push_back(i);
+    }
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      for (size_t i : behind) {
+        if (spec.layers(l).shard() == i) filled[l] = 0;
+      }
+    }
+    std::fill(received.begin(), received.end(), 0);
+    RunInParallel(behind.size(), [&](size_t k) {
+      const size_t i = behind[k];
+      const Shard& shard = (*shards)[i];
+      got[i] = ReadPullStream(*this, shard.channel, again, spec, windows, static_cast<int>(i),
+                              StreamLabel(static_cast<int>(i), shard.address), layers, &filled,
+                              &received[i]);
+    });
+    for (uint64_t n : received) *bytes += n;
+    for (const absl::StatusOr<PulledStream>& stream : got) {
+      if (!stream.ok()) return stream.status();
+    }
+  }
   for (const absl::StatusOr<PulledStream>& stream : got) {
     if (!stream->have_version) continue;  // a shard whose layers are all empty
     if (first == nullptr) {

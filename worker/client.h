@@ -67,8 +67,10 @@ class ServerClient {
   // layers[l] holds just that slice. Returns the version received. kDataLoss when the stream is
   // inconsistent (mixed versions, gaps, wrong sizes, non-finite values). With shards every shard
   // streams its own layers in parallel; kDataLoss as well when a shard sends a layer it does not
-  // own or the shards send different versions; kInvalidArgument when a spec layer names a shard
-  // that does not exist. A shard's failure is its status, the message naming the shard.
+  // own or the shards send different versions (for `latest`, shards that sent an older version
+  // than another are pulled again at the newer one first: each shard applies a commit on its
+  // own); kInvalidArgument when a spec layer names a shard that does not exist. A shard's failure
+  // is its status, the message naming the shard.
   absl::StatusOr<uint64_t> Pull(uint64_t worker_id, uint64_t version, bool latest,
                                 const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
                                 uint64_t* bytes, uint32_t slice = 0, uint32_t slices = 1);

@@ -819,8 +819,7 @@ TEST_F(ShardedServerTest, RawPushesRefuseBadInputAndChangeNothing) {
   absl::StatusOr<v1::PushReply> pushed = client.Push(header, spec, g, {}, 256, nullptr, &bytes);
   ASSERT_TRUE(pushed.ok()) << pushed.status() << ShardLogs();
   EXPECT_TRUE(pushed->applied());
-  // Version 1 by number: each shard answers once its COMMIT arrived (a pull of the latest could
-  // catch one shard before it).
+  // Version 1 by number: each shard answers once its COMMIT arrived.
   version = client.Pull(joined->worker_id(), 1, false, spec, &now, &bytes);
   ASSERT_TRUE(version.ok()) << version.status();
   EXPECT_EQ(*version, 1u);

@@ -42,6 +42,15 @@ class FakeParameterService final : public v1::ParameterService::Service {
     absl::MutexLock lock(&mu_);
     pull_chunks_ = std::move(chunks);
   }
+  // What a pull of exactly `version` (latest = false) gets instead of the preset chunks.
+  void SetPullChunksAt(uint64_t version, std::vector<v1::ParamChunk> chunks) {
+    absl::MutexLock lock(&mu_);
+    pull_chunks_at_[version] = std::move(chunks);
+  }
+  std::vector<v1::PullRequest> PullRequests() const {
+    absl::MutexLock lock(&mu_);
+    return pull_requests_;
+  }
   // The messages of every push stream received, in arrival order.
   std::vector<std::vector<v1::PushChunk>> Pushes() const {
     absl::MutexLock lock(&mu_);
@@ -63,13 +72,15 @@ class FakeParameterService final : public v1::ParameterService::Service {
     return push_status_;
   }
 
-  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
+  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest* request,
                     grpc::ServerWriter<v1::ParamChunk>* writer) override {
     std::vector<v1::ParamChunk> chunks;
     {
       absl::MutexLock lock(&mu_);
       ++pulls_;
-      chunks = pull_chunks_;
+      pull_requests_.push_back(*request);
+      auto at = pull_chunks_at_.find(request->version());
+      chunks = !request->latest() && at != pull_chunks_at_.end() ? at->second : pull_chunks_;
     }
     for (const v1::ParamChunk& chunk : chunks) {
       if (!writer->Write(chunk)) break;
@@ -82,6 +93,8 @@ class FakeParameterService final : public v1::ParameterService::Service {
   grpc::Status push_status_ ABSL_GUARDED_BY(mu_);
   v1::PushReply push_reply_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ParamChunk> pull_chunks_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::vector<v1::ParamChunk>> pull_chunks_at_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::PullRequest> pull_requests_ ABSL_GUARDED_BY(mu_);
   std::vector<std::vector<v1::PushChunk>> pushes_ ABSL_GUARDED_BY(mu_);
   int pulls_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -351,8 +364,40 @@ TEST_F(ClientShardsTest, ShardsDisagreeingOnTheVersionIsDataLoss) {
   ServeOwnLayers(7, 8);
   Layers layers;
   uint64_t bytes = 0;
+  EXPECT_THAT(client_.Pull(3, 7, false, spec_, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("shards sent versions 7 and 8")));
+  // For the latest, shard 0 is asked for version 8 again, and still sends 7.
   EXPECT_THAT(client_.Pull(3, 0, true, spec_, &layers, &bytes),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("shards sent versions 7 and 8")));
+}
+
+TEST_F(ClientShardsTest, LatestPullsAShardCaughtBeforeItsCommitAgainAtTheNewerVersion) {
+  // Shard 1 applied version 8; shard 0's latest is still 7 and has 8 once asked for it.
+  ServeOwnLayers(7, 8);
+  Layers newer = Values(spec_);
+  for (auto& layer : newer) {
+    for (float& v : layer) v += 1.0f;
+  }
+  shards_[0].service.SetPullChunksAt(
+      8, Concat(LayerChunks(0, newer[0], 8), LayerChunks(2, newer[2], 8)));
+  Layers layers;
+  uint64_t bytes = 0;
+  absl::StatusOr<uint64_t> version = client_.Pull(3, 0, true, spec_, &layers, &bytes);
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 8u);
+  const Layers values = Values(spec_);
+  EXPECT_EQ(layers[0], newer[0]);
+  EXPECT_EQ(layers[1], values[1]);  // shard 1's own, at version 8 from the start
+  EXPECT_EQ(layers[2], newer[2]);
+  const std::vector<v1::PullRequest> asked = shards_[0].service.PullRequests();
+  ASSERT_EQ(asked.size(), 2u);
+  EXPECT_TRUE(asked[0].latest());
+  EXPECT_FALSE(asked[1].latest());
+  EXPECT_EQ(asked[1].version(), 8u);
+  EXPECT_EQ(shards_[1].service.Pulls(), 1);
+  // Every float received counts, the discarded version-7 stream too.
+  EXPECT_EQ(bytes, 2 * (values[0].size() + values[2].size()) * sizeof(float) +
+                       values[1].size() * sizeof(float));
 }
 
 TEST_F(ClientShardsTest, AShardMissingALayerIsDataLoss) {
