@@ -15,14 +15,20 @@ HERE = pathlib.Path(__file__).resolve().parent
 HEADER = """# Grafana dashboard
 
 `aloe-dashboard.json` (uid `aloe-training`) shows one ALOE training job from the Prometheus
-server configured in `../prometheus/` (jobs `aloe-server`, `aloe-trainer`, `aloe-evaluator`;
-names of the form `level:metric:operation` are recording rules from
+server configured in `../prometheus/` (jobs `aloe-server`, `aloe-shard`, `aloe-trainer`,
+`aloe-evaluator`; names of the form `level:metric:operation` are recording rules from
 `../prometheus/rules/aloe.rules.yml`). Import it in Grafana (Dashboards -> New -> Import ->
 upload the JSON) and pick the Prometheus data source; it needs Grafana 9 or newer.
 
-`tests/integration/prometheus_test.cc` runs Debian's real Prometheus against a live server,
-two trainers and an evaluator with the shipped configuration, and fails if any query below, or
-any recording rule, returns no data.
+With a layer-sharded server, `aloe-server` is the coordinator and the row "Shard processes"
+shows the shards (job `aloe-shard`): pushes and pulls go to them, so the "Server payload" and
+"Push and apply latency" panels, which read the `aloe-server` job, stay empty there. With one
+process that row is empty instead.
+
+`tests/integration/prometheus_test.cc` runs Debian's real Prometheus with the shipped
+configuration against a live server, two trainers and an evaluator, and against a
+layer-sharded server (coordinator, two shard processes, a trainer) for the "Shard processes"
+row, and fails if any query below, or any recording rule, returns no data.
 
 This file is generated: edit the dashboard, then run `deploy/grafana/make-readme.py`.
 

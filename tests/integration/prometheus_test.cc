@@ -42,6 +42,7 @@
 namespace aloe {
 namespace {
 
+using ::aloe::testing::FreePort;
 using ::aloe::testing::HttpGet;
 using ::aloe::testing::ReadFile;
 using ::aloe::testing::Subprocess;
@@ -64,24 +65,6 @@ std::string FindTool(const std::string& name) {
     if (::access(path.c_str(), X_OK) == 0) return path;
   }
   return "";
-}
-
-// A loopback port that was free a moment ago (bind port 0, read it back, close).
-int FreeLoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return 0;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
 }
 
 std::string UrlEncode(const std::string& s) {
@@ -110,26 +93,36 @@ const Value* Field(const Struct& s, const std::string& key) {
 // One PromQL expression to check and where it comes from.
 struct Query {
   std::string expr;
-  std::string origin;  // "panel \"...\"", "rule ...", "metric"
+  std::string origin;    // "panel \"...\"", "rule ...", "metric"
+  bool sharded = false;  // has data only with a layer-sharded server (job aloe-shard)
 };
 
-// Every target expression of every panel, rows' nested panels included.
-void CollectPanelQueries(const Struct& node, std::vector<Query>* out) {
+// The dashboard row and the recording-rule group that read the shard processes.
+constexpr char kShardRow[] = "Shard processes (layer-sharded server)";
+constexpr char kShardRuleGroup[] = "aloe-shard";
+
+// Every target expression of every panel, rows' nested panels included; a panel under the row
+// kShardRow (nested, or following it at the top level) is marked sharded.
+void CollectPanelQueries(const Struct& node, std::vector<Query>* out, bool in_shard_row = false) {
   if (const Value* panels = Field(node, "panels"); panels && panels->has_list_value()) {
     for (const Value& p : panels->list_value().values()) {
       if (!p.has_struct_value()) continue;
       const Struct& panel = p.struct_value();
       const Value* title = Field(panel, "title");
       const std::string name = title ? title->string_value() : "?";
+      if (const Value* type = Field(panel, "type"); type && type->string_value() == "row") {
+        in_shard_row = name == kShardRow;
+      }
       if (const Value* targets = Field(panel, "targets"); targets && targets->has_list_value()) {
         for (const Value& t : targets->list_value().values()) {
           const Value* expr = t.has_struct_value() ? Field(t.struct_value(), "expr") : nullptr;
           if (expr != nullptr && !expr->string_value().empty()) {
-            out->push_back({expr->string_value(), absl::StrCat("panel \"", name, "\"")});
+            out->push_back(
+                {expr->string_value(), absl::StrCat("panel \"", name, "\""), in_shard_row});
           }
         }
       }
-      CollectPanelQueries(panel, out);
+      CollectPanelQueries(panel, out, in_shard_row);
     }
   }
 }
@@ -212,8 +205,8 @@ class PrometheusTest : public ::testing::Test {
                       "`prometheus` package (scripts/install-deps.sh does) to run this test";
     }
     dir_ = ::testing::TempDir() + "/aloe_prom_" + std::to_string(::getpid());
-    ASSERT_EQ(std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_ +
-                           "/shards " + dir_ + "/prom/rules " + dir_ + "/prom/targets")
+    ASSERT_EQ(std::system(("rm -rf " + dir_ + " && mkdir -p " + dir_ + "/shards " + dir_ +
+                           "/prom/rules " + dir_ + "/prom/targets")
                               .c_str()),
               0);
     std::vector<CorpusShardInfo> shards;
@@ -242,6 +235,8 @@ class PrometheusTest : public ::testing::Test {
       server_->Signal(SIGTERM);
       server_->Wait(absl::Seconds(10));
     }
+    for (auto& shard : shards_) shard->Signal(SIGTERM);
+    for (auto& shard : shards_) shard->Wait(absl::Seconds(10));
     if (prometheus_) {
       prometheus_->Signal(SIGTERM);
       prometheus_->Wait(absl::Seconds(10));
@@ -253,32 +248,38 @@ class PrometheusTest : public ::testing::Test {
   // Async training that keeps every histogram and counter of the catalogue moving: Delayed
   // Nesterov with a short grace window (staleness), the EDiT penalty (norms, z-scores, weights,
   // clipping), frequent checkpoints and evaluations, no stop condition (stopped by TearDown).
-  // Returns false (with a failure) when the server does not start.
-  bool StartServer(int* grpc_port, int* metrics_port) {
-    std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
+  // `extra_config` and `extra_flags` make it a coordinator. Returns false (with a failure) when
+  // the server does not start.
+  bool StartServer(int* grpc_port, int* metrics_port, const std::string& extra_config = "",
+                   const std::vector<std::string>& extra_flags = {}) {
+    std::ofstream(dir_ + "/server.textproto")
+        << absl::StrCat(R"(
       listen_address: "127.0.0.1:0"
       metrics_address: "127.0.0.1:0"
-      corpus_dir: ")", dir_, R"("
+      corpus_dir: ")",
+                        dir_, R"("
       model { vocab_size: 256 seq_len: 32 d_model: 32 num_layers: 2 num_heads: 2 }
       inner_optimizer { lr: 0.003 min_lr: 0.0003 warmup_steps: 5 total_steps: 100000 batch_size: 4 }
       outer_optimizer { type: OUTER_DELAYED_NESTEROV lr: 0.7 momentum: 0.9 dn_buffer_size: 2 }
       aggregation { mode: AGGREGATION_ASYNC grace_seconds: 0.05 }
       penalty { enabled: true warmup: 2 }
-      checkpoint { dir: ")", dir_, R"(/checkpoints" every_versions: 4 keep: 2 }
+      checkpoint { dir: ")",
+                        dir_, R"(/checkpoints" every_versions: 4 keep: 2 }
       local_steps: 4
       eval_every: 4
       lease_seconds: 20
-    )");
-    server_ = std::make_unique<Subprocess>(
-        std::vector<std::string>{Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
-                                 "--port_file=" + dir_ + "/ports"},
-        dir_ + "/server.log");
+    )",
+                        extra_config, "\n");
+    std::vector<std::string> argv = {Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
+                                     "--port_file=" + dir_ + "/ports"};
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+    server_ = std::make_unique<Subprocess>(argv, dir_ + "/server.log");
     if (!WaitForFile(dir_ + "/ports", absl::Seconds(20))) {
       ADD_FAILURE() << "aloe-server did not start:\n" << ReadFile(dir_ + "/server.log");
       return false;
     }
-    for (absl::string_view kv : absl::StrSplit(ReadFile(dir_ + "/ports"), absl::ByAnyChar(" \n"),
-                                               absl::SkipEmpty())) {
+    for (absl::string_view kv :
+         absl::StrSplit(ReadFile(dir_ + "/ports"), absl::ByAnyChar(" \n"), absl::SkipEmpty())) {
       std::pair<std::string, std::string> p = absl::StrSplit(kv, '=');
       if (p.first == "grpc") absl::SimpleAtoi(p.second, grpc_port);
       if (p.first == "metrics") absl::SimpleAtoi(p.second, metrics_port);
@@ -286,16 +287,38 @@ class PrometheusTest : public ::testing::Test {
     return *grpc_port > 0 && *metrics_port > 0;
   }
 
+  // Starts shard process `index` of the coordinator at `grpc_port` (taking raw pushes as well,
+  // so that every shard metric moves); returns its metrics port, or 0 when it did not start.
+  int StartShard(int index, int grpc_port) {
+    const std::string ports = absl::StrCat(dir_, "/shard", index, ".ports");
+    shards_.push_back(std::make_unique<Subprocess>(
+        std::vector<std::string>{Bin("aloe-server"), "--config=" + dir_ + "/server.textproto",
+                                 "--role=shard", absl::StrCat("--shard_index=", index),
+                                 absl::StrCat("--listen=127.0.0.1:", FreePort()),
+                                 absl::StrCat("--push_listen=127.0.0.1:", FreePort()),
+                                 absl::StrCat("--coordinator=127.0.0.1:", grpc_port),
+                                 "--metrics=127.0.0.1:0", "--port_file=" + ports},
+        absl::StrCat(dir_, "/shard", index, ".log")));
+    if (!WaitForFile(ports, absl::Seconds(20))) return 0;
+    int port = 0;
+    const std::string text = ReadFile(ports);
+    const size_t at = text.find("metrics=");
+    if (at != std::string::npos) {
+      absl::SimpleAtoi(text.substr(at + 8, text.find_first_of(" \n", at) - at - 8), &port);
+    }
+    return port;
+  }
+
   // Starts an aloe-worker serving its own /metrics on an OS-chosen loopback port; returns that
   // port from its log line "metrics on port N", or 0 after `timeout`.
-  int StartWorker(int grpc_port, const std::string& role, const std::string& name,
-                  double slowdown, absl::Duration timeout) {
+  int StartWorker(int grpc_port, const std::string& role, const std::string& name, double slowdown,
+                  absl::Duration timeout) {
     const std::string log = dir_ + "/" + name + ".log";
     workers_.push_back(std::make_unique<Subprocess>(
         std::vector<std::string>{Bin("aloe-worker"), absl::StrCat("--server=127.0.0.1:", grpc_port),
-                                 "--role=" + role, "--corpus_dir=" + dir_,
-                                 "--metrics=127.0.0.1:0", absl::StrCat("--slowdown=", slowdown),
-                                 "--eval_sequences=8", "--name=" + name},
+                                 "--role=" + role, "--corpus_dir=" + dir_, "--metrics=127.0.0.1:0",
+                                 absl::StrCat("--slowdown=", slowdown), "--eval_sequences=8",
+                                 "--name=" + name},
         log));
     const absl::Time deadline = absl::Now() + timeout;
     const std::string kLine = "metrics on port ";
@@ -316,7 +339,8 @@ class PrometheusTest : public ::testing::Test {
   // The shipped prometheus.yml with 1s intervals, the shipped rules and file_sd target files for
   // the daemons' ports, laid out as in deploy/prometheus (relative paths resolve the same way).
   void WritePrometheusConfig(int server_port, const std::vector<int>& trainer_ports,
-                             int evaluator_port) {
+                             const std::vector<int>& evaluator_ports,
+                             const std::vector<int>& shard_ports = {}) {
     const std::string shipped = ReadFile(SourceRoot() + "deploy/prometheus/prometheus.yml");
     ASSERT_FALSE(shipped.empty());
     std::string config = shipped;
@@ -330,13 +354,126 @@ class PrometheusTest : public ::testing::Test {
     std::ofstream(dir_ + "/prom/rules/aloe.rules.yml")
         << ReadFile(SourceRoot() + "deploy/prometheus/rules/aloe.rules.yml");
     auto targets = [](const std::vector<int>& ports) {
+      if (ports.empty()) return std::string("- targets: []\n");
       std::string yml = "- targets:\n";
       for (int p : ports) absl::StrAppend(&yml, "    - 127.0.0.1:", p, "\n");
       return yml;
     };
     std::ofstream(dir_ + "/prom/targets/aloe-server.yml") << targets({server_port});
+    std::ofstream(dir_ + "/prom/targets/aloe-shard.yml") << targets(shard_ports);
     std::ofstream(dir_ + "/prom/targets/aloe-trainer.yml") << targets(trainer_ports);
-    std::ofstream(dir_ + "/prom/targets/aloe-evaluator.yml") << targets({evaluator_port});
+    std::ofstream(dir_ + "/prom/targets/aloe-evaluator.yml") << targets(evaluator_ports);
+  }
+
+  // Starts the real Prometheus on the config WritePrometheusConfig wrote; false (with a
+  // failure) when it is not ready by `deadline`.
+  bool StartPrometheus(absl::Time deadline) {
+    prometheus_port_ = FreePort();
+    if (prometheus_port_ <= 0) {
+      ADD_FAILURE() << "no free port for prometheus";
+      return false;
+    }
+    prometheus_ = std::make_unique<Subprocess>(
+        std::vector<std::string>{prometheus_bin_, "--config.file=" + dir_ + "/prom/prometheus.yml",
+                                 "--storage.tsdb.path=" + dir_ + "/prom/data",
+                                 absl::StrCat("--web.listen-address=127.0.0.1:", prometheus_port_),
+                                 "--storage.tsdb.retention.time=1h"},
+        dir_ + "/prometheus.log");
+    while (absl::Now() < deadline) {
+      if (absl::StrContains(HttpGet(prometheus_port_, "/-/ready"), "Ready")) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ADD_FAILURE() << "prometheus did not become ready\n" << Logs();
+    return false;
+  }
+
+  // The dashboard's panel queries: those of the shard row, or all the others.
+  std::vector<Query> PanelQueries(bool sharded) {
+    std::optional<Struct> dashboard =
+        ParseJson(ReadFile(SourceRoot() + "deploy/grafana/aloe-dashboard.json"));
+    EXPECT_TRUE(dashboard.has_value()) << "deploy/grafana/aloe-dashboard.json is not valid JSON";
+    std::vector<Query> all, chosen;
+    if (dashboard) CollectPanelQueries(*dashboard, &all);
+    for (const Query& q : all) {
+      if (q.sharded == sharded) chosen.push_back(q);
+    }
+    return chosen;
+  }
+
+  // Every shipped recording rule as Prometheus parsed it from the shipped file (the query and,
+  // as a second query, its output), of the shard group or of all the others; *total counts the
+  // rules of every group.
+  void RuleQueries(bool sharded, std::vector<Query>* queries, size_t* total) {
+    *total = 0;
+    std::optional<Struct> rules = Api("rules?type=record");
+    ASSERT_TRUE(rules.has_value()) << Logs();
+    for (const Value& g : Field(*rules, "groups")->list_value().values()) {
+      const bool shard_group = Field(g.struct_value(), "name")->string_value() == kShardRuleGroup;
+      for (const Value& r : Field(g.struct_value(), "rules")->list_value().values()) {
+        ++*total;
+        if (shard_group != sharded) continue;
+        const std::string name = Field(r.struct_value(), "name")->string_value();
+        queries->push_back({Field(r.struct_value(), "query")->string_value(), "rule " + name});
+        queries->push_back({name, "output of rule " + name});
+      }
+    }
+  }
+
+  // Polls until each query, and each aloe_* metric any of them reads, has a finite sample, up to
+  // `deadline` (training moves every metric within seconds, and 1m-rate rules need two
+  // scrapes); a failure for each that never did, with the last raw answer. Returns the number
+  // of metrics checked.
+  size_t ExpectData(const std::vector<Query>& queries, absl::Time deadline) {
+    std::set<std::string> metrics;
+    for (const Query& q : queries) {
+      for (const std::string& m : MetricNames(q.expr)) metrics.insert(m);
+    }
+    std::vector<Query> all;
+    for (const std::string& m : metrics) all.push_back({m, "metric"});
+    all.insert(all.end(), queries.begin(), queries.end());
+    std::map<std::string, std::string> pending;
+    for (const Query& q : all) pending[q.expr] = "";
+    while (!pending.empty() && absl::Now() < deadline) {
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (HasFiniteSample(Instant(it->first, &it->second))) {
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (!pending.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    for (const Query& q : all) {
+      auto it = pending.find(q.expr);
+      EXPECT_TRUE(it == pending.end())
+          << q.origin << ": no finite sample for `" << q.expr
+          << "`; last answer: " << (it == pending.end() ? "" : it->second);
+    }
+    return metrics.size();
+  }
+
+  // Scraped endpoints that are up, per job.
+  std::map<std::string, int> UpByJob() {
+    std::map<std::string, int> up;
+    for (const Struct& s : Instant("up == 1")) {
+      ++up[Field(Field(s, "metric")->struct_value(), "job")->string_value()];
+    }
+    return up;
+  }
+
+  // Every recording rule evaluated without error.
+  void ExpectRulesHealthy() {
+    std::optional<Struct> rules = Api("rules?type=record");
+    ASSERT_TRUE(rules.has_value());
+    for (const Value& g : Field(*rules, "groups")->list_value().values()) {
+      for (const Value& r : Field(g.struct_value(), "rules")->list_value().values()) {
+        EXPECT_EQ(Field(r.struct_value(), "health")->string_value(), "ok")
+            << Field(r.struct_value(), "name")->string_value() << ": "
+            << (Field(r.struct_value(), "lastError")
+                    ? Field(r.struct_value(), "lastError")->string_value()
+                    : "");
+      }
+    }
   }
 
   // GET /api/v1/<path>; the "data" object of a successful answer, else nullopt.
@@ -386,8 +523,8 @@ class PrometheusTest : public ::testing::Test {
 
   std::string Logs() {
     std::string all;
-    for (const char* f : {"server.log", "trainer0.log", "trainer1.log", "evaluator.log",
-                          "prometheus.log"}) {
+    for (const char* f : {"server.log", "shard0.log", "shard1.log", "trainer0.log", "trainer1.log",
+                          "evaluator.log", "prometheus.log"}) {
       std::string text = ReadFile(dir_ + "/" + f);
       if (text.size() > 4000) text = "..." + text.substr(text.size() - 4000);
       absl::StrAppend(&all, "==== ", f, "\n", text);
@@ -400,19 +537,15 @@ class PrometheusTest : public ::testing::Test {
   int prometheus_port_ = 0;
   std::unique_ptr<Subprocess> server_;
   std::vector<std::unique_ptr<Subprocess>> workers_;
+  std::vector<std::unique_ptr<Subprocess>> shards_;
   std::unique_ptr<Subprocess> prometheus_;
 };
 
 TEST_F(PrometheusTest, EveryDashboardPanelAndRecordingRuleReturnsData) {
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + absl::Seconds(50);
-
-  // The queries to prove: every dashboard panel target.
-  std::optional<Struct> dashboard =
-      ParseJson(ReadFile(SourceRoot() + "deploy/grafana/aloe-dashboard.json"));
-  ASSERT_TRUE(dashboard.has_value()) << "deploy/grafana/aloe-dashboard.json is not valid JSON";
-  std::vector<Query> panel_queries;
-  CollectPanelQueries(*dashboard, &panel_queries);
+  // Every panel but those of the shard row (no shard processes here).
+  const std::vector<Query> panel_queries = PanelQueries(/*sharded=*/false);
   ASSERT_GE(panel_queries.size(), 20u);
 
   // Live daemons on OS-chosen loopback ports.
@@ -422,99 +555,84 @@ TEST_F(PrometheusTest, EveryDashboardPanelAndRecordingRuleReturnsData) {
   const int trainer0 = StartWorker(grpc_port, "trainer", "trainer0", 1.0, absl::Seconds(20));
   const int trainer1 = StartWorker(grpc_port, "trainer", "trainer1", 2.0, absl::Seconds(20));
   ASSERT_TRUE(evaluator > 0 && trainer0 > 0 && trainer1 > 0) << Logs();
+  ASSERT_NO_FATAL_FAILURE(WritePrometheusConfig(server_metrics, {trainer0, trainer1}, {evaluator}));
+  ASSERT_TRUE(StartPrometheus(deadline));
 
-  ASSERT_NO_FATAL_FAILURE(WritePrometheusConfig(server_metrics, {trainer0, trainer1}, evaluator));
-  prometheus_port_ = FreeLoopbackPort();
-  ASSERT_GT(prometheus_port_, 0);
-  prometheus_ = std::make_unique<Subprocess>(
-      std::vector<std::string>{prometheus_bin_, "--config.file=" + dir_ + "/prom/prometheus.yml",
-                               "--storage.tsdb.path=" + dir_ + "/prom/data",
-                               absl::StrCat("--web.listen-address=127.0.0.1:", prometheus_port_),
-                               "--storage.tsdb.retention.time=1h"},
-      dir_ + "/prometheus.log");
-  bool ready = false;
-  while (!ready && absl::Now() < deadline) {
-    ready = absl::StrContains(HttpGet(prometheus_port_, "/-/ready"), "Ready");
-    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_TRUE(ready) << "prometheus did not become ready\n" << Logs();
-
-  // Every shipped recording rule, as Prometheus itself parsed it from the shipped file.
   std::vector<Query> rule_queries;
-  std::vector<Query> rule_outputs;
-  std::optional<Struct> rules = Api("rules?type=record");
-  ASSERT_TRUE(rules.has_value()) << Logs();
-  for (const Value& g : Field(*rules, "groups")->list_value().values()) {
-    for (const Value& r : Field(g.struct_value(), "rules")->list_value().values()) {
-      const std::string name = Field(r.struct_value(), "name")->string_value();
-      rule_queries.push_back({Field(r.struct_value(), "query")->string_value(), "rule " + name});
-      rule_outputs.push_back({name, "output of rule " + name});
-    }
-  }
-  const std::string rules_file = ReadFile(SourceRoot() + "deploy/prometheus/rules/aloe.rules.yml");
   size_t records = 0;
+  ASSERT_NO_FATAL_FAILURE(RuleQueries(/*sharded=*/false, &rule_queries, &records));
+  const std::string rules_file = ReadFile(SourceRoot() + "deploy/prometheus/rules/aloe.rules.yml");
+  size_t in_file = 0;
   for (size_t at = rules_file.find("- record:"); at != std::string::npos;
        at = rules_file.find("- record:", at + 1)) {
-    ++records;
+    ++in_file;
   }
-  ASSERT_EQ(rule_queries.size(), records) << "Prometheus loaded fewer rules than the file has";
-  ASSERT_GE(records, 20u);
+  ASSERT_EQ(records, in_file) << "Prometheus loaded fewer rules than the file has";
+  ASSERT_GE(rule_queries.size() / 2, 20u);
 
-  // ...and every aloe_* metric any of them reads.
-  std::set<std::string> metrics;
-  for (const auto* list : {&panel_queries, &rule_queries}) {
-    for (const Query& q : *list) {
-      for (const std::string& m : MetricNames(q.expr)) metrics.insert(m);
-    }
-  }
-  std::vector<Query> all;
-  for (const std::string& m : metrics) all.push_back({m, "metric"});
-  for (const auto* list : {&rule_queries, &rule_outputs, &panel_queries}) {
-    all.insert(all.end(), list->begin(), list->end());
-  }
-
-  // Poll until each query has a finite sample: training moves every metric within seconds, and
-  // 1m-rate rules need two scrapes. The last raw answer of each failing query is kept.
-  std::map<std::string, std::string> pending;
-  for (const Query& q : all) pending[q.expr] = "";
-  while (!pending.empty() && absl::Now() < deadline) {
-    for (auto it = pending.begin(); it != pending.end();) {
-      if (HasFiniteSample(Instant(it->first, &it->second))) {
-        it = pending.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    if (!pending.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  }
-  for (const Query& q : all) {
-    auto it = pending.find(q.expr);
-    EXPECT_TRUE(it == pending.end())
-        << q.origin << ": no finite sample for `" << q.expr << "`; last answer: "
-        << (it == pending.end() ? "" : it->second);
-  }
+  std::vector<Query> all = rule_queries;
+  all.insert(all.end(), panel_queries.begin(), panel_queries.end());
+  const size_t metrics = ExpectData(all, deadline);
 
   // The shipped job names found the right endpoints, all up.
-  std::map<std::string, int> up;
-  for (const Struct& s : Instant("up == 1")) {
-    ++up[Field(Field(s, "metric")->struct_value(), "job")->string_value()];
-  }
+  std::map<std::string, int> up = UpByJob();
   EXPECT_EQ(up["aloe-server"], 1);
+  EXPECT_EQ(up["aloe-shard"], 0);
   EXPECT_EQ(up["aloe-trainer"], 2);
   EXPECT_EQ(up["aloe-evaluator"], 1);
-  // Every rule evaluated without error.
-  rules = Api("rules?type=record");
-  ASSERT_TRUE(rules.has_value());
-  for (const Value& g : Field(*rules, "groups")->list_value().values()) {
-    for (const Value& r : Field(g.struct_value(), "rules")->list_value().values()) {
-      EXPECT_EQ(Field(r.struct_value(), "health")->string_value(), "ok")
-          << Field(r.struct_value(), "name")->string_value() << ": "
-          << (Field(r.struct_value(), "lastError") ? Field(r.struct_value(), "lastError")->string_value() : "");
-    }
-  }
+  ExpectRulesHealthy();
   if (HasFailure()) ADD_FAILURE() << Logs();
-  std::printf("prometheus: %zu metrics, %zu rules, %zu panel queries checked in %.1f s\n",
-              metrics.size(), rule_queries.size(), panel_queries.size(),
+  std::printf("prometheus: %zu metrics, %zu rules, %zu panel queries checked in %.1f s\n", metrics,
+              rule_queries.size() / 2, panel_queries.size(),
+              absl::ToDoubleSeconds(absl::Now() - start));
+}
+
+// The shard row of the dashboard and the aloe-shard rules against a layer-sharded server: a
+// coordinator (job aloe-server), two shard processes taking raw and gRPC pushes (aloe-shard)
+// and one trainer.
+TEST_F(PrometheusTest, ShardPanelsAndRulesReturnDataForALayerShardedServer) {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + absl::Seconds(50);
+  const std::vector<Query> panel_queries = PanelQueries(/*sharded=*/true);
+  ASSERT_GE(panel_queries.size(), 6u);
+
+  int grpc_port = 0, coordinator_metrics = 0;
+  ASSERT_TRUE(
+      StartServer(&grpc_port, &coordinator_metrics, "shard_processes: 2", {"--role=coordinator"}));
+  const int shard0 = StartShard(0, grpc_port);
+  const int shard1 = StartShard(1, grpc_port);
+  ASSERT_TRUE(shard0 > 0 && shard1 > 0) << Logs();
+  const int trainer0 = StartWorker(grpc_port, "trainer", "trainer0", 1.0, absl::Seconds(20));
+  ASSERT_GT(trainer0, 0) << Logs();
+  ASSERT_NO_FATAL_FAILURE(
+      WritePrometheusConfig(coordinator_metrics, {trainer0}, {}, {shard0, shard1}));
+  ASSERT_TRUE(StartPrometheus(deadline));
+
+  std::vector<Query> rule_queries;
+  size_t records = 0;
+  ASSERT_NO_FATAL_FAILURE(RuleQueries(/*sharded=*/true, &rule_queries, &records));
+  ASSERT_GE(rule_queries.size() / 2, 5u);
+  std::vector<Query> all = rule_queries;
+  all.insert(all.end(), panel_queries.begin(), panel_queries.end());
+  const size_t metrics = ExpectData(all, deadline);
+
+  std::map<std::string, int> up = UpByJob();
+  EXPECT_EQ(up["aloe-server"], 1);
+  EXPECT_EQ(up["aloe-shard"], 2);
+  EXPECT_EQ(up["aloe-trainer"], 1);
+  // The trainer's pushes went raw (its shards offer it and every layer is float32).
+  const std::vector<Struct> share = Instant("job:aloe_shard_raw_push_share:ratio1m");
+  EXPECT_TRUE(HasFiniteSample(share));
+  for (const Struct& s : share) {
+    double x = 0;
+    ASSERT_TRUE(absl::SimpleAtod(Field(s, "value")->list_value().values(1).string_value(), &x));
+    EXPECT_GT(x, 0.9) << "raw share of shard ingest";
+    EXPECT_LE(x, 1.0) << "raw share of shard ingest";
+  }
+  ExpectRulesHealthy();
+  if (HasFailure()) ADD_FAILURE() << Logs();
+  std::printf("prometheus (sharded): %zu metrics, %zu rules, %zu panel queries checked in %.1f s\n",
+              metrics, rule_queries.size() / 2, panel_queries.size(),
               absl::ToDoubleSeconds(absl::Now() - start));
 }
 
