@@ -71,6 +71,11 @@ ABSL_FLAG(std::string, order_journal, "",
           "--role coordinator: append every order sent to the shard processes (which updates, "
           "with which weights, formed each version) to this file as length-delimited ShardOrder "
           "messages, plus a RESTORE whenever they (re)assemble");
+ABSL_FLAG(bool, check, false,
+          "Check the config and the flags as a start would (every field's range, the role's "
+          "flags, the addresses a shard would advertise), print a summary and exit: 0 when they "
+          "are valid, 1 naming the first problem. Opens no file but the config (corpus, "
+          "certificates, checkpoints and ports are not looked at)");
 ABSL_FLAG(int32_t, shard_processes, -1,
           "Override shard_processes (0: one process; N > 0: one --role coordinator and N --role "
           "shard processes, every one given the same N)");
@@ -519,6 +524,23 @@ absl::Status RunShard(const v1::ServerConfig& config) {
 
 absl::Status Run() {
   ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, ConfigFromFlags());
+  if (absl::GetFlag(FLAGS_check)) {
+    const std::string role = absl::GetFlag(FLAGS_role);
+    absl::PrintF(
+        "aloe-server --check: %s is valid for --role %s%s: model d_model %d, %d layers; outer "
+        "%s; aggregation %s; %s\n",
+        absl::GetFlag(FLAGS_config), role,
+        role == "shard" ? absl::StrFormat(" (shard %d of %d)", absl::GetFlag(FLAGS_shard_index),
+                                          config.shard_processes())
+        : config.shard_processes() > 0
+            ? absl::StrFormat(" (%d shard processes)", config.shard_processes())
+            : "",
+        config.model().d_model(), config.model().num_layers(),
+        v1::OuterOptimizerType_Name(config.outer_optimizer().type()),
+        v1::AggregationMode_Name(config.aggregation().mode()),
+        config.security().tls_cert_file().empty() ? "plaintext" : "TLS");
+    return absl::OkStatus();
+  }
   if (absl::GetFlag(FLAGS_role) == "shard") return RunShard(config);
   ALOE_ASSIGN_OR_RETURN(std::vector<CorpusShardInfo> corpus,
                         LoadCorpusManifest(config.corpus_dir()));

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Every command line the deploy recipes ship is one the built daemons accept.
+"""Every command line and server config the deploy recipes ship is one the built daemons accept.
 
 Covers the systemd units (with the defaults of their Environment= lines, then the example
-settings files beside them), and the Kubernetes manifests of deploy/k8s (base, and with the
-layer-sharded component's patches applied). Each command line runs with --version appended,
-which the daemons answer only after parsing every flag: an unknown flag, a value of the wrong
-type or a variable left unexpanded fails here instead of on a user's hosts.
+settings files beside them), the Kubernetes manifests of deploy/k8s (base, and with the
+layer-sharded component's patches applied) and the configs of deploy/configs. An aloe-server
+command line runs with --check (its config file taken from the repository: the unit's example or
+the ConfigMap's text), which validates the config and the flags as a start would; an aloe-worker
+one with --version, which it answers only after parsing every flag. An unknown flag, a value of
+the wrong type, a variable left unexpanded or a config field out of range fails here instead of
+on a user's hosts.
 
 Usage: deploy_flags_test.py SOURCE_DIR BIN_DIR
 """
@@ -13,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -20,15 +24,28 @@ import yaml
 DAEMONS = ("aloe-server", "aloe-worker")
 
 
-def run(binary_dir, argv, where):
-    """Runs argv (argv[0] a daemon name) from binary_dir with --version; returns an error or ""."""
+def run(binary_dir, argv, where, configs=None):
+    """Runs argv (argv[0] a daemon name) from binary_dir: aloe-server with --check and every
+    --config path in `configs` replaced by its value, aloe-worker with --version. Returns an
+    error or ""."""
     name = Path(argv[0]).name
     if name not in DAEMONS:
         return f"{where}: runs {argv[0]}, not one of {DAEMONS}"
     left = [a for a in argv if re.search(r"\$\(|\$\{|\$[A-Z_]|%[a-zA-Z]", a)]
     if left:
         return f"{where}: unexpanded {left}"
-    cmd = [str(Path(binary_dir) / name)] + argv[1:] + ["--version"]
+    args = list(argv[1:])
+    if name == "aloe-server":
+        for i, a in enumerate(args):
+            if a.startswith("--config="):
+                path = a[len("--config="):]
+                if path not in (configs or {}):
+                    return f"{where}: --config={path}, which this test cannot map to a file"
+                args[i] = "--config=" + str(configs[path])
+        args.append("--check")
+    else:
+        args.append("--version")
+    cmd = [str(Path(binary_dir) / name)] + args
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         return f"{where}: {shlex.join(argv)}\n  -> exit {done.returncode}: {done.stderr.strip()}"
@@ -66,14 +83,18 @@ def check_systemd(source, binary_dir):
     errors, checked = [], 0
     unit_dir = source / "deploy/systemd"
     # (unit, instance, example settings files, extra settings)
+    # The layer-sharded cases give every process the shard count, as README.md in that folder
+    # has users set shard_processes in server.textproto.
+    sharded = "--shard_processes=2"
     cases = [
         ("aloe-server.service", "", [], {}),
-        ("aloe-server.service", "", [], {"ALOE_SERVER_FLAGS": "--role=coordinator"}),
+        ("aloe-server.service", "", [], {"ALOE_SERVER_FLAGS": "--role=coordinator " + sharded}),
         ("aloe-worker@.service", "9465", ["worker.env"], {}),
         ("aloe-worker@.service", "9470", ["worker.env"], {"ALOE_ROLE": "evaluator"}),
-        ("aloe-shard@.service", "0", [], {}),
-        ("aloe-shard@.service", "1", ["shard.env"], {}),
+        ("aloe-shard@.service", "0", [], {"ALOE_SHARD_FLAGS": sharded}),
+        ("aloe-shard@.service", "1", ["shard.env"], {"+ALOE_SHARD_FLAGS": " " + sharded}),
     ]
+    configs = {"/etc/aloe/server.textproto": unit_dir / "server.textproto"}
     covered = set()
     for unit, instance, env_files, extra in cases:
         text = (unit_dir / unit).read_text()
@@ -84,9 +105,14 @@ def check_systemd(source, binary_dir):
                 env[key] = value
         for f in env_files:
             env.update(parse_env_file(unit_dir / f))
-        env.update(extra)
+        for key, value in extra.items():
+            if key.startswith("+"):
+                env[key[1:]] = env.get(key[1:], "") + value
+            else:
+                env[key] = value
         argv = systemd_command(text, env, instance)
-        error = run(binary_dir, argv, f"deploy/systemd/{unit} ({instance or 'no instance'})")
+        error = run(binary_dir, argv, f"deploy/systemd/{unit} ({instance or 'no instance'})",
+                    configs)
         if error:
             errors.append(error)
         checked += 1
@@ -124,7 +150,7 @@ def apply_component_patches(objects, component):
                 node.append(op["value"])
 
 
-def check_k8s(source, binary_dir):
+def check_k8s(source, binary_dir, scratch):
     errors, checked = [], 0
     base = source / "deploy/k8s"
     kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
@@ -138,6 +164,10 @@ def check_k8s(source, binary_dir):
     base_objects = load(base, kustomization["resources"])
     config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in base_objects
                    if o["kind"] == "ConfigMap"}
+    # The server pods mount ConfigMap aloe-server-config at /etc/aloe/config.
+    server_config = Path(scratch) / "server.textproto"
+    server_config.write_text(config_maps["aloe-server-config"]["server.textproto"])
+    configs = {"/etc/aloe/config/server.textproto": server_config}
     component = yaml.safe_load((base / "sharded/kustomization.yaml").read_text())
     sharded_objects = load(base, kustomization["resources"]) + load(base / "sharded",
                                                                     component["resources"])
@@ -157,11 +187,44 @@ def check_k8s(source, binary_dir):
                     else:
                         env[e["name"]] = FIELD_VALUES[e["valueFrom"]["fieldRef"]["fieldPath"]]
                 argv = [c["image"]] + [expand_k8s(a, env) for a in c.get("args", [])]
-                error = run(binary_dir, argv, f"{label}: {obj['kind']} {obj['metadata']['name']}")
+                error = run(binary_dir, argv, f"{label}: {obj['kind']} {obj['metadata']['name']}",
+                            configs)
                 if error:
                     errors.append(error)
                 checked += 1
     return errors, checked
+
+
+def check_configs(source, binary_dir):
+    """Every example config of deploy/configs, as the one process it describes."""
+    errors, checked = [], 0
+    for config in sorted((source / "deploy/configs").glob("*.textproto")):
+        error = run(binary_dir, ["aloe-server", "--config=c"], f"deploy/configs/{config.name}",
+                    {"c": config})
+        if error:
+            errors.append(error)
+        checked += 1
+    return errors, checked
+
+
+def check_the_check(binary_dir, scratch):
+    """--check refuses what a start would: else every case above would pass for nothing."""
+    errors = []
+    bad = Path(scratch) / "bad.textproto"
+    bad.write_text('corpus_dir: "x"\nlease_seconds: -1\n')
+    cases = [
+        (["--config=" + str(bad)], "lease_seconds must be > 0, got -1"),
+        (["--config=" + str(Path(scratch) / "server.textproto"), "--role=shard",
+          "--shard_processes=2", "--shard_index=0", "--listen=0.0.0.0:7071"],
+         "listens on every interface"),
+    ]
+    for args, message in cases:
+        done = subprocess.run([str(Path(binary_dir) / "aloe-server")] + args + ["--check"],
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode != 1 or message not in done.stderr:
+            errors.append(f"aloe-server --check {shlex.join(args)}: exit {done.returncode}, "
+                          f"expected 1 and '{message}': {done.stderr.strip()}")
+    return errors, len(cases)
 
 
 def main():
@@ -170,15 +233,16 @@ def main():
         return 2
     source, binary_dir = Path(sys.argv[1]), sys.argv[2]
     errors, checked = [], 0
-    for check in (check_systemd, check_k8s):
-        e, n = check(source, binary_dir)
-        errors += e
-        checked += n
+    with tempfile.TemporaryDirectory() as scratch:
+        for e, n in (check_systemd(source, binary_dir), check_k8s(source, binary_dir, scratch),
+                     check_configs(source, binary_dir), check_the_check(binary_dir, scratch)):
+            errors += e
+            checked += n
     for e in errors:
         print("FAIL", e)
     print(f"deploy_flags_test: {checked} command lines, {len(errors)} refused")
     # Guards against a test that silently checks nothing.
-    if checked < 10:
+    if checked < 20:
         print(f"FAIL only {checked} command lines found")
         return 1
     return 1 if errors else 0
