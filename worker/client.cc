@@ -26,6 +26,11 @@ void SetDeadline(grpc::ClientContext* context, int seconds) {
 }
 
 constexpr int kControlDeadlineSeconds = 30;
+// A raw push listener is a shard on the job's network: connecting takes milliseconds, and one
+// that does not answer within seconds is down, blocked or misnamed (--advertise_push).
+constexpr absl::Duration kRawConnectTimeout = absl::Seconds(5);
+// How long pushes to a shard whose listener could not be connected go over gRPC.
+constexpr absl::Duration kRawPushRetry = absl::Minutes(5);
 constexpr int kTransferDeadlineSeconds = 600;
 
 }  // namespace
@@ -556,8 +561,14 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
       raw = spec.layers(static_cast<int>(l)).shard() != i || codec == v1::CODEC_FP32 ||
             codec == v1::CODEC_UNSPECIFIED;
     }
-    replies[i] = raw ? SendRawPush(shard, static_cast<uint32_t>(i), header, spec, layers, &sent[i])
-                     : SendPush(*this, shard.channel, header, streams[i], &sent[i]);
+    bool unreachable = false;
+    if (raw) {
+      replies[i] = SendRawPush(shard, static_cast<uint32_t>(i), header, spec, layers, &sent[i],
+                               &unreachable);
+    }
+    if (!raw || unreachable) {
+      replies[i] = SendPush(*this, shard.channel, header, streams[i], &sent[i]);
+    }
     if (!replies[i].ok()) {
       replies[i] = Labelled(replies[i].status(), StreamLabel(static_cast<int>(i), shard.address));
     }
@@ -568,7 +579,8 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
 
 absl::StatusOr<v1::PushReply> ServerClient::SendRawPush(
     const Shard& shard, uint32_t index, const v1::PushHeader& header, const v1::ModelSpec& spec,
-    const std::vector<std::vector<float>>& layers, uint64_t* bytes) const {
+    const std::vector<std::vector<float>>& layers, uint64_t* bytes, bool* unreachable) const {
+  *unreachable = false;
   const std::vector<RawPushRange> ranges = RawPushRanges(spec, index, header);
   for (const RawPushRange& range : ranges) {
     if (layers[range.layer_id].size() != range.count) {
@@ -586,9 +598,23 @@ absl::StatusOr<v1::PushReply> ServerClient::SendRawPush(
   for (int attempt = 0;; ++attempt) {
     const bool reused = connection.fd >= 0;
     if (!reused) {
-      absl::StatusOr<int> fd =
-          ConnectTcp(shard.push_address, absl::Seconds(kControlDeadlineSeconds));
-      if (!fd.ok()) return fd.status();
+      if (absl::Now() < connection.grpc_until) {
+        *unreachable = true;
+        return absl::UnavailableError("raw push listener unreachable");
+      }
+      absl::StatusOr<int> fd = ConnectTcp(shard.push_address, kRawConnectTimeout);
+      if (!fd.ok()) {
+        // Nothing was sent: the push can go over gRPC. The listener may come back (a restart),
+        // so raw pushes are tried again after a while.
+        connection.grpc_until = absl::Now() + kRawPushRetry;
+        *unreachable = true;
+        ALOE_LOG_WARNING("worker",
+                         "raw pushes to shard %d at %s: %s; pushing to it over gRPC for the next "
+                         "%d s",
+                         index, shard.push_address, fd.status().message(),
+                         absl::ToInt64Seconds(kRawPushRetry));
+        return fd.status();
+      }
       connection.fd = *fd;
     }
     absl::Status sent = WriteAll(connection.fd, prelude.data(), prelude.size(), timeout);

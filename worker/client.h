@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "proto/aloe.grpc.pb.h"
 
 namespace aloe::worker {
@@ -103,6 +104,8 @@ class ServerClient {
   struct RawConnection {
     absl::Mutex mu;
     int fd ABSL_GUARDED_BY(mu) = -1;
+    // After a failed connect, pushes to this shard go over gRPC until then.
+    absl::Time grpc_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
     ~RawConnection();
   };
   struct Shard {
@@ -119,11 +122,13 @@ class ServerClient {
   // set it started with while SetShards swaps in another.
   std::shared_ptr<const ShardSet> Shards() const;
 
-  // One raw push of `layers`' ranges to shard `index`.
+  // One raw push of `layers`' ranges to shard `index`. *unreachable = true (and nothing sent)
+  // when its listener cannot be connected, now or within kRawPushRetry of the last failure: the
+  // caller pushes over gRPC instead.
   absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, uint32_t index,
                                             const v1::PushHeader& header, const v1::ModelSpec& spec,
                                             const std::vector<std::vector<float>>& layers,
-                                            uint64_t* bytes) const;
+                                            uint64_t* bytes, bool* unreachable) const;
 
   std::string token_;
   bool raw_push_ = true;

@@ -18,6 +18,7 @@
 #include "common/raw_push.h"
 #include "common/status_matchers.h"
 #include "common/tensor_codec.h"
+#include "tests/testing/subprocess.h"
 #include "worker/client.h"
 
 namespace aloe::worker {
@@ -463,8 +464,8 @@ class FakeRawShard {
     std::vector<float> payload;
   };
 
-  FakeRawShard() {
-    absl::StatusOr<int> fd = ListenTcp("127.0.0.1:0", &port_);
+  explicit FakeRawShard(const std::string& address = "127.0.0.1:0") {
+    absl::StatusOr<int> fd = ListenTcp(address, &port_);
     EXPECT_THAT(fd, IsOk());
     fd_ = fd.value_or(-1);
     thread_ = std::thread([this] { Run(); });
@@ -633,6 +634,29 @@ TEST_F(ClientRawPushTest, AKeptConnectionTheShardClosedIsOpenedAgainOnce) {
   }
   EXPECT_EQ(raw_.Pushes().size(), 3u);
   EXPECT_EQ(raw_.connections(), 3);
+}
+
+TEST_F(ClientRawPushTest, AnUnreachableListenerSendsThePushOverGrpcForAWhile) {
+  // Shard 0 names a raw push listener on a port nothing listens on (down, or misnamed).
+  const std::string nowhere = "127.0.0.1:" + std::to_string(::aloe::testing::FreePort());
+  ServerClient client(WithToken(main_.address, "tok"));
+  ASSERT_THAT(client.SetShards({shards_[0].address, shards_[1].address}, {nowhere, ""}), IsOk());
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 6));
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> pushed =
+      client.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes);
+  ASSERT_THAT(pushed, IsOk());
+  EXPECT_TRUE(pushed->applied());
+  ASSERT_EQ(shards_[0].service.Pushes().size(), 1u);
+  EXPECT_EQ(shards_[0].service.Pushes()[0][0].header().update_id(), Header().update_id());
+  // The listener comes up: pushes keep going over gRPC for a while (one failed connect per
+  // kRawPushRetry, not one per push).
+  FakeRawShard late(nowhere);
+  late.SetAnswer(absl::OkStatus(), Reply(true, 6));
+  ASSERT_THAT(client.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes), IsOk());
+  EXPECT_EQ(shards_[0].service.Pushes().size(), 2u);
+  EXPECT_EQ(late.connections(), 0);
+  EXPECT_TRUE(late.Pushes().empty());
 }
 
 TEST_F(ClientRawPushTest, RawPushesOffOrTlsUseGrpcAndAddressListsMustMatch) {
