@@ -502,13 +502,13 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
   std::atomic<bool> stop{false};
-  std::atomic<bool> refused{false};
+  std::atomic<bool> ended{false};  // the job is over, or the coordinator refuses this shard
   absl::Status followed;
   std::thread follow([&] {
     followed = shard->RunFollowLoop(stop);
-    refused.store(!followed.ok());
+    ended.store(true);
   });
-  while (g_signal.load() == 0 && !refused.load()) {
+  while (g_signal.load() == 0 && !ended.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   stop.store(true);
@@ -517,8 +517,13 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   follow.join();
   shard->WriteFinalCheckpoint();
   ALOE_RETURN_IF_ERROR(followed);
-  ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
-                shard->version());
+  if (g_signal.load() != 0) {
+    ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
+                  shard->version());
+  } else {
+    ALOE_LOG_INFO("shard", "the job is over: shard %d stops at version %d", index,
+                  shard->version());
+  }
   return absl::OkStatus();
 }
 
@@ -680,6 +685,19 @@ absl::Status Run() {
   }
   if (!finished) {
     Drain(handle, checkpoints.get(), *metrics);
+  } else if (shard_control != nullptr) {
+    // The shard processes end with the job (not on a signal: a restarted coordinator resumes).
+    const uint64_t version = handle.Run([](ServerCore& core) { return core.version(); });
+    const uint32_t told = shard_control->Finish(version, absl::Seconds(10));
+    if (told < config.shard_processes()) {
+      ALOE_LOG_WARNING("coordinator",
+                       "the job is over at version %d; %d of %d shard processes were told (the "
+                       "others are not following now: stop them)",
+                       version, told, config.shard_processes());
+    } else {
+      ALOE_LOG_INFO("coordinator", "the job is over at version %d; the %d shard processes stop",
+                    version, told);
+    }
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (checkpoints) {

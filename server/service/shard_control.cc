@@ -14,6 +14,20 @@ ShardControlService::ShardControlService(CoreHandle& handle, Authenticator& auth
     : handle_(handle), auth_(auth), options_(std::move(options)) {
   absl::MutexLock lock(&mu_);
   followers_.resize(options_.shard_processes);
+  finish_sent_.assign(options_.shard_processes, false);
+}
+
+uint32_t ShardControlService::Finish(uint64_t version, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  finish_version_ = version;
+  const absl::Time deadline = absl::Now() + timeout;
+  auto all_sent = [&] {
+    return std::all_of(finish_sent_.begin(), finish_sent_.end(), [](bool b) { return b; });
+  };
+  while (!all_sent()) {
+    if (assembled_.WaitWithDeadline(&mu_, deadline)) break;
+  }
+  return static_cast<uint32_t>(std::count(finish_sent_.begin(), finish_sent_.end(), true));
 }
 
 grpc::Status ShardControlService::CheckPartCall(const grpc::ServerContext& context,
@@ -199,11 +213,13 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
   uint64_t seen = 0;
   while (!context->IsCancelled()) {
     std::vector<v1::ShardOrder> batch;
+    std::optional<uint64_t> finish;
     {
       absl::MutexLock lock(&mu_);
       if (epoch_ != epoch || followers_[shard].connection != connection) {
         return grpc::Status(grpc::StatusCode::ABORTED, "the shards are reassembling; follow again");
       }
+      finish = finish_version_;
       handle_.Peek(&seen, [&](const ServerCore& core) {
         const std::vector<v1::ShardOrder>& orders = core.orders();
         const uint64_t first = core.first_order_index();
@@ -228,6 +244,17 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
         followers_[shard].sent = cursor;
         MaybeTrimLog();
       }
+    }
+    if (finish.has_value() && batch.empty()) {
+      // Every order was sent (the log held none past the cursor when finish was read).
+      v1::ShardOrder order;
+      order.set_kind(v1::ShardOrder::FINISH);
+      order.set_version(*finish);
+      if (!writer->Write(order)) return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
+      absl::MutexLock lock(&mu_);
+      finish_sent_[shard] = true;
+      assembled_.SignalAll();
+      return grpc::Status::OK;
     }
     // Woken by a new order only; a reassembly or a newer connection of this shard is noticed
     // within the timeout.

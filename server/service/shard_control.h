@@ -14,6 +14,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,11 @@ class ShardControlService final : public v1::ShardControl::Service {
   grpc::Status Follow(grpc::ServerContext*, const v1::FollowRequest*,
                       grpc::ServerWriter<v1::ShardOrder>*) override;
 
+  // The job is over at `version`: every Follow stream sends its remaining orders, then FINISH,
+  // and ends. Waits until each shard process was sent FINISH, or `timeout` (a shard away now
+  // keeps asking to follow until it is stopped); returns how many were.
+  uint32_t Finish(uint64_t version, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Follower {
     uint64_t connection = 0;  // bumped by every Follow call of this shard
@@ -75,6 +81,8 @@ class ShardControlService final : public v1::ShardControl::Service {
   bool ready_ ABSL_GUARDED_BY(mu_) = false;
   bool first_assembly_ ABSL_GUARDED_BY(mu_) = true;
   uint64_t start_version_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<uint64_t> finish_version_ ABSL_GUARDED_BY(mu_);  // set by Finish
+  std::vector<bool> finish_sent_ ABSL_GUARDED_BY(mu_);           // per shard process
 };
 
 }  // namespace aloe::server

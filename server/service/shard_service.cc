@@ -367,6 +367,20 @@ absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
         ALOE_LOG_INFO("shard", "shard %d follows the coordinator", options_.shard_index);
         announced = true;
       }
+      if (order.kind() == v1::ShardOrder::FINISH) {
+        // Every order before it was applied, in stream order.
+        const uint64_t at = version();
+        if (at == order.version()) {
+          context.TryCancel();
+          reader->Finish();
+          ALOE_LOG_INFO("shard", "shard %d: the job is over at version %d", options_.shard_index,
+                        at);
+          return absl::OkStatus();
+        }
+        ALOE_LOG_ERROR("shard", "shard %d: the job is over at version %d, but this shard is at %d",
+                       options_.shard_index, order.version(), at);
+        continue;
+      }
       absl::Status s = ApplyOrder(order);
       if (!s.ok()) {
         // This state cannot follow the log any more: ask for a reassembly from a checkpoint.

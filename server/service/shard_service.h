@@ -64,7 +64,8 @@ class ShardServer final : public WireParameterService {
   absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in,
                                              const std::function<bool()>& cancelled);
 
-  // Follows the coordinator until `stop` is set (OK), reconnecting whenever the stream ends. The
+  // Follows the coordinator until `stop` is set or the coordinator says the job is over (FINISH,
+  // once every order was applied) (OK), reconnecting whenever the stream ends. The
   // coordinator refusing this process for good (another config: kInvalidArgument or
   // kFailedPrecondition; a missing or unknown token: kUnauthenticated or kPermissionDenied)
   // ends it with that refusal instead, since following again would be refused again.

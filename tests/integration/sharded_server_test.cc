@@ -410,16 +410,21 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   EXPECT_EQ(w0->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
   EXPECT_EQ(w1->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
   EXPECT_EQ(evaluator->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
-  shard0->Signal(SIGTERM);
-  resumed->Signal(SIGTERM);
-  EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0));
-  EXPECT_EQ(resumed->Wait(absl::Seconds(30)), std::optional<int>(0));
+  // The shard processes end with the job, told by the coordinator (no signal).
+  EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
+  EXPECT_EQ(resumed->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/server.log"),
+                                "the job is over at version 12; the 2 shard processes stop"))
+      << ShardLogs();
 
   // Every process ends at the coordinator's final version.
   const std::string summary = ReadFile(dir_ + "/summary");
   ASSERT_TRUE(absl::StrContains(summary, "version=12")) << summary << ShardLogs();
   EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard0.log")), 12) << ShardLogs();
   EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard1-resumed.log")), 12) << ShardLogs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/shard0.log"),
+                                "the job is over: shard 0 stops at version 12"))
+      << ShardLogs();
   // The restart made everybody go back to a common checkpoint (>= 4) and assemble again.
   const std::string coordinator = ReadFile(dir_ + "/server.log");
   EXPECT_TRUE(absl::StrContains(coordinator, "shard 1 restarted")) << ShardLogs();
