@@ -141,13 +141,10 @@ wait "$SERVER_PID" || { echo "demo.sh: the server failed; see $RUN_DIR/server.lo
 echo
 echo "==== ALOE demo summary ===="
 grep 'summary:' "$RUN_DIR/server.log" | sed 's/^.*summary: /server: /'
+# The shard processes end with the job (FINISH from the coordinator) and log a summary.
 for ((i = 0; i < SHARDS; i++)); do
-  received=$(curl -s "http://127.0.0.1:${SHARD_METRICS[$i]}/metrics" 2>/dev/null |
-    awk '$1 ~ /^aloe_received_bytes_total/ {s += $2} END {print s + 0}')
-  raw=$(metric aloe_raw_push_bytes_total "${SHARD_METRICS[$i]}")
-  printf 'shard %d: version %s, %.1f MB received (%.1f MB of it over raw pushes)\n' "$i" \
-    "$(metric aloe_model_version "${SHARD_METRICS[$i]}")" "$(awk -v b="$received" 'BEGIN {print b / 1e6}')" \
-    "$(awk -v b="${raw:-0}" 'BEGIN {print b / 1e6}')"
+  for _ in $(seq 1 100); do grep -q 'summary:' "$RUN_DIR/shard$i.log" && break; sleep 0.1; done
+  grep 'summary:' "$RUN_DIR/shard$i.log" | sed 's/^.*summary: //' || true
 done
 for w in worker-fast worker-slow; do
   grep 'summary:' "$RUN_DIR/$w.log" | sed "s/^.*summary: /$w: /" || true

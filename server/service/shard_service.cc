@@ -134,6 +134,7 @@ absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& re
       }
     }
     metrics_.Add(kRawPushBytes, static_cast<double>(expected));
+    raw_push_bytes_ += expected;
     return absl::OkStatus();
   };
   v1::PushReply reply;
@@ -198,6 +199,7 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
   if (absl::Status s = read(assembler); !s.ok()) return Reject(s);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();
+  received_bytes_ += bytes;
   absl::StatusOr<PendingUpdate> part = std::move(assembler).Finish();
   if (!part.ok()) return Reject(part.status());
   absl::StatusOr<StageResult> staged;

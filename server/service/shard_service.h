@@ -75,8 +75,13 @@ class ShardServer final : public WireParameterService {
   void WriteFinalCheckpoint();
 
   uint64_t version();
+  // Payload bytes of the pushes received whole so far, and the part of them that came raw.
+  uint64_t received_bytes() const { return received_bytes_.load(); }
+  uint64_t raw_push_bytes() const { return raw_push_bytes_.load(); }
 
  private:
+  std::atomic<uint64_t> received_bytes_{0};
+  std::atomic<uint64_t> raw_push_bytes_{0};
   // Applies one order; an error means this state cannot follow the log any more.
   absl::Status ApplyOrder(const v1::ShardOrder& order);
   absl::Status Restore(uint64_t version);
