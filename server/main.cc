@@ -535,15 +535,18 @@ absl::Status Run() {
   if (absl::GetFlag(FLAGS_check)) {
     const std::string role = absl::GetFlag(FLAGS_role);
     absl::PrintF(
-        "aloe-server --check: %s is valid for --role %s%s: model d_model %d, %d layers; outer "
-        "%s; aggregation %s; %s\n",
+        "aloe-server --check: %s is valid for --role %s%s: model %s; outer %s; aggregation %s; "
+        "%s\n",
         absl::GetFlag(FLAGS_config), role,
         role == "shard" ? absl::StrFormat(" (shard %d of %d)", absl::GetFlag(FLAGS_shard_index),
                                           config.shard_processes())
         : config.shard_processes() > 0
             ? absl::StrFormat(" (%d shard processes)", config.shard_processes())
             : "",
-        config.model().d_model(), config.model().num_layers(),
+        config.model_file().empty()
+            ? absl::StrFormat("d_model %d, %d layers", config.model().d_model(),
+                              config.model().num_layers())
+            : absl::StrCat("file ", config.model_file()),
         v1::OuterOptimizerType_Name(config.outer_optimizer().type()),
         v1::AggregationMode_Name(config.aggregation().mode()),
         config.security().tls_cert_file().empty() ? "plaintext" : "TLS");
