@@ -159,6 +159,8 @@ class Worker {
   absl::Status RunNode();
   v1::NodeDirective NextDirective();
   absl::Status Finish();
+  // Stops the heartbeat and, as the node's leader, leaves the server (best effort).
+  void Leave();
   // Ends the worker on an error of its own (not the server's): leaves the server first, so the
   // task goes to another worker at once instead of when the lease runs out.
   absl::Status LeaveAfter(absl::Status error);
@@ -468,22 +470,21 @@ absl::Status Worker::RunNode() {
   return Finish();
 }
 
-absl::Status Worker::LeaveAfter(absl::Status error) {
+void Worker::Leave() {
   heartbeat_.reset();
   if (leader() && !need_join_) {
     absl::Status left = client_.Leave(joined_.worker_id());
     if (!left.ok()) ALOE_LOG_WARNING("worker", "leave: %s", left.ToString());
   }
+}
+
+absl::Status Worker::LeaveAfter(absl::Status error) {
+  Leave();
   return error;
 }
 
 absl::Status Worker::Finish() {
-  heartbeat_.reset();
-  if (leader() && !need_join_) {
-    absl::Status left = client_.Leave(joined_.worker_id());
-    if (!left.ok()) ALOE_LOG_WARNING("worker", "leave: %s", left.ToString());
-  }
-
+  Leave();
   const double wall = rounds_ > 0 ? Seconds(first_task_, std::chrono::steady_clock::now()) : 0;
   ALOE_LOG_INFO("worker",
                 "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
