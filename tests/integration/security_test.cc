@@ -84,6 +84,16 @@ class SecurityTest : public ::testing::Test {
     return port;
   }
 
+  // Starts aloe-server as Start does and expects it to refuse at once: exit 1, with `message`
+  // in its log.
+  void ExpectRefused(const std::string& security, const std::vector<std::string>& flags,
+                     const std::string& extra_config, const std::string& message) {
+    EXPECT_EQ(Start(security, "127.0.0.1:0", flags, extra_config), 0) << message;
+    EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1)) << message;
+    EXPECT_NE(ReadFile(dir_ + "/server.log").find(message), std::string::npos)
+        << ReadFile(dir_ + "/server.log");
+  }
+
   std::string Pem(const std::string& name) { return ReadFile(dir_ + "/ca/" + name); }
 
   std::unique_ptr<v1::Coordinator::Stub> Stub(int port, bool tls, bool client_cert) {
@@ -199,18 +209,10 @@ TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
   for (const Case& c : cases) {
     std::vector<std::string> flags = shard;
     flags.insert(flags.end(), c.flags.begin(), c.flags.end());
-    EXPECT_EQ(Start(c.security, "127.0.0.1:0", flags, "shard_processes: 1"), 0) << c.message;
-    EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1)) << c.message;
-    EXPECT_NE(ReadFile(dir_ + "/server.log").find(c.message), std::string::npos)
-        << ReadFile(dir_ + "/server.log");
+    ExpectRefused(c.security, flags, "shard_processes: 1", c.message);
   }
-  EXPECT_EQ(Start("", "127.0.0.1:0", {"--role=coordinator", "--push_listen=127.0.0.1:17072"},
-                  "shard_processes: 1"),
-            0);
-  EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1));
-  EXPECT_NE(ReadFile(dir_ + "/server.log").find("--push_listen is for --role shard only"),
-            std::string::npos)
-      << ReadFile(dir_ + "/server.log");
+  ExpectRefused("", {"--role=coordinator", "--push_listen=127.0.0.1:17072"}, "shard_processes: 1",
+                "--push_listen is for --role shard only");
 }
 
 TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
@@ -304,19 +306,10 @@ TEST_F(SecurityTest, ShardAddressesWorkersCannotDialAreRefused) {
   for (const Case& c : cases) {
     std::vector<std::string> flags = {"--role=shard", "--shard_index=0"};
     flags.insert(flags.end(), c.flags.begin(), c.flags.end());
-    EXPECT_EQ(Start("", "127.0.0.1:0", flags, "shard_processes: 1"), 0) << c.message;
-    EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1)) << c.message;
-    EXPECT_NE(ReadFile(dir_ + "/server.log").find(c.message), std::string::npos)
-        << ReadFile(dir_ + "/server.log");
+    ExpectRefused("", flags, "shard_processes: 1", c.message);
   }
-  EXPECT_EQ(Start("", "127.0.0.1:0", {"--role=coordinator", "--advertise=shard-0:7071"},
-                  "shard_processes: 1"),
-            0);
-  EXPECT_EQ(server_->Wait(absl::Seconds(10)), std::optional<int>(1));
-  EXPECT_NE(
-      ReadFile(dir_ + "/server.log").find("--advertise and --advertise_push are for --role shard"),
-      std::string::npos)
-      << ReadFile(dir_ + "/server.log");
+  ExpectRefused("", {"--role=coordinator", "--advertise=shard-0:7071"}, "shard_processes: 1",
+                "--advertise and --advertise_push are for --role shard");
 }
 
 TEST_F(SecurityTest, ShardsTheCoordinatorRefusesExitWithTheReason) {
