@@ -182,11 +182,13 @@ void PseudoGradientPenalty::ForgetStream(uint64_t stream) {
   for (auto& table : modules_) table.erase(stream);
 }
 
-void PseudoGradientPenalty::SaveState(std::string* out) const {
+void PseudoGradientPenalty::SaveState(std::string* out) const { WriteState(modules_, out); }
+
+void PseudoGradientPenalty::WriteState(const std::vector<ModuleStats>& modules, std::string* out) {
   out->append(kStateMagic, sizeof(kStateMagic));
   AppendPod<uint32_t>(kStateFormatVersion, out);
-  AppendPod<uint64_t>(modules_.size(), out);
-  for (const auto& table : modules_) {
+  AppendPod<uint64_t>(modules.size(), out);
+  for (const ModuleStats& table : modules) {
     AppendPod<uint64_t>(table.size(), out);
     for (const auto& [stream, s] : table) {
       AppendPod<uint64_t>(stream, out);
@@ -197,7 +199,8 @@ void PseudoGradientPenalty::SaveState(std::string* out) const {
   }
 }
 
-absl::Status PseudoGradientPenalty::LoadState(std::string_view blob) {
+absl::StatusOr<std::vector<PseudoGradientPenalty::ModuleStats>> PseudoGradientPenalty::ParseState(
+    std::string_view blob) {
   std::string_view in = blob;
   char magic[sizeof(kStateMagic)];
   uint32_t version = 0;
@@ -209,11 +212,12 @@ absl::Status PseudoGradientPenalty::LoadState(std::string_view blob) {
     return absl::InvalidArgumentError(
         absl::StrFormat("penalty state: unsupported format version %d", version));
   }
-  if (!ReadPod(&in, &num_modules) || num_modules != modules_.size()) {
+  // Every module takes at least its 8-byte stream count.
+  if (!ReadPod(&in, &num_modules) || num_modules > in.size() / sizeof(uint64_t)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "penalty state: blob has %d modules, this model has %d", num_modules, modules_.size()));
+        "penalty state: %d modules do not fit in %d bytes", num_modules, in.size()));
   }
-  std::vector<std::map<uint64_t, PenaltyEmaStats>> modules(modules_.size());
+  std::vector<ModuleStats> modules(num_modules);
   for (size_t m = 0; m < modules.size(); ++m) {
     uint64_t num_streams = 0;
     if (!ReadPod(&in, &num_streams) || num_streams > in.size() / kEntryBytes) {
@@ -244,6 +248,15 @@ absl::Status PseudoGradientPenalty::LoadState(std::string_view blob) {
   if (!in.empty()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("penalty state: %d trailing bytes", in.size()));
+  }
+  return modules;
+}
+
+absl::Status PseudoGradientPenalty::LoadState(std::string_view blob) {
+  ALOE_ASSIGN_OR_RETURN(std::vector<ModuleStats> modules, ParseState(blob));
+  if (modules.size() != modules_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "penalty state: blob has %d modules, this model has %d", modules.size(), modules_.size()));
   }
   modules_ = std::move(modules);
   return absl::OkStatus();

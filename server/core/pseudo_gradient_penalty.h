@@ -127,6 +127,14 @@ class PseudoGradientPenalty {
   void SaveState(std::string* out) const;
   absl::Status LoadState(std::string_view blob);
 
+  // The statistics of one module: stream -> statistics.
+  using ModuleStats = std::map<uint64_t, PenaltyEmaStats>;
+  // A SaveState blob's statistics, module by module, with LoadState's checks (but any module
+  // count); and the blob of given statistics. With them a checkpoint converter moves modules
+  // between the blobs of different process layouts.
+  static absl::StatusOr<std::vector<ModuleStats>> ParseState(std::string_view blob);
+  static void WriteState(const std::vector<ModuleStats>& modules, std::string* out);
+
  private:
   PseudoGradientPenalty(const v1::PenaltyConfig& config, size_t num_modules)
       : config_(config), modules_(num_modules) {}
@@ -134,7 +142,7 @@ class PseudoGradientPenalty {
   const v1::PenaltyConfig config_;
   // modules_[l]: stream -> statistics. The vector is never resized after construction, so
   // different modules can be updated from different threads.
-  std::vector<std::map<uint64_t, PenaltyEmaStats>> modules_;
+  std::vector<ModuleStats> modules_;
 };
 
 // The penalty as the LayerAggregation of one outer step: stream = PendingUpdate::worker_id,
