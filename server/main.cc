@@ -34,6 +34,7 @@
 #include "server/core/server_metrics.h"
 #include "server/core/shard_assembly.h"
 #include "server/core/shard_state.h"
+#include "server/reshard.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 #include "server/service/grpc_services.h"
@@ -76,6 +77,11 @@ ABSL_FLAG(bool, check, false,
           "flags, the addresses a shard would advertise), print a summary and exit: 0 when they "
           "are valid, 1 naming the first problem. Opens no file but the config (corpus, "
           "certificates, checkpoints and ports are not looked at)");
+ABSL_FLAG(std::string, reshard_from, "",
+          "Convert the newest checkpoint in this directory (of one process, or of a coordinator "
+          "with the shard-<i> directories of its shard processes copied beside it) to the layout "
+          "of this config and --shard_processes, write it to checkpoint.dir (a new or empty "
+          "directory; --checkpoint_dir) and exit. Then start the server there with --resume");
 ABSL_FLAG(int32_t, shard_processes, -1,
           "Override shard_processes (0: one process; N > 0: one --role coordinator and N --role "
           "shard processes, every one given the same N)");
@@ -177,7 +183,12 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--role must be single, coordinator or shard, got \"", role, "\""));
   }
-  if (role == "single" && config.shard_processes() > 0) {
+  const bool reshard = !absl::GetFlag(FLAGS_reshard_from).empty();
+  if (reshard && role == "shard") {
+    return absl::InvalidArgumentError(
+        "--reshard_from converts the whole server's checkpoint: run it without --role shard");
+  }
+  if (role == "single" && config.shard_processes() > 0 && !reshard) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "the config has shard_processes %d: start one --role coordinator and %d --role shard "
         "processes (or set shard_processes 0 for one process)",
@@ -569,6 +580,9 @@ absl::Status Run() {
     return absl::InvalidArgumentError(
         absl::StrCat(config.corpus_dir(), "/manifest.tsv has no heldout shard"));
   }
+  if (!absl::GetFlag(FLAGS_reshard_from).empty()) {
+    return Reshard(config, absl::GetFlag(FLAGS_reshard_from), train, heldout_file);
+  }
   const size_t num_train_shards = train.size();
   RealClock clock;
   ThreadPoolExecutor executor(static_cast<int>(config.apply_threads()) - 1);
@@ -590,7 +604,9 @@ absl::Status Run() {
       ALOE_RETURN_IF_ERROR(loaded.status());
       ALOE_RETURN_IF_ERROR(core->RestoreCheckpoint(loaded->checkpoint));
       core->SkipWorkerIdsOfLostProcess();
-      ALOE_LOG_INFO("server", "resumed from %s", loaded->path);
+      ALOE_LOG_INFO("server", "resumed at version %d (%d updates applied, %.1f s trained) from %s",
+                    core->version(), core->updates_applied(), loaded->checkpoint.trained_seconds(),
+                    loaded->path);
     }
   }
   const v1::ModelSpec spec = core->spec();

@@ -1084,7 +1084,11 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   if (!eval_history_.empty()) last_eval_version_ = eval_history_.back().version;
   restored_seconds_ = c.trained_seconds();
   started_.reset();
-  stopping_ = c.stopping();
+  // Whether the job is over follows from the restored progress and THIS config's limits, so a
+  // finished job resumed with a larger max_versions or max_seconds trains on (c.stopping() is
+  // what the writer's limits said).
+  stopping_ = false;
+  UpdateStopping();
   retained_.clear();
   if (sharded()) {
     commit_version_ = c.version();
@@ -1094,8 +1098,6 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   }
   metrics_.Set(kModelVersion, static_cast<double>(version()));
   PublishShards();
-  ALOE_LOG_INFO("server", "resumed at version %d (%d updates applied, %.1f s trained)", version(),
-                updates_applied_, restored_seconds_);
   return absl::OkStatus();
 }
 

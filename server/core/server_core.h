@@ -90,6 +90,9 @@ class ServerCore {
   // --- Checkpoints (exact resume). The state right after the last outer step; tasks handed out
   // since then are not part of it.
   v1::ServerCheckpoint CaptureCheckpoint() const;
+  // What the checkpoints say they are of (model layout, outer optimizer, penalty, corpus shard
+  // count, process count); RestoreCheckpoint takes only a checkpoint that says the same.
+  std::string Fingerprint() const;
   // The checkpoints captured right after outer steps that reached a multiple of
   // checkpoint.every_versions, oldest first, each once (empty when none is waiting). A
   // single-process core keeps only the newest (each holds the whole model, and a slow disk must
@@ -232,7 +235,6 @@ class ServerCore {
   void CloseDueWindows();
   // Drops retained snapshots that no open task or released worker will start from.
   void PruneRetained();
-  std::string Fingerprint() const;
   double TrainedSeconds() const;
 
   const v1::ServerConfig config_;

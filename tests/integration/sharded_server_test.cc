@@ -11,9 +11,14 @@
 //    and raw pushes (common/raw_push.h; the victim's push to shard 1 breaks off mid-payload).
 //  - APullWaitingForAVersionEndsWhenTheShardsGoBack: a shard restart makes every process go back
 //    to an older version; a pull waiting for a newer one ends at once instead of after 10 s.
+//  - CheckpointMovesFromOneProcessToShardProcessesAndBack: aloe-server --reshard_from moves a
+//    job's checkpoint from one process to a coordinator and 2 shard processes and back, training
+//    on after each move, with the exact state in the converted files; bad conversions are
+//    refused, naming the problem, and write nothing.
 //  - RawPushesRefuseBadInputAndChangeNothing: malformed, mis-sized, non-float32, NaN-carrying,
 //    unadmitted and cut-off raw pushes are refused with errors naming the problem, and the model
 //    afterwards is exactly the initial one stepped once with the clean push that followed.
+#include <gmock/gmock.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -22,9 +27,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 
+#include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "common/config.h"
 #include "common/executor.h"
@@ -80,7 +87,7 @@ class ShardedServerTest : public LoopbackTest {
 
   std::string ShardLogs() {
     std::string all = Logs();
-    for (const char* f : {"shard0.log", "shard1.log", "shard1-resumed.log"}) {
+    for (const char* f : {"shard0.log", "shard1.log", "shard0-resumed.log", "shard1-resumed.log"}) {
       all += absl::StrCat("==== ", f, "\n", ReadFile(dir_ + "/" + f));
     }
     return all;
@@ -440,6 +447,176 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   }
   ASSERT_GE(losses.size(), 2u) << summary;
   EXPECT_LT(losses.back(), losses.front() - 0.3) << summary;
+}
+
+// Runs `aloe-server --reshard_from=FROM --checkpoint_dir=TO --shard_processes=N` with the test's
+// config; returns its exit code (nullopt on a timeout) and leaves its output in *log.
+std::optional<int> Reshard(const std::string& bin, const std::string& dir, const std::string& from,
+                           const std::string& to, int processes, std::string* log,
+                           const std::string& config = "server.textproto") {
+  static int runs = 0;
+  const std::string log_path = absl::StrCat(dir, "/reshard", ++runs, ".log");
+  Subprocess tool({bin, absl::StrCat("--config=", dir, "/", config), "--reshard_from=" + from,
+                   "--checkpoint_dir=" + to, absl::StrCat("--shard_processes=", processes)},
+                  log_path);
+  std::optional<int> code = tool.Wait(absl::Seconds(60));
+  *log = ReadFile(log_path);
+  return code;
+}
+
+template <typename Checkpoint>
+Checkpoint ReadCheckpoint(const std::string& path) {
+  absl::StatusOr<Checkpoint> c = server::CheckpointStore::ReadFile<Checkpoint>(path);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *std::move(c) : Checkpoint();
+}
+
+// Every layer of the one-process checkpoint `whole` is in exactly one of `shards`, with the same
+// parameters and optimizer state, and the coordinator's checkpoint keeps whole's bookkeeping.
+void ExpectSameState(const v1::ServerCheckpoint& whole, const v1::ServerCheckpoint& coordinator,
+                     const std::vector<v1::ShardCheckpoint>& shards) {
+  ASSERT_GT(whole.layer_params_size(), 0);
+  std::vector<int> seen(whole.layer_params_size(), 0);
+  for (const v1::ShardCheckpoint& shard : shards) {
+    EXPECT_EQ(shard.version(), whole.version());
+    ASSERT_EQ(shard.layer_params_size(), shard.layer_ids_size());
+    for (int k = 0; k < shard.layer_ids_size(); ++k) {
+      const int l = static_cast<int>(shard.layer_ids(k));
+      ASSERT_LT(l, whole.layer_params_size());
+      ++seen[l];
+      EXPECT_EQ(shard.layer_params(k), whole.layer_params(l)) << "layer " << l;
+      EXPECT_EQ(shard.optimizer_state(k), whole.optimizer_state(l)) << "layer " << l;
+    }
+    EXPECT_FALSE(shard.penalty_state().empty());
+  }
+  EXPECT_THAT(seen, ::testing::Each(1));
+  EXPECT_EQ(coordinator.layer_params_size(), 0);
+  EXPECT_EQ(coordinator.version(), whole.version());
+  EXPECT_EQ(coordinator.updates_applied(), whole.updates_applied());
+  EXPECT_EQ(coordinator.next_worker_id(), whole.next_worker_id());
+  EXPECT_EQ(coordinator.sampler_rng(), whole.sampler_rng());
+  EXPECT_THAT(coordinator.shard_steps(), ::testing::ElementsAreArray(whole.shard_steps()));
+  EXPECT_THAT(coordinator.eval_versions(), ::testing::ElementsAreArray(whole.eval_versions()));
+}
+
+// A job trained by one process moves to a coordinator and 2 shard processes, trains on, moves
+// back to one process and trains on again; the converted checkpoints hold exactly the state
+// that was saved. Bad conversions are refused naming the problem and write nothing.
+TEST_F(ShardedServerTest, CheckpointMovesFromOneProcessToShardProcessesAndBack) {
+  const std::string a = dir_ + "/ckpt_one", b = dir_ + "/ckpt_two", c = dir_ + "/ckpt_back";
+  auto config = [&](int processes, int versions, const std::string& ckpt) {
+    return absl::StrCat("shard_processes: ", processes, "\nmax_versions: ", versions,
+                        "\nlocal_steps: 10\naggregation { mode: AGGREGATION_SYNC min_workers: 1 }\n"
+                        "penalty { enabled: true warmup: 1 }\n"
+                        "checkpoint { dir: \"",
+                        ckpt, "\" every_versions: 1 keep: 2 }\n");
+  };
+
+  // 1. One process to version 3.
+  int port = StartServer(config(0, 3, a));
+  ASSERT_GT(port, 0);
+  auto w = StartWorker(port, "trainer", 0);
+  ASSERT_EQ(server_->Wait(absl::Seconds(120)), std::optional<int>(0)) << Logs();
+  ASSERT_EQ(w->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+
+  // 2. To two shard processes.
+  std::string log;
+  ASSERT_EQ(Reshard(Bin("aloe-server"), dir_, a, b, 2, &log), std::optional<int>(0)) << log;
+  EXPECT_TRUE(absl::StrContains(log, absl::StrCat("version 3 of ", a, " (one process) is now in ",
+                                                  b, " for a coordinator and 2 shard processes")))
+      << log;
+  const std::string name3 = "/checkpoint-000000000003.aloeckpt";
+  const auto whole3 = ReadCheckpoint<v1::ServerCheckpoint>(a + name3);
+  ExpectSameState(whole3, ReadCheckpoint<v1::ServerCheckpoint>(b + name3),
+                  {ReadCheckpoint<v1::ShardCheckpoint>(b + "/shard-0" + name3),
+                   ReadCheckpoint<v1::ShardCheckpoint>(b + "/shard-1" + name3)});
+
+  // 3. Trains on from version 3 to 5 on the shard processes.
+  port = StartServer(config(2, 5, b), kNesterov, {"--role=coordinator", "--resume"});
+  ASSERT_GT(port, 0);
+  shards_[0] = StartShard(0, port, true);
+  shards_[1] = StartShard(1, port, true);
+  w = StartWorker(port, "trainer", 1);
+  ASSERT_EQ(server_->Wait(absl::Seconds(120)), std::optional<int>(0)) << ShardLogs();
+  ASSERT_EQ(w->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
+  for (auto& shard : shards_) EXPECT_EQ(shard->Wait(absl::Seconds(30)), std::optional<int>(0));
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/server.log"), "resumed at version 3"))
+      << ShardLogs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), "version=5\n")) << ShardLogs();
+  EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard0-resumed.log")), 5) << ShardLogs();
+  EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard1-resumed.log")), 5) << ShardLogs();
+
+  // 4. Back to one process, which trains on to version 6.
+  ASSERT_EQ(Reshard(Bin("aloe-server"), dir_, b, c, 0, &log), std::optional<int>(0)) << log;
+  EXPECT_TRUE(absl::StrContains(log, "version 5 of " + b +
+                                         " (a coordinator and 2 shard processes) "
+                                         "is now in " +
+                                         c + " for one process"))
+      << log;
+  const std::string name5 = "/checkpoint-000000000005.aloeckpt";
+  ExpectSameState(ReadCheckpoint<v1::ServerCheckpoint>(c + name5),
+                  ReadCheckpoint<v1::ServerCheckpoint>(b + name5),
+                  {ReadCheckpoint<v1::ShardCheckpoint>(b + "/shard-0" + name5),
+                   ReadCheckpoint<v1::ShardCheckpoint>(b + "/shard-1" + name5)});
+  port = StartServer(config(0, 6, c), kNesterov, {"--resume"});
+  ASSERT_GT(port, 0);
+  w = StartWorker(port, "trainer", 2);
+  ASSERT_EQ(server_->Wait(absl::Seconds(120)), std::optional<int>(0)) << Logs();
+  ASSERT_EQ(w->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/server.log"), "resumed at version 5")) << Logs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), "version=6\n")) << Logs();
+
+  // 5. Refused, naming the problem, with nothing written.
+  const std::string out = dir_ + "/ckpt_refused";
+  auto refused = [&](const std::string& from, int processes, const std::string& expected,
+                     const std::string& to_dir = "") {
+    SCOPED_TRACE(expected);
+    const std::string to = to_dir.empty() ? out : to_dir;
+    EXPECT_EQ(Reshard(Bin("aloe-server"), dir_, from, to, processes, &log), std::optional<int>(1))
+        << log;
+    EXPECT_TRUE(absl::StrContains(log, expected)) << log;
+    if (to_dir.empty()) {
+      EXPECT_EQ(::access(out.c_str(), F_OK), -1) << out << " was created";
+    }
+  };
+  refused(a, 2, "is not empty", b);
+  refused(b, 3, "are the same directory", b);
+  refused(dir_ + "/nowhere", 2, "no checkpoints in");
+  refused(a, 64, "owns no layer");
+  ASSERT_EQ(std::system(absl::StrCat("cp -r ", b, " ", dir_, "/gap && rm -r ", dir_,
+                                     "/gap/shard-0 && cp -r ", b, " ", dir_, "/one_shard && rm -r ",
+                                     dir_, "/one_shard/shard-1")
+                            .c_str()),
+            0);
+  refused(dir_ + "/gap", 0, "but no shard-0");
+  refused(dir_ + "/one_shard", 0, "is of shard 0 of 2 shard processes");
+  // No version that every process has: the coordinator kept 5 only, shard 1 4 only.
+  ASSERT_EQ(std::system(absl::StrCat("cp -r ", b, " ", dir_, "/skew && rm ", dir_, "/skew/",
+                                     "checkpoint-000000000004.aloeckpt ", dir_,
+                                     "/skew/shard-1/checkpoint-000000000005.aloeckpt")
+                            .c_str()),
+            0);
+  refused(dir_ + "/skew", 0, "coordinator [5], shard 0 [5, 4], shard 1 [4]");
+  // A corrupt newest file: the version before it.
+  ASSERT_EQ(std::system(absl::StrCat("cp -r ", b, " ", dir_, "/corrupt && truncate -s 100 ", dir_,
+                                     "/corrupt/shard-0/checkpoint-000000000005.aloeckpt")
+                            .c_str()),
+            0);
+  ASSERT_EQ(Reshard(Bin("aloe-server"), dir_, dir_ + "/corrupt", dir_ + "/ckpt_four", 3, &log),
+            std::optional<int>(0))
+      << log;
+  EXPECT_TRUE(absl::StrContains(log, "version 5: ")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "version 4 of")) << log;
+  // Another model.
+  std::string other = ReadFile(dir_ + "/server.textproto");
+  ASSERT_TRUE(absl::StrContains(other, "d_model: 64"));
+  absl::StrReplaceAll({{"d_model: 64", "d_model: 32"}}, &other);
+  std::ofstream(dir_ + "/other.textproto") << other;
+  EXPECT_EQ(Reshard(Bin("aloe-server"), dir_, a, out, 2, &log, "other.textproto"),
+            std::optional<int>(1));
+  EXPECT_TRUE(absl::StrContains(log, "is of another model, outer optimizer, penalty or corpus"))
+      << log;
+  EXPECT_EQ(::access(out.c_str(), F_OK), -1);
 }
 
 class ShardedReplayTest : public ShardedServerTest, public ::testing::WithParamInterface<bool> {};

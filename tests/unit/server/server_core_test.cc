@@ -868,6 +868,55 @@ TEST_F(ServerCoreTest, RestoredCoreContinuesBitIdentically) {
   EXPECT_EQ((*mismatched)->version(), 0u);
 }
 
+TEST_F(ServerCoreTest, AFinishedJobResumedWithHigherLimitsTrainsOn) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_aggregation()->set_min_workers(1);
+  config.set_max_versions(2);
+  Make(config);
+  const uint64_t a = Join();
+  for (int round = 0; round < 2; ++round) {
+    const v1::Task t = Request(a);
+    ASSERT_EQ(t.kind(), v1::Task::TRAIN);
+    ASSERT_THAT(core_->SubmitUpdate(Update(a, t, 0.1f)), IsOk());
+  }
+  ASSERT_TRUE(core_->stopping());
+  const v1::ServerCheckpoint finished = core_->CaptureCheckpoint();
+  EXPECT_TRUE(finished.stopping());
+
+  auto resume = [&](int64_t max_versions, FakeClock& clock, InlineExecutor& executor,
+                    RecordingMetrics& metrics) {
+    v1::ServerConfig c = config;
+    c.set_max_versions(max_versions);
+    auto core = ServerCore::Create(c, {{"a", "a.tok", 1000}, {"b", "b.tok", 3000}}, "heldout.tok",
+                                   clock, executor, metrics);
+    EXPECT_THAT(core, IsOk());
+    EXPECT_THAT((*core)->RestoreCheckpoint(finished), IsOk());
+    return *std::move(core);
+  };
+  FakeClock clock1, clock2;
+  InlineExecutor executor;
+  RecordingMetrics metrics1, metrics2;
+  // The same limits: still over.
+  EXPECT_TRUE(resume(2, clock1, executor, metrics1)->stopping());
+  // Four versions: two more rounds, then over.
+  auto more = resume(4, clock2, executor, metrics2);
+  EXPECT_FALSE(more->stopping());
+  v1::JoinRequest join;
+  join.set_name("b");
+  absl::StatusOr<v1::JoinReply> b = more->Join(join);
+  ASSERT_THAT(b, IsOk());
+  for (int round = 0; round < 2; ++round) {
+    v1::TaskRequest request;
+    request.set_worker_id(b->worker_id());
+    absl::StatusOr<v1::Task> t = more->RequestTask(request);
+    ASSERT_THAT(t, IsOk());
+    ASSERT_EQ(t->kind(), v1::Task::TRAIN);
+    ASSERT_THAT(more->SubmitUpdate(Update(b->worker_id(), *t, 0.1f)), IsOk());
+  }
+  EXPECT_EQ(more->version(), 4u);
+  EXPECT_TRUE(more->stopping());
+}
+
 // --- Sharded across processes: the core is the coordinator and holds no parameters.
 
 v1::PushHeader HeaderOf(uint64_t worker, const v1::Task& task, uint64_t update_id) {
