@@ -21,14 +21,15 @@ server configured in `../prometheus/` (jobs `aloe-server`, `aloe-shard`, `aloe-t
 upload the JSON) and pick the Prometheus data source; it needs Grafana 9 or newer.
 
 With a layer-sharded server, `aloe-server` is the coordinator and the row "Shard processes"
-shows the shards (job `aloe-shard`): pushes and pulls go to them, so the "Server payload" and
-"Push and apply latency" panels, which read the `aloe-server` job, stay empty there. With one
-process that row is empty instead.
+shows each shard (job `aloe-shard`); with one process that row is empty. The "Server payload"
+and "Push and apply latency" panels read every server process of both jobs (rule group
+`aloe-server-processes`), so they show the whole server in either layout.
 
 `tests/integration/prometheus_test.cc` runs Debian's real Prometheus with the shipped
 configuration against a live server, two trainers and an evaluator, and against a
 layer-sharded server (coordinator, two shard processes, a trainer) for the "Shard processes"
-row, and fails if any query below, or any recording rule, returns no data.
+row and the panels that read both layouts, and fails if any query below, or any recording
+rule, returns no data.
 
 This file is generated: edit the dashboard, then run `deploy/grafana/make-readme.py`.
 

@@ -611,7 +611,8 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   metrics_.Set(kModelVersion, static_cast<double>(version()));
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
-  metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
+  // A sharded coordinator applies nothing: its shard processes observe their COMMITs.
+  if (!sharded()) metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
   PublishShards();
   const uint32_t every = config_.checkpoint().every_versions();
   if (!config_.checkpoint().dir().empty() && every > 0 && version() % every == 0) {

@@ -276,8 +276,12 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
                       order.version());
       }
     } else {
+      const absl::Time start = absl::Now();
       status = state_->Apply(order);
       const uint64_t v = state_->version();
+      if (status.ok() && order.kind() == v1::ShardOrder::COMMIT) {
+        metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(absl::Now() - start));
+      }
       if (status.ok() && order.kind() == v1::ShardOrder::COMMIT &&
           !state_->last_penalty_reports().empty()) {
         ReportPenalty(state_->last_penalty_reports(), v, "shard", metrics_);

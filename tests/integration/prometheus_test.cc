@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -90,19 +91,35 @@ const Value* Field(const Struct& s, const std::string& key) {
   return it == s.fields().end() ? nullptr : &it->second;
 }
 
+// Which server layout a query has data with.
+enum class Layout {
+  kOneProcess,  // one aloe-server process (the default)
+  kSharded,     // a layer-sharded server only (job aloe-shard)
+  kBoth,        // either: it reads every server process of both jobs
+};
+
 // One PromQL expression to check and where it comes from.
 struct Query {
   std::string expr;
-  std::string origin;    // "panel \"...\"", "rule ...", "metric"
-  bool sharded = false;  // has data only with a layer-sharded server (job aloe-shard)
+  std::string origin;  // "panel \"...\"", "rule ...", "metric"
+  Layout layout = Layout::kOneProcess;
 };
+
+bool HasData(Layout layout, bool sharded) {
+  return layout == Layout::kBoth || (layout == Layout::kSharded) == sharded;
+}
 
 // The dashboard row and the recording-rule group that read the shard processes.
 constexpr char kShardRow[] = "Shard processes (layer-sharded server)";
 constexpr char kShardRuleGroup[] = "aloe-shard";
+// The panels and the rule group that read the server in either layout.
+constexpr const char* kBothLayoutPanels[] = {"Server payload bytes per second",
+                                             "Push and apply latency"};
+constexpr char kBothLayoutRuleGroup[] = "aloe-server-processes";
 
 // Every target expression of every panel, rows' nested panels included; a panel under the row
-// kShardRow (nested, or following it at the top level) is marked sharded.
+// kShardRow (nested, or following it at the top level) is marked kSharded, one of
+// kBothLayoutPanels kBoth.
 void CollectPanelQueries(const Struct& node, std::vector<Query>* out, bool in_shard_row = false) {
   if (const Value* panels = Field(node, "panels"); panels && panels->has_list_value()) {
     for (const Value& p : panels->list_value().values()) {
@@ -117,8 +134,12 @@ void CollectPanelQueries(const Struct& node, std::vector<Query>* out, bool in_sh
         for (const Value& t : targets->list_value().values()) {
           const Value* expr = t.has_struct_value() ? Field(t.struct_value(), "expr") : nullptr;
           if (expr != nullptr && !expr->string_value().empty()) {
-            out->push_back(
-                {expr->string_value(), absl::StrCat("panel \"", name, "\""), in_shard_row});
+            const bool both = std::find(std::begin(kBothLayoutPanels), std::end(kBothLayoutPanels),
+                                        name) != std::end(kBothLayoutPanels);
+            out->push_back({expr->string_value(), absl::StrCat("panel \"", name, "\""),
+                            both           ? Layout::kBoth
+                            : in_shard_row ? Layout::kSharded
+                                           : Layout::kOneProcess});
           }
         }
       }
@@ -387,7 +408,8 @@ class PrometheusTest : public ::testing::Test {
     return false;
   }
 
-  // The dashboard's panel queries: those of the shard row, or all the others.
+  // The dashboard's panel queries that have data with a layer-sharded server, or with one
+  // process.
   std::vector<Query> PanelQueries(bool sharded) {
     std::optional<Struct> dashboard =
         ParseJson(ReadFile(SourceRoot() + "deploy/grafana/aloe-dashboard.json"));
@@ -395,23 +417,26 @@ class PrometheusTest : public ::testing::Test {
     std::vector<Query> all, chosen;
     if (dashboard) CollectPanelQueries(*dashboard, &all);
     for (const Query& q : all) {
-      if (q.sharded == sharded) chosen.push_back(q);
+      if (HasData(q.layout, sharded)) chosen.push_back(q);
     }
     return chosen;
   }
 
   // Every shipped recording rule as Prometheus parsed it from the shipped file (the query and,
-  // as a second query, its output), of the shard group or of all the others; *total counts the
-  // rules of every group.
+  // as a second query, its output) that has data with a layer-sharded server, or with one
+  // process; *total counts the rules of every group.
   void RuleQueries(bool sharded, std::vector<Query>* queries, size_t* total) {
     *total = 0;
     std::optional<Struct> rules = Api("rules?type=record");
     ASSERT_TRUE(rules.has_value()) << Logs();
     for (const Value& g : Field(*rules, "groups")->list_value().values()) {
-      const bool shard_group = Field(g.struct_value(), "name")->string_value() == kShardRuleGroup;
+      const std::string group = Field(g.struct_value(), "name")->string_value();
+      const Layout layout = group == kShardRuleGroup        ? Layout::kSharded
+                            : group == kBothLayoutRuleGroup ? Layout::kBoth
+                                                            : Layout::kOneProcess;
       for (const Value& r : Field(g.struct_value(), "rules")->list_value().values()) {
         ++*total;
-        if (shard_group != sharded) continue;
+        if (!HasData(layout, sharded)) continue;
         const std::string name = Field(r.struct_value(), "name")->string_value();
         queries->push_back({Field(r.struct_value(), "query")->string_value(), "rule " + name});
         queries->push_back({name, "output of rule " + name});
@@ -587,14 +612,14 @@ TEST_F(PrometheusTest, EveryDashboardPanelAndRecordingRuleReturnsData) {
               absl::ToDoubleSeconds(absl::Now() - start));
 }
 
-// The shard row of the dashboard and the aloe-shard rules against a layer-sharded server: a
-// coordinator (job aloe-server), two shard processes taking raw and gRPC pushes (aloe-shard)
-// and one trainer.
+// The shard row of the dashboard, the panels that read both layouts and the aloe-shard and
+// aloe-server-processes rules against a layer-sharded server: a coordinator (job aloe-server),
+// two shard processes taking raw and gRPC pushes (aloe-shard) and one trainer.
 TEST_F(PrometheusTest, ShardPanelsAndRulesReturnDataForALayerShardedServer) {
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + absl::Seconds(50);
   const std::vector<Query> panel_queries = PanelQueries(/*sharded=*/true);
-  ASSERT_GE(panel_queries.size(), 6u);
+  ASSERT_GE(panel_queries.size(), 12u);
 
   int grpc_port = 0, coordinator_metrics = 0;
   ASSERT_TRUE(
@@ -611,7 +636,7 @@ TEST_F(PrometheusTest, ShardPanelsAndRulesReturnDataForALayerShardedServer) {
   std::vector<Query> rule_queries;
   size_t records = 0;
   ASSERT_NO_FATAL_FAILURE(RuleQueries(/*sharded=*/true, &rule_queries, &records));
-  ASSERT_GE(rule_queries.size() / 2, 5u);
+  ASSERT_GE(rule_queries.size() / 2, 12u);
   std::vector<Query> all = rule_queries;
   all.insert(all.end(), panel_queries.begin(), panel_queries.end());
   const size_t metrics = ExpectData(all, deadline);
