@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <utility>
 
@@ -101,25 +102,42 @@ class GlooCollectives final : public Collectives {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& store_path, int rank,
-                                                         int size, double timeout_seconds) {
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGlooGroups(
+    const std::string& store_path, int rank, int size, int groups, double timeout_seconds) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrFormat("rank %d of %d: need 0 <= rank < size and size >= 1", rank, size));
   }
+  if (groups < 1) return absl::InvalidArgumentError("need at least one process group");
   if (!(timeout_seconds > 0)) {
     return absl::InvalidArgumentError("the rendezvous timeout must be > 0 seconds");
   }
   try {
+    // One store: each group meets under a prefix of its own.
     auto store = c10::make_intrusive<c10d::FileStore>(store_path, size);
     auto options = c10d::ProcessGroupGloo::Options::create();
     options->timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-    return std::make_unique<GlooCollectives>(std::move(group), rank, size);
+    std::vector<std::unique_ptr<Collectives>> out;
+    for (int g = 0; g < groups; ++g) {
+      c10::intrusive_ptr<c10d::Store> prefixed = store;
+      if (g > 0) {
+        prefixed = c10::make_intrusive<c10d::PrefixStore>(absl::StrFormat("group%d", g), store);
+      }
+      auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+      out.push_back(std::make_unique<GlooCollectives>(std::move(group), rank, size));
+    }
+    return out;
   } catch (const std::exception& e) {
     return LibTorchError("forming the Gloo process group", e);
   }
+}
+
+absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& store_path, int rank,
+                                                         int size, double timeout_seconds) {
+  ALOE_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Collectives>> groups,
+                        ConnectGlooGroups(store_path, rank, size, 1, timeout_seconds));
+  return std::move(groups[0]);
 }
 
 ShardLayout::ShardLayout(const v1::ModelSpec& spec, int num_ranks, int rank)

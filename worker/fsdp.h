@@ -64,6 +64,12 @@ class Collectives {
 // rank/size, kInternal when the group cannot form.
 absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& store_path, int rank,
                                                          int size, double timeout_seconds = 60);
+// The same with `groups` independent process groups over the one rendezvous (each under a
+// prefix of its own), for collectives that run at the same time on different threads: group 0
+// trains, group 1 carries the node's background communication of overlapped rounds. Each group
+// must be used by one thread at a time.
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGlooGroups(
+    const std::string& store_path, int rank, int size, int groups, double timeout_seconds = 60);
 
 // How spec layers are cut into per-rank slices (common/model_spec.h SliceRange): layer l of n_l
 // elements has slices of ceil(n_l / N) elements; rank r owns [r * slice, min((r + 1) * slice,

@@ -65,7 +65,7 @@ ABSL_FLAG(std::string, overlap, "off",
           "off | delayed | eager: push round r and pull the next model in the background while "
           "round r+1 trains (one-step delay); eager also applies round r's pseudo-gradient "
           "locally at once until the global model with it arrives (paper 004). Needs a plain "
-          "async server (grace_seconds 0); one-process trainers only");
+          "async server (grace_seconds 0). With --nproc N every rank does this for its slices");
 ABSL_FLAG(std::string, torchscript, "",
           "Bring-your-own model: a TorchScript file (torch.jit.script(m).save(path)) whose "
           "forward(inputs) returns logits [B,T,V] or forward(inputs, targets) the loss; the "
@@ -140,8 +140,11 @@ class Worker {
  public:
   // node: null for a one-process worker; else this process is rank node->rank() of a multi-rank
   // node (FSDP), and must outlive the worker.
-  Worker(ServerClient& client, MetricsSink& metrics, Collectives* node = nullptr)
-      : client_(client), metrics_(metrics), node_(node) {}
+  // control: with --overlap in a multi-rank node, a second process group over the same ranks
+  // for the background half of overlapped rounds (it runs beside the training collectives).
+  Worker(ServerClient& client, MetricsSink& metrics, Collectives* node = nullptr,
+         Collectives* control = nullptr)
+      : client_(client), metrics_(metrics), node_(node), control_(control) {}
 
   absl::Status Run();
 
@@ -192,9 +195,20 @@ class Worker {
   template <typename T>
   absl::StatusOr<T> Retry(const std::function<absl::StatusOr<T>()>& call);
 
+  // A multi-rank node acts on `status` (this rank's outcome of a step every rank took) only
+  // together: OK when every rank's was; else this rank's error, or kUnavailable when only
+  // another rank failed (so every rank drops the round alike). One process: `status`.
+  absl::Status AgreeAcrossRanks(absl::Status status);
+  // The background half of an overlapped round: pushes `push` (this rank's slice, if any), asks
+  // for the next task (a node's leader asks once every rank's push is in, then tells the others)
+  // and pulls its base (this rank's slice).
+  struct Communicated;
+  Communicated Communicate(const v1::PushHeader* header, std::vector<std::vector<float>>* delta);
+
   ServerClient& client_;
   MetricsSink& metrics_;
   Collectives* const node_;
+  Collectives* const control_;
   std::unique_ptr<FsdpTrainer> fsdp_;  // instead of trainer_ in a multi-rank node
   bool need_join_ = true;
   bool evaluator_ = false;
@@ -454,7 +468,7 @@ absl::Status Worker::RunNode() {
       return absl::InvalidArgumentError(
           absl::StrFormat("a multi-rank node cannot run task kind %d", task.kind()));
     }
-    absl::Status status = Train(task);
+    absl::Status status = overlap_ != 0 && !overlap_refused_ ? TrainOverlapped(task) : Train(task);
     // Barrier: every rank's slice has been answered before the leader asks for the next task
     // (else the server, still missing a slice, would hand out this task again).
     ALOE_RETURN_IF_ERROR(node_->AllReduceSum(0).status());
@@ -505,10 +519,11 @@ absl::Status Worker::Train(const v1::Task& task) {
   // A rank of a multi-rank node pulls, trains and pushes only its slice of every layer.
   const uint32_t slice = node_ != nullptr ? node_->rank() : 0;
   const uint32_t slices = node_ != nullptr ? node_->size() : 1;
-  ALOE_RETURN_IF_ERROR(client_
+  ALOE_RETURN_IF_ERROR(
+      AgreeAcrossRanks(client_
                            .Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
                                  joined_.model_spec(), &base_, &pulled, slice, slices)
-                           .status());
+                           .status()));
   ReportPulled(task, slice, slices);
   const auto t1 = std::chrono::steady_clock::now();
   ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats, TrainRound(task, base_));
@@ -641,9 +656,18 @@ void Worker::ReportRound(const v1::Task& task, const LocalTrainer::RoundStats& s
                 stats.tokens / round_s, stats.compute_seconds, network_s, outcome);
 }
 
+absl::Status Worker::AgreeAcrossRanks(absl::Status status) {
+  if (node_ == nullptr) return status;
+  ALOE_ASSIGN_OR_RETURN(const double failed, node_->AllReduceSum(status.ok() ? 0 : 1));
+  if (!status.ok() || failed == 0) return status;
+  return absl::UnavailableError(
+      absl::StrFormat("%d other rank(s) of this node failed; the node drops the round together",
+                      static_cast<int>(failed)));
+}
+
 // What the background half of an overlapped round did: the previous round's push, the
 // look-ahead task and the pull of its base.
-struct Communicated {
+struct Worker::Communicated {
   std::optional<absl::StatusOr<v1::PushReply>> push;
   uint64_t pushed = 0;
   absl::StatusOr<v1::Task> next = absl::UnknownError("not asked");
@@ -651,17 +675,80 @@ struct Communicated {
   uint64_t pulled = 0;
 };
 
+Worker::Communicated Worker::Communicate(const v1::PushHeader* header,
+                                         std::vector<std::vector<float>>* delta) {
+  Communicated c;
+  if (header != nullptr) c.push = PushDelta(*header, *delta, &c.pushed);
+  const bool pushed = !c.push.has_value() || c.push->ok();
+  if (control_ == nullptr) {
+    if (!pushed) return c;
+    c.next = client_.RequestTask(joined_.worker_id(), /*ahead=*/true);
+  } else {
+    // Every rank's slice is in (or one failed) before the leader asks; then it tells the others.
+    absl::StatusOr<double> failed = control_->AllReduceSum(pushed ? 0 : 1);
+    if (!failed.ok()) {
+      c.next = failed.status();
+      return c;
+    }
+    v1::NodeDirective d;
+    std::string bytes;
+    if (leader()) {
+      absl::StatusOr<v1::Task> next =
+          *failed > 0 ? absl::UnavailableError("a rank's push failed")
+                      : client_.RequestTask(joined_.worker_id(), /*ahead=*/true);
+      if (next.ok()) {
+        d.set_kind(v1::NodeDirective::TASK);
+        *d.mutable_task() = *std::move(next);
+      } else {
+        d.set_kind(v1::NodeDirective::FAIL);
+        d.set_error(next.status().ToString());
+      }
+      d.SerializeToString(&bytes);
+    }
+    if (absl::Status told = control_->Broadcast(&bytes, /*root=*/0); !told.ok()) {
+      c.next = told;
+      return c;
+    }
+    if (!leader() && !d.ParseFromString(bytes)) {
+      c.next = absl::DataLossError("rank 0 sent a malformed look-ahead directive");
+      return c;
+    }
+    c.next = d.kind() == v1::NodeDirective::TASK
+                 ? absl::StatusOr<v1::Task>(d.task())
+                 : absl::StatusOr<v1::Task>(absl::UnavailableError(d.error()));
+  }
+  if (c.next.ok() && c.next->kind() == v1::Task::TRAIN) {
+    const uint32_t slice = node_ != nullptr ? node_->rank() : 0;
+    const uint32_t slices = node_ != nullptr ? node_->size() : 1;
+    absl::Status pulled =
+        client_
+            .Pull(joined_.worker_id(), c.next->base_version(),
+                  /*latest=*/false, joined_.model_spec(), &c.base, &c.pulled, slice, slices)
+            .status();
+    if (!pulled.ok()) {
+      c.next = pulled;
+    } else {
+      ReportPulled(*c.next, slice, slices);
+    }
+  }
+  return c;
+}
+
 absl::Status Worker::TrainOverlapped(v1::Task task) {
   if (first_task_ == std::chrono::steady_clock::time_point{}) {
     first_task_ = std::chrono::steady_clock::now();
   }
+  // A rank of a multi-rank node pulls, trains and pushes only its slice of every layer.
+  const uint32_t slice = node_ != nullptr ? node_->rank() : 0;
+  const uint32_t slices = node_ != nullptr ? node_->size() : 1;
   const auto pull0 = std::chrono::steady_clock::now();
   uint64_t pulled = 0;
-  ALOE_RETURN_IF_ERROR(client_
+  ALOE_RETURN_IF_ERROR(
+      AgreeAcrossRanks(client_
                            .Pull(joined_.worker_id(), task.base_version(), /*latest=*/false,
-                                 joined_.model_spec(), &base_, &pulled)
-                           .status());
-  ReportPulled(task, 0, 1);
+                                 joined_.model_spec(), &base_, &pulled, slice, slices)
+                           .status()));
+  ReportPulled(task, slice, slices);
   double pull_s = Seconds(pull0, std::chrono::steady_clock::now());
   std::vector<std::vector<float>> start = base_;
   // The previous round, pushed in the background while this one trains.
@@ -682,24 +769,8 @@ absl::Status Worker::TrainOverlapped(v1::Task task) {
     pending.reset();
     Pending* const push = previous.has_value() ? &*previous : nullptr;
     std::future<Communicated> background = std::async(std::launch::async, [this, push] {
-      Communicated c;
-      if (push != nullptr) {
-        c.push = PushDelta(push->header, push->delta, &c.pushed);
-        if (!c.push->ok()) return c;
-      }
-      c.next = client_.RequestTask(joined_.worker_id(), /*ahead=*/true);
-      if (c.next.ok() && c.next->kind() == v1::Task::TRAIN) {
-        absl::Status pulled = client_
-                                  .Pull(joined_.worker_id(), c.next->base_version(),
-                                        /*latest=*/false, joined_.model_spec(), &c.base, &c.pulled)
-                                  .status();
-        if (!pulled.ok()) {
-          c.next = pulled;
-        } else {
-          ReportPulled(*c.next, 0, 1);
-        }
-      }
-      return c;
+      return push != nullptr ? Communicate(&push->header, &push->delta)
+                             : Communicate(nullptr, nullptr);
     });
     const auto t0 = std::chrono::steady_clock::now();
     absl::StatusOr<LocalTrainer::RoundStats> stats = TrainRound(task, start);
@@ -721,25 +792,32 @@ absl::Status Worker::TrainOverlapped(v1::Task task) {
       network_s_ += blocked;
     }
     if (!stats.ok()) return stats.status();
-    if (c.push.has_value() && !c.push->ok() &&
+    if (node_ == nullptr && c.push.has_value() && !c.push->ok() &&
         c.push->status().code() == absl::StatusCode::kNotFound) {
       return c.push->status();  // the lease is gone: the caller joins again
     }
-    if (stats->steps == 0) return absl::OkStatus();  // stopping before the first step
+    if (stats->steps == 0) return absl::OkStatus();  // stopping before the first step (all ranks)
     pending = Pending{task,   HeaderFor(task, *stats), std::move(delta_),        *stats,
                       pulled, Seconds(t0, t1),         Seconds(t0, t1) + pull_s, pull_s};
     pull_s = 0;
-    const bool next_train =
-        c.next.ok() && c.next->kind() == v1::Task::TRAIN && c.next->task_id() != task.task_id();
-    if (g_signal.load() != 0 || !next_train) {
+    bool next_train = c.next.ok() && c.next->kind() == v1::Task::TRAIN &&
+                      c.next->task_id() != task.task_id() && g_signal.load() == 0;
+    if (node_ != nullptr) {
+      // The ranks go on together or not at all (a rank's pull failed, a rank is stopping).
+      ALOE_ASSIGN_OR_RETURN(const double against, node_->AllReduceSum(next_train ? 0 : 1));
+      next_train = against == 0;
+    }
+    if (!next_train) {
       // No task ahead (stopping, draining, a server without look-ahead, an error): this round
       // is pushed now and the caller asks for work as usual.
       if (c.next.ok() && c.next->kind() == v1::Task::WAIT && !c.next->draining() &&
           !overlap_refused_) {
         overlap_refused_ = true;
-        ALOE_LOG_WARNING("worker",
-                         "the server hands out no look-ahead tasks (sync rounds or a grace "
-                         "window): --overlap is off from now on");
+        if (leader()) {
+          ALOE_LOG_WARNING("worker",
+                           "the server hands out no look-ahead tasks (sync rounds or a grace "
+                           "window): --overlap is off from now on");
+        }
       }
       const auto p0 = std::chrono::steady_clock::now();
       uint64_t pushed = 0;
@@ -752,7 +830,8 @@ absl::Status Worker::TrainOverlapped(v1::Task task) {
     }
     // The next round starts from the newest global model, which lacks this round's update
     // (one-step delay); eager applies it locally at once, scaled by the outer lr, and the global
-    // model that includes it replaces this proxy one round later (paper 004).
+    // model that includes it replaces this proxy one round later (paper 004). A rank does so on
+    // its slices.
     task = *std::move(c.next);
     start = std::move(c.base);
     pulled = c.pulled;
@@ -813,9 +892,8 @@ absl::Status Main() {
     return absl::InvalidArgumentError(
         absl::StrFormat("--overlap must be off, delayed or eager, got \"%s\"", overlap));
   }
-  if (overlap != "off" && (nproc > 1 || role != "trainer")) {
-    return absl::InvalidArgumentError(
-        "--overlap is for one-process trainers (not evaluators, not --nproc > 1 yet)");
+  if (overlap != "off" && role != "trainer") {
+    return absl::InvalidArgumentError("--overlap is for trainers (not evaluators)");
   }
   if (nproc < 1 || nproc > static_cast<int>(kMaxSlices)) {
     return absl::InvalidArgumentError(
@@ -870,12 +948,15 @@ absl::Status Main() {
       read("--tls_key_file", absl::GetFlag(FLAGS_tls_key_file), &options.tls_key_pem));
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   ServerClient client(options);
-  std::unique_ptr<Collectives> node;
+  std::vector<std::unique_ptr<Collectives>> groups;
   if (nproc > 1) {
-    ALOE_ASSIGN_OR_RETURN(node, ConnectGloo(absl::GetFlag(FLAGS_rendezvous), rank, nproc));
+    // With --overlap a second group carries the background communication beside training.
+    ALOE_ASSIGN_OR_RETURN(groups, ConnectGlooGroups(absl::GetFlag(FLAGS_rendezvous), rank, nproc,
+                                                    overlap == "off" ? 1 : 2));
     ALOE_LOG_INFO("worker", "rank %d of %d connected", rank, nproc);
   }
-  Worker worker(client, *metrics, node.get());
+  Worker worker(client, *metrics, groups.empty() ? nullptr : groups[0].get(),
+                groups.size() > 1 ? groups[1].get() : nullptr);
   return worker.Run();
 }
 

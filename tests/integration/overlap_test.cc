@@ -3,6 +3,7 @@
 // and push between rounds; with it, round r is pushed and the next model pulled while round r+1
 // trains, so the worker is almost never blocked on the network. Each round then starts from the
 // model without its own previous update (one-step delay, accounted by the server as staleness).
+// The same for a two-rank node (--nproc 2), every rank overlapping its own slices.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,13 +28,15 @@ class OverlapTest : public LoopbackTest {
     double blocked = -1;  // the worker's fraction of wall time blocked on the network
     double final_loss = 0;
     std::string log;
+    std::string summary;  // the server's
   };
 
   // 8 versions of one trainer (100 steps at 2x slowdown: about a second per round) in plain
   // async mode, with an evaluator measuring the final model. Outer SGD with lr 1: one worker
   // then trains exactly as it would alone, and eager overlap reproduces that (each round starts
   // from the previous round's end: the stale global model plus the fresh local update).
-  Job Run(const std::string& overlap) {
+  // nproc 2: a two-rank node (FSDP over Gloo; no --slowdown there, so its rounds are shorter).
+  Job Run(const std::string& overlap, int nproc = 1) {
     const int port = StartServer(
         "local_steps: 100\nmax_versions: 8\neval_every: 1000000\n"
         "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n",
@@ -41,18 +44,23 @@ class OverlapTest : public LoopbackTest {
     Job job;
     if (port == 0) return job;
     auto evaluator = StartJoinedEvaluator(port);
-    auto trainer = StartWorker(port, "trainer", 0, 2.0, {"--overlap=" + overlap});
+    auto trainer = StartWorker(port, "trainer", 0, nproc > 1 ? 1.0 : 2.0,
+                               {"--overlap=" + overlap, absl::StrCat("--nproc=", nproc)});
     EXPECT_EQ(server_->Wait(absl::Seconds(240)), std::optional<int>(0)) << Logs();
     EXPECT_EQ(trainer->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
     EXPECT_EQ(evaluator->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
     job.log = ReadFile(dir_ + "/trainer0.log");
-    const size_t at = job.log.find("blocked_on_network=");
-    if (at != std::string::npos) {
+    // The largest of the ranks' summaries (one per rank).
+    for (size_t at = job.log.find("blocked_on_network="); at != std::string::npos;
+         at = job.log.find("blocked_on_network=", at + 1)) {
       const std::string value = job.log.substr(at + 19);
-      absl::SimpleAtod(value.substr(0, value.find_first_of(" \n")), &job.blocked);
+      double blocked = -1;
+      absl::SimpleAtod(value.substr(0, value.find_first_of(" \n")), &blocked);
+      job.blocked = std::max(job.blocked, blocked);
     }
     EXPECT_GE(job.blocked, 0) << job.log;
     job.final_loss = FinalEvalLoss();
+    job.summary = ReadFile(dir_ + "/summary");
     return job;
   }
 };
@@ -90,6 +98,31 @@ TEST_F(OverlapTest, OverlapHidesA200MillisecondPullBehindTraining) {
   // No update past max_versions: look-ahead stops once the tasks out reach the last version.
   EXPECT_TRUE(absl::StrContains(eager.log, "-> version 8")) << eager.log;
   EXPECT_FALSE(absl::StrContains(eager.log, "-> version 9")) << eager.log;
+}
+
+// A two-rank node: each rank pushes its slice of round r and pulls its slice of the next model
+// in the background (the leader asks for the next task once every slice is in, and tells the
+// other rank over a second process group) while round r+1 trains on the first.
+TEST_F(OverlapTest, ATwoRankNodeOverlapsEveryRanksSlices) {
+  const Job off = Run("off", 2);
+  const Job eager = Run("eager", 2);
+  std::printf(
+      "two ranks, blocked on network: off %.1f%%, eager %.1f%%; final held-out loss: off %.4f, "
+      "eager %.4f\n",
+      100 * off.blocked, 100 * eager.blocked, off.final_loss, eager.final_loss);
+  EXPECT_GT(off.blocked, 0.05) << off.log;
+  EXPECT_GT(off.blocked, 3 * eager.blocked) << off.log << eager.log;
+  EXPECT_LT(eager.blocked, 0.05) << eager.log;
+  EXPECT_TRUE(absl::StrContains(eager.log, "(2 ranks)")) << eager.log;
+  EXPECT_TRUE(absl::StrContains(eager.log, "round 2: version 0 ")) << eager.log;
+  EXPECT_TRUE(absl::StrContains(eager.log, "round 3: version 1 ")) << eager.log;
+  EXPECT_FALSE(absl::StrContains(eager.log, "dropped")) << eager.log;
+  // As for one process: eager with outer SGD at lr 1 and one worker trains the same rounds.
+  EXPECT_LT(off.final_loss, 4.0) << off.log;
+  EXPECT_NEAR(eager.final_loss, off.final_loss, 0.01 * off.final_loss) << off.log << eager.log;
+  // Eight rounds, each one update of two slices, and none past the last version.
+  EXPECT_TRUE(absl::StrContains(eager.summary, "version=8\nupdates_applied=8\n")) << eager.summary;
+  EXPECT_TRUE(absl::StrContains(eager.log, "rounds=8 ")) << eager.log;
 }
 
 // Sync rounds have no look-ahead tasks: the worker says so once and trains without overlap.
