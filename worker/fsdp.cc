@@ -14,6 +14,7 @@
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
+#include "worker/script_model.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
 
@@ -169,7 +170,8 @@ struct FsdpTrainer::Impl {
   v1::ModelSpec spec;
   Collectives* collectives = nullptr;
   ShardLayout layout{v1::ModelSpec(), 1, 0};
-  TransformerLM model{nullptr};
+  TransformerLM model{nullptr};                // the built-in transformer, or
+  ScriptModelPtr script;                       // a bring-your-own TorchScript model
   std::vector<torch::Tensor> params;           // module parameters in spec order
   std::vector<std::vector<int>> layer_params;  // indices into params, per layer
   std::vector<std::vector<int64_t>> shapes;    // per parameter, from the spec
@@ -183,6 +185,49 @@ struct FsdpTrainer::Impl {
   uint64_t step = 0;
 
   int N() const { return layout.num_ranks; }
+
+  // Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (this rank's rows).
+  torch::Tensor Loss(const torch::Tensor& tokens) {
+    return script ? ScriptLoss(*script, tokens, model_config.vocab_size()) : model->Loss(tokens);
+  }
+  void SetTraining(bool on) {
+    if (script) {
+      script->module.train(on);
+    } else {
+      model->train(on);
+    }
+  }
+
+  // With `params` set: the per-parameter shapes, this rank's slices of `initial` (one buffer per
+  // spec layer), the decay masks and zero moments; then drops the module's full tensors.
+  void Init(const std::vector<std::vector<float>>& initial) {
+    int index = 0;
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      const size_t slice = layout.slice(l);
+      layer_params.emplace_back();
+      std::vector<uint8_t> decay_full(spec.layers(l).num_elements());
+      size_t offset = 0;
+      for (const v1::TensorSpec& t : spec.layers(l).tensors()) {
+        layer_params.back().push_back(index++);
+        shapes.emplace_back(t.shape().begin(), t.shape().end());
+        size_t numel = 1;
+        for (int64_t d : t.shape()) numel *= static_cast<size_t>(d);
+        numels.push_back(static_cast<int64_t>(numel));
+        // Decoupled weight decay on matrices only, as LocalTrainer's parameter groups.
+        std::fill_n(decay_full.begin() + offset, numel, t.shape_size() >= 2 ? 1 : 0);
+        offset += numel;
+      }
+      const size_t b = layout.begin(l), e = layout.end(l);
+      shard.emplace_back(slice, 0.0f);
+      std::copy(initial[l].begin() + b, initial[l].begin() + e, shard.back().begin());
+      decay.emplace_back(slice, 0);
+      std::copy(decay_full.begin() + b, decay_full.begin() + e, decay.back().begin());
+      grad.emplace_back(slice, 0.0f);
+      m.emplace_back(slice, 0.0f);
+      v.emplace_back(slice, 0.0f);
+    }
+    Release();  // the module's own full-size initial tensors are not kept
+  }
 
   // Gathers every layer and points the module's parameters at the gathered buffers.
   absl::Status Materialize() {
@@ -279,24 +324,32 @@ size_t FsdpTrainer::optimizer_state_elements() const { return 2 * impl_->layout.
 
 uint64_t FsdpTrainer::optimizer_steps() const { return impl_->step; }
 
-absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::Create(
-    const v1::TransformerConfig& model, const v1::InnerOptimizerConfig& inner,
-    const v1::ModelSpec& spec, uint64_t seed, Collectives& collectives) {
-  ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(model));
-  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
-  const int ranks = collectives.size();
+namespace {
+
+absl::Status CheckNodeBatch(const v1::InnerOptimizerConfig& inner, int ranks) {
   if (inner.batch_size() % ranks != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "inner_optimizer.batch_size %d (the node's batch per step) must be a multiple of the %d "
         "ranks",
         inner.batch_size(), ranks));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::Create(
+    const v1::TransformerConfig& model, const v1::InnerOptimizerConfig& inner,
+    const v1::ModelSpec& spec, uint64_t seed, Collectives& collectives) {
+  ALOE_RETURN_IF_ERROR(ValidateTransformerConfig(model));
+  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
+  ALOE_RETURN_IF_ERROR(CheckNodeBatch(inner, collectives.size()));
   auto impl = std::make_unique<Impl>();
   impl->model_config = model;
   impl->inner = inner;
   impl->spec = spec;
   impl->collectives = &collectives;
-  impl->layout = ShardLayout(spec, ranks, collectives.rank());
+  impl->layout = ShardLayout(spec, collectives.size(), collectives.rank());
   try {
     ApplyTrainerThreads();
     impl->model = TransformerLM(model);
@@ -305,34 +358,27 @@ absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::Create(
   }
   ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
   impl->params = impl->model->parameters();
-  const std::vector<std::vector<float>> initial = InitializeParameters(spec, seed);
-  int index = 0;
-  for (int l = 0; l < spec.layers_size(); ++l) {
-    const ShardLayout& layout = impl->layout;
-    const size_t slice = layout.slice(l);
-    impl->layer_params.emplace_back();
-    std::vector<uint8_t> decay_full(spec.layers(l).num_elements());
-    size_t offset = 0;
-    for (const v1::TensorSpec& t : spec.layers(l).tensors()) {
-      impl->layer_params.back().push_back(index++);
-      impl->shapes.emplace_back(t.shape().begin(), t.shape().end());
-      size_t numel = 1;
-      for (int64_t d : t.shape()) numel *= static_cast<size_t>(d);
-      impl->numels.push_back(static_cast<int64_t>(numel));
-      // Decoupled weight decay on matrices only, as LocalTrainer's parameter groups.
-      std::fill_n(decay_full.begin() + offset, numel, t.shape_size() >= 2 ? 1 : 0);
-      offset += numel;
-    }
-    const size_t b = layout.begin(l), e = layout.end(l);
-    impl->shard.emplace_back(slice, 0.0f);
-    std::copy(initial[l].begin() + b, initial[l].begin() + e, impl->shard.back().begin());
-    impl->decay.emplace_back(slice, 0);
-    std::copy(decay_full.begin() + b, decay_full.begin() + e, impl->decay.back().begin());
-    impl->grad.emplace_back(slice, 0.0f);
-    impl->m.emplace_back(slice, 0.0f);
-    impl->v.emplace_back(slice, 0.0f);
-  }
-  impl->Release();  // the module's own full-size initial tensors are not kept
+  impl->Init(InitializeParameters(spec, seed));
+  return std::unique_ptr<FsdpTrainer>(new FsdpTrainer(std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::CreateForScript(
+    ScriptModelPtr model, uint32_t vocab_size, uint32_t seq_len,
+    const v1::InnerOptimizerConfig& inner, const v1::ModelSpec& spec, Collectives& collectives) {
+  ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
+  ALOE_RETURN_IF_ERROR(CheckNodeBatch(inner, collectives.size()));
+  auto impl = std::make_unique<Impl>();
+  ALOE_ASSIGN_OR_RETURN(impl->model_config, ScriptDataShape(vocab_size, seq_len));
+  impl->inner = inner;
+  impl->spec = spec;
+  impl->collectives = &collectives;
+  impl->layout = ShardLayout(spec, collectives.size(), collectives.rank());
+  ALOE_ASSIGN_OR_RETURN(impl->params, ParametersInSpecOrder(*model, spec));
+  // The module's own values, one flat buffer per layer (every rank loaded the same file).
+  std::vector<std::vector<float>> initial;
+  ALOE_RETURN_IF_ERROR(CopyParametersIntoLayers(impl->params, spec, &initial));
+  impl->script = std::move(model);
+  impl->Init(initial);
   return std::unique_ptr<FsdpTrainer>(new FsdpTrainer(std::move(impl)));
 }
 
@@ -429,7 +475,7 @@ absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& d
   const auto round_start = std::chrono::steady_clock::now();
   try {
     ApplyTrainerThreads();
-    s.model->train();
+    s.SetTraining(true);
     for (uint32_t i = 0; i < steps; ++i) {
       if (may_stop_early) {
         // Every rank takes part in the vote, so they all stop after the same step.
@@ -449,7 +495,7 @@ absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& d
                             ReadBatch(data, mine, window, s.model_config.vocab_size()));
       const double lr = InnerLearningRate(s.inner, lr_step + i);  // paper 002 Eq. 3
       ALOE_RETURN_IF_ERROR(s.Materialize());
-      torch::Tensor loss = s.model->Loss(tokens);
+      torch::Tensor loss = s.Loss(tokens);
       loss.backward();
       ALOE_ASSIGN_OR_RETURN(double squared, s.ScatterGradients());
       ALOE_ASSIGN_OR_RETURN(double node_loss, s.collectives->AllReduceSum(loss.item<double>()));

@@ -101,6 +101,13 @@ class FsdpTrainer {
                                                              const v1::ModelSpec& spec,
                                                              uint64_t seed,
                                                              Collectives& collectives);
+  // As LocalTrainer::CreateForScript (a bring-your-own TorchScript model; every rank loads the
+  // same file), over `collectives`. Each rank keeps only its slices of the module's parameters.
+  // kInvalidArgument as Create; kFailedPrecondition when the module is not the spec's
+  // (ParametersInSpecOrder).
+  static absl::StatusOr<std::unique_ptr<FsdpTrainer>> CreateForScript(
+      ScriptModelPtr model, uint32_t vocab_size, uint32_t seq_len,
+      const v1::InnerOptimizerConfig& inner, const v1::ModelSpec& spec, Collectives& collectives);
   ~FsdpTrainer();
   FsdpTrainer(const FsdpTrainer&) = delete;
   FsdpTrainer& operator=(const FsdpTrainer&) = delete;

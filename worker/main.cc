@@ -275,18 +275,23 @@ absl::Status Worker::Joined(const v1::JoinReply& joined) {
   }
   joined_ = joined;
   need_join_ = false;
+  if (script_ != nullptr && joined_.model_fingerprint() != script_fingerprint_) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the server trains model \"%s\", --torchscript %s is \"%s\"", joined_.model_fingerprint(),
+        absl::GetFlag(FLAGS_torchscript), script_fingerprint_));
+  }
   if (node_ != nullptr) {
-    if (fsdp_ == nullptr) {
+    if (fsdp_ == nullptr && script_ != nullptr) {
+      ALOE_ASSIGN_OR_RETURN(
+          fsdp_, FsdpTrainer::CreateForScript(std::move(script_), joined_.model().vocab_size(),
+                                              joined_.model().seq_len(), joined_.inner_optimizer(),
+                                              joined_.model_spec(), *node_));
+    } else if (fsdp_ == nullptr) {
       ALOE_ASSIGN_OR_RETURN(fsdp_,
                             FsdpTrainer::Create(joined_.model(), joined_.inner_optimizer(),
                                                 joined_.model_spec(), joined_.seed(), *node_));
     }
   } else if (trainer_ == nullptr && script_ != nullptr) {
-    if (joined_.model_fingerprint() != script_fingerprint_) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "the server trains model \"%s\", --torchscript %s is \"%s\"", joined_.model_fingerprint(),
-          absl::GetFlag(FLAGS_torchscript), script_fingerprint_));
-    }
     ALOE_ASSIGN_OR_RETURN(
         trainer_, LocalTrainer::CreateForScript(std::move(script_), joined_.model().vocab_size(),
                                                 joined_.model().seq_len(),
@@ -901,10 +906,6 @@ absl::Status Main() {
   }
   if (nproc > 1) {
     if (role != "trainer") return absl::InvalidArgumentError("--nproc > 1 is for trainers only");
-    if (!absl::GetFlag(FLAGS_torchscript).empty()) {
-      return absl::InvalidArgumentError(
-          "--torchscript trains one-process workers only (not --nproc > 1 yet)");
-    }
     if (absl::GetFlag(FLAGS_slowdown) != 1.0) {
       return absl::InvalidArgumentError("--slowdown is not supported with --nproc > 1");
     }

@@ -115,6 +115,48 @@ torch::Tensor ScriptLoss(ScriptModel& model, const torch::Tensor& tokens, int64_
                                               targets.reshape({-1}));
 }
 
+absl::StatusOr<v1::TransformerConfig> ScriptDataShape(uint32_t vocab_size, uint32_t seq_len) {
+  if (vocab_size < 2 || seq_len < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "vocab_size must be >= 2 and seq_len >= 1, got %d and %d", vocab_size, seq_len));
+  }
+  v1::TransformerConfig shape;
+  shape.set_vocab_size(vocab_size);
+  shape.set_seq_len(seq_len);
+  return shape;
+}
+
+absl::StatusOr<std::vector<torch::Tensor>> ParametersInSpecOrder(const ScriptModel& model,
+                                                                 const v1::ModelSpec& spec) {
+  std::vector<torch::Tensor> params;
+  std::map<std::string, size_t> by_name;
+  for (size_t i = 0; i < model.shapes.size(); ++i) by_name[model.shapes[i].name] = i;
+  size_t matched = 0;
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    for (const v1::TensorSpec& t : layer.tensors()) {
+      auto it = by_name.find(t.name());
+      const std::vector<int64_t> want(t.shape().begin(), t.shape().end());
+      if (it == by_name.end() || model.shapes[it->second].shape != want) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "%s has no parameter \"%s\" of shape [%s] (server layer \"%s\"); %s", model.path,
+            t.name(), absl::StrJoin(want, ","), layer.name(),
+            it == by_name.end()
+                ? "the module is not the one the server's model was imported from"
+                : absl::StrCat("it is [", absl::StrJoin(model.shapes[it->second].shape, ","),
+                               "]")));
+      }
+      params.push_back(model.tensors[it->second]);
+      ++matched;
+    }
+  }
+  if (matched != model.shapes.size()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s has %d parameters, the server's model %d: not the module it was imported from",
+        model.path, model.shapes.size(), matched));
+  }
+  return params;
+}
+
 absl::StatusOr<v1::ImportedModel> ImportScriptModel(ScriptModel& model, uint32_t vocab_size,
                                                     uint32_t seq_len) {
   v1::ImportedModel out = model.architecture;

@@ -49,6 +49,17 @@ absl::StatusOr<std::unique_ptr<ScriptModel>> LoadScriptModel(const std::string& 
 // logits are [B, T, vocab_size]; for a LOSS model unless the loss is a single number.
 torch::Tensor ScriptLoss(ScriptModel& model, const torch::Tensor& tokens, int64_t vocab_size);
 
+// The data shape a trainer of a module reads (TransformerConfig with vocab_size and seq_len
+// only). kInvalidArgument unless vocab_size >= 2 and seq_len >= 1.
+absl::StatusOr<v1::TransformerConfig> ScriptDataShape(uint32_t vocab_size, uint32_t seq_len);
+
+// The module's parameter tensors in the order of `spec`'s tensors (matched by name): what a
+// trainer steps and copies layers into. kFailedPrecondition naming the parameter when the module
+// lacks one of the spec's tensors, has it in another shape, or has parameters the spec lacks
+// (it is not the module the server's model was imported from).
+absl::StatusOr<std::vector<torch::Tensor>> ParametersInSpecOrder(const ScriptModel& model,
+                                                                 const v1::ModelSpec& spec);
+
 // The imported model (common/imported_model.h) of `model` for data of `vocab_size` tokens and
 // `seq_len` long sequences, with the module's current parameters as initial parameters. Runs
 // one forward pass on a [2, seq_len] batch of token ids (without gradients) and returns

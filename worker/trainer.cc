@@ -132,40 +132,11 @@ absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::CreateForScript(
     ScriptModelPtr model, uint32_t vocab_size, uint32_t seq_len,
     const v1::InnerOptimizerConfig& inner, const v1::ModelSpec& spec) {
   ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(inner));
-  if (vocab_size < 2 || seq_len < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "vocab_size must be >= 2 and seq_len >= 1, got %d and %d", vocab_size, seq_len));
-  }
   auto impl = std::make_unique<Impl>();
-  impl->model_config.set_vocab_size(vocab_size);
-  impl->model_config.set_seq_len(seq_len);
+  ALOE_ASSIGN_OR_RETURN(impl->model_config, ScriptDataShape(vocab_size, seq_len));
   impl->inner = inner;
   impl->spec = spec;
-  std::map<std::string, size_t> by_name;
-  for (size_t i = 0; i < model->shapes.size(); ++i) by_name[model->shapes[i].name] = i;
-  size_t matched = 0;
-  for (const v1::LayerSpec& layer : spec.layers()) {
-    for (const v1::TensorSpec& t : layer.tensors()) {
-      auto it = by_name.find(t.name());
-      const std::vector<int64_t> want(t.shape().begin(), t.shape().end());
-      if (it == by_name.end() || model->shapes[it->second].shape != want) {
-        return absl::FailedPreconditionError(absl::StrFormat(
-            "%s has no parameter \"%s\" of shape [%s] (server layer \"%s\"); %s", model->path,
-            t.name(), absl::StrJoin(want, ","), layer.name(),
-            it == by_name.end()
-                ? "the module is not the one the server's model was imported from"
-                : absl::StrCat("it is [", absl::StrJoin(model->shapes[it->second].shape, ","),
-                               "]")));
-      }
-      impl->params.push_back(model->tensors[it->second]);
-      ++matched;
-    }
-  }
-  if (matched != model->shapes.size()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s has %d parameters, the server's model %d: not the module it was imported from",
-        model->path, model->shapes.size(), matched));
-  }
+  ALOE_ASSIGN_OR_RETURN(impl->params, ParametersInSpecOrder(*model, spec));
   impl->script = std::move(model);
   ALOE_RETURN_IF_ERROR(impl->MakeOptimizer());
   return std::unique_ptr<LocalTrainer>(new LocalTrainer(std::move(impl)));
@@ -176,24 +147,7 @@ absl::Status LocalTrainer::SetParameters(const std::vector<std::vector<float>>& 
 }
 
 absl::Status LocalTrainer::GetParameters(std::vector<std::vector<float>>* layers) const {
-  try {
-    torch::NoGradGuard no_grad;
-    layers->resize(impl_->spec.layers_size());
-    size_t index = 0;
-    for (int l = 0; l < impl_->spec.layers_size(); ++l) {
-      std::vector<float>& out = (*layers)[l];
-      out.resize(impl_->spec.layers(l).num_elements());
-      size_t offset = 0;
-      for (int t = 0; t < impl_->spec.layers(l).tensors_size(); ++t, ++index) {
-        const torch::Tensor p = impl_->params[index].detach().to(torch::kCPU).contiguous();
-        std::memcpy(out.data() + offset, p.data_ptr<float>(), p.numel() * sizeof(float));
-        offset += p.numel();
-      }
-    }
-  } catch (const std::exception& e) {
-    return LibTorchError("reading parameters", e);
-  }
-  return absl::OkStatus();
+  return CopyParametersIntoLayers(impl_->params, impl_->spec, layers);
 }
 
 absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>& base,
@@ -226,8 +180,8 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
                                                              double time_budget_seconds,
                                                              const std::atomic<bool>* interrupt) {
   if (!(time_budget_seconds >= 0) || !std::isfinite(time_budget_seconds)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "time budget must be a finite number >= 0, got %g", time_budget_seconds));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("time budget must be a finite number >= 0, got %g", time_budget_seconds));
   }
   if (!(slowdown >= 1.0) || !std::isfinite(slowdown)) {
     return absl::InvalidArgumentError(

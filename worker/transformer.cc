@@ -1,6 +1,7 @@
 #include "worker/transformer.h"
 
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <string>
@@ -8,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "worker/torch_util.h"
 
 namespace aloe::worker {
 namespace {
@@ -183,6 +185,29 @@ absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrFormat("loading parameters: %s", e.what()));
   }
+}
+
+absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
+                                      const v1::ModelSpec& spec,
+                                      std::vector<std::vector<float>>* layers) {
+  try {
+    torch::NoGradGuard no_grad;
+    layers->resize(spec.layers_size());
+    size_t index = 0;
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      std::vector<float>& out = (*layers)[l];
+      out.resize(spec.layers(l).num_elements());
+      size_t offset = 0;
+      for (int t = 0; t < spec.layers(l).tensors_size(); ++t, ++index) {
+        const torch::Tensor p = params[index].detach().to(torch::kCPU).contiguous();
+        std::memcpy(out.data() + offset, p.data_ptr<float>(), p.numel() * sizeof(float));
+        offset += p.numel();
+      }
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("reading parameters", e);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace aloe::worker

@@ -103,6 +103,12 @@ absl::Status CopyLayersIntoParameters(const std::vector<std::vector<float>>& lay
                                       const v1::ModelSpec& spec,
                                       const std::vector<torch::Tensor>& params);
 
+// The reverse: layers[l] = the concatenated values of spec layer l's tensors (params in spec
+// order, as CopyLayersIntoParameters takes them). kInternal on a LibTorch error.
+absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
+                                      const v1::ModelSpec& spec,
+                                      std::vector<std::vector<float>>* layers);
+
 // Copies `layers` (one flat float32 buffer per spec layer, tensors concatenated in spec order)
 // into the parameters of `module`, without recording autograd history. Returns
 // kInvalidArgument when the layer count or a layer's size differs from `spec`, and

@@ -10,6 +10,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/imported_model.h"
+#include "common/tensor_codec.h"
+#include "server/core/checkpoint_store.h"
 #include "tests/integration/loopback_cluster.h"
 #include "tests/testing/subprocess.h"
 
@@ -143,6 +146,64 @@ TEST_F(ByoModelTest, LossModelTrainsAndMismatchedWorkersAreRefused) {
       << ReadFile(dir_ + "/summary") << Logs();
   // A server refuses a bring-your-own worker when it trains the built-in transformer: see
   // ServerCoreTest; aloe-sim refuses model_file.
+}
+
+// The imported logits model on a two-rank node (--nproc 2 --torchscript: FSDP over Gloo on the
+// module's parameters, each rank pulling and pushing its slices) ends where a one-process worker
+// ends, with half the push bytes per rank.
+TEST_F(ByoModelTest, ATwoRankNodeTrainsAnImportedModelLikeOneProcess) {
+  ASSERT_EQ(Import("logits").first, 0);
+  model_ = absl::StrCat("model_file: \"", dir_, "/logits.aloemodel\"");
+  model_flags_ = {absl::StrCat("--torchscript=", dir_, "/logits.pt")};
+  auto run = [&](const std::string& name, const std::vector<std::string>& flags) {
+    const std::string ckpt = RunSingleTrainerJob(name, "local_steps: 6\nmax_versions: 3\n", flags);
+    EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), "version=3\nupdates_applied=3\n"))
+        << ReadFile(dir_ + "/summary") << Logs();
+    std::vector<float> params;
+    auto loaded = server::CheckpointStore(ckpt, 1).LoadLatest();
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+    if (!loaded.ok()) return params;
+    for (const std::string& layer : loaded->checkpoint.layer_params()) {
+      std::vector<float> values(layer.size() / sizeof(float));
+      EXPECT_TRUE(DecodeFloats(layer, absl::MakeSpan(values)).ok());
+      params.insert(params.end(), values.begin(), values.end());
+    }
+    return params;
+  };
+  const std::vector<float> one = run("one", {});
+  const std::vector<float> two = run("two", {"--nproc=2"});
+  const std::string log = ReadFile(dir_ + "/two.log");
+  ASSERT_EQ(one.size(), 82752u);
+  ASSERT_EQ(two.size(), one.size());
+  EXPECT_TRUE(absl::StrContains(log, "(2 ranks)")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "dropped")) << log;
+  auto distance = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < b.size(); ++i) {
+      diff += std::pow(static_cast<double>(a[i]) - b[i], 2);
+      norm += std::pow(static_cast<double>(b[i]), 2);
+    }
+    return std::sqrt(diff / norm);
+  };
+  // The module's own initialisation, as imported: training moved far from it.
+  absl::StatusOr<v1::ImportedModel> imported = ReadImportedModel(dir_ + "/logits.aloemodel");
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  std::vector<float> initial;
+  for (const std::string& layer : imported->layer_params()) {
+    std::vector<float> values(layer.size() / sizeof(float));
+    ASSERT_TRUE(DecodeFloats(layer, absl::MakeSpan(values)).ok());
+    initial.insert(initial.end(), values.begin(), values.end());
+  }
+  ASSERT_EQ(initial.size(), one.size());
+  const double relative = distance(two, one);
+  const double trained = distance(one, initial);
+  std::printf(
+      "imported model, 2-rank node vs 1-process worker after 3 rounds: relative error %.3g "
+      "(training moved the model %.3g from its initialisation)\n",
+      relative, trained);
+  EXPECT_LE(relative, 1e-4) << log;
+  EXPECT_GE(trained, 100 * relative) << log;
+  EXPECT_TRUE(absl::StrContains(log, "rank 1 of 2 connected")) << log;
 }
 
 }  // namespace
