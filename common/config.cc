@@ -27,7 +27,8 @@ class CollectingErrors final : public google::protobuf::io::ErrorCollector {
  public:
   void AddError(int line, google::protobuf::io::ColumnNumber column,
                 const std::string& message) override {
-    if (first_.empty()) first_ = absl::StrFormat("line %d column %d: %s", line + 1, column + 1, message);
+    if (first_.empty())
+      first_ = absl::StrFormat("line %d column %d: %s", line + 1, column + 1, message);
   }
   void AddWarning(int, google::protobuf::io::ColumnNumber, const std::string&) override {}
   const std::string& first() const { return first_; }
@@ -173,8 +174,8 @@ void FillServerDefaults(v1::ServerConfig* c) {
   auto* outer = c->mutable_outer_optimizer();
   if (outer->type() == v1::OUTER_OPTIMIZER_UNSPECIFIED) outer->set_type(v1::OUTER_NESTEROV);
   if (outer->lr() == 0) outer->set_lr(0.7f);
-  if (outer->momentum() == 0 && (outer->type() == v1::OUTER_NESTEROV ||
-                                 outer->type() == v1::OUTER_DELAYED_NESTEROV)) {
+  if (outer->momentum() == 0 &&
+      (outer->type() == v1::OUTER_NESTEROV || outer->type() == v1::OUTER_DELAYED_NESTEROV)) {
     outer->set_momentum(0.9f);
   }
   if (outer->dn_buffer_size() == 0) outer->set_dn_buffer_size(1);
@@ -183,6 +184,9 @@ void FillServerDefaults(v1::ServerConfig* c) {
   if (outer->adam_eps() == 0) outer->set_adam_eps(1e-8f);
   if (c->checkpoint().every_versions() == 0) c->mutable_checkpoint()->set_every_versions(10);
   if (c->checkpoint().keep() == 0) c->mutable_checkpoint()->set_keep(3);
+  if (c->security().shard_identity().empty()) {
+    c->mutable_security()->set_shard_identity("shards");
+  }
   auto* transport = c->mutable_transport();
   if (transport->codec() == v1::CODEC_UNSPECIFIED) transport->set_codec(v1::CODEC_FP32);
   if (transport->int8_block_size() == 0) transport->set_int8_block_size(256);
@@ -243,9 +247,9 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
         absl::StrFormat("outer_optimizer.dn_momentum_activation must be in [0, 1/N = %g], got %g",
                         c_max, outer.dn_momentum_activation()));
   }
-  for (auto [name, beta] : {std::pair<const char*, float>{"outer_optimizer.adam_beta1",
-                                                          outer.adam_beta1()},
-                            {"outer_optimizer.adam_beta2", outer.adam_beta2()}}) {
+  for (auto [name, beta] :
+       {std::pair<const char*, float>{"outer_optimizer.adam_beta1", outer.adam_beta1()},
+        {"outer_optimizer.adam_beta2", outer.adam_beta2()}}) {
     if (!(beta >= 0 && beta < 1)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s must be in [0, 1), got %g", name, beta));
@@ -282,9 +286,9 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
     return absl::InvalidArgumentError("aggregation.mode is not a known mode");
   }
   if (!(c.aggregation().grace_seconds() >= 0)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "aggregation.grace_seconds must be >= 0 (inf allowed), got %g",
-        c.aggregation().grace_seconds()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("aggregation.grace_seconds must be >= 0 (inf allowed), got %g",
+                        c.aggregation().grace_seconds()));
   }
   if (!v1::LocalWorkMode_IsValid(c.local_work().mode())) {
     return absl::InvalidArgumentError("local_work.mode is not a known mode");

@@ -637,6 +637,14 @@ absl::Status Run() {
     ShardControlService::Options options;
     options.shard_processes = config.shard_processes();
     options.fingerprint = ShardedModelFingerprint(config, spec, model_fingerprint);
+    options.shard_identity = config.security().shard_identity();
+    if (auth->enabled() && !auth->HasIdentity(options.shard_identity)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "security.token_file %s has no token of identity \"%s\" (security.shard_identity): "
+          "the shard processes could not follow this coordinator; add a line \"%s TOKEN\" and "
+          "give the shards that token (--token_file)",
+          config.security().token_file(), options.shard_identity, options.shard_identity));
+    }
     if (!absl::GetFlag(FLAGS_order_journal).empty()) {
       ALOE_ASSIGN_OR_RETURN(journal, OrderJournal::Open(absl::GetFlag(FLAGS_order_journal)));
       options.journal = journal.get();

@@ -50,6 +50,13 @@ absl::StatusOr<std::string> Authenticator::Identify(const grpc::ServerContext& c
   return IdentifyToken(std::string_view(it->second.data(), it->second.size()));
 }
 
+bool Authenticator::HasIdentity(const std::string& identity) const {
+  for (const auto& [token, who] : tokens_) {
+    if (who == identity) return true;
+  }
+  return false;
+}
+
 absl::StatusOr<std::string> Authenticator::IdentifyToken(std::string_view token) const {
   if (!enabled()) return std::string();
   if (token.empty()) return absl::UnauthenticatedError("missing token (see --token_file)");

@@ -28,6 +28,8 @@ class Authenticator {
   static absl::StatusOr<std::unique_ptr<Authenticator>> FromTokenFile(const std::string& path);
 
   bool enabled() const { return !tokens_.empty(); }
+  // Whether some token maps to `identity`.
+  bool HasIdentity(const std::string& identity) const;
 
   // The caller's identity; kUnauthenticated for a missing or unknown token.
   absl::StatusOr<std::string> Identify(const grpc::ServerContext& context) const;

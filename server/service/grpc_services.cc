@@ -26,8 +26,7 @@ grpc::Status Reply(absl::StatusOr<T> result, T* out) {
 }
 
 // The caller's identity, and that it owns worker_id (when given).
-absl::StatusOr<std::string> Authorize(const Authenticator& auth,
-                                      const grpc::ServerContext& context,
+absl::StatusOr<std::string> Authorize(const Authenticator& auth, const grpc::ServerContext& context,
                                       std::optional<uint64_t> worker_id) {
   absl::StatusOr<std::string> who = auth.Identify(context);
   if (who.ok() && worker_id) {
@@ -39,12 +38,12 @@ absl::StatusOr<std::string> Authorize(const Authenticator& auth,
 
 }  // namespace
 
-#define ALOE_AUTHORIZE(worker_id)                                        \
+#define ALOE_AUTHORIZE(worker_id)                                               \
   absl::StatusOr<std::string> identity = Authorize(auth_, *context, worker_id); \
   if (!identity.ok()) return ToGrpcStatus(identity.status())
 
-grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
-                                      const v1::JoinRequest* request, v1::JoinReply* reply) {
+grpc::Status CoordinatorService::Join(grpc::ServerContext* context, const v1::JoinRequest* request,
+                                      v1::JoinReply* reply) {
   ALOE_AUTHORIZE(std::nullopt);
   absl::StatusOr<v1::JoinReply> joined =
       handle_.Run([&](ServerCore& core) { return core.Join(*request); });

@@ -30,10 +30,24 @@ uint32_t ShardControlService::Finish(uint64_t version, absl::Duration timeout) {
   return static_cast<uint32_t>(std::count(finish_sent_.begin(), finish_sent_.end(), true));
 }
 
+grpc::Status ShardControlService::CheckShardCaller(const grpc::ServerContext& context,
+                                                   const char* rpc) const {
+  absl::StatusOr<std::string> who = auth_.Identify(context);
+  if (!who.ok()) return ToGrpcStatus(who.status());
+  if (auth_.enabled() && *who != options_.shard_identity) {
+    return grpc::Status(
+        grpc::StatusCode::PERMISSION_DENIED,
+        absl::StrFormat("ShardControl.%s is for the shard processes (token identity \"%s\", "
+                        "security.shard_identity); this token is identity \"%s\"",
+                        rpc, options_.shard_identity, *who));
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status ShardControlService::CheckPartCall(const grpc::ServerContext& context,
                                                 uint64_t worker_id, const std::string& identity) {
-  if (absl::StatusOr<std::string> who = auth_.Identify(context); !who.ok()) {
-    return ToGrpcStatus(who.status());
+  if (grpc::Status caller = CheckShardCaller(context, "Admit/ReportStaged"); !caller.ok()) {
+    return caller;
   }
   if (absl::Status owner = auth_.CheckOwner(worker_id, identity); !owner.ok()) {
     return ToGrpcStatus(owner);
@@ -136,9 +150,7 @@ void ShardControlService::MaybeTrimLog() {
 grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
                                          const v1::FollowRequest* request,
                                          grpc::ServerWriter<v1::ShardOrder>* writer) {
-  if (absl::StatusOr<std::string> who = auth_.Identify(*context); !who.ok()) {
-    return ToGrpcStatus(who.status());
-  }
+  if (grpc::Status caller = CheckShardCaller(*context, "Follow"); !caller.ok()) return caller;
   const uint32_t shard = request->shard_index();
   if (shard >= options_.shard_processes) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,

@@ -31,6 +31,8 @@ class ShardControlService final : public v1::ShardControl::Service {
   struct Options {
     uint32_t shard_processes = 0;
     std::string fingerprint;  // ShardedModelFingerprint of this server
+    // With token auth: the only identity that may call these RPCs (security.shard_identity).
+    std::string shard_identity = "shards";
     // The versions the coordinator can restart from: its current one and its checkpoints.
     std::function<std::vector<uint64_t>()> coordinator_versions;
     // Replaces the handle's core by one at `version` (one of coordinator_versions, or 0).
@@ -58,6 +60,9 @@ class ShardControlService final : public v1::ShardControl::Service {
     uint64_t sent = 0;        // absolute index of the next order to send it
     v1::FollowRequest request;
   };
+  // The caller is a shard process: with token auth, a token of options_.shard_identity
+  // (UNAUTHENTICATED for a missing or unknown token, PERMISSION_DENIED for another identity's).
+  grpc::Status CheckShardCaller(const grpc::ServerContext& context, const char* rpc) const;
   // What Admit and ReportStaged check first: the shard's token, that `identity` owns the worker,
   // and that the shards are assembled (UNAVAILABLE while they reassemble).
   grpc::Status CheckPartCall(const grpc::ServerContext& context, uint64_t worker_id,

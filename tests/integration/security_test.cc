@@ -216,13 +216,13 @@ TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
 }
 
 TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
-  // Shards present kTokenB (identity bravo) to the coordinator and their own certificate (issued
-  // by the client CA); shard 1 listens on every interface and tells workers "localhost", the
-  // name in the certificate they verify.
-  const std::string security =
-      absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"", dir_,
-                   "/ca/server.pem\" tls_key_file: \"", dir_,
-                   "/ca/server.key\" tls_client_ca_file: \"", dir_, "/ca/ca.pem\"");
+  // Shards present kTokenB (identity bravo, security.shard_identity) to the coordinator and their
+  // own certificate (issued by the client CA); shard 1 listens on every interface and tells
+  // workers "localhost", the name in the certificate they verify.
+  const std::string security = absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"",
+                                            dir_, "/ca/server.pem\" tls_key_file: \"", dir_,
+                                            "/ca/server.key\" tls_client_ca_file: \"", dir_,
+                                            "/ca/ca.pem\" shard_identity: \"bravo\"");
   // The shard count comes from the command line (as in deploy/k8s/sharded), not the config.
   std::ofstream(dir_ + "/token_b") << kTokenB << "\n";
   const int port = Start(security, "127.0.0.1:0", {"--role=coordinator", "--shard_processes=2"},
@@ -314,11 +314,17 @@ TEST_F(SecurityTest, ShardAddressesWorkersCannotDialAreRefused) {
 
 TEST_F(SecurityTest, ShardsTheCoordinatorRefusesExitWithTheReason) {
   // A coordinator with tokens and two shard processes; shards that can never follow it (no
-  // token, an unknown token, another shard count) exit 1 naming why instead of retrying forever.
+  // token, an unknown token, a worker's token, another shard count) exit 1 naming why instead
+  // of retrying forever.
   std::ofstream(dir_ + "/token_b") << kTokenB << "\n";
   std::ofstream(dir_ + "/token_bad") << "not-a-token-the-coordinator-knows\n";
-  const int port = Start(absl::StrCat("token_file: \"", dir_, "/tokens\""), "127.0.0.1:0",
-                         {"--role=coordinator"}, "shard_processes: 2");
+  // Without a token of the shards' identity (default "shards") no shard could ever follow.
+  ExpectRefused(absl::StrCat("token_file: \"", dir_, "/tokens\""), {"--role=coordinator"},
+                "shard_processes: 2",
+                "has no token of identity \"shards\" (security.shard_identity)");
+  const int port =
+      Start(absl::StrCat("token_file: \"", dir_, "/tokens\" shard_identity: \"bravo\""),
+            "127.0.0.1:0", {"--role=coordinator"}, "shard_processes: 2");
   ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
   struct Case {
     std::vector<std::string> flags;
@@ -327,6 +333,9 @@ TEST_F(SecurityTest, ShardsTheCoordinatorRefusesExitWithTheReason) {
   const Case cases[] = {
       {{}, "the coordinator refuses shard 0: missing x-aloe-token"},
       {{"--token_file=" + dir_ + "/token_bad"}, "the coordinator refuses shard 0: unknown token"},
+      {{"--token_file=" + dir_ + "/token_a"},
+       "the coordinator refuses shard 0: ShardControl.Follow is for the shard processes (token "
+       "identity \"bravo\", security.shard_identity); this token is identity \"alpha\""},
       {{"--token_file=" + dir_ + "/token_b", "--shard_processes=3"},
        "the coordinator refuses shard 0: shard process 0 has another model, optimizer or shard "
        "count"},

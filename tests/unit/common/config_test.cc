@@ -36,6 +36,7 @@ TEST(ConfigTest, TextFormatLoadsWithDefaults) {
   EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_NESTEROV);
   EXPECT_EQ(config->listen_address(), "127.0.0.1:7070");
   EXPECT_EQ(config->receive_window_kib(), 2048u);
+  EXPECT_EQ(config->security().shard_identity(), "shards");
 }
 
 TEST(ConfigTest, JsonLoads) {
