@@ -63,8 +63,9 @@ TEST(PushWireTest, ParsesWhatProtobufSerialisesCutAnywhere) {
     PushChunkView view;
     ASSERT_TRUE(ParsePushChunk(CutAt(bytes, at), &view).ok()) << trial;
     EXPECT_EQ(view.has_header, chunk.has_header());
-    if (chunk.has_header())
+    if (chunk.has_header()) {
       EXPECT_EQ(view.header.SerializeAsString(), chunk.header().SerializeAsString());
+    }
     EXPECT_EQ(view.layer_id, chunk.layer_id());
     EXPECT_EQ(view.offset, chunk.offset());
     EXPECT_EQ(view.codec, static_cast<int32_t>(chunk.codec()));
@@ -84,7 +85,9 @@ TEST(PushWireTest, PrefixPlusPayloadIsAPushChunkProtobufReads) {
     v1::PushChunk chunk;
     ASSERT_TRUE(chunk.ParseFromString(bytes));
     EXPECT_EQ(chunk.has_header(), h != nullptr);
-    if (h != nullptr) EXPECT_EQ(chunk.header().SerializeAsString(), h->SerializeAsString());
+    if (h != nullptr) {
+      EXPECT_EQ(chunk.header().SerializeAsString(), h->SerializeAsString());
+    }
     EXPECT_EQ(chunk.layer_id(), 300u);
     EXPECT_EQ(chunk.offset(), uint64_t{1} << 40);
     EXPECT_EQ(chunk.codec(), v1::CODEC_INT8_BLOCKWISE);
