@@ -323,6 +323,11 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrFormat("shard_processes must be in [0, 1024], got %d", c.shard_processes()));
   }
+  if (c.checkpoint().replicate_shards() && c.checkpoint().dir().empty()) {
+    return absl::InvalidArgumentError(
+        "checkpoint.replicate_shards needs checkpoint.dir (where the coordinator keeps the copies "
+        "and each shard process its own checkpoints)");
+  }
   if (c.max_staged_updates() < 1 || c.max_staged_updates() > 4096) {
     return absl::InvalidArgumentError(
         absl::StrFormat("max_staged_updates must be in [1, 4096], got %d", c.max_staged_updates()));

@@ -36,6 +36,7 @@
 #include "server/core/shard_state.h"
 #include "server/reshard.h"
 #include "server/service/auth.h"
+#include "server/service/checkpoint_copies.h"
 #include "server/service/core_handle.h"
 #include "server/service/grpc_services.h"
 #include "server/service/raw_push_listener.h"
@@ -385,6 +386,30 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
   return server;
 }
 
+// The coordinator's newest copy of shard `index`'s checkpoints, for a shard that has none of its
+// own; nullopt when the coordinator keeps none. Waits up to a minute for a coordinator that is
+// not up yet (they may start together).
+absl::StatusOr<std::optional<v1::ShardCheckpoint>> FetchCopyAtStart(
+    v1::ShardControl::Stub& coordinator, const std::string& token, uint32_t index) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (true) {
+    absl::StatusOr<v1::ShardCheckpoint> copy = FetchCheckpointCopy(coordinator, token, index);
+    if (copy.ok()) return std::optional<v1::ShardCheckpoint>(*std::move(copy));
+    if (copy.status().code() == absl::StatusCode::kNotFound) {
+      ALOE_LOG_WARNING("shard", "shard %d: the coordinator has no copy either: %s", index,
+                       copy.status().message());
+      return std::optional<v1::ShardCheckpoint>();
+    }
+    if (copy.status().code() != absl::StatusCode::kUnavailable || absl::Now() > give_up ||
+        g_signal.load() != 0) {
+      return absl::Status(copy.status().code(),
+                          absl::StrCat("fetching the coordinator's copy of shard ", index,
+                                       "'s checkpoints: ", copy.status().message()));
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+}
+
 // --role shard: one shard process of a layer-sharded server.
 absl::Status RunShard(const v1::ServerConfig& config) {
   const uint32_t index = static_cast<uint32_t>(absl::GetFlag(FLAGS_shard_index));
@@ -414,17 +439,6 @@ absl::Status RunShard(const v1::ServerConfig& config) {
     checkpoints = std::make_unique<CheckpointStore>(
         absl::StrFormat("%s/shard-%d", config.checkpoint().dir(), index),
         config.checkpoint().keep());
-  }
-  if (absl::GetFlag(FLAGS_resume)) {
-    auto loaded = checkpoints->LoadLatest<v1::ShardCheckpoint>();
-    if (loaded.status().code() == absl::StatusCode::kNotFound) {
-      ALOE_LOG_WARNING("shard", "--resume: %s; starting from the initial model",
-                       loaded.status().message());
-    } else {
-      ALOE_RETURN_IF_ERROR(loaded.status());
-      ALOE_RETURN_IF_ERROR(state->Restore(loaded->checkpoint, fingerprint));
-      ALOE_LOG_INFO("shard", "resumed from %s (version %d)", loaded->path, state->version());
-    }
   }
   int metrics_port = 0;
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<MetricsSink> metrics, StartMetrics(config, &metrics_port));
@@ -459,8 +473,40 @@ absl::Status RunShard(const v1::ServerConfig& config) {
                           ReadWholeFile("--token_file", absl::GetFlag(FLAGS_token_file)));
     options.token = token.substr(0, token.find('\n'));
   }
+  // checkpoint.replicate_shards: the coordinator keeps a copy of every checkpoint written here.
+  std::unique_ptr<v1::ShardControl::Stub> copies_stub;
+  std::unique_ptr<CheckpointUploader> uploader;
+  if (config.checkpoint().replicate_shards()) {
+    copies_stub = v1::ShardControl::NewStub(options.coordinator);
+    uploader = std::make_unique<CheckpointUploader>(*copies_stub, options.token);
+  }
+  if (absl::GetFlag(FLAGS_resume)) {
+    auto loaded = checkpoints->LoadLatest<v1::ShardCheckpoint>();
+    if (loaded.status().code() == absl::StatusCode::kNotFound && copies_stub != nullptr) {
+      // None of its own (a new host or disk): the coordinator's newest copy, if it has one.
+      ALOE_ASSIGN_OR_RETURN(std::optional<v1::ShardCheckpoint> copy,
+                            FetchCopyAtStart(*copies_stub, options.token, index));
+      if (copy.has_value()) {
+        ALOE_ASSIGN_OR_RETURN(std::string path, checkpoints->Write(*copy));
+        ALOE_LOG_INFO("shard",
+                      "shard %d has no checkpoint of its own: fetched the coordinator's copy of "
+                      "version %d into %s",
+                      index, copy->version(), path);
+        loaded = checkpoints->LoadLatest<v1::ShardCheckpoint>();
+      }
+    }
+    if (loaded.status().code() == absl::StatusCode::kNotFound) {
+      ALOE_LOG_WARNING("shard", "--resume: %s; starting from the initial model",
+                       loaded.status().message());
+    } else {
+      ALOE_RETURN_IF_ERROR(loaded.status());
+      ALOE_RETURN_IF_ERROR(state->Restore(loaded->checkpoint, fingerprint));
+      ALOE_LOG_INFO("shard", "resumed from %s (version %d)", loaded->path, state->version());
+    }
+  }
   options.checkpoints = checkpoints.get();
   options.every_versions = config.checkpoint().every_versions();
+  options.uploader = uploader.get();
   options.max_staged = config.max_staged_updates();
   options.make_initial = [&]() -> absl::StatusOr<std::unique_ptr<ShardState>> {
     ALOE_ASSIGN_OR_RETURN(ServerModel fresh, LoadServerModel(config, index));
@@ -527,6 +573,10 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   if (raw_pushes != nullptr) raw_pushes->Shutdown();
   follow.join();
   shard->WriteFinalCheckpoint();
+  if (uploader != nullptr && !uploader->Flush(absl::Seconds(30))) {
+    ALOE_LOG_WARNING("shard", "shard %d: the last checkpoint's copy did not reach the coordinator",
+                     index);
+  }
   ALOE_RETURN_IF_ERROR(followed);
   ALOE_LOG_INFO("shard",
                 "summary: shard %d at version %d, %.1f MB of pushes received (%.1f MB raw)", index,
@@ -638,6 +688,10 @@ absl::Status Run() {
     options.shard_processes = config.shard_processes();
     options.fingerprint = ShardedModelFingerprint(config, spec, model_fingerprint);
     options.shard_identity = config.security().shard_identity();
+    if (config.checkpoint().replicate_shards()) {
+      options.replica_dir = config.checkpoint().dir() + "/replicas";
+      options.keep = config.checkpoint().keep();
+    }
     if (auth->enabled() && !auth->HasIdentity(options.shard_identity)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "security.token_file %s has no token of identity \"%s\" (security.shard_identity): "

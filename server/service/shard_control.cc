@@ -5,7 +5,9 @@
 
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "server/core/checkpoint_store.h"
 #include "server/core/shard_assembly.h"
+#include "server/service/checkpoint_copies.h"
 #include "server/service/grpc_services.h"
 
 namespace aloe::server {
@@ -273,6 +275,120 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
     handle_.WaitForOrder(cursor, absl::Milliseconds(200));
   }
   return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
+}
+
+std::string ShardControlService::CopiesDir(uint32_t shard) const {
+  return absl::StrFormat("%s/shard-%d", options_.replica_dir, shard);
+}
+
+grpc::Status ShardControlService::StoreCheckpoint(grpc::ServerContext* context,
+                                                  grpc::ServerReader<v1::CheckpointPiece>* reader,
+                                                  v1::StoreCheckpointReply* reply) {
+  if (grpc::Status caller = CheckShardCaller(*context, "StoreCheckpoint"); !caller.ok()) {
+    return caller;
+  }
+  if (options_.replica_dir.empty()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this coordinator keeps no copies of shard checkpoints "
+                        "(checkpoint.replicate_shards is off in its config)");
+  }
+  v1::CheckpointPiece piece;
+  if (!reader->Read(&piece)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no checkpoint was sent");
+  }
+  const uint32_t shard = piece.shard_index();
+  const uint64_t total = piece.total_bytes();
+  const uint64_t version = piece.version();
+  if (shard >= options_.shard_processes) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("a checkpoint of shard %d, but this coordinator has %d "
+                                        "shard processes",
+                                        shard, options_.shard_processes));
+  }
+  // A shard's checkpoint is its layers and their optimizer state: far below this.
+  constexpr uint64_t kMaxBytes = uint64_t{1} << 40;
+  if (total == 0 || total > kMaxBytes) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("a checkpoint of %d bytes", total));
+  }
+  std::string bytes;
+  do {
+    if (bytes.size() + piece.data().size() > total) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrFormat("the pieces of shard %d's checkpoint run past the %d "
+                                          "bytes its first piece announced",
+                                          shard, total));
+    }
+    bytes += piece.data();
+  } while (bytes.size() < total && reader->Read(&piece));
+  v1::ShardCheckpoint checkpoint;
+  if (bytes.size() != total || !checkpoint.ParseFromString(bytes)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("shard %d's checkpoint is cut off or does not parse (%d of "
+                                        "%d bytes)",
+                                        shard, bytes.size(), total));
+  }
+  if (checkpoint.shard_index() != shard || checkpoint.version() != version) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrFormat("the first piece names shard %d version %d, the checkpoint is shard %d's "
+                        "version %d",
+                        shard, version, checkpoint.shard_index(), checkpoint.version()));
+  }
+  if (checkpoint.fingerprint() != options_.fingerprint ||
+      checkpoint.shard_processes() != options_.shard_processes) {
+    return grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        absl::StrFormat("shard %d's checkpoint is of another model, optimizer or shard count (%s, "
+                        "%d processes) than the coordinator (%s, %d)",
+                        shard, checkpoint.fingerprint(), checkpoint.shard_processes(),
+                        options_.fingerprint, options_.shard_processes));
+  }
+  absl::MutexLock lock(&copies_mu_);
+  CheckpointStore store(CopiesDir(shard), options_.keep);
+  absl::StatusOr<std::string> path = store.Write(checkpoint);
+  if (!path.ok()) return ToGrpcStatus(path.status());
+  reply->set_path(*path);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardControlService::FetchCheckpoint(grpc::ServerContext* context,
+                                                  const v1::FetchCheckpointRequest* request,
+                                                  grpc::ServerWriter<v1::CheckpointPiece>* writer) {
+  if (grpc::Status caller = CheckShardCaller(*context, "FetchCheckpoint"); !caller.ok()) {
+    return caller;
+  }
+  const uint32_t shard = request->shard_index();
+  if (shard >= options_.shard_processes) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("shard index %d, but this coordinator has %d shard "
+                                        "processes",
+                                        shard, options_.shard_processes));
+  }
+  if (options_.replica_dir.empty()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        "this coordinator keeps no copies of shard checkpoints "
+                        "(checkpoint.replicate_shards is off in its config)");
+  }
+  std::string bytes;
+  std::string path;
+  uint64_t version = 0;
+  {
+    absl::MutexLock lock(&copies_mu_);
+    auto loaded =
+        CheckpointStore(CopiesDir(shard), options_.keep).LoadLatest<v1::ShardCheckpoint>();
+    if (!loaded.ok()) return ToGrpcStatus(loaded.status());
+    loaded->checkpoint.SerializeToString(&bytes);
+    path = loaded->path;
+    version = loaded->checkpoint.version();
+  }
+  const bool sent = ForEachCheckpointPiece(
+      shard, version, bytes,
+      [&](const v1::CheckpointPiece& piece) { return writer->Write(piece); });
+  if (!sent) return grpc::Status(grpc::StatusCode::CANCELLED, "the fetch was cancelled");
+  ALOE_LOG_INFO("coordinator", "sent shard %d its checkpoint copy of version %d (%s)", shard,
+                version, path);
+  return grpc::Status::OK;
 }
 
 }  // namespace aloe::server

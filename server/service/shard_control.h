@@ -39,6 +39,10 @@ class ShardControlService final : public v1::ShardControl::Service {
     std::function<absl::Status(uint64_t version)> restore;
     // Receives every order before it is sent and a RESTORE per assembly; null = none.
     OrderJournal* journal = nullptr;
+    // checkpoint.replicate_shards: where the copies of the shards' checkpoints go
+    // (<replica_dir>/shard-<i>, the newest `keep` each); "" = none are kept.
+    std::string replica_dir;
+    uint32_t keep = 3;
   };
   // handle and auth must outlive the service.
   ShardControlService(CoreHandle& handle, Authenticator& auth, Options options);
@@ -47,6 +51,11 @@ class ShardControlService final : public v1::ShardControl::Service {
   grpc::Status ReportStaged(grpc::ServerContext*, const v1::StagedReport*, v1::PushReply*) override;
   grpc::Status Follow(grpc::ServerContext*, const v1::FollowRequest*,
                       grpc::ServerWriter<v1::ShardOrder>*) override;
+  grpc::Status StoreCheckpoint(grpc::ServerContext*, grpc::ServerReader<v1::CheckpointPiece>*,
+                               v1::StoreCheckpointReply*) override ABSL_LOCKS_EXCLUDED(copies_mu_);
+  grpc::Status FetchCheckpoint(grpc::ServerContext*, const v1::FetchCheckpointRequest*,
+                               grpc::ServerWriter<v1::CheckpointPiece>*) override
+      ABSL_LOCKS_EXCLUDED(copies_mu_);
 
   // The job is over at `version`: every Follow stream sends its remaining orders, then FINISH,
   // and ends. Waits until each shard process was sent FINISH, or `timeout` (a shard away now
@@ -76,9 +85,13 @@ class ShardControlService final : public v1::ShardControl::Service {
   void MaybeTrimLog() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr uint64_t kLogSlack = 1024;
 
+  // The store of shard `shard`'s copies (options_.replica_dir must be set).
+  std::string CopiesDir(uint32_t shard) const;
+
   CoreHandle& handle_;
   Authenticator& auth_;
   const Options options_;
+  absl::Mutex copies_mu_;  // one copy written or read at a time
   absl::Mutex mu_;
   absl::CondVar assembled_;
   std::vector<Follower> followers_ ABSL_GUARDED_BY(mu_);

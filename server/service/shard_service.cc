@@ -295,7 +295,7 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
     Publish();
     changed_.SignalAll();
   }
-  if (due) WriteCheckpoint(*due);  // outside the lock: pushes and pulls go on meanwhile
+  if (due) WriteCheckpoint(*std::move(due));  // outside the lock: pushes and pulls go on meanwhile
   return status;
 }
 
@@ -321,10 +321,11 @@ absl::Status ShardServer::AwaitAdmission(const std::function<bool()>& cancelled,
   }
 }
 
-void ShardServer::WriteCheckpoint(const v1::ShardCheckpoint& checkpoint) {
+void ShardServer::WriteCheckpoint(v1::ShardCheckpoint checkpoint) {
   absl::StatusOr<std::string> path = options_.checkpoints->Write(checkpoint);
   if (path.ok()) {
     metrics_.Set(kCheckpointVersion, static_cast<double>(checkpoint.version()));
+    if (options_.uploader != nullptr) options_.uploader->Upload(std::move(checkpoint));
   } else {
     ALOE_LOG_ERROR("shard", "checkpoint of version %d failed: %s", checkpoint.version(),
                    path.status().message());
@@ -341,7 +342,7 @@ void ShardServer::WriteFinalCheckpoint() {
       last = state_->Capture(options_.fingerprint);
     }
   }
-  if (last) WriteCheckpoint(*last);
+  if (last) WriteCheckpoint(*std::move(last));
 }
 
 absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {

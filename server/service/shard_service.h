@@ -31,6 +31,7 @@
 #include "server/core/shard_state.h"
 #include "server/core/update_assembler.h"
 #include "server/service/auth.h"
+#include "server/service/checkpoint_copies.h"
 #include "server/service/parameter_wire.h"
 
 namespace aloe::server {
@@ -45,6 +46,8 @@ class ShardServer final : public WireParameterService {
     std::shared_ptr<grpc::Channel> coordinator;  // with its credentials
     std::string token;                           // x-aloe-token for calls to the coordinator
     CheckpointStore* checkpoints = nullptr;      // null = no checkpoints
+    // checkpoint.replicate_shards: gets every checkpoint written; null = none.
+    CheckpointUploader* uploader = nullptr;
     uint32_t every_versions = 0;
     uint32_t max_staged = 8;  // the ShardState's max_staged (slots incl. pushes being received)
     // A fresh state at version 0 (the initial model), for RESTORE of version 0.
@@ -98,8 +101,9 @@ class ShardServer final : public WireParameterService {
                           const std::function<bool()>& cancelled,
                           absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
                           v1::PushReply* reply, absl::Time start);
-  // Writes `checkpoint` (options_.checkpoints must be set); logs a failure and carries on.
-  void WriteCheckpoint(const v1::ShardCheckpoint& checkpoint);
+  // Writes `checkpoint` (options_.checkpoints must be set) and hands it to the uploader; logs a
+  // failure and carries on.
+  void WriteCheckpoint(v1::ShardCheckpoint checkpoint);
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::ModelSpec spec_;

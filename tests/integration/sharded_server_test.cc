@@ -15,6 +15,9 @@
 //    job's checkpoint from one process to a coordinator and 2 shard processes and back, training
 //    on after each move, with the exact state in the converted files; bad conversions are
 //    refused, naming the problem, and write nothing.
+//  - ALostShardHostStartsAgainFromTheCoordinatorsCopy: with checkpoint.replicate_shards a shard
+//    whose host is lost for good (killed, its checkpoints deleted) starts again from the
+//    coordinator's copy and the job completes; refused copies write nothing.
 //  - RawPushesRefuseBadInputAndChangeNothing: malformed, mis-sized, non-float32, NaN-carrying,
 //    unadmitted and cut-off raw pushes are refused with errors naming the problem, and the model
 //    afterwards is exactly the initial one stepped once with the clean push that followed.
@@ -31,6 +34,7 @@
 #include <limits>
 #include <map>
 
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/mutex.h"
 #include "common/config.h"
@@ -42,6 +46,7 @@
 #include "server/core/order_journal.h"
 #include "server/core/parameter_store.h"
 #include "server/core/pseudo_gradient_penalty.h"
+#include "server/service/checkpoint_copies.h"
 #include "tests/integration/loopback_cluster.h"
 #include "worker/client.h"
 
@@ -107,6 +112,32 @@ class ShardedServerTest : public LoopbackTest {
     return port;
   }
 
+  // A sync job of 12 versions for two trainers on a coordinator and both shard processes
+  // (shards_), checkpointing every 2 versions into `ckpt` (`more`: other CheckpointConfig
+  // fields); the coordinator's port, or 0 when it did not start.
+  int StartSyncCluster(const std::string& ckpt, const std::string& more = "") {
+    const int port = StartServer(
+        absl::StrCat("shard_processes: 2\nmax_staged_updates: 4\nlocal_steps: 10\n"
+                     "max_versions: 12\naggregation { mode: AGGREGATION_SYNC min_workers: 2 }\n"
+                     "checkpoint { dir: \"",
+                     ckpt, "\" every_versions: 2 keep: 3 ", more, " }\n"),
+        kNesterov, {"--role=coordinator"});
+    if (port > 0) {
+      for (int i = 0; i < 2; ++i) shards_[i] = StartShard(i, port, false);
+    }
+    return port;
+  }
+
+  // The coordinator ends the job (exit 0 within 300 s), then every one of `processes` exits 0.
+  void ExpectJobEnds(const std::vector<Subprocess*>& processes) {
+    std::optional<int> code = server_->Wait(absl::Seconds(300));
+    ASSERT_TRUE(code.has_value()) << "coordinator did not finish\n" << ShardLogs();
+    ASSERT_EQ(*code, 0) << ShardLogs();
+    for (Subprocess* p : processes) {
+      EXPECT_EQ(p->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
+    }
+  }
+
   // SIGTERMs the coordinator and both shard processes; expects the shards to exit 0.
   void StopAsyncCluster() {
     server_->Signal(SIGTERM);
@@ -114,7 +145,7 @@ class ShardedServerTest : public LoopbackTest {
     for (auto& shard : shards_) EXPECT_EQ(shard->Wait(absl::Seconds(30)), std::optional<int>(0));
   }
 
-  std::unique_ptr<Subprocess> shards_[2];  // StartAsyncCluster's
+  std::unique_ptr<Subprocess> shards_[2];  // StartAsyncCluster's or StartSyncCluster's
   bool raw_pushes_ = false;                // the shards also take raw pushes
   int push_ports_[2] = {FreePort(), FreePort()};
 };
@@ -386,15 +417,10 @@ std::vector<v1::ShardOrder> Journal(const std::string& path) {
 
 TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   const std::string ckpt = dir_ + "/ckpt";
-  const int port = StartServer(
-      absl::StrCat("shard_processes: 2\nmax_staged_updates: 4\nlocal_steps: 10\n"
-                   "max_versions: 12\naggregation { mode: AGGREGATION_SYNC min_workers: 2 }\n"
-                   "checkpoint { dir: \"",
-                   ckpt, "\" every_versions: 2 keep: 3 }\n"),
-      kNesterov, {"--role=coordinator"});
+  const int port = StartSyncCluster(ckpt);
   ASSERT_GT(port, 0);
-  auto shard0 = StartShard(0, port, false);
-  auto shard1 = StartShard(1, port, false);
+  std::unique_ptr<Subprocess>& shard0 = shards_[0];
+  std::unique_ptr<Subprocess>& shard1 = shards_[1];
   auto evaluator = StartJoinedEvaluator(port);
   auto w0 = StartWorker(port, "trainer", 0);
   auto w1 = StartWorker(port, "trainer", 1, 1.5);
@@ -411,15 +437,9 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   ASSERT_TRUE(shard1->Wait(absl::Seconds(10)).has_value());
   auto resumed = StartShard(1, port, true);
 
-  std::optional<int> code = server_->Wait(absl::Seconds(300));
-  ASSERT_TRUE(code.has_value()) << "coordinator did not finish\n" << ShardLogs();
-  ASSERT_EQ(*code, 0) << ShardLogs();
-  EXPECT_EQ(w0->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
-  EXPECT_EQ(w1->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
-  EXPECT_EQ(evaluator->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
   // The shard processes end with the job, told by the coordinator (no signal).
-  EXPECT_EQ(shard0->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
-  EXPECT_EQ(resumed->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectJobEnds({w0.get(), w1.get(), evaluator.get(), shard0.get(), resumed.get()}));
   EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/server.log"),
                                 "the job is over at version 12; the 2 shard processes stop"))
       << ShardLogs();
@@ -617,6 +637,82 @@ TEST_F(ShardedServerTest, CheckpointMovesFromOneProcessToShardProcessesAndBack) 
   EXPECT_TRUE(absl::StrContains(log, "is of another model, outer optimizer, penalty or corpus"))
       << log;
   EXPECT_EQ(::access(out.c_str(), F_OK), -1);
+}
+
+// checkpoint.replicate_shards: the coordinator keeps a copy of every shard checkpoint. Shard 1's
+// host is lost for good (SIGKILL, and its checkpoint directory deleted): a new shard 1 with
+// nothing of its own fetches the newest copy and the job completes. A copy of another model, or
+// of a shard index that does not exist, is refused.
+TEST_F(ShardedServerTest, ALostShardHostStartsAgainFromTheCoordinatorsCopy) {
+  const std::string ckpt = dir_ + "/ckpt";
+  const int port = StartSyncCluster(ckpt, "replicate_shards: true");
+  ASSERT_GT(port, 0);
+  std::unique_ptr<Subprocess>& shard0 = shards_[0];
+  std::unique_ptr<Subprocess>& shard1 = shards_[1];
+  auto w0 = StartWorker(port, "trainer", 0);
+  auto w1 = StartWorker(port, "trainer", 1, 1.5);
+
+  // The coordinator holds shard 1's copy of version >= 4: the host goes, disk and all.
+  const std::string copies = ckpt + "/replicas/shard-1";
+  bool reached = false;
+  for (int i = 0; i < 1200 && !reached; ++i) {
+    const std::vector<uint64_t> v = server::CheckpointStore(copies, 3).Versions();
+    reached = !v.empty() && v.front() >= 4;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(reached) << ShardLogs();
+  shard1->Signal(SIGKILL);
+  ASSERT_TRUE(shard1->Wait(absl::Seconds(10)).has_value());
+  ASSERT_EQ(std::system(("rm -rf " + ckpt + "/shard-1").c_str()), 0);
+  auto resumed = StartShard(1, port, true);
+
+  ASSERT_NO_FATAL_FAILURE(ExpectJobEnds({w0.get(), w1.get(), shard0.get(), resumed.get()}));
+  const std::string log = ReadFile(dir_ + "/shard1-resumed.log");
+  EXPECT_TRUE(absl::StrContains(log,
+                                "shard 1 has no checkpoint of its own: fetched the "
+                                "coordinator's copy of version "))
+      << ShardLogs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), "version=12")) << ShardLogs();
+  EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard0.log")), 12) << ShardLogs();
+  EXPECT_EQ(StoppedAt(log), 12) << ShardLogs();
+  // Every copy is byte for byte the shard's own checkpoint of that version.
+  for (int i = 0; i < 2; ++i) {
+    const std::string own = absl::StrCat(ckpt, "/shard-", i);
+    const std::string copy = absl::StrCat(ckpt, "/replicas/shard-", i);
+    const std::vector<uint64_t> versions = server::CheckpointStore(copy, 3).Versions();
+    ASSERT_FALSE(versions.empty()) << copy;
+    EXPECT_EQ(versions.front(), 12u) << copy;
+    for (uint64_t v : versions) {
+      const std::string name = absl::StrFormat("/checkpoint-%012d.aloeckpt", v);
+      if (::access((own + name).c_str(), F_OK) != 0) continue;
+      EXPECT_EQ(ReadFile(copy + name), ReadFile(own + name)) << copy << name;
+    }
+  }
+
+  // Refused copies: another model's, a shard index out of range (a second coordinator).
+  const int second = StartServer(absl::StrCat("shard_processes: 2\nlocal_steps: 10\n"
+                                              "checkpoint { dir: \"",
+                                              ckpt, "2\" replicate_shards: true }\n"),
+                                 kNesterov, {"--role=coordinator"});
+  ASSERT_GT(second, 0);
+  auto stub = v1::ShardControl::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", second), grpc::InsecureChannelCredentials()));
+  v1::ShardCheckpoint foreign;
+  foreign.set_format(1);
+  foreign.set_fingerprint("another model");
+  foreign.set_shard_index(0);
+  foreign.set_shard_processes(2);
+  foreign.set_version(2);
+  absl::StatusOr<std::string> stored = server::StoreCheckpointCopy(*stub, "", foreign);
+  EXPECT_EQ(stored.status().code(), absl::StatusCode::kFailedPrecondition) << stored.status();
+  EXPECT_TRUE(absl::StrContains(stored.status().message(), "another model")) << stored.status();
+  absl::StatusOr<v1::ShardCheckpoint> fetched = server::FetchCheckpointCopy(*stub, "", 5);
+  EXPECT_EQ(fetched.status().code(), absl::StatusCode::kInvalidArgument) << fetched.status();
+  fetched = server::FetchCheckpointCopy(*stub, "", 1);
+  EXPECT_EQ(fetched.status().code(), absl::StatusCode::kNotFound) << fetched.status();
+  EXPECT_EQ(::access((ckpt + "2/replicas").c_str(), F_OK), -1) << "a refused copy was written";
+  server_->Signal(SIGTERM);
+  server_->Wait(absl::Seconds(30));
 }
 
 class ShardedReplayTest : public ShardedServerTest, public ::testing::WithParamInterface<bool> {};
