@@ -101,9 +101,11 @@ absl::StatusOr<Layout> LayoutOf(const v1::ServerConfig& config, const std::vecto
   return layout;
 }
 
-// The newest version of from_dir's checkpoints (written by `processes` processes) that every
-// process has whole, joined into the one-process layout (fingerprint not set).
-absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir, uint32_t processes,
+// The newest version of from_dir's checkpoints (written by `processes` processes, the shards'
+// in shards_dir/shard-<i>) that every process has whole, joined into the one-process layout
+// (fingerprint not set).
+absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir,
+                                                const std::string& shards_dir, uint32_t processes,
                                                 const v1::ServerConfig& source_config,
                                                 const Layout& source) {
   const CheckpointStore coordinator_store(from_dir, 1);
@@ -113,7 +115,7 @@ absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir, uin
   }
   std::vector<std::vector<uint64_t>> shard_versions(processes);
   for (uint32_t i = 0; i < processes; ++i) {
-    shard_versions[i] = CheckpointStore(ShardDir(from_dir, i), 1).Versions();
+    shard_versions[i] = CheckpointStore(ShardDir(shards_dir, i), 1).Versions();
     std::vector<uint64_t> common;
     for (uint64_t v : candidates) {
       if (std::count(shard_versions[i].begin(), shard_versions[i].end(), v) > 0) {
@@ -142,7 +144,7 @@ absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir, uin
     ShardedCheckpoint sharded;
     absl::Status read = coordinator.status();
     for (uint32_t i = 0; read.ok() && i < processes; ++i) {
-      const std::string shard_path = CheckpointStore(ShardDir(from_dir, i), 1).PathOf(version);
+      const std::string shard_path = CheckpointStore(ShardDir(shards_dir, i), 1).PathOf(version);
       absl::StatusOr<v1::ShardCheckpoint> shard =
           CheckpointStore::ReadFile<v1::ShardCheckpoint>(shard_path);
       read = shard.status();
@@ -152,7 +154,7 @@ absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir, uin
             "%s is of shard %d of %d shard processes, and %s has %d shard directories: copy "
             "every shard process's checkpoint directory (shard-<i> under its checkpoint.dir) "
             "beside the coordinator's checkpoints",
-            shard_path, shard->shard_index(), shard->shard_processes(), from_dir, processes));
+            shard_path, shard->shard_index(), shard->shard_processes(), shards_dir, processes));
       }
       ALOE_RETURN_IF_ERROR(
           CheckFingerprint(shard_path, shard->fingerprint(), expected_shard, processes));
@@ -204,7 +206,18 @@ absl::Status Reshard(const v1::ServerConfig& config, const std::string& from_dir
         "checkpoint.dir %s is not empty: the converted checkpoint goes to a new or empty directory",
         to_dir));
   }
-  ALOE_ASSIGN_OR_RETURN(const uint32_t from_processes, CountShardDirs(from_dir));
+  // The shard processes' checkpoints: copied beside the coordinator's, or else the copies the
+  // coordinator kept itself (checkpoint.replicate_shards).
+  std::string shards_dir = from_dir;
+  ALOE_ASSIGN_OR_RETURN(uint32_t from_processes, CountShardDirs(from_dir));
+  if (from_processes == 0) {
+    ALOE_ASSIGN_OR_RETURN(from_processes, CountShardDirs(from_dir + "/replicas"));
+    if (from_processes > 0) {
+      shards_dir = from_dir + "/replicas";
+      ALOE_LOG_INFO("reshard", "the shard processes' checkpoints: the coordinator's copies in %s",
+                    shards_dir);
+    }
+  }
   RealClock clock;
   InlineExecutor executor;
   NullMetrics metrics;
@@ -213,7 +226,7 @@ absl::Status Reshard(const v1::ServerConfig& config, const std::string& from_dir
   ALOE_ASSIGN_OR_RETURN(Layout source,
                         LayoutOf(source_config, train, heldout_file, clock, executor, metrics));
   ALOE_ASSIGN_OR_RETURN(v1::ServerCheckpoint whole,
-                        ReadSource(from_dir, from_processes, source_config, source));
+                        ReadSource(from_dir, shards_dir, from_processes, source_config, source));
   source.core.reset();
   ALOE_ASSIGN_OR_RETURN(Layout target,
                         LayoutOf(config, train, heldout_file, clock, executor, metrics));

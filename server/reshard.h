@@ -12,7 +12,7 @@ namespace aloe::server {
 
 // Reads the newest version in `from_dir` that is whole in every process's checkpoints (a
 // one-process server's, or a coordinator's with the shard-<i> directories of its N shard
-// processes beside them), converts it (server/core/checkpoint_layout.h) to the layout of
+// processes beside them, or else its own copies of them in replicas/shard-<i>), converts it (server/core/checkpoint_layout.h) to the layout of
 // `config` (config.shard_processes: 0 for one process) and writes it to config.checkpoint.dir
 // (and its shard-<i> directories), from where the server resumes (--resume).
 //

@@ -689,6 +689,21 @@ TEST_F(ShardedServerTest, ALostShardHostStartsAgainFromTheCoordinatorsCopy) {
     }
   }
 
+  // The coordinator's directory alone (its checkpoints and copies, no shard directory) converts
+  // to one process: --reshard_from reads the copies.
+  const std::string alone = dir_ + "/coordinator_only";
+  ASSERT_EQ(std::system(absl::StrCat("mkdir -p ", alone, " && cp ", ckpt, "/checkpoint-* ", alone,
+                                     " && cp -r ", ckpt, "/replicas ", alone)
+                            .c_str()),
+            0);
+  std::string log_one;
+  EXPECT_EQ(Reshard(Bin("aloe-server"), dir_, alone, dir_ + "/one", 0, &log_one),
+            std::optional<int>(0))
+      << log_one;
+  EXPECT_TRUE(absl::StrContains(log_one, "the coordinator's copies in " + alone + "/replicas"))
+      << log_one;
+  EXPECT_TRUE(absl::StrContains(log_one, "version 12 of " + alone)) << log_one;
+
   // Refused copies: another model's, a shard index out of range (a second coordinator).
   const int second = StartServer(absl::StrCat("shard_processes: 2\nlocal_steps: 10\n"
                                               "checkpoint { dir: \"",
