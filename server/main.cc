@@ -782,6 +782,12 @@ absl::Status Run() {
       ALOE_LOG_INFO("coordinator", "the job is over at version %d; the %d shard processes stop",
                     version, told);
     }
+    // Each shard's last checkpoint is of this version: keep serving until its copy is in.
+    if (config.checkpoint().replicate_shards() &&
+        !shard_control->AwaitCopies(version, absl::Seconds(30))) {
+      ALOE_LOG_WARNING("coordinator",
+                       "not every shard process's copy of version %d arrived within 30 s", version);
+    }
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (checkpoints) {

@@ -281,6 +281,25 @@ std::string ShardControlService::CopiesDir(uint32_t shard) const {
   return absl::StrFormat("%s/shard-%d", options_.replica_dir, shard);
 }
 
+bool ShardControlService::AwaitCopies(uint64_t version, absl::Duration timeout) {
+  if (options_.replica_dir.empty()) return true;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    bool all = true;
+    {
+      absl::MutexLock lock(&copies_mu_);
+      for (uint32_t i = 0; i < options_.shard_processes && all; ++i) {
+        const std::vector<uint64_t> versions =
+            CheckpointStore(CopiesDir(i), options_.keep).Versions();
+        all = std::find(versions.begin(), versions.end(), version) != versions.end();
+      }
+    }
+    if (all) return true;
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
 grpc::Status ShardControlService::StoreCheckpoint(grpc::ServerContext* context,
                                                   grpc::ServerReader<v1::CheckpointPiece>* reader,
                                                   v1::StoreCheckpointReply* reply) {

@@ -51,6 +51,9 @@ class ShardControlService final : public v1::ShardControl::Service {
   grpc::Status ReportStaged(grpc::ServerContext*, const v1::StagedReport*, v1::PushReply*) override;
   grpc::Status Follow(grpc::ServerContext*, const v1::FollowRequest*,
                       grpc::ServerWriter<v1::ShardOrder>*) override;
+  // checkpoint.replicate_shards: waits until a copy of `version` of every shard process's
+  // checkpoints is kept, up to `timeout`; false on timeout (true when none are kept).
+  bool AwaitCopies(uint64_t version, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(copies_mu_);
   grpc::Status StoreCheckpoint(grpc::ServerContext*, grpc::ServerReader<v1::CheckpointPiece>*,
                                v1::StoreCheckpointReply*) override ABSL_LOCKS_EXCLUDED(copies_mu_);
   grpc::Status FetchCheckpoint(grpc::ServerContext*, const v1::FetchCheckpointRequest*,
