@@ -671,7 +671,8 @@ absl::Status Run() {
   ALOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                         ServerCredentials(config, config.listen_address()));
   CoreHandle handle(std::move(core));
-  CoordinatorService coordinator(handle, *auth);
+  CoordinatorService coordinator(
+      handle, *auth, config.shard_processes() > 0 ? config.security().shard_identity() : "");
   const double pull_delay_ms = absl::GetFlag(FLAGS_pull_delay_ms);
   if (!(pull_delay_ms >= 0) || pull_delay_ms > 600000) {
     return absl::InvalidArgumentError("--pull_delay_ms must be in [0, 600000]");

@@ -45,6 +45,13 @@ absl::StatusOr<std::string> Authorize(const Authenticator& auth, const grpc::Ser
 grpc::Status CoordinatorService::Join(grpc::ServerContext* context, const v1::JoinRequest* request,
                                       v1::JoinReply* reply) {
   ALOE_AUTHORIZE(std::nullopt);
+  if (auth_.enabled() && !shard_identity_.empty() && *identity == shard_identity_) {
+    return grpc::Status(
+        grpc::StatusCode::PERMISSION_DENIED,
+        absl::StrFormat("identity \"%s\" is the shard processes' (security.shard_identity): a "
+                        "worker joins with a token of another identity",
+                        shard_identity_));
+  }
   absl::StatusOr<v1::JoinReply> joined =
       handle_.Run([&](ServerCore& core) { return core.Join(*request); });
   if (joined.ok()) auth_.Bind(joined->worker_id(), *identity);

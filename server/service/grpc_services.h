@@ -31,8 +31,10 @@ void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics);
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
-  // handle and auth must outlive the service.
-  CoordinatorService(CoreHandle& handle, Authenticator& auth) : handle_(handle), auth_(auth) {}
+  // handle and auth must outlive the service. shard_identity: a layer-sharded coordinator's
+  // security.shard_identity, whose tokens may not join as workers ("" = any identity may).
+  CoordinatorService(CoreHandle& handle, Authenticator& auth, std::string shard_identity = "")
+      : handle_(handle), auth_(auth), shard_identity_(std::move(shard_identity)) {}
 
   grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest*, v1::JoinReply*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,
@@ -44,6 +46,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
  private:
   CoreHandle& handle_;
   Authenticator& auth_;
+  const std::string shard_identity_;
 };
 
 class ParameterServiceImpl final : public WireParameterService {

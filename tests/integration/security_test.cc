@@ -326,6 +326,15 @@ TEST_F(SecurityTest, ShardsTheCoordinatorRefusesExitWithTheReason) {
       Start(absl::StrCat("token_file: \"", dir_, "/tokens\" shard_identity: \"bravo\""),
             "127.0.0.1:0", {"--role=coordinator"}, "shard_processes: 2");
   ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
+  // The shards' identity cannot join as a worker either; a worker's can.
+  auto stub = Stub(port, /*tls=*/false, /*client_cert=*/false);
+  v1::JoinReply joined;
+  const grpc::Status as_shard = Join(*stub, kTokenB, &joined);
+  EXPECT_EQ(as_shard.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(as_shard.error_message().find("is the shard processes'"), std::string::npos)
+      << as_shard.error_message();
+  // (A worker's join waits for the shard processes: UNAVAILABLE, not PERMISSION_DENIED.)
+  EXPECT_EQ(Join(*stub, kTokenA, &joined).error_code(), grpc::StatusCode::UNAVAILABLE);
   struct Case {
     std::vector<std::string> flags;
     const char* message;
