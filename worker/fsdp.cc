@@ -495,7 +495,11 @@ absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& d
                             ReadBatch(data, mine, window, s.model_config.vocab_size()));
       const double lr = InnerLearningRate(s.inner, lr_step + i);  // paper 002 Eq. 3
       ALOE_RETURN_IF_ERROR(s.Materialize());
-      torch::Tensor loss = s.Loss(tokens);
+      torch::Tensor loss;
+      {
+        TrainingAutocast autocast;  // --autocast bf16: the forward pass only
+        loss = s.Loss(tokens);
+      }
       loss.backward();
       ALOE_ASSIGN_OR_RETURN(double squared, s.ScatterGradients());
       ALOE_ASSIGN_OR_RETURN(double node_loss, s.collectives->AllReduceSum(loss.item<double>()));

@@ -66,6 +66,10 @@ ABSL_FLAG(std::string, overlap, "off",
           "round r+1 trains (one-step delay); eager also applies round r's pseudo-gradient "
           "locally at once until the global model with it arrives (paper 004). Needs a plain "
           "async server (grace_seconds 0). With --nproc N every rank does this for its slices");
+ABSL_FLAG(std::string, autocast, "off",
+          "off | bf16: run the forward pass of every training step under LibTorch's bf16 autocast "
+          "(matrix products in bfloat16); parameters, gradients, AdamW state and "
+          "pseudo-gradients stay float32. Evaluation stays float32");
 ABSL_FLAG(std::string, torchscript, "",
           "Bring-your-own model: a TorchScript file (torch.jit.script(m).save(path)) whose "
           "forward(inputs) returns logits [B,T,V] or forward(inputs, targets) the loss; the "
@@ -897,6 +901,10 @@ absl::Status Main() {
     return absl::InvalidArgumentError(
         absl::StrFormat("--overlap must be off, delayed or eager, got \"%s\"", overlap));
   }
+  if (absl::GetFlag(FLAGS_autocast) != "off" && absl::GetFlag(FLAGS_autocast) != "bf16") {
+    return absl::InvalidArgumentError(absl::StrFormat("--autocast must be off or bf16, got \"%s\"",
+                                                      absl::GetFlag(FLAGS_autocast)));
+  }
   if (overlap != "off" && role != "trainer") {
     return absl::InvalidArgumentError("--overlap is for trainers (not evaluators)");
   }
@@ -916,6 +924,7 @@ absl::Status Main() {
     return absl::InvalidArgumentError("--rank is set by --nproc > 1, not by hand");
   }
   SetTrainerThreads(absl::GetFlag(FLAGS_threads));
+  SetTrainerAutocastBf16(absl::GetFlag(FLAGS_autocast) == "bf16");
   ConfigureAllocatorForTraining();
   std::unique_ptr<MetricsSink> metrics;
   if (absl::GetFlag(FLAGS_metrics) == "off") {

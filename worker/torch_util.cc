@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "worker/trainer.h"
 
 namespace aloe::worker {
 namespace {
@@ -20,6 +21,21 @@ absl::Status CheckTokens(const int64_t* tokens, int64_t count, uint32_t vocab_si
 }
 
 }  // namespace
+
+TrainingAutocast::TrainingAutocast() : on_(TrainerAutocastBf16()) {
+  if (!on_) return;
+  was_enabled_ = at::autocast::is_cpu_enabled();
+  was_dtype_ = at::autocast::get_autocast_cpu_dtype();
+  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+  at::autocast::set_cpu_enabled(true);
+}
+
+TrainingAutocast::~TrainingAutocast() {
+  if (!on_) return;
+  at::autocast::set_cpu_enabled(was_enabled_);
+  at::autocast::set_autocast_cpu_dtype(was_dtype_);
+  at::autocast::clear_cache();
+}
 
 absl::Status LibTorchError(const char* what, const std::exception& e) {
   if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) {

@@ -2,6 +2,7 @@
 // <torch/torch.h>: only for translation units that use LibTorch anyway.
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -17,6 +18,22 @@ namespace aloe::worker {
 // Applies SetTrainerThreads (worker/trainer.h) on the calling thread: torch::set_num_threads
 // sets the calling thread's OpenMP thread count, so it is applied on the thread that trains.
 void ApplyTrainerThreads();
+
+// The forward pass of a training step under bf16 autocast while TrainerAutocastBf16()
+// (worker/trainer.h) is on; a no-op otherwise. Restores the thread's previous autocast state on
+// destruction.
+class TrainingAutocast {
+ public:
+  TrainingAutocast();
+  ~TrainingAutocast();
+  TrainingAutocast(const TrainingAutocast&) = delete;
+  TrainingAutocast& operator=(const TrainingAutocast&) = delete;
+
+ private:
+  const bool on_;
+  bool was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kBFloat16;
+};
 
 // A LibTorch exception as kInternal "what: message" (without the C++ backtrace).
 absl::Status LibTorchError(const char* what, const std::exception& e);

@@ -29,6 +29,7 @@ namespace aloe::worker {
 namespace {
 
 std::atomic<int> g_trainer_threads{1};
+std::atomic<bool> g_autocast_bf16{false};
 
 }  // namespace
 
@@ -42,6 +43,10 @@ void SetTrainerThreads(int num_threads) {
 }
 
 int TrainerThreads() { return g_trainer_threads.load(std::memory_order_relaxed); }
+
+void SetTrainerAutocastBf16(bool on) { g_autocast_bf16.store(on, std::memory_order_relaxed); }
+
+bool TrainerAutocastBf16() { return g_autocast_bf16.load(std::memory_order_relaxed); }
 
 void ConfigureAllocatorForTraining() {
 #if defined(__GLIBC__)
@@ -215,7 +220,11 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
       }
       impl_->optimizer->zero_grad();
-      torch::Tensor loss = impl_->Loss(batch);
+      torch::Tensor loss;
+      {
+        TrainingAutocast autocast;  // --autocast bf16: the forward pass only
+        loss = impl_->Loss(batch);
+      }
       loss.backward();
       if (impl_->inner.grad_clip() > 0) {
         torch::nn::utils::clip_grad_norm_(impl_->params, impl_->inner.grad_clip());

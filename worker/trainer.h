@@ -40,6 +40,14 @@ absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::str
 void SetTrainerThreads(int num_threads);
 int TrainerThreads();
 
+// Mixed precision of the inner loop in this process (aloe-worker --autocast bf16): the forward
+// pass and the loss run under LibTorch's autocast with bfloat16 (matrix products in bf16, what
+// autocast keeps in float32 stays so), while parameters, gradients, AdamW state and
+// pseudo-gradients stay float32. Off by default. Applies to LocalTrainer and FsdpTrainer
+// training steps (not evaluation). Thread-safe.
+void SetTrainerAutocastBf16(bool on);
+bool TrainerAutocastBf16();
+
 // Keeps the training step's large temporaries (activations, gradients: up to a few MiB each)
 // in the malloc heap instead of fresh mmap'ed pages: sets glibc's mmap threshold to 32 MiB and
 // the trim threshold to 256 MiB. Without it every step page-faults and zero-fills its
