@@ -233,6 +233,19 @@ TEST_F(FsdpTrainerTest, ThreeRanksMatchOneRank) {
   EXPECT_LE(RelativeError(three, one), 1e-5);
 }
 
+// --autocast bf16 reaches the ranks' forward passes: 2 ranks with it end elsewhere than 2 ranks
+// without it (and than one LocalTrainer with it: the ranks' rows differ), yet close by.
+TEST_F(FsdpTrainerTest, Bf16AutocastChangesTheRanksStepsButNotMuch) {
+  const Layers fp32 = TrainFsdp(2, 1, 5);
+  SetTrainerAutocastBf16(true);
+  const Layers bf16 = TrainFsdp(2, 1, 5);
+  SetTrainerAutocastBf16(false);
+  const double error = RelativeError(bf16, fp32);
+  std::printf("FSDP 2 ranks, bf16 autocast vs float32 after 5 steps: relative error %.3g\n", error);
+  EXPECT_GT(error, 1e-4) << "bf16 autocast changed nothing";
+  EXPECT_LT(error, 0.05);
+}
+
 TEST_F(FsdpTrainerTest, AnInterruptOnOneRankStopsEveryRankAfterTheSameStep) {
   const InMemoryTokenSource data = Data();
   RunRanks(2, [&](Collectives& c) {
