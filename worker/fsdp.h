@@ -1,7 +1,7 @@
 // Intra-node fully sharded data parallelism (FSDP, ZeRO-3 style) for the inner loop: the N ranks
-// of one node (processes or threads; Gloo on CPU, NCCL on GPUs) train one model replica
-// together. Every spec layer's flat float32 buffer is cut into N equal slices (the last padded),
-// and rank r owns slice r of every layer:
+// of one node (processes or threads, over Gloo on CPU; there is no NCCL/GPU group yet) train one
+// model replica together. Every spec layer's flat float32 buffer is cut into N equal slices (the
+// last padded), and rank r owns slice r of every layer:
 //
 //   state          held by each rank                       without FSDP (LocalTrainer)
 //   parameters     its slice, between steps (1/N)          the whole model, always
