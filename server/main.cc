@@ -692,6 +692,7 @@ absl::Status Run() {
     if (config.checkpoint().replicate_shards()) {
       options.replica_dir = config.checkpoint().dir() + "/replicas";
       options.keep = config.checkpoint().keep();
+      options.metrics = metrics.get();
     }
     if (auth->enabled() && !auth->HasIdentity(options.shard_identity)) {
       return absl::InvalidArgumentError(absl::StrFormat(

@@ -84,6 +84,12 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        "Shard process: payload bytes received whole over raw pushes (the rest of "
        "aloe_received_bytes_total came over gRPC)",
        {}},
+      {kShardCopyVersion,
+       K::kGauge,
+       "Coordinator (checkpoint.replicate_shards): version of the newest copy it keeps of each "
+       "shard process's checkpoints",
+       {},
+       {"process"}},
       {kTrainLoss, K::kGauge, "Mean inner training loss reported with the last update", {}},
       {kPenaltyAnomalies,
        K::kCounter,

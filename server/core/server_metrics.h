@@ -37,6 +37,8 @@ inline constexpr char kCheckpointVersion[] = "aloe_checkpoint_version";
 inline constexpr char kStagedUpdates[] = "aloe_staged_updates";
 inline constexpr char kStagedBytes[] = "aloe_staged_bytes";
 inline constexpr char kRawPushBytes[] = "aloe_raw_push_bytes_total";
+// Coordinator with checkpoint.replicate_shards: per shard process (label "process").
+inline constexpr char kShardCopyVersion[] = "aloe_shard_checkpoint_copy_version";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
 // no per-worker labels.
 inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";

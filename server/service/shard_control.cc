@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "server/core/checkpoint_store.h"
+#include "server/core/server_metrics.h"
 #include "server/core/shard_assembly.h"
 #include "server/service/checkpoint_copies.h"
 #include "server/service/grpc_services.h"
@@ -368,6 +369,11 @@ grpc::Status ShardControlService::StoreCheckpoint(grpc::ServerContext* context,
   absl::StatusOr<std::string> path = store.Write(checkpoint);
   if (!path.ok()) return ToGrpcStatus(path.status());
   reply->set_path(*path);
+  if (options_.metrics != nullptr) {
+    const std::vector<uint64_t> kept = store.Versions();  // newest first
+    options_.metrics->Set(kShardCopyVersion, static_cast<double>(kept.front()),
+                          {std::to_string(shard)});
+  }
   return grpc::Status::OK;
 }
 

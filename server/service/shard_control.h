@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/core/order_journal.h"
 #include "server/service/auth.h"
@@ -43,6 +44,8 @@ class ShardControlService final : public v1::ShardControl::Service {
     // (<replica_dir>/shard-<i>, the newest `keep` each); "" = none are kept.
     std::string replica_dir;
     uint32_t keep = 3;
+    // Gets aloe_shard_checkpoint_copy_version per stored copy; null = none.
+    MetricsSink* metrics = nullptr;
   };
   // handle and auth must outlive the service.
   ShardControlService(CoreHandle& handle, Authenticator& auth, Options options);

@@ -661,6 +661,8 @@ TEST_F(ShardedServerTest, ALostShardHostStartsAgainFromTheCoordinatorsCopy) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   ASSERT_TRUE(reached) << ShardLogs();
+  // The coordinator says how current its copies are.
+  EXPECT_GE(Scraped("aloe_shard_checkpoint_copy_version{process=\"1\"}"), 4) << ShardLogs();
   shard1->Signal(SIGKILL);
   ASSERT_TRUE(shard1->Wait(absl::Seconds(10)).has_value());
   ASSERT_EQ(std::system(("rm -rf " + ckpt + "/shard-1").c_str()), 0);
