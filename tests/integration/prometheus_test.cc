@@ -285,7 +285,7 @@ class PrometheusTest : public ::testing::Test {
       aggregation { mode: AGGREGATION_ASYNC grace_seconds: 0.05 }
       penalty { enabled: true warmup: 2 }
       checkpoint { dir: ")",
-                        dir_, R"(/checkpoints" every_versions: 4 keep: 2 }
+                        dir_, R"(/checkpoints" every_versions: 4 keep: 2 replicate_shards: true }
       local_steps: 4
       eval_every: 4
       lease_seconds: 20
