@@ -84,30 +84,14 @@ absl::Status CheckFingerprint(const std::string& path, const std::string& found,
       found, expected));
 }
 
-// What the server of `config` would be: its core (for the coordinator's fingerprint and
-// restore) and its model.
-struct Layout {
-  std::unique_ptr<ServerCore> core;
-  ServerModel model;  // the spec alone (no parameters)
-};
-
-absl::StatusOr<Layout> LayoutOf(const v1::ServerConfig& config, const std::vector<DataShard>& train,
-                                const std::string& heldout_file, const Clock& clock,
-                                Executor& executor, MetricsSink& metrics) {
-  Layout layout;
-  ALOE_ASSIGN_OR_RETURN(layout.core,
-                        ServerCore::Create(config, train, heldout_file, clock, executor, metrics));
-  ALOE_ASSIGN_OR_RETURN(layout.model, LoadServerModel(config, kNoLayers));
-  return layout;
-}
-
 // The newest version of from_dir's checkpoints (written by `processes` processes, the shards'
 // in shards_dir/shard-<i>) that every process has whole, joined into the one-process layout
 // (fingerprint not set).
+// source: the model (spec alone) as a server of source_config lays it out.
 absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir,
                                                 const std::string& shards_dir, uint32_t processes,
                                                 const v1::ServerConfig& source_config,
-                                                const Layout& source) {
+                                                const ServerModel& source, size_t data_shards) {
   const CheckpointStore coordinator_store(from_dir, 1);
   std::vector<uint64_t> candidates = coordinator_store.Versions();
   if (candidates.empty()) {
@@ -134,9 +118,10 @@ absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir,
         "no version in %s is checkpointed by the coordinator and every shard process: %s", from_dir,
         listing));
   }
-  const std::string expected = source.core->Fingerprint();
+  const std::string expected =
+      ServerCore::FingerprintOf(source_config, source.spec, data_shards, source.fingerprint);
   const std::string expected_shard =
-      ShardedModelFingerprint(source_config, source.model.spec, source.model.fingerprint);
+      ShardedModelFingerprint(source_config, source.spec, source.fingerprint);
   for (uint64_t version : candidates) {
     const std::string path = coordinator_store.PathOf(version);
     absl::StatusOr<v1::ServerCheckpoint> coordinator =
@@ -179,7 +164,7 @@ absl::StatusOr<v1::ServerCheckpoint> ReadSource(const std::string& from_dir,
     sharded.coordinator = *std::move(coordinator);
     ALOE_LOG_INFO("reshard", "read version %d of a coordinator and %d shard processes from %s",
                   version, processes, from_dir);
-    return JoinShardCheckpoints(source.model.spec, sharded);
+    return JoinShardCheckpoints(source.spec, sharded);
   }
   return absl::DataLossError(absl::StrFormat(
       "every version in %s that all processes checkpointed has a corrupt file (see above)",
@@ -223,13 +208,15 @@ absl::Status Reshard(const v1::ServerConfig& config, const std::string& from_dir
   NullMetrics metrics;
   v1::ServerConfig source_config = config;
   source_config.set_shard_processes(from_processes);
-  ALOE_ASSIGN_OR_RETURN(Layout source,
-                        LayoutOf(source_config, train, heldout_file, clock, executor, metrics));
-  ALOE_ASSIGN_OR_RETURN(v1::ServerCheckpoint whole,
-                        ReadSource(from_dir, shards_dir, from_processes, source_config, source));
-  source.core.reset();
-  ALOE_ASSIGN_OR_RETURN(Layout target,
-                        LayoutOf(config, train, heldout_file, clock, executor, metrics));
+  // The source's layout needs no server of its own: its spec and fingerprints suffice.
+  ALOE_ASSIGN_OR_RETURN(const ServerModel source, LoadServerModel(source_config, kNoLayers));
+  ALOE_ASSIGN_OR_RETURN(
+      v1::ServerCheckpoint whole,
+      ReadSource(from_dir, shards_dir, from_processes, source_config, source, train.size()));
+  // The target's is built: the converted checkpoint must restore into it.
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ServerCore> target,
+                        ServerCore::Create(config, train, heldout_file, clock, executor, metrics));
+  ALOE_ASSIGN_OR_RETURN(const ServerModel target_model, LoadServerModel(config, kNoLayers));
   const uint32_t to_processes = config.shard_processes();
 
   // Converted and restored into what the server builds before anything is written.
@@ -237,11 +224,11 @@ absl::Status Reshard(const v1::ServerConfig& config, const std::string& from_dir
   if (to_processes == 0) {
     out.coordinator = std::move(whole);
   } else {
-    ALOE_ASSIGN_OR_RETURN(out, SplitCheckpoint(target.model.spec, whole));
+    ALOE_ASSIGN_OR_RETURN(out, SplitCheckpoint(target_model.spec, whole));
   }
-  out.coordinator.set_fingerprint(target.core->Fingerprint());
-  ALOE_RETURN_IF_ERROR(target.core->RestoreCheckpoint(out.coordinator));
-  target.core.reset();
+  out.coordinator.set_fingerprint(target->Fingerprint());
+  ALOE_RETURN_IF_ERROR(target->RestoreCheckpoint(out.coordinator));
+  target.reset();
   for (uint32_t i = 0; i < to_processes; ++i) {
     ALOE_ASSIGN_OR_RETURN(ServerModel model, LoadServerModel(config, i));
     ALOE_ASSIGN_OR_RETURN(

@@ -823,15 +823,22 @@ double ServerCore::TrainedSeconds() const {
 }
 
 std::string ServerCore::Fingerprint() const {
+  return FingerprintOf(config_, spec(), sampler_.size(), model_fingerprint_);
+}
+
+std::string ServerCore::FingerprintOf(const v1::ServerConfig& config, const v1::ModelSpec& spec,
+                                      size_t data_shards, const std::string& model_fingerprint) {
   std::string f = absl::StrFormat("outer=%s/N=%d;",
-                                  v1::OuterOptimizerType_Name(config_.outer_optimizer().type()),
-                                  config_.outer_optimizer().dn_buffer_size());
-  for (const v1::LayerSpec& layer : spec().layers()) {
+                                  v1::OuterOptimizerType_Name(config.outer_optimizer().type()),
+                                  config.outer_optimizer().dn_buffer_size());
+  for (const v1::LayerSpec& layer : spec.layers()) {
     absl::StrAppendFormat(&f, "%s:%d;", layer.name(), layer.num_elements());
   }
-  absl::StrAppendFormat(&f, "penalty=%d;shards=%d", config_.penalty().enabled(), sampler_.size());
-  if (!model_fingerprint_.empty()) absl::StrAppend(&f, ";model=", model_fingerprint_);
-  if (sharded()) absl::StrAppend(&f, ";processes=", config_.shard_processes());
+  absl::StrAppendFormat(&f, "penalty=%d;shards=%d", config.penalty().enabled(), data_shards);
+  if (!model_fingerprint.empty()) absl::StrAppend(&f, ";model=", model_fingerprint);
+  if (config.shard_processes() > 0) {
+    absl::StrAppend(&f, ";processes=", config.shard_processes());
+  }
   return f;
 }
 

@@ -93,6 +93,10 @@ class ServerCore {
   // What the checkpoints say they are of (model layout, outer optimizer, penalty, corpus shard
   // count, process count); RestoreCheckpoint takes only a checkpoint that says the same.
   std::string Fingerprint() const;
+  // The same for a server of `config` training `spec` on `data_shards` training shards (the
+  // bring-your-own model's fingerprint or ""), without building one.
+  static std::string FingerprintOf(const v1::ServerConfig& config, const v1::ModelSpec& spec,
+                                   size_t data_shards, const std::string& model_fingerprint);
   // The checkpoints captured right after outer steps that reached a multiple of
   // checkpoint.every_versions, oldest first, each once (empty when none is waiting). A
   // single-process core keeps only the newest (each holds the whole model, and a slow disk must

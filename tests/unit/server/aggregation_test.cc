@@ -24,7 +24,7 @@ TEST(SyncRoundAggregationTest, RoundIsABarrierOverItsParticipants) {
   EXPECT_FALSE(sync.StartVersion(1, 0, {1}).has_value());  // below min_workers
   EXPECT_FALSE(sync.InProgress());
   EXPECT_TRUE(sync.StartVersion(1, 0, {1, 2}).has_value());
-  EXPECT_FALSE(sync.StartVersion(1, 0, {1, 2}).has_value());  // starts once per round
+  EXPECT_FALSE(sync.StartVersion(1, 0, {1, 2}).has_value());     // starts once per round
   EXPECT_FALSE(sync.StartVersion(3, 0, {1, 2, 3}).has_value());  // joined mid-round: next round
   EXPECT_TRUE(sync.StartVersion(2, 0, {1, 2, 3}).has_value());
   EXPECT_EQ(sync.active_workers(), 2u);

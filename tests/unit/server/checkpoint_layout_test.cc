@@ -13,6 +13,7 @@
 #include "server/core/parameter_store.h"
 #include "server/core/pseudo_gradient_penalty.h"
 #include "server/core/shard_state.h"
+#include "tests/testing/shard_orders.h"
 
 namespace aloe::server {
 namespace {
@@ -256,17 +257,6 @@ PendingUpdate Update(const v1::ModelSpec& spec, uint64_t worker, uint64_t id, ui
   return u;
 }
 
-v1::ShardOrder CommitOf(uint64_t version, uint64_t worker, uint64_t id) {
-  v1::ShardOrder order;
-  order.set_kind(v1::ShardOrder::COMMIT);
-  order.set_version(version);
-  v1::CommitEntry* e = order.add_entries();
-  e->set_worker_id(worker);
-  e->set_update_id(id);
-  e->set_weight(1.0f);
-  return order;
-}
-
 std::vector<std::vector<float>> Initial(const v1::ModelSpec& spec) {
   std::vector<std::vector<float>> initial;
   for (const v1::LayerSpec& layer : spec.layers()) {
@@ -289,7 +279,8 @@ struct Processes {
   void Step(const v1::ModelSpec& spec, uint64_t id) {
     for (auto& shard : shards) {
       ASSERT_THAT(shard->Stage(Update(spec, 1, id, shard->shard_index(), false)), IsOk());
-      ASSERT_THAT(shard->Apply(CommitOf(shard->version() + 1, 1, id)), IsOk());
+      ASSERT_THAT(shard->Apply(::aloe::testing::CommitOrder(shard->version() + 1, {{1, id, 1.0f}})),
+                  IsOk());
     }
   }
   std::vector<float> Layer(uint32_t l) const {

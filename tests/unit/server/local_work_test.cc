@@ -20,7 +20,7 @@ TEST(LocalWorkPlannerTest, DyLUGoldenStepsForVeryHeterogeneousWorkers) {
   EXPECT_EQ(planner.PlanFor(3).steps, 19u);
   EXPECT_EQ(planner.PlanFor(4).steps, 8u);
   EXPECT_EQ(planner.PlanFor(99).steps, 50u);  // unmeasured worker gets H
-  planner.Forget(1);  // the fastest leaves: 0.77 becomes the reference
+  planner.Forget(1);                          // the fastest leaves: 0.77 becomes the reference
   EXPECT_EQ(planner.PlanFor(2).steps, 50u);
   EXPECT_EQ(planner.PlanFor(4).steps, 11u);  // floor(0.17 / 0.77 * 50) = floor(11.04)
 }
@@ -51,7 +51,8 @@ TEST(LocalWorkPlannerTest, FixedAndTimeBudget) {
   fixed.ReportSpeed(1, 3.0);
   EXPECT_EQ(fixed.PlanFor(1).steps, 7u);
   EXPECT_EQ(fixed.PlanFor(1).time_budget_seconds, 0.0);
-  LocalWorkPlanner budget({.mode = Mode::kTimeBudget, .local_steps = 7, .time_budget_seconds = 2.5});
+  LocalWorkPlanner budget(
+      {.mode = Mode::kTimeBudget, .local_steps = 7, .time_budget_seconds = 2.5});
   EXPECT_EQ(budget.PlanFor(1).steps, 700u);
   EXPECT_DOUBLE_EQ(budget.PlanFor(1).time_budget_seconds, 2.5);
 }

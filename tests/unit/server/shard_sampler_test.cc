@@ -7,9 +7,7 @@
 namespace aloe::server {
 namespace {
 
-std::vector<DataShard> Shards() {
-  return {{"a", "a", 100}, {"b", "b", 300}, {"c", "c", 600}};
-}
+std::vector<DataShard> Shards() { return {{"a", "a", 100}, {"b", "b", 300}, {"c", "c", 600}}; }
 
 TEST(ShardSamplerTest, StartIsProportionalToSize) {
   ShardSampler sampler(Shards(), 1);
@@ -68,7 +66,7 @@ TEST(ShardSamplerTest, InFlightWorkPreventsHerding) {
   sampler.Assign(1, 100);  // a second worker on b makes a the under-sampled one
   EXPECT_EQ(sampler.Next(), 0u);
   EXPECT_EQ(sampler.tokens_in_flight(1), 200u);
-  sampler.Release(1, 100);  // dropped task
+  sampler.Release(1, 100);               // dropped task
   sampler.RecordLearned(1, 100, 4, 90);  // returned task learned 90 of 100
   EXPECT_EQ(sampler.tokens_in_flight(1), 0u);
   EXPECT_EQ(sampler.tokens_learned(1), 90u);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/status_matchers.h"
+#include "tests/testing/shard_orders.h"
 
 namespace aloe::server {
 namespace {
@@ -100,20 +101,7 @@ PendingUpdate Slice0(uint64_t worker, uint64_t update, uint32_t slice, std::vect
   return u;
 }
 
-v1::ShardOrder Commit(uint64_t version, std::vector<std::tuple<uint64_t, uint64_t, float>> entries,
-                      std::vector<uint64_t> keep = {}) {
-  v1::ShardOrder order;
-  order.set_kind(v1::ShardOrder::COMMIT);
-  order.set_version(version);
-  for (const auto& [worker, update, weight] : entries) {
-    v1::CommitEntry* e = order.add_entries();
-    e->set_worker_id(worker);
-    e->set_update_id(update);
-    e->set_weight(weight);
-  }
-  for (uint64_t v : keep) order.add_keep_versions(v);
-  return order;
-}
+using ::aloe::testing::CommitOrder;
 
 std::vector<float> Layer(const ShardState& shard, uint32_t layer) {
   absl::StatusOr<ModelSnapshot> s = shard.SnapshotAt(shard.version());
@@ -245,7 +233,7 @@ TEST(ShardStateStageTest, SlicesMergeAndARetriedSliceReplacesItsCopy) {
   EXPECT_EQ(shard->staged_count(), 1u);
 
   // lr 1, weight 1: theta = theta0 - merged = {1,2,3} - {1,2,5}, {4,5,6,7} - {3,4,6,7}.
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   EXPECT_EQ(Layer(*shard, 0), (std::vector<float>{0, 0, -2}));
   EXPECT_EQ(Layer(*shard, 2), (std::vector<float>{1, 1, 0, 0}));
 }
@@ -293,7 +281,7 @@ TEST(ShardStateStageTest, RetriedWholeUpdateReplacesTheStagedCopy) {
   EXPECT_EQ(r->slices_received, 1u);
   EXPECT_EQ(shard->staged_count(), 1u);
   EXPECT_EQ(shard->staged_bytes(), 28u);
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   EXPECT_EQ(Layer(*shard, 0), (std::vector<float>{0, 1, 2}));
 }
 
@@ -303,10 +291,10 @@ TEST(ShardStateStageTest, UpdatesOfOneWorkerAreStagedSideBySide) {
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 0, 0}, {0, 0, 0, 0})), IsOk());
   ASSERT_THAT(shard->Stage(Part0(1, 2, {0, 1, 0}, {0, 0, 0, 0})), IsOk());
   EXPECT_EQ(shard->staged_count(), 2u);
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   EXPECT_FALSE(shard->IsStaged(1, 1));
   EXPECT_TRUE(shard->IsStaged(1, 2));
-  ASSERT_THAT(shard->Apply(Commit(2, {{1, 2, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(2, {{1, 2, 1.0f}})), IsOk());
   EXPECT_EQ(Layer(*shard, 0), (std::vector<float>{0, 1, 3}));
   EXPECT_EQ(shard->staged_count(), 0u);
 }
@@ -340,7 +328,7 @@ TEST(ShardStateBoundedStagingTest, NewUpdatesWaitForRoomRetriesDoNot) {
   ASSERT_THAT(shard->Stage(Part0(3, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
   EXPECT_FALSE(shard->HasRoom(4, 1));
   // ... and so does a commit.
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 0.5f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 0.5f}})), IsOk());
   EXPECT_TRUE(shard->HasRoom(4, 1));
   EXPECT_THAT(shard->Stage(Part0(4, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
 }
@@ -367,7 +355,7 @@ TEST(ShardStateCommitTest, AppliesTheWeightedSumToTheOwnedLayersOfEachShard) {
   ASSERT_THAT(shard0->Stage(Part0(2, 1, {3, 0, -1}, {0, 4, 0, -4})), IsOk());
   ASSERT_THAT(shard1->Stage(Part1(1, 1, {4, -2}, {0, 8})), IsOk());
   ASSERT_THAT(shard1->Stage(Part1(2, 1, {0, 2}, {4, 0})), IsOk());
-  const v1::ShardOrder order = Commit(1, {{1, 1, 0.25f}, {2, 1, 0.75f}});
+  const v1::ShardOrder order = CommitOrder(1, {{1, 1, 0.25f}, {2, 1, 0.75f}});
   ASSERT_THAT(shard0->Apply(order), IsOk());
   ASSERT_THAT(shard1->Apply(order), IsOk());
 
@@ -392,7 +380,7 @@ TEST(ShardStateCommitTest, WeightsAreUsedAsGivenNotRenormalised) {
   InlineExecutor executor;
   auto shard = MakeShard(executor, 0, Sgd(1));
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 2, 3}, {1, 1, 1, 1})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 0.5f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 0.5f}})), IsOk());
   // theta = {1,2,3} - 0.5 {1,2,3}, not {1,2,3} - {1,2,3}.
   EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatEq(), {0.5f, 1.0f, 1.5f}));
   EXPECT_THAT(Layer(*shard, 2), Pointwise(FloatEq(), {3.5f, 4.5f, 5.5f, 6.5f}));
@@ -403,10 +391,10 @@ TEST(ShardStateCommitTest, MissingOrIncompleteUpdateChangesNothing) {
   auto shard = MakeShard(executor, 0);
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
   ASSERT_THAT(shard->Stage(Slice0(2, 5, 0, {1, 1, 0}, {1, 1, 0, 0})), IsOk());
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, 0.5f}, {2, 5, 0.5f}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 0.5f}, {2, 5, 0.5f}})),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("update 5 of worker 2 is incomplete")));
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, 0.5f}, {3, 1, 0.5f}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 0.5f}, {3, 1, 0.5f}})),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("update 1 of worker 3 is not staged")));
   EXPECT_EQ(shard->version(), 0u);
@@ -416,25 +404,25 @@ TEST(ShardStateCommitTest, MissingOrIncompleteUpdateChangesNothing) {
   EXPECT_TRUE(shard->IsStaged(1, 1));
   EXPECT_FALSE(shard->IsStaged(2, 5));
   // The same version commits once the coordinator sends the order it can satisfy.
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
 }
 
 TEST(ShardStateCommitTest, RejectsOutOfOrderCommits) {
   InlineExecutor executor;
   auto shard = MakeShard(executor, 0);
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  EXPECT_THAT(shard->Apply(Commit(2, {{1, 1, 1.0f}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(2, {{1, 1, 1.0f}})),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("commit of version 2 on a shard at version 0")));
-  EXPECT_THAT(shard->Apply(Commit(0, {{1, 1, 1.0f}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(0, {{1, 1, 1.0f}})),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("commit of version 0 on a shard at version 0")));
   EXPECT_EQ(shard->version(), 0u);
   EXPECT_TRUE(shard->IsStaged(1, 1));
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   // A replayed commit is refused too (its updates are gone).
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("commit of version 1 on a shard at version 1")));
 }
@@ -443,13 +431,13 @@ TEST(ShardStateCommitTest, RejectsMalformedCommits) {
   InlineExecutor executor;
   auto shard = MakeShard(executor, 0);
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  EXPECT_THAT(shard->Apply(Commit(1, {})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no updates")));
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, 0.5f}, {1, 1, 0.5f}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 0.5f}, {1, 1, 0.5f}})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("twice")));
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, std::numeric_limits<float>::quiet_NaN()}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, std::numeric_limits<float>::quiet_NaN()}})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight")));
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, std::numeric_limits<float>::infinity()}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, std::numeric_limits<float>::infinity()}})),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight")));
   v1::ShardOrder restore;
   restore.set_kind(v1::ShardOrder::RESTORE);
@@ -467,14 +455,14 @@ TEST(ShardStateCommitTest, DiscardDropsStagedUpdatesOnly) {
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
   ASSERT_THAT(shard->Stage(Slice0(2, 1, 0, {1, 1, 0}, {1, 1, 0, 0})), IsOk());
   ASSERT_THAT(shard->Stage(Part0(3, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  v1::ShardOrder discard = Commit(0, {{1, 1, 0}, {2, 1, 0}, {9, 9, 0}});
+  v1::ShardOrder discard = CommitOrder(0, {{1, 1, 0}, {2, 1, 0}, {9, 9, 0}});
   discard.set_kind(v1::ShardOrder::DISCARD);
   ASSERT_THAT(shard->Apply(discard), IsOk());
   EXPECT_EQ(shard->staged_count(), 1u);
   EXPECT_TRUE(shard->IsStaged(3, 1));
   EXPECT_EQ(shard->version(), 0u);
   EXPECT_EQ(Layer(*shard, 0), (std::vector<float>{1, 2, 3}));
-  EXPECT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})),
+  EXPECT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not staged")));
 }
 
@@ -485,14 +473,14 @@ TEST(ShardStateNesterovTest, TwoCommitsMatchHandComputedMomentum) {
   InlineExecutor executor;
   auto shard = MakeShard(executor, 0, Nesterov());
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 2, -1}, {0.5f, 0, 1, -2})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatNear(1e-5f), {0.05f, 0.1f, 3.95f}));
   EXPECT_THAT(Layer(*shard, 2), Pointwise(FloatNear(1e-5f), {3.525f, 5.0f, 5.05f, 8.9f}));
 
   // g2 = 0.5 a + 0.5 b = {1, -1, 2.5}, {2, 0, 0, 1}.
   ASSERT_THAT(shard->Stage(Part0(1, 2, {2, 0, 4}, {1, -1, 0, 2})), IsOk());
   ASSERT_THAT(shard->Stage(Part0(2, 1, {0, -2, 1}, {3, 1, 0, 0})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(2, {{1, 2, 0.5f}, {2, 1, 0.5f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(2, {{1, 2, 0.5f}, {2, 1, 0.5f}})), IsOk());
   EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatNear(1e-5f), {-1.305f, 0.24f, 1.98f}));
   EXPECT_THAT(Layer(*shard, 2), Pointwise(FloatNear(1e-5f), {1.4225f, 5.0f, 4.645f, 8.76f}));
 }
@@ -503,7 +491,7 @@ TEST(ShardStateSnapshotTest, KeepsOnlyTheVersionsTheCoordinatorNames) {
   InlineExecutor executor;
   auto shard = MakeShard(executor, 0, Sgd(1));
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}}, /*keep=*/{0})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}}, /*keep=*/{0})), IsOk());
   EXPECT_THAT(shard->retained_versions(), ElementsAre(0u));
   absl::StatusOr<ModelSnapshot> v0 = shard->SnapshotAt(0);
   ASSERT_THAT(v0, IsOk());
@@ -515,7 +503,7 @@ TEST(ShardStateSnapshotTest, KeepsOnlyTheVersionsTheCoordinatorNames) {
 
   // Version 1 is not named for keeping: after commit 2 it is gone, version 0 stays.
   ASSERT_THAT(shard->Stage(Part0(1, 2, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(2, {{1, 2, 1.0f}}, /*keep=*/{0})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(2, {{1, 2, 1.0f}}, /*keep=*/{0})), IsOk());
   EXPECT_THAT(shard->retained_versions(), ElementsAre(0u));
   EXPECT_THAT(shard->SnapshotAt(1), StatusIs(absl::StatusCode::kFailedPrecondition,
                                              HasSubstr("version 1 is no longer held")));
@@ -524,11 +512,11 @@ TEST(ShardStateSnapshotTest, KeepsOnlyTheVersionsTheCoordinatorNames) {
 
   // Versions 0 and 2 both kept by commit 3; commit 4 keeps none.
   ASSERT_THAT(shard->Stage(Part0(1, 3, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(3, {{1, 3, 1.0f}}, /*keep=*/{0, 2})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(3, {{1, 3, 1.0f}}, /*keep=*/{0, 2})), IsOk());
   EXPECT_THAT(shard->retained_versions(), ElementsAre(0u, 2u));
   EXPECT_EQ(*shard->SnapshotAt(2)->layers[0], (std::vector<float>{-1, 0, 1}));
   ASSERT_THAT(shard->Stage(Part0(1, 4, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(4, {{1, 4, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(4, {{1, 4, 1.0f}})), IsOk());
   EXPECT_THAT(shard->retained_versions(), IsEmpty());
   EXPECT_THAT(shard->SnapshotAt(0), StatusIs(absl::StatusCode::kFailedPrecondition, _));
   EXPECT_THAT(shard->SnapshotAt(2), StatusIs(absl::StatusCode::kFailedPrecondition, _));
@@ -541,7 +529,7 @@ TEST(ShardStateSnapshotTest, AHeldSnapshotOutlivesTheStep) {
   absl::StatusOr<ModelSnapshot> pulling = shard->SnapshotAt(0);
   ASSERT_THAT(pulling, IsOk());
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   EXPECT_EQ(*pulling->layers[0], (std::vector<float>{1, 2, 3}));  // a pull in flight is safe
   EXPECT_THAT(shard->SnapshotAt(0), StatusIs(absl::StatusCode::kFailedPrecondition, _));
 }
@@ -570,14 +558,14 @@ TEST(ShardStateCheckpointTest, RestoreResumesParametersAndMomentum) {
   InlineExecutor executor;
   auto shard = MakeShard(executor, 0, Nesterov());
   ASSERT_THAT(shard->Stage(Part0(1, 1, {1, 2, -1}, {0.5f, 0, 1, -2})), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   const v1::ShardCheckpoint at1 = shard->Capture(kFingerprint);
   const std::vector<float> embed1 = Layer(*shard, 0);
 
   // Commit 2 on the original; remember where it lands.
   const PendingUpdate u2 = Part0(1, 2, {1, -1, 2.5f}, {2, 0, 0, 1});
   ASSERT_THAT(shard->Stage(u2), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(2, {{1, 2, 1.0f}}, /*keep=*/{1})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(2, {{1, 2, 1.0f}}, /*keep=*/{1})), IsOk());
   const std::vector<float> embed2 = Layer(*shard, 0);
   const std::vector<float> block2 = Layer(*shard, 2);
   EXPECT_THAT(embed2, Pointwise(FloatNear(1e-5f), {-1.305f, 0.24f, 1.98f}));
@@ -590,7 +578,7 @@ TEST(ShardStateCheckpointTest, RestoreResumesParametersAndMomentum) {
   EXPECT_THAT(shard->retained_versions(), IsEmpty());
   EXPECT_EQ(Layer(*shard, 0), embed1);
   ASSERT_THAT(shard->Stage(u2), IsOk());
-  ASSERT_THAT(shard->Apply(Commit(2, {{1, 2, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(2, {{1, 2, 1.0f}})), IsOk());
   EXPECT_EQ(Layer(*shard, 0), embed2);  // bit for bit: the momentum came back too
   EXPECT_EQ(Layer(*shard, 2), block2);
 
@@ -598,7 +586,7 @@ TEST(ShardStateCheckpointTest, RestoreResumesParametersAndMomentum) {
   auto fresh = MakeShard(executor, 0, Nesterov());
   ASSERT_THAT(fresh->Restore(at1, kFingerprint), IsOk());
   ASSERT_THAT(fresh->Stage(u2), IsOk());
-  ASSERT_THAT(fresh->Apply(Commit(2, {{1, 2, 1.0f}})), IsOk());
+  ASSERT_THAT(fresh->Apply(CommitOrder(2, {{1, 2, 1.0f}})), IsOk());
   EXPECT_EQ(Layer(*fresh, 0), embed2);
   EXPECT_EQ(Layer(*fresh, 2), block2);
 }
@@ -607,7 +595,7 @@ TEST(ShardStateCheckpointTest, RefusalsLeaveTheStateUnchanged) {
   InlineExecutor executor;
   auto donor = MakeShard(executor, 0, Nesterov());
   ASSERT_THAT(donor->Stage(Part0(1, 1, {1, 1, 1}, {1, 1, 1, 1})), IsOk());
-  ASSERT_THAT(donor->Apply(Commit(1, {{1, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(donor->Apply(CommitOrder(1, {{1, 1, 1.0f}})), IsOk());
   const v1::ShardCheckpoint good = donor->Capture(kFingerprint);
 
   auto shard = MakeShard(executor, 0, Nesterov());
@@ -664,7 +652,7 @@ TEST(ShardStateCheckpointTest, RefusalsLeaveTheStateUnchanged) {
   expect_unchanged();
 
   // The refused attempts left the momentum at zero: one step from version 0 is 0.95 g.
-  ASSERT_THAT(shard->Apply(Commit(1, {{2, 1, 1.0f}})), IsOk());
+  ASSERT_THAT(shard->Apply(CommitOrder(1, {{2, 1, 1.0f}})), IsOk());
   EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatNear(1e-5f), {0.05f, 1.05f, 2.05f}));
 }
 
@@ -677,7 +665,7 @@ TEST(ShardStateCheckpointTest, RefusalsLeaveTheStateUnchanged) {
 //            0.7310586; g = (0, 0, 0, 0.2689414); blocks.1 = (4, 5, 6, 7 - 0.1344707).
 // The entries' weights (0.3) are replaced by the penalty's.
 v1::ShardOrder PenaltyCommit() {
-  v1::ShardOrder order = Commit(1, {{7, 1, 0.3f}, {8, 1, 0.3f}});
+  v1::ShardOrder order = CommitOrder(1, {{7, 1, 0.3f}, {8, 1, 0.3f}});
   order.mutable_entries(0)->set_discount(0.5f);
   order.mutable_entries(1)->set_discount(1.0f);
   return order;
@@ -736,7 +724,7 @@ TEST(ShardStatePenaltyTest, StatisticsTravelInCheckpointsAndForgetDropsThem) {
   ASSERT_THAT(restored->Restore(with_both, kFingerprint), IsOk());
   for (ShardState* s : {shard.get(), restored.get()}) {
     ASSERT_THAT(s->Stage(Part0(7, 2, {1, 1, 1}, {1, 0, 0, 0})), IsOk());
-    v1::ShardOrder next = Commit(2, {{7, 2, 1.0f}});
+    v1::ShardOrder next = CommitOrder(2, {{7, 2, 1.0f}});
     next.mutable_entries(0)->set_discount(1.0f);
     ASSERT_THAT(s->Apply(next), IsOk());
   }
