@@ -10,6 +10,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <utility>
 
+#if defined(ALOE_WITH_NCCL)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
 #include "absl/strings/str_format.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
@@ -21,15 +25,62 @@
 namespace aloe::worker {
 namespace {
 
-// Gloo collectives. Gloo in LibTorch 1.13 has no reduce_scatter: it is an all-to-all of the
-// ranks' chunks followed by a local sum in rank order (deterministic).
-class GlooCollectives final : public Collectives {
+// Broadcast and all-reduce over a c10d group whose tensors live on `device` (Gloo: the CPU;
+// NCCL: the rank's GPU); the subclasses add the layer collectives.
+template <typename Group>
+class GroupCollectives : public Collectives {
  public:
-  GlooCollectives(c10::intrusive_ptr<c10d::ProcessGroupGloo> group, int rank, int size)
-      : group_(std::move(group)), rank_(rank), size_(size) {}
+  GroupCollectives(c10::intrusive_ptr<Group> group, int rank, int size, torch::Device device)
+      : group_(std::move(group)), rank_(rank), size_(size), device_(device) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+
+  absl::Status Broadcast(std::string* bytes, int root) override {
+    try {
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      std::vector<at::Tensor> size = {
+          torch::full({1}, static_cast<int64_t>(bytes->size()),
+                      torch::TensorOptions().dtype(torch::kInt64).device(device_))};
+      group_->broadcast(size, options)->wait();
+      const int64_t n = size[0].item<int64_t>();
+      if (rank_ != root) bytes->resize(n);
+      if (n == 0) return absl::OkStatus();
+      at::Tensor host = torch::from_blob(bytes->data(), {n}, torch::kUInt8);
+      std::vector<at::Tensor> data = {device_.is_cpu() ? host : host.to(device_)};
+      group_->broadcast(data, options)->wait();
+      if (!device_.is_cpu()) host.copy_(data[0]);
+    } catch (const std::exception& e) {
+      return LibTorchError("broadcast", e);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<double> AllReduceSum(double value) override {
+    try {
+      std::vector<at::Tensor> t = {
+          torch::full({1}, value, torch::TensorOptions().dtype(torch::kFloat64).device(device_))};
+      group_->allreduce(t)->wait();
+      return t[0].item<double>();
+    } catch (const std::exception& e) {
+      return LibTorchError("all-reduce", e);
+    }
+  }
+
+ protected:
+  c10::intrusive_ptr<Group> group_;
+  const int rank_;
+  const int size_;
+  const torch::Device device_;
+};
+
+// Gloo collectives. Gloo in LibTorch 1.13 has no reduce_scatter: it is an all-to-all of the
+// ranks' chunks followed by a local sum in rank order (deterministic).
+class GlooCollectives final : public GroupCollectives<c10d::ProcessGroupGloo> {
+ public:
+  GlooCollectives(c10::intrusive_ptr<c10d::ProcessGroupGloo> group, int rank, int size)
+      : GroupCollectives(std::move(group), rank, size, torch::Device(torch::kCPU)) {}
 
   absl::Status AllGather(const float* shard, size_t n, float* full) override {
     try {
@@ -66,45 +117,82 @@ class GlooCollectives final : public Collectives {
     return absl::OkStatus();
   }
 
-  absl::Status Broadcast(std::string* bytes, int root) override {
+ private:
+  at::Tensor received_;  // reused all-to-all output
+};
+
+#if defined(ALOE_WITH_NCCL)
+// NCCL collectives between the ranks' GPUs (rank r on the device SetTrainerDevice chose). The
+// trainer's tensor forms stay on the device (_allgather_base and _reduce_scatter_base on flat
+// buffers); the pointer forms and the small messages are copied through it.
+class NcclCollectives final : public GroupCollectives<c10d::ProcessGroupNCCL> {
+ public:
+  NcclCollectives(c10::intrusive_ptr<c10d::ProcessGroupNCCL> group, int rank, int size,
+                  torch::Device device)
+      : GroupCollectives(std::move(group), rank, size, device) {}
+
+  absl::Status AllGather(const float* shard, size_t n, float* full) override {
     try {
-      c10d::BroadcastOptions options;
-      options.rootRank = root;
-      std::vector<at::Tensor> size = {
-          torch::full({1}, static_cast<int64_t>(bytes->size()), torch::kInt64)};
-      group_->broadcast(size, options)->wait();
-      const int64_t n = size[0].item<int64_t>();
-      if (rank_ != root) bytes->resize(n);
-      if (n == 0) return absl::OkStatus();
-      std::vector<at::Tensor> data = {torch::from_blob(bytes->data(), {n}, torch::kUInt8)};
-      group_->broadcast(data, options)->wait();
+      const int64_t count = static_cast<int64_t>(n);
+      at::Tensor in = Host(const_cast<float*>(shard), count).to(device_);
+      at::Tensor out = torch::empty({count * size_}, in.options());
+      ALOE_RETURN_IF_ERROR(AllGatherTensor(in, out));
+      Host(full, count * size_).copy_(out);
     } catch (const std::exception& e) {
-      return LibTorchError("broadcast", e);
+      return LibTorchError("all-gather", e);
     }
     return absl::OkStatus();
   }
 
-  absl::StatusOr<double> AllReduceSum(double value) override {
+  absl::Status ReduceScatterSum(const float* full, size_t n, float* shard) override {
     try {
-      std::vector<at::Tensor> t = {torch::full({1}, value, torch::kFloat64)};
-      group_->allreduce(t)->wait();
-      return t[0].item<double>();
+      const int64_t count = static_cast<int64_t>(n);
+      at::Tensor in = Host(const_cast<float*>(full), count * size_).to(device_);
+      at::Tensor out = torch::empty({count}, in.options());
+      ALOE_RETURN_IF_ERROR(ReduceScatterSumTensor(in, out));
+      Host(shard, count).copy_(out);
     } catch (const std::exception& e) {
-      return LibTorchError("all-reduce", e);
+      return LibTorchError("reduce-scatter", e);
     }
+    return absl::OkStatus();
+  }
+
+  absl::Status AllGatherTensor(const at::Tensor& shard, const at::Tensor& full) override {
+    try {
+      at::Tensor in = shard;
+      at::Tensor out = full;
+      group_->_allgather_base(out, in)->wait();
+    } catch (const std::exception& e) {
+      return LibTorchError("all-gather", e);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReduceScatterSumTensor(const at::Tensor& full, const at::Tensor& shard) override {
+    try {
+      at::Tensor in = full;
+      at::Tensor out = shard;
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      group_->_reduce_scatter_base(out, in, options)->wait();
+    } catch (const std::exception& e) {
+      return LibTorchError("reduce-scatter", e);
+    }
+    return absl::OkStatus();
   }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
-  const int rank_;
-  const int size_;
-  at::Tensor received_;  // reused all-to-all output
+  static at::Tensor Host(float* data, int64_t n) {
+    return torch::from_blob(data, {n}, torch::kFloat32);
+  }
 };
+#endif  // ALOE_WITH_NCCL
 
-}  // namespace
-
-absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGlooGroups(
-    const std::string& store_path, int rank, int size, int groups, double timeout_seconds) {
+// Forms the node's process groups over one FileStore rendezvous (group g > 0 under the prefix
+// "group<g>"); group 0 is NCCL on `device` when it is a GPU, every other group Gloo.
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGroups(
+    const std::string& store_path, int rank, int size, int groups, double timeout_seconds,
+    const torch::Device& device) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrFormat("rank %d of %d: need 0 <= rank < size and size >= 1", rank, size));
@@ -113,11 +201,19 @@ absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGlooGroups(
   if (!(timeout_seconds > 0)) {
     return absl::InvalidArgumentError("the rendezvous timeout must be > 0 seconds");
   }
+#if !defined(ALOE_WITH_NCCL)
+  if (device.is_cuda()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "device %s: this aloe-worker's LibTorch has no NCCL, so the ranks of a GPU node cannot "
+        "form a process group; build against a CUDA LibTorch (README: GPU workers)",
+        device.str()));
+  }
+#endif
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   try {
-    // One store: each group meets under a prefix of its own.
     auto store = c10::make_intrusive<c10d::FileStore>(store_path, size);
     auto options = c10d::ProcessGroupGloo::Options::create();
-    options->timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+    options->timeout = timeout;
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
     std::vector<std::unique_ptr<Collectives>> out;
     for (int g = 0; g < groups; ++g) {
@@ -125,13 +221,68 @@ absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGlooGroups(
       if (g > 0) {
         prefixed = c10::make_intrusive<c10d::PrefixStore>(absl::StrFormat("group%d", g), store);
       }
+#if defined(ALOE_WITH_NCCL)
+      if (g == 0 && device.is_cuda()) {
+        auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+        nccl_options->timeout = timeout;
+        auto group =
+            c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, nccl_options);
+        out.push_back(std::make_unique<NcclCollectives>(std::move(group), rank, size, device));
+        continue;
+      }
+#endif
       auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
       out.push_back(std::make_unique<GlooCollectives>(std::move(group), rank, size));
     }
     return out;
   } catch (const std::exception& e) {
-    return LibTorchError("forming the Gloo process group", e);
+    return LibTorchError("forming the node's process groups", e);
   }
+}
+
+// A flat contiguous float32 host tensor's elements, or kFailedPrecondition.
+absl::StatusOr<float*> HostFloats(const at::Tensor& t, const char* what) {
+  if (!t.device().is_cpu() || t.scalar_type() != torch::kFloat32 || !t.is_contiguous()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: this process group moves contiguous float32 host memory; got a %s tensor on %s "
+        "(a GPU node forms its trainer's group over NCCL: ConnectNodeGroups)",
+        what, std::string(c10::toString(t.scalar_type())), t.device().str()));
+  }
+  return t.data_ptr<float>();
+}
+
+}  // namespace
+
+absl::Status Collectives::AllGatherTensor(const at::Tensor& shard, const at::Tensor& full) {
+  ALOE_ASSIGN_OR_RETURN(float* in, HostFloats(shard, "all-gather"));
+  ALOE_ASSIGN_OR_RETURN(float* out, HostFloats(full, "all-gather"));
+  if (full.numel() != shard.numel() * size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("all-gather of %d elements per rank into %d (want %d ranks x)",
+                        shard.numel(), full.numel(), size()));
+  }
+  return AllGather(in, static_cast<size_t>(shard.numel()), out);
+}
+
+absl::Status Collectives::ReduceScatterSumTensor(const at::Tensor& full, const at::Tensor& shard) {
+  ALOE_ASSIGN_OR_RETURN(float* in, HostFloats(full, "reduce-scatter"));
+  ALOE_ASSIGN_OR_RETURN(float* out, HostFloats(shard, "reduce-scatter"));
+  if (full.numel() != shard.numel() * size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("reduce-scatter of %d elements into %d per rank (want %d ranks x)",
+                        full.numel(), shard.numel(), size()));
+  }
+  return ReduceScatterSum(in, static_cast<size_t>(shard.numel()), out);
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGlooGroups(
+    const std::string& store_path, int rank, int size, int groups, double timeout_seconds) {
+  return ConnectGroups(store_path, rank, size, groups, timeout_seconds, torch::Device(torch::kCPU));
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectNodeGroups(
+    const std::string& store_path, int rank, int size, int groups, double timeout_seconds) {
+  return ConnectGroups(store_path, rank, size, groups, timeout_seconds, TrainingDevice());
 }
 
 absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& store_path, int rank,
@@ -172,19 +323,27 @@ struct FsdpTrainer::Impl {
   ShardLayout layout{v1::ModelSpec(), 1, 0};
   TransformerLM model{nullptr};                // the built-in transformer, or
   ScriptModelPtr script;                       // a bring-your-own TorchScript model
+  torch::Device device{torch::kCPU};           // where every buffer below lives
   std::vector<torch::Tensor> params;           // module parameters in spec order
   std::vector<std::vector<int>> layer_params;  // indices into params, per layer
   std::vector<std::vector<int64_t>> shapes;    // per parameter, from the spec
   std::vector<int64_t> numels;                 // per parameter
-  // Per layer, padded to the slice length (elements past owned() stay 0):
-  std::vector<std::vector<float>> shard;    // owned parameters
-  std::vector<std::vector<float>> grad;     // owned gradient of the last step
-  std::vector<std::vector<float>> m, v;     // AdamW moments
-  std::vector<std::vector<uint8_t>> decay;  // 1 where the element's tensor is a matrix
-  std::vector<torch::Tensor> full;          // gathered layers during a step
+  // Per layer, flat, padded to the slice length (elements past owned() stay 0):
+  std::vector<torch::Tensor> shard;  // owned parameters
+  std::vector<torch::Tensor> grad;   // owned gradient of the last step
+  std::vector<torch::Tensor> m, v;   // AdamW moments
+  std::vector<torch::Tensor> decay;  // bool: the element's tensor is a matrix
+  std::vector<torch::Tensor> full;   // gathered layers during a step
   uint64_t step = 0;
 
   int N() const { return layout.num_ranks; }
+  torch::TensorOptions Floats() const {
+    return torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  }
+  // This rank's owned elements of layer l in host memory (a view, without a copy, on the CPU).
+  torch::Tensor HostSlice(int l) const {
+    return shard[l].narrow(0, 0, static_cast<int64_t>(layout.owned(l))).to(torch::kCPU);
+  }
 
   // Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (this rank's rows).
   torch::Tensor Loss(const torch::Tensor& tokens) {
@@ -199,44 +358,56 @@ struct FsdpTrainer::Impl {
   }
 
   // With `params` set: the per-parameter shapes, this rank's slices of `initial` (one buffer per
-  // spec layer), the decay masks and zero moments; then drops the module's full tensors.
-  void Init(const std::vector<std::vector<float>>& initial) {
-    int index = 0;
-    for (int l = 0; l < spec.layers_size(); ++l) {
-      const size_t slice = layout.slice(l);
-      layer_params.emplace_back();
-      std::vector<uint8_t> decay_full(spec.layers(l).num_elements());
-      size_t offset = 0;
-      for (const v1::TensorSpec& t : spec.layers(l).tensors()) {
-        layer_params.back().push_back(index++);
-        shapes.emplace_back(t.shape().begin(), t.shape().end());
-        size_t numel = 1;
-        for (int64_t d : t.shape()) numel *= static_cast<size_t>(d);
-        numels.push_back(static_cast<int64_t>(numel));
-        // Decoupled weight decay on matrices only, as LocalTrainer's parameter groups.
-        std::fill_n(decay_full.begin() + offset, numel, t.shape_size() >= 2 ? 1 : 0);
-        offset += numel;
+  // spec layer) on the device, the decay masks and zero moments; then drops the module's full
+  // tensors.
+  absl::Status Init(const std::vector<std::vector<float>>& initial) {
+    try {
+      int index = 0;
+      for (int l = 0; l < spec.layers_size(); ++l) {
+        const int64_t slice = static_cast<int64_t>(layout.slice(l));
+        layer_params.emplace_back();
+        std::vector<uint8_t> decay_full(spec.layers(l).num_elements());
+        size_t offset = 0;
+        for (const v1::TensorSpec& t : spec.layers(l).tensors()) {
+          layer_params.back().push_back(index++);
+          shapes.emplace_back(t.shape().begin(), t.shape().end());
+          size_t numel = 1;
+          for (int64_t d : t.shape()) numel *= static_cast<size_t>(d);
+          numels.push_back(static_cast<int64_t>(numel));
+          // Decoupled weight decay on matrices only, as LocalTrainer's parameter groups.
+          std::fill_n(decay_full.begin() + offset, numel, t.shape_size() >= 2 ? 1 : 0);
+          offset += numel;
+        }
+        const size_t b = layout.begin(l);
+        const int64_t owned = static_cast<int64_t>(layout.owned(l));
+        shard.push_back(torch::zeros({slice}, Floats()));
+        shard.back()
+            .narrow(0, 0, owned)
+            .copy_(torch::from_blob(const_cast<float*>(initial[l].data()) + b, {owned},
+                                    torch::kFloat32));
+        decay.push_back(torch::zeros({slice}, torch::TensorOptions().dtype(torch::kBool)));
+        decay.back()
+            .narrow(0, 0, owned)
+            .copy_(torch::from_blob(decay_full.data() + b, {owned}, torch::kUInt8));
+        decay.back() = decay.back().to(device);
+        grad.push_back(torch::zeros({slice}, Floats()));
+        m.push_back(torch::zeros({slice}, Floats()));
+        v.push_back(torch::zeros({slice}, Floats()));
       }
-      const size_t b = layout.begin(l), e = layout.end(l);
-      shard.emplace_back(slice, 0.0f);
-      std::copy(initial[l].begin() + b, initial[l].begin() + e, shard.back().begin());
-      decay.emplace_back(slice, 0);
-      std::copy(decay_full.begin() + b, decay_full.begin() + e, decay.back().begin());
-      grad.emplace_back(slice, 0.0f);
-      m.emplace_back(slice, 0.0f);
-      v.emplace_back(slice, 0.0f);
+      Release();  // the module's own full-size initial tensors are not kept
+    } catch (const std::exception& e) {
+      return LibTorchError("placing the parameter slices", e);
     }
-    Release();  // the module's own full-size initial tensors are not kept
+    return absl::OkStatus();
   }
 
   // Gathers every layer and points the module's parameters at the gathered buffers.
   absl::Status Materialize() {
     full.resize(spec.layers_size());
     for (int l = 0; l < spec.layers_size(); ++l) {
-      const size_t slice = layout.slice(l);
-      full[l] = torch::empty({static_cast<int64_t>(slice * N())}, torch::kFloat32);
-      ALOE_RETURN_IF_ERROR(
-          collectives->AllGather(shard[l].data(), slice, full[l].data_ptr<float>()));
+      const int64_t slice = static_cast<int64_t>(layout.slice(l));
+      full[l] = torch::empty({slice * N()}, Floats());
+      ALOE_RETURN_IF_ERROR(collectives->AllGatherTensor(shard[l], full[l]));
       int64_t offset = 0;
       for (int index : layer_params[l]) {
         const int64_t numel = numels[index];
@@ -251,7 +422,7 @@ struct FsdpTrainer::Impl {
   void Release() {
     for (torch::Tensor& p : params) {
       p.mutable_grad() = torch::Tensor();
-      p.set_data(torch::empty({0}, torch::kFloat32));
+      p.set_data(torch::empty({0}, Floats()));
     }
     full.clear();
   }
@@ -259,10 +430,11 @@ struct FsdpTrainer::Impl {
   // Reduce-scatters the gradients of the module into `grad` (mean over ranks) and returns the
   // squared L2 norm of this rank's owned part.
   absl::StatusOr<double> ScatterGradients() {
-    double squared = 0;
+    torch::Tensor squared = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64));
+    squared = squared.to(device);
     for (int l = 0; l < spec.layers_size(); ++l) {
-      const size_t slice = layout.slice(l);
-      torch::Tensor flat = torch::zeros({static_cast<int64_t>(slice * N())}, torch::kFloat32);
+      const int64_t slice = static_cast<int64_t>(layout.slice(l));
+      torch::Tensor flat = torch::zeros({slice * N()}, Floats());
       int64_t offset = 0;
       for (int index : layer_params[l]) {
         const torch::Tensor& p = params[index];
@@ -270,19 +442,15 @@ struct FsdpTrainer::Impl {
         if (p.grad().defined()) flat.narrow(0, offset, numel).copy_(p.grad().reshape({numel}));
         offset += numel;
       }
-      std::vector<float>& g = grad[l];
-      ALOE_RETURN_IF_ERROR(collectives->ReduceScatterSum(flat.data_ptr<float>(), slice, g.data()));
-      const float inv = 1.0f / static_cast<float>(N());
-      for (float& x : g) {
-        x *= inv;
-        squared += static_cast<double>(x) * x;
-      }
+      ALOE_RETURN_IF_ERROR(collectives->ReduceScatterSumTensor(flat, grad[l]));
+      grad[l].mul_(1.0 / N());
+      squared.add_(grad[l].to(torch::kFloat64).square().sum());
     }
-    return squared;
+    return squared.item<double>();
   }
 
-  // One AdamW step on the owned slices with learning rate `lr`, as LibTorch's AdamW computes it
-  // (float32 arithmetic, scalars rounded to float): p *= 1 - lr * wd (matrices only);
+  // One AdamW step on the owned slices with learning rate `lr`, with LibTorch's AdamW tensor
+  // operations (float32 arithmetic, scalars rounded to float): p *= 1 - lr * wd (matrices only);
   // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) +
   // eps).
   void AdamWStep(double lr) {
@@ -291,26 +459,15 @@ struct FsdpTrainer::Impl {
     const double b2 = inner.beta2();
     const double bc1 = 1 - std::pow(b1, static_cast<double>(step));
     const double bc2 = 1 - std::pow(b2, static_cast<double>(step));
-    const float decay_factor = static_cast<float>(1 - lr * inner.weight_decay());
-    const float fb1 = static_cast<float>(b1), f1mb1 = static_cast<float>(1 - b1);
-    const float fb2 = static_cast<float>(b2), f1mb2 = static_cast<float>(1 - b2);
-    const float sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
-    const float eps = static_cast<float>(inner.eps());
-    const float step_size = static_cast<float>(lr / bc1);
+    const double wd = inner.weight_decay();
     for (int l = 0; l < spec.layers_size(); ++l) {
-      const size_t n = layout.owned(l);
-      float* p = shard[l].data();
-      const float* g = grad[l].data();
-      float* ml = m[l].data();
-      float* vl = v[l].data();
-      const uint8_t* d = decay[l].data();
-      for (size_t i = 0; i < n; ++i) {
-        if (d[i]) p[i] *= decay_factor;
-        ml[i] = ml[i] * fb1 + f1mb1 * g[i];
-        vl[i] = vl[i] * fb2 + f1mb2 * g[i] * g[i];
-        const float denom = std::sqrt(vl[i]) / sqrt_bc2 + eps;
-        p[i] = p[i] - step_size * (ml[i] / denom);
-      }
+      torch::Tensor& p = shard[l];
+      const torch::Tensor& g = grad[l];
+      if (wd != 0) p.copy_(torch::where(decay[l], p * (1 - lr * wd), p));
+      m[l].mul_(b1).add_(g, 1 - b1);
+      v[l].mul_(b2).addcmul_(g, g, 1 - b2);
+      const torch::Tensor denom = (v[l].sqrt() / std::sqrt(bc2)).add_(inner.eps());
+      p.addcdiv_(m[l], denom, -lr / bc1);
     }
   }
 };
@@ -358,7 +515,8 @@ absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::Create(
   }
   ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
   impl->params = impl->model->parameters();
-  impl->Init(InitializeParameters(spec, seed));
+  impl->device = TrainingDevice();
+  ALOE_RETURN_IF_ERROR(impl->Init(InitializeParameters(spec, seed)));
   return std::unique_ptr<FsdpTrainer>(new FsdpTrainer(std::move(impl)));
 }
 
@@ -373,12 +531,14 @@ absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::CreateForScript(
   impl->spec = spec;
   impl->collectives = &collectives;
   impl->layout = ShardLayout(spec, collectives.size(), collectives.rank());
+  impl->device = TrainingDevice();
+  ALOE_RETURN_IF_ERROR(MoveScriptModel(*model, impl->device));
   ALOE_ASSIGN_OR_RETURN(impl->params, ParametersInSpecOrder(*model, spec));
   // The module's own values, one flat buffer per layer (every rank loaded the same file).
   std::vector<std::vector<float>> initial;
   ALOE_RETURN_IF_ERROR(CopyParametersIntoLayers(impl->params, spec, &initial));
   impl->script = std::move(model);
-  impl->Init(initial);
+  ALOE_RETURN_IF_ERROR(impl->Init(initial));
   return std::unique_ptr<FsdpTrainer>(new FsdpTrainer(std::move(impl)));
 }
 
@@ -395,16 +555,29 @@ absl::Status FsdpTrainer::SetParameterShards(const std::vector<std::vector<float
           shards[l].size(), impl_->layout.rank, impl_->layout.owned(l)));
     }
   }
-  for (int l = 0; l < spec.layers_size(); ++l) {
-    std::copy(shards[l].begin(), shards[l].end(), impl_->shard[l].begin());
+  try {
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      const int64_t owned = static_cast<int64_t>(shards[l].size());
+      impl_->shard[l]
+          .narrow(0, 0, owned)
+          .copy_(torch::from_blob(const_cast<float*>(shards[l].data()), {owned}, torch::kFloat32));
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("setting the parameter slices", e);
   }
   return absl::OkStatus();
 }
 
 absl::Status FsdpTrainer::GetParameterShards(std::vector<std::vector<float>>* shards) const {
   shards->resize(impl_->spec.layers_size());
-  for (int l = 0; l < impl_->spec.layers_size(); ++l) {
-    (*shards)[l].assign(impl_->shard[l].begin(), impl_->shard[l].begin() + impl_->layout.owned(l));
+  try {
+    for (int l = 0; l < impl_->spec.layers_size(); ++l) {
+      const torch::Tensor host = impl_->HostSlice(l);
+      const float* data = host.data_ptr<float>();
+      (*shards)[l].assign(data, data + host.numel());
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("reading the parameter slices", e);
   }
   return absl::OkStatus();
 }
@@ -423,12 +596,11 @@ absl::Status FsdpTrainer::PseudoGradientShards(const std::vector<std::vector<flo
           spec.layers(l).name(), base[l].size(), impl_->layout.rank, impl_->layout.owned(l)));
     }
   }
-  out->resize(base.size());
+  ALOE_RETURN_IF_ERROR(GetParameterShards(out));
   for (size_t l = 0; l < base.size(); ++l) {
-    (*out)[l].resize(base[l].size());
-    for (size_t i = 0; i < base[l].size(); ++i) {
-      (*out)[l][i] = base[l][i] - impl_->shard[l][i];
-    }
+    const float* b = base[l].data();
+    float* g = (*out)[l].data();
+    for (size_t i = 0; i < base[l].size(); ++i) g[i] = b[i] - g[i];
   }
   return absl::OkStatus();
 }
@@ -436,12 +608,17 @@ absl::Status FsdpTrainer::PseudoGradientShards(const std::vector<std::vector<flo
 absl::Status FsdpTrainer::GatherParameters(std::vector<std::vector<float>>* layers) {
   const v1::ModelSpec& spec = impl_->spec;
   layers->resize(spec.layers_size());
-  for (int l = 0; l < spec.layers_size(); ++l) {
-    const size_t slice = impl_->layout.slice(l);
-    std::vector<float> full(slice * impl_->N());
-    ALOE_RETURN_IF_ERROR(impl_->collectives->AllGather(impl_->shard[l].data(), slice, full.data()));
-    full.resize(spec.layers(l).num_elements());
-    (*layers)[l] = std::move(full);
+  try {
+    for (int l = 0; l < spec.layers_size(); ++l) {
+      const int64_t slice = static_cast<int64_t>(impl_->layout.slice(l));
+      torch::Tensor full = torch::empty({slice * impl_->N()}, impl_->Floats());
+      ALOE_RETURN_IF_ERROR(impl_->collectives->AllGatherTensor(impl_->shard[l], full));
+      const torch::Tensor host =
+          full.narrow(0, 0, static_cast<int64_t>(spec.layers(l).num_elements())).to(torch::kCPU);
+      (*layers)[l].assign(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("gathering the parameters", e);
   }
   return absl::OkStatus();
 }
@@ -493,6 +670,7 @@ absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& d
                                        starts.begin() + (s.layout.rank + 1) * rows);
       ALOE_ASSIGN_OR_RETURN(torch::Tensor tokens,
                             ReadBatch(data, mine, window, s.model_config.vocab_size()));
+      tokens = tokens.to(s.device);
       const double lr = InnerLearningRate(s.inner, lr_step + i);  // paper 002 Eq. 3
       ALOE_RETURN_IF_ERROR(s.Materialize());
       torch::Tensor loss;
@@ -508,10 +686,7 @@ absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& d
         ALOE_ASSIGN_OR_RETURN(double total, s.collectives->AllReduceSum(squared));
         const double clip = s.inner.grad_clip() / (std::sqrt(total) + 1e-6);
         if (clip < 1) {
-          const float c = static_cast<float>(clip);
-          for (std::vector<float>& g : s.grad) {
-            for (float& x : g) x *= c;
-          }
+          for (torch::Tensor& g : s.grad) g.mul_(clip);
         }
       }
       s.AdamWStep(lr);

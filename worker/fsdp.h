@@ -1,7 +1,8 @@
 // Intra-node fully sharded data parallelism (FSDP, ZeRO-3 style) for the inner loop: the N ranks
-// of one node (processes or threads, over Gloo on CPU; there is no NCCL/GPU group yet) train one
-// model replica together. Every spec layer's flat float32 buffer is cut into N equal slices (the
-// last padded), and rank r owns slice r of every layer:
+// of one node (processes or threads) train one model replica together, over Gloo on the CPU or
+// over NCCL with one GPU per rank (ConnectNodeGroups; NCCL needs a CUDA LibTorch). Every spec
+// layer's flat float32 buffer is cut into N equal slices (the last padded), and rank r owns slice r
+// of every layer:
 //
 //   state          held by each rank                       without FSDP (LocalTrainer)
 //   parameters     its slice, between steps (1/N)          the whole model, always
@@ -21,6 +22,10 @@
 // The pseudo-gradient of a round is per slice too (PseudoGradientShards), so no rank ever holds a
 // full pseudo-gradient.
 //
+// Every buffer above lives on the training device (worker/trainer.h SetTrainerDevice): on a GPU
+// rank its slices, AdamW moments, the gathered layers and the gradients are GPU memory, and only
+// pulled slices and pseudo-gradient slices pass through host memory.
+//
 // LibTorch stays out of this header (pimpl). Not thread-safe: one caller per rank.
 #pragma once
 
@@ -37,6 +42,10 @@
 #include "proto/aloe.pb.h"
 #include "worker/trainer.h"
 
+namespace at {
+class Tensor;
+}  // namespace at
+
 namespace aloe::worker {
 
 // The collectives a sharded trainer needs over the ranks of one node. Every rank must make the
@@ -51,6 +60,11 @@ class Collectives {
   virtual absl::Status AllGather(const float* shard, size_t n, float* full) = 0;
   // shard[i] = sum over ranks r of rank r's full[rank() * n + i]; `full` holds size() * n floats.
   virtual absl::Status ReduceScatterSum(const float* full, size_t n, float* shard) = 0;
+  // The two above on flat contiguous float32 tensors of the training device (`shard`: n
+  // elements; `full`: size() * n). The defaults take host tensors and call the pointer forms; a
+  // GPU group overrides them to stay on the device.
+  virtual absl::Status AllGatherTensor(const at::Tensor& shard, const at::Tensor& full);
+  virtual absl::Status ReduceScatterSumTensor(const at::Tensor& full, const at::Tensor& shard);
   // The sum over ranks of `value`.
   virtual absl::StatusOr<double> AllReduceSum(double value) = 0;
   // Every rank's *bytes becomes rank `root`'s (a serialised message: the node's task).
@@ -69,6 +83,12 @@ absl::StatusOr<std::unique_ptr<Collectives>> ConnectGloo(const std::string& stor
 // trains, group 1 carries the node's background communication of overlapped rounds. Each group
 // must be used by one thread at a time.
 absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectGlooGroups(
+    const std::string& store_path, int rank, int size, int groups, double timeout_seconds = 60);
+// The process groups of a node's rank, as ConnectGlooGroups, with group 0 (the trainer's) over
+// NCCL when the training device (SetTrainerDevice) is a GPU; the other groups stay Gloo (they
+// carry small host messages). kFailedPrecondition for a GPU device when this LibTorch has no
+// NCCL.
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectNodeGroups(
     const std::string& store_path, int rank, int size, int groups, double timeout_seconds = 60);
 
 // How spec layers are cut into per-rank slices (common/model_spec.h SliceRange): layer l of n_l

@@ -18,6 +18,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -58,9 +59,15 @@ ABSL_FLAG(
     "over plain TCP instead of gRPC; never with TLS");
 ABSL_FLAG(int32_t, nproc, 1,
           "Ranks of this node (trainers): N > 1 starts N processes that train one model replica "
-          "together with FSDP over Gloo (each rank holds 1/N of the parameters, gradients and "
-          "AdamW state, and pulls and pushes only its slice of every layer); "
-          "inner_optimizer.batch_size is the node's batch and must be a multiple of N");
+          "together with FSDP (over NCCL on GPUs, rank r on GPU r; over Gloo on the CPU; each rank "
+          "holds 1/N of the parameters, gradients and AdamW state, and pulls and pushes only its "
+          "slice of every layer); inner_optimizer.batch_size is the node's batch and must be a "
+          "multiple of N");
+ABSL_FLAG(std::string, device, "auto",
+          "auto | cpu | cuda | cuda:I: where the inner loop trains (model, activations, gradients, "
+          "AdamW state). auto: GPU 0 when LibTorch sees a GPU, else the CPU. With --nproc N on "
+          "GPUs give cuda or auto: rank r trains on GPU r. GPUs need a worker built against a "
+          "CUDA LibTorch (README: GPU workers)");
 ABSL_FLAG(std::string, overlap, "off",
           "off | delayed | eager: push round r and pull the next model in the background while "
           "round r+1 trains (one-step delay); eager also applies round r's pseudo-gradient "
@@ -923,6 +930,27 @@ absl::Status Main() {
   } else if (rank >= 0) {
     return absl::InvalidArgumentError("--rank is set by --nproc > 1, not by hand");
   }
+  std::string device = absl::GetFlag(FLAGS_device);
+  if (nproc > 1 && (device == "cuda" || (device == "auto" && VisibleGpus() > 0))) {
+    // One GPU per rank (with none, SetTrainerDevice says why).
+    if (VisibleGpus() > 0 && VisibleGpus() < nproc) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("--nproc %d on GPUs needs a GPU per rank; LibTorch sees %d (give "
+                          "--device cpu to train on the CPU)",
+                          nproc, VisibleGpus()));
+    }
+    if (VisibleGpus() > 0) device = absl::StrCat("cuda:", rank);
+  } else if (nproc > 1 && absl::StartsWith(device, "cuda:")) {
+    return absl::InvalidArgumentError(
+        "--device cuda:I is for one-process workers; with --nproc N give --device cuda (rank r "
+        "trains on GPU r)");
+  }
+  absl::StatusOr<std::string> chosen = SetTrainerDevice(device);
+  if (!chosen.ok()) {
+    return absl::Status(chosen.status().code(), absl::StrCat("--", chosen.status().message()));
+  }
+  ALOE_LOG_INFO("worker", "%straining on %s",
+                nproc > 1 ? absl::StrFormat("rank %d: ", rank) : std::string(), *chosen);
   SetTrainerThreads(absl::GetFlag(FLAGS_threads));
   SetTrainerAutocastBf16(absl::GetFlag(FLAGS_autocast) == "bf16");
   ConfigureAllocatorForTraining();
@@ -961,7 +989,7 @@ absl::Status Main() {
   std::vector<std::unique_ptr<Collectives>> groups;
   if (nproc > 1) {
     // With --overlap a second group carries the background communication beside training.
-    ALOE_ASSIGN_OR_RETURN(groups, ConnectGlooGroups(absl::GetFlag(FLAGS_rendezvous), rank, nproc,
+    ALOE_ASSIGN_OR_RETURN(groups, ConnectNodeGroups(absl::GetFlag(FLAGS_rendezvous), rank, nproc,
                                                     overlap == "off" ? 1 : 2));
     ALOE_LOG_INFO("worker", "rank %d of %d connected", rank, nproc);
   }

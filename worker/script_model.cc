@@ -157,6 +157,20 @@ absl::StatusOr<std::vector<torch::Tensor>> ParametersInSpecOrder(const ScriptMod
   return params;
 }
 
+absl::Status MoveScriptModel(ScriptModel& model, const torch::Device& device) {
+  if (device.is_cpu()) return absl::OkStatus();
+  try {
+    model.module.to(device);
+    model.tensors.clear();
+    for (const auto& p : model.module.named_parameters(/*recurse=*/true)) {
+      model.tensors.push_back(p.value);
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError(absl::StrCat("moving ", model.path, " to ", device.str()).c_str(), e);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::ImportedModel> ImportScriptModel(ScriptModel& model, uint32_t vocab_size,
                                                     uint32_t seq_len) {
   v1::ImportedModel out = model.architecture;

@@ -49,6 +49,11 @@ absl::StatusOr<std::unique_ptr<ScriptModel>> LoadScriptModel(const std::string& 
 // logits are [B, T, vocab_size]; for a LOSS model unless the loss is a single number.
 torch::Tensor ScriptLoss(ScriptModel& model, const torch::Tensor& tokens, int64_t vocab_size);
 
+// Moves the module's parameters and buffers to `device` (a no-op for the CPU, where
+// LoadScriptModel puts them); model.tensors then hold the moved parameters. kInternal on a
+// LibTorch error.
+absl::Status MoveScriptModel(ScriptModel& model, const torch::Device& device);
+
 // The data shape a trainer of a module reads (TransformerConfig with vocab_size and seq_len
 // only). kInvalidArgument unless vocab_size >= 2 and seq_len >= 1.
 absl::StatusOr<v1::TransformerConfig> ScriptDataShape(uint32_t vocab_size, uint32_t seq_len);

@@ -22,18 +22,60 @@ absl::Status CheckTokens(const int64_t* tokens, int64_t count, uint32_t vocab_si
 
 }  // namespace
 
-TrainingAutocast::TrainingAutocast() : on_(TrainerAutocastBf16()) {
+// LibTorch 2.4 keyed the autocast switches by device type; 1.13 has one set per type.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define ALOE_AUTOCAST_BY_DEVICE_TYPE 1
+#else
+#define ALOE_AUTOCAST_BY_DEVICE_TYPE 0
+#endif
+
+namespace {
+
+bool AutocastEnabled(at::DeviceType type) {
+#if ALOE_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::is_autocast_enabled(type);
+#else
+  return type == at::kCUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+
+at::ScalarType AutocastDtype(at::DeviceType type) {
+#if ALOE_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::get_autocast_dtype(type);
+#else
+  return type == at::kCUDA ? at::autocast::get_autocast_gpu_dtype()
+                           : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+
+void SetAutocast(at::DeviceType type, bool enabled, at::ScalarType dtype) {
+#if ALOE_AUTOCAST_BY_DEVICE_TYPE
+  at::autocast::set_autocast_dtype(type, dtype);
+  at::autocast::set_autocast_enabled(type, enabled);
+#else
+  if (type == at::kCUDA) {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(enabled);
+  } else {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(enabled);
+  }
+#endif
+}
+
+}  // namespace
+
+TrainingAutocast::TrainingAutocast()
+    : on_(TrainerAutocastBf16()), type_(TrainingDevice().is_cuda() ? at::kCUDA : at::kCPU) {
   if (!on_) return;
-  was_enabled_ = at::autocast::is_cpu_enabled();
-  was_dtype_ = at::autocast::get_autocast_cpu_dtype();
-  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
-  at::autocast::set_cpu_enabled(true);
+  was_enabled_ = AutocastEnabled(type_);
+  was_dtype_ = AutocastDtype(type_);
+  SetAutocast(type_, true, at::kBFloat16);
 }
 
 TrainingAutocast::~TrainingAutocast() {
   if (!on_) return;
-  at::autocast::set_cpu_enabled(was_enabled_);
-  at::autocast::set_autocast_cpu_dtype(was_dtype_);
+  SetAutocast(type_, was_enabled_, was_dtype_);
   at::autocast::clear_cache();
 }
 

@@ -4,6 +4,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cstdint>
 #include <exception>
@@ -19,9 +20,12 @@ namespace aloe::worker {
 // sets the calling thread's OpenMP thread count, so it is applied on the thread that trains.
 void ApplyTrainerThreads();
 
+// SetTrainerDevice's choice (worker/trainer.h) as a LibTorch device.
+torch::Device TrainingDevice();
+
 // The forward pass of a training step under bf16 autocast while TrainerAutocastBf16()
-// (worker/trainer.h) is on; a no-op otherwise. Restores the thread's previous autocast state on
-// destruction.
+// (worker/trainer.h) is on, for the training device's type (CPU or CUDA autocast); a no-op
+// otherwise. Restores the thread's previous autocast state on destruction.
 class TrainingAutocast {
  public:
   TrainingAutocast();
@@ -31,6 +35,7 @@ class TrainingAutocast {
 
  private:
   const bool on_;
+  const at::DeviceType type_;
   bool was_enabled_ = false;
   at::ScalarType was_dtype_ = at::kBFloat16;
 };

@@ -15,6 +15,8 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -30,8 +32,72 @@ namespace {
 
 std::atomic<int> g_trainer_threads{1};
 std::atomic<bool> g_autocast_bf16{false};
+std::atomic<int> g_device_index{-1};  // -1: the CPU; else the CUDA device's index
 
 }  // namespace
+
+int VisibleGpus() {
+  try {
+    return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+absl::StatusOr<std::string> SetTrainerDevice(const std::string& device) {
+  int index = -1;
+  if (device == "cpu") {
+    index = -1;
+  } else if (device == "auto") {
+    index = VisibleGpus() > 0 ? 0 : -1;
+  } else if (device == "cuda") {
+    index = 0;
+  } else if (!absl::StartsWith(device, "cuda:") ||
+             !absl::SimpleAtoi(absl::string_view(device).substr(5), &index) || index < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("device must be cpu, cuda, cuda:I or auto, got \"%s\"", device));
+  }
+  if (index >= 0) {
+    const int gpus = VisibleGpus();
+    if (gpus == 0) {
+#if defined(ALOE_WITH_TORCH_CUDA)
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "device %s: LibTorch sees no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES)",
+          device));
+#else
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "device %s: this build of ALOE links a CPU-only LibTorch; build it against a CUDA "
+          "LibTorch (README: GPU workers)",
+          device));
+#endif
+    }
+    if (index >= gpus) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "device cuda:%d: LibTorch sees %d GPU(s), cuda:0 to cuda:%d", index, gpus, gpus - 1));
+    }
+    try {
+      // The current device of the process: CUDA streams and the NCCL group follow it.
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+          ->setDevice(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index)));
+    } catch (const std::exception& e) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("device ", device, ": ", LibTorchError("selecting the GPU", e).message()));
+    }
+  }
+  g_device_index.store(index, std::memory_order_relaxed);
+  return TrainerDevice();
+}
+
+std::string TrainerDevice() {
+  const int index = g_device_index.load(std::memory_order_relaxed);
+  return index < 0 ? std::string("cpu") : absl::StrCat("cuda:", index);
+}
+
+torch::Device TrainingDevice() {
+  const int index = g_device_index.load(std::memory_order_relaxed);
+  if (index < 0) return torch::Device(torch::kCPU);
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
 
 void ApplyTrainerThreads() {
   const int want = g_trainer_threads.load(std::memory_order_relaxed);
@@ -69,6 +135,7 @@ struct LocalTrainer::Impl {
   v1::ModelSpec spec;
   TransformerLM model{nullptr};       // the built-in transformer, or
   ScriptModelPtr script;              // a bring-your-own TorchScript model
+  torch::Device device{torch::kCPU};  // where parameters, activations and AdamW state live
   std::vector<torch::Tensor> params;  // model parameters in spec order
   std::unique_ptr<torch::optim::AdamW> optimizer;
 
@@ -128,6 +195,12 @@ absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::Create(
   }
   ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *impl->model));
+  impl->device = TrainingDevice();
+  try {
+    impl->model->to(impl->device);
+  } catch (const std::exception& e) {
+    return LibTorchError("moving the model to the training device", e);
+  }
   impl->params = impl->model->parameters();
   ALOE_RETURN_IF_ERROR(impl->MakeOptimizer());
   return std::unique_ptr<LocalTrainer>(new LocalTrainer(std::move(impl)));
@@ -141,6 +214,8 @@ absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::CreateForScript(
   ALOE_ASSIGN_OR_RETURN(impl->model_config, ScriptDataShape(vocab_size, seq_len));
   impl->inner = inner;
   impl->spec = spec;
+  impl->device = TrainingDevice();
+  ALOE_RETURN_IF_ERROR(MoveScriptModel(*model, impl->device));
   ALOE_ASSIGN_OR_RETURN(impl->params, ParametersInSpecOrder(*model, spec));
   impl->script = std::move(model);
   ALOE_RETURN_IF_ERROR(impl->MakeOptimizer());
@@ -215,6 +290,7 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
       for (uint64_t& s : starts) s = start_dist(rng);
       ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
                             ReadBatch(data, starts, window, impl_->model_config.vocab_size()));
+      batch = batch.to(impl_->device);
       const double lr = InnerLearningRate(impl_->inner, lr_step + i);  // paper 002 Eq. 3
       for (torch::optim::OptimizerParamGroup& group : impl_->optimizer->param_groups()) {
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -276,6 +352,7 @@ absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout, uint32
       for (uint64_t r = 0; r < rows; ++r) starts[r] = (first + r) * window;
       ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
                             ReadBatch(heldout, starts, window, impl_->model_config.vocab_size()));
+      batch = batch.to(impl_->device);
       loss_sum += impl_->Loss(batch).item<double>() * static_cast<double>(rows * seq_len);
     }
   } catch (const std::exception& e) {

@@ -48,6 +48,19 @@ int TrainerThreads();
 void SetTrainerAutocastBf16(bool on);
 bool TrainerAutocastBf16();
 
+// The device the inner loop of this process trains on (aloe-worker --device):
+//   "cpu"; "cuda" (GPU 0) or "cuda:I" (GPU I); "auto": GPU 0 when LibTorch sees a GPU, else cpu.
+// The model's parameters, activations and gradients and the AdamW state live there (FsdpTrainer:
+// its parameter, gradient and moment slices too); pulled parameters and pushed pseudo-gradients
+// pass through host memory. Returns the device chosen ("cpu" or "cuda:I"). kInvalidArgument for
+// another string; kFailedPrecondition for a GPU that this LibTorch build (CPU-only builds have
+// none) or this machine does not have. Call before creating trainers; not thread-safe with
+// training. Default "cpu".
+absl::StatusOr<std::string> SetTrainerDevice(const std::string& device);
+std::string TrainerDevice();
+// The GPUs LibTorch sees in this process (0 with a CPU-only LibTorch).
+int VisibleGpus();
+
 // Keeps the training step's large temporaries (activations, gradients: up to a few MiB each)
 // in the malloc heap instead of fresh mmap'ed pages: sets glibc's mmap threshold to 32 MiB and
 // the trim threshold to 256 MiB. Without it every step page-faults and zero-fills its

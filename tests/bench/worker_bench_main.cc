@@ -4,11 +4,17 @@
 // No LocalTrainer, no schedule, no status plumbing: what LibTorch alone achieves on this machine.
 //
 // Output (one line):
-//   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count>
+//   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count> device=<d>
+//       flops_per_token=<F> [mfu=<m>]
 // where tokens are predicted tokens (batch_size * seq_len per step) over the --steps timed steps
 // that follow --warmup untimed ones. With --trainer it then runs the same number of steps
 // through LocalTrainer::Train and prints a second line
-//   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare>
+//   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare> [mfu=<m>]
+// Both run on --device (worker/trainer.h SetTrainerDevice), with --autocast bf16 both run their
+// forward passes under bf16 autocast. flops_per_token is the model's training FLOPs per token,
+// 6 N + 12 L d T (N: parameters of the matrix products, i.e. all but the token and position
+// embeddings; L layers of width d over T tokens: the attention scores and their weighted sums);
+// mfu = tokens/s x flops_per_token / (--peak_tflops x 1e12), printed when --peak_tflops > 0.
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -27,6 +33,7 @@
 #include "common/status_macros.h"
 #include "common/token_shard.h"
 #include "common/token_source.h"
+#include "worker/torch_util.h"
 #include "worker/trainer.h"
 #include "worker/transformer.h"
 
@@ -47,6 +54,11 @@ ABSL_FLAG(bool, tune_malloc, true,
           "Call ConfigureAllocatorForTraining() (worker/trainer.h) first, as aloe-worker does");
 ABSL_FLAG(bool, trainer, false,
           "Also time the same steps through LocalTrainer::Train and print the ratio");
+ABSL_FLAG(std::string, device, "cpu", "cpu | cuda | cuda:I | auto (as aloe-worker --device)");
+ABSL_FLAG(std::string, autocast, "off", "off | bf16 (as aloe-worker --autocast)");
+ABSL_FLAG(double, peak_tflops, 0,
+          "The device's peak dense TFLOP/s for the run's precision (e.g. 989 for an H100 SXM in "
+          "bf16); > 0 prints the model FLOPs utilisation (mfu)");
 
 namespace aloe::worker {
 namespace {
@@ -94,6 +106,16 @@ absl::Status Run() {
   }
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   if (absl::GetFlag(FLAGS_tune_malloc)) ConfigureAllocatorForTraining();
+  ALOE_ASSIGN_OR_RETURN(const std::string device_name,
+                        SetTrainerDevice(absl::GetFlag(FLAGS_device)));
+  const std::string autocast = absl::GetFlag(FLAGS_autocast);
+  if (autocast != "off" && autocast != "bf16") {
+    return absl::InvalidArgumentError("--autocast must be off or bf16");
+  }
+  SetTrainerAutocastBf16(autocast == "bf16");
+  const double peak_tflops = absl::GetFlag(FLAGS_peak_tflops);
+  if (!(peak_tflops >= 0)) return absl::InvalidArgumentError("--peak_tflops must be >= 0");
+  const torch::Device device = TrainingDevice();
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenSource> data, OpenData(config.vocab_size(), seed));
   const int64_t window = config.seq_len() + 1;
   if (data->num_tokens() < static_cast<uint64_t>(window)) {
@@ -105,6 +127,20 @@ absl::Status Run() {
   torch::set_num_threads(threads);
   TransformerLM model(config);
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *model));
+  model->to(device);
+  // Training FLOPs per predicted token: 6 N over the matrix products, plus attention.
+  double matmul_params = 0;
+  for (const auto& p : model->named_parameters()) {
+    if (p.key() != "tok_emb.weight" && p.key() != "pos_emb.weight")
+      matmul_params += p.value().numel();
+  }
+  const double flops_per_token =
+      6 * matmul_params + 12.0 * config.num_layers() * config.d_model() * config.seq_len();
+  auto mfu = [&](double tokens_per_second) {
+    return peak_tflops > 0 ? absl::StrFormat(" mfu=%.3f", tokens_per_second * flops_per_token /
+                                                              (peak_tflops * 1e12))
+                           : std::string();
+  };
   torch::optim::AdamW optimizer(model->parameters(),
                                 torch::optim::AdamWOptions(inner.lr())
                                     .betas(std::make_tuple(inner.beta1(), inner.beta2()))
@@ -119,8 +155,13 @@ absl::Status Run() {
     for (int64_t b = 0; b < batch_size; ++b) {
       data->Read(start(rng), window, batch.data_ptr<int64_t>() + b * window);
     }
+    batch = batch.to(device);
     optimizer.zero_grad();
-    torch::Tensor loss = model->Loss(batch);
+    torch::Tensor loss;
+    {
+      TrainingAutocast bf16;  // --autocast bf16: the forward pass, as the trainer does
+      loss = model->Loss(batch);
+    }
     loss.backward();
     torch::nn::utils::clip_grad_norm_(model->parameters(), inner.grad_clip());
     optimizer.step();
@@ -129,8 +170,11 @@ absl::Status Run() {
   }
   const double tokens = static_cast<double>(steps) * batch_size * config.seq_len();
   const double bare_tps = tokens / seconds;
-  std::printf("bare_libtorch tokens_per_second=%.1f steps=%d seconds=%.3f params=%llu\n", bare_tps,
-              steps, seconds, static_cast<unsigned long long>(TotalElements(spec)));
+  std::printf(
+      "bare_libtorch tokens_per_second=%.1f steps=%d seconds=%.3f params=%llu device=%s "
+      "flops_per_token=%.4g%s\n",
+      bare_tps, steps, seconds, static_cast<unsigned long long>(TotalElements(spec)),
+      device_name.c_str(), flops_per_token, mfu(bare_tps).c_str());
   std::fflush(stdout);
 
   if (absl::GetFlag(FLAGS_trainer)) {
@@ -143,8 +187,8 @@ absl::Status Run() {
     ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats,
                           trainer->Train(*data, steps, inner.warmup_steps(), seed + 1));
     const double tps = stats.tokens / stats.compute_seconds;
-    std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f\n", tps,
-                stats.steps, stats.compute_seconds, tps / bare_tps);
+    std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f%s\n", tps,
+                stats.steps, stats.compute_seconds, tps / bare_tps, mfu(tps).c_str());
   }
   return absl::OkStatus();
 }

@@ -114,5 +114,34 @@ TEST_F(FsdpWorkerTest, SigtermStopsEveryRankAfterTheSameStepAndThePartialRoundIs
   EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
 }
 
+// --device is checked before the worker joins, with the flag named: an unknown device, a GPU
+// that this build or machine does not have (no machine here has 64), and a fixed GPU for a node
+// whose ranks each take one. A worker that trains says where ("training on cpu" here).
+TEST_F(FsdpWorkerTest, DeviceFlagIsCheckedBeforeJoiningAndTheDeviceIsLogged) {
+  const int port = StartServer("local_steps: 2\nmax_versions: 1\n");
+  ASSERT_GT(port, 0);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--device=gpu"}, "--device must be cpu, cuda, cuda:I or auto, got \"gpu\""},
+      {{"--device=cuda:63"}, "--device cuda:63: "},
+      {{"--nproc=2", "--device=cuda:1"}, "--device cuda:I is for one-process workers"},
+  };
+  int index = 0;
+  for (const auto& [flags, message] : refused) {
+    auto worker = StartWorker(port, "trainer", index, 1.0, flags);
+    EXPECT_EQ(worker->Wait(absl::Seconds(60)), std::optional<int>(1)) << message;
+    const std::string log = ReadFile(absl::StrCat(dir_, "/trainer", index, ".log"));
+    EXPECT_TRUE(absl::StrContains(log, message)) << log;
+    EXPECT_FALSE(absl::StrContains(log, "joined as worker")) << log;
+    ++index;
+  }
+  auto worker = StartWorker(port, "trainer", index, 1.0, {"--device=cpu"});
+  EXPECT_EQ(worker->Wait(absl::Seconds(120)), std::optional<int>(0)) << Logs();
+  EXPECT_TRUE(
+      absl::StrContains(ReadFile(absl::StrCat(dir_, "/trainer", index, ".log")), "training on cpu"))
+      << Logs();
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+}
+
 }  // namespace
 }  // namespace aloe

@@ -5,6 +5,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -75,6 +76,32 @@ TEST(GlooCollectivesTest, AllGatherReduceScatterAndAllReduceOverThreeRanks) {
     std::string empty = r == 0 ? "" : "not yet";
     ASSERT_THAT(c.Broadcast(&empty, /*root=*/0), IsOk());
     EXPECT_EQ(empty, "");
+  });
+}
+
+// The tensor forms the trainer calls: over Gloo they take flat float32 host tensors (the CPU
+// trainer's buffers) and refuse anything else by name.
+TEST(GlooCollectivesTest, TensorFormsTakeHostFloatsAndRefuseOthers) {
+  RunRanks(2, [](Collectives& c) {
+    const int r = c.rank();
+    torch::Tensor shard = torch::full({3}, 1.0f + r, torch::kFloat32);
+    torch::Tensor full = torch::zeros({6}, torch::kFloat32);
+    ASSERT_THAT(c.AllGatherTensor(shard, full), IsOk());
+    EXPECT_TRUE(torch::equal(full, torch::tensor({1.0f, 1.0f, 1.0f, 2.0f, 2.0f, 2.0f})));
+    // Rank q contributes (q + 1) * j at j: rank r gets 3 * (3 r + i).
+    torch::Tensor contribution = torch::arange(6, torch::kFloat32) * (r + 1);
+    torch::Tensor mine = torch::zeros({3}, torch::kFloat32);
+    ASSERT_THAT(c.ReduceScatterSumTensor(contribution, mine), IsOk());
+    EXPECT_TRUE(torch::equal(mine, (torch::arange(3, torch::kFloat32) + 3 * r) * 3)) << mine;
+    // Refused before any communication, so the ranks stay in step.
+    EXPECT_THAT(c.AllGatherTensor(torch::zeros({3}, torch::kInt64), full),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("contiguous float32 host memory; got a Long tensor on cpu")));
+    EXPECT_THAT(c.AllGatherTensor(shard, torch::zeros({5}, torch::kFloat32)),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("3 elements per rank")));
+    EXPECT_THAT(
+        c.ReduceScatterSumTensor(torch::zeros({12}, torch::kFloat32).slice(0, 0, 12, 2), mine),
+        StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("contiguous")));
   });
 }
 
@@ -310,6 +337,43 @@ class UnusedCollectives final : public Collectives {
     return absl::InternalError("unexpected");
   }
 };
+
+// On a GPU (skipped without one): one rank whose trainer group is NCCL on the GPU steps like a
+// LocalTrainer on the same GPU (LibTorch's AdamW), and like FSDP on the CPU up to float
+// summation order. A build without NCCL refuses the GPU group by name instead.
+TEST_F(FsdpTrainerTest, OneNcclRankOnTheGpuMatchesLocalTrainerThere) {
+  if (VisibleGpus() == 0) GTEST_SKIP() << "no GPU visible to LibTorch";
+  const InMemoryTokenSource data = Data();
+  const Layers cpu = TrainFsdp(1, 1, 5);
+  ASSERT_THAT(SetTrainerDevice("cuda:0"), IsOk());
+  auto local = LocalTrainer::Create(Model(), Inner(), spec_, /*seed=*/3);
+  ASSERT_THAT(local, IsOk());
+  ASSERT_THAT((*local)->Train(data, 5, /*lr_step=*/0, /*seed=*/11), IsOk());
+  Layers expected;
+  ASSERT_THAT((*local)->GetParameters(&expected), IsOk());
+  const std::string store = ::testing::TempDir() + "/aloe_fsdp_nccl_" + std::to_string(::getpid());
+  auto groups = ConnectNodeGroups(store, 0, 1, /*groups=*/2, /*timeout_seconds=*/60);
+#if defined(ALOE_WITH_NCCL)
+  ASSERT_THAT(groups, IsOk());
+  auto trainer = FsdpTrainer::Create(Model(), Inner(), spec_, /*seed=*/3, *(*groups)[0]);
+  ASSERT_THAT(trainer, IsOk());
+  ASSERT_THAT((*trainer)->Train(data, 5, /*lr_step=*/0, /*seed=*/11), IsOk());
+  Layers gpu;
+  ASSERT_THAT((*trainer)->GatherParameters(&gpu), IsOk());
+  // The control group stays Gloo: a host message crosses it.
+  std::string message = "task";
+  EXPECT_THAT((*groups)[1]->Broadcast(&message, 0), IsOk());
+  const double error = RelativeError(gpu, expected);
+  std::printf("FSDP 1 NCCL rank vs LocalTrainer on the GPU: %.3g; vs FSDP on the CPU: %.3g\n",
+              error, RelativeError(gpu, cpu));
+  EXPECT_LE(error, 1e-5);
+  EXPECT_LE(RelativeError(gpu, cpu), 1e-4);
+#else
+  EXPECT_THAT(groups, StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no NCCL")));
+#endif
+  ASSERT_THAT(SetTrainerDevice("cpu"), IsOk());
+  std::remove(store.c_str());
+}
 
 TEST_F(FsdpTrainerTest, BatchMustSplitEvenlyAcrossRanks) {
   UnusedCollectives four;

@@ -315,6 +315,78 @@ TEST(LocalTrainerTest, Bf16AutocastTrainsAsWellButNotBitForBit) {
       << "fp32 " << fp32_loss << " bf16 " << bf16_loss << " relative " << relative;
 }
 
+// --device: the strings it takes; a GPU that this LibTorch build or machine lacks is refused
+// naming why, and leaves the device as it was.
+TEST(TrainerDeviceTest, TakesCpuCudaAndAutoAndRefusesMissingGpus) {
+  ASSERT_THAT(SetTrainerDevice("cpu"), IsOk());
+  EXPECT_EQ(*SetTrainerDevice("cpu"), "cpu");
+  EXPECT_EQ(TrainerDevice(), "cpu");
+  for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:1x", "CPU", ""}) {
+    EXPECT_THAT(SetTrainerDevice(bad), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                HasSubstr("must be cpu, cuda, cuda:I or auto")))
+        << bad;
+  }
+  const int gpus = VisibleGpus();
+  auto automatic = SetTrainerDevice("auto");
+  ASSERT_THAT(automatic, IsOk());
+  EXPECT_EQ(*automatic, gpus > 0 ? "cuda:0" : "cpu");
+  ASSERT_THAT(SetTrainerDevice("cpu"), IsOk());
+  const std::string missing = "cuda:" + std::to_string(gpus);
+#if defined(ALOE_WITH_TORCH_CUDA)
+  const std::string why = gpus > 0 ? "LibTorch sees " + std::to_string(gpus) + " GPU(s)"
+                                   : std::string("LibTorch sees no CUDA GPU");
+#else
+  ASSERT_EQ(gpus, 0);
+  const std::string why = "links a CPU-only LibTorch";
+#endif
+  EXPECT_THAT(SetTrainerDevice(missing),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(why)));
+  if (gpus == 0) {
+    EXPECT_THAT(SetTrainerDevice("cuda"),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr(why)));
+  }
+  EXPECT_EQ(TrainerDevice(), "cpu");
+}
+
+// On a GPU (skipped without one): the same rounds from the same start end where they end on the
+// CPU, up to float summation order; bf16 autocast there uses CUDA's autocast (it changes the
+// steps) and restores the thread's state.
+TEST(LocalTrainerTest, TrainsOnTheGpuAsOnTheCpu) {
+  if (VisibleGpus() == 0) GTEST_SKIP() << "no GPU visible to LibTorch";
+  const InMemoryTokenSource data = PeriodicTokens(2000);
+  auto train = [&](const char* device, bool bf16) {
+    EXPECT_THAT(SetTrainerDevice(device), IsOk());
+    SetTrainerAutocastBf16(bf16);
+    auto trainer = MakeTrainer();
+    EXPECT_NE(trainer, nullptr);
+    EXPECT_THAT(trainer->Train(data, 5, 0, /*seed=*/100), IsOk());
+    SetTrainerAutocastBf16(false);
+    EXPECT_THAT(SetTrainerDevice("cpu"), IsOk());
+    return Params(*trainer);
+  };
+  auto relative = [](const Layers& a, const Layers& b) {
+    double diff = 0, norm = 0;
+    for (size_t l = 0; l < b.size(); ++l) {
+      for (size_t i = 0; i < b[l].size(); ++i) {
+        diff += std::pow(double(a[l][i]) - b[l][i], 2);
+        norm += std::pow(double(b[l][i]), 2);
+      }
+    }
+    return std::sqrt(diff / norm);
+  };
+  const Layers cpu = train("cpu", false);
+  const Layers gpu = train("cuda:0", false);
+  const Layers gpu_bf16 = train("cuda:0", true);
+  const double error = relative(gpu, cpu);
+  std::printf(
+      "LocalTrainer GPU vs CPU after 5 steps: relative error %.3g; bf16 vs float32 on "
+      "the GPU %.3g\n",
+      error, relative(gpu_bf16, gpu));
+  EXPECT_LE(error, 1e-4);
+  EXPECT_GT(relative(gpu_bf16, gpu), 1e-4) << "bf16 autocast changed nothing on the GPU";
+  EXPECT_GT(relative(gpu, InitializeParameters(BuildTransformerSpec(TinyModel(), 2), 1)), 1e-3);
+}
+
 TEST(LocalTrainerTest, EvaluateIsDeterministicAndChangesNothing) {
   auto trainer = MakeTrainer();
   ASSERT_NE(trainer, nullptr);

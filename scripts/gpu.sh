@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# GPU workers: builds ALOE against the CUDA LibTorch of a PyTorch installation and checks it on
+# the GPUs (README "GPU workers"). Debian 12's LibTorch is CPU-only; PyTorch's wheel carries a
+# CUDA LibTorch with NCCL (python3 -c 'import torch; print(torch.utils.cmake_prefix_path)').
+#
+# Usage:
+#   scripts/gpu.sh bundle DIR   On a Debian 12 machine with its package archive: downloads into
+#                               DIR the .deb files of ALOE's other build dependencies (gRPC,
+#                               Protocol Buffers, Abseil, prometheus-cpp, GoogleTest, Gloo's
+#                               headers) and of the libraries they need, less the base system.
+#                               About 30 MB: small enough to carry to a GPU machine that has
+#                               PyTorch but no Debian archive.
+#   scripts/gpu.sh build [DIR]  On the GPU machine: unpacks DIR's .deb files (if given) under
+#                               $ALOE_BUILD_DIR/sysroot, configures $ALOE_BUILD_DIR (default
+#                               build-cuda) against python3's torch and builds the worker, the
+#                               server, the worker benchmark and the worker tests. Writes
+#                               $ALOE_BUILD_DIR/env.sh, which sets LD_LIBRARY_PATH for them.
+#   scripts/gpu.sh check        Runs the worker tests on that build (the GPU ones no longer
+#                               skip), then the GPU benchmark: tokens/s and MFU of a 124M model
+#                               (bf16 autocast) through the worker's trainer and a bare LibTorch
+#                               loop in the same run.
+# Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
+# (a LibTorch CMake prefix instead of python's torch).
+set -euo pipefail
+ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
+# shellcheck source=scripts/lib.sh
+. "$(dirname "$0")/lib.sh"
+
+# The build dependencies (scripts/install-deps.sh names the same) and the packages of the base
+# system that the GPU machine has its own, newer copies of: never unpacked over it.
+BUILD_PACKAGES=(protobuf-compiler libprotobuf-dev protobuf-compiler-grpc libgrpc++-dev libgrpc-dev
+  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libgloo-dev)
+BASE_PACKAGES='^(libc6|libc6-dev|libc-dev-bin|linux-libc-dev|libstdc\+\+6|libgcc-s1|gcc-12-base|libcrypt1|libcrypt-dev|libnsl2|libnsl-dev|libtirpc3|libtirpc-dev|libtirpc-common|rpcsvc-proto|adduser|passwd|debconf|libpam.*|libaudit.*|libselinux1|libsemanage.*|libsepol2|libcap-ng0|libdb5\.3|libpcre2-8-0|zlib1g|libzstd1|libbz2-1\.0|libgmp10|libffi8|pkgconf|pkgconf-bin|libpkgconf3)$'
+
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+
+bundle() {
+  local dir="${1:?usage: scripts/gpu.sh bundle DIR}"
+  mkdir -p "$dir/partial"
+  dir="$(cd "$dir" && pwd)"
+  # An empty dpkg status: apt resolves the whole dependency closure, as for a bare machine.
+  apt-get -q -o Dir::Cache::archives="$dir" -o Dir::State::status=/dev/null \
+    -o Debug::NoLocking=1 --download-only -y --no-install-recommends \
+    install "${BUILD_PACKAGES[@]}" >"$dir/apt.log" 2>&1 ||
+    { cat "$dir/apt.log" >&2; exit 1; }
+  rmdir "$dir/partial" 2>/dev/null || true
+  local kept=0 dropped=0 deb name
+  for deb in "$dir"/*.deb; do
+    name="$(dpkg-deb -f "$deb" Package)"
+    if [[ "$name" =~ $BASE_PACKAGES ]]; then
+      rm "$deb"; dropped=$((dropped + 1))
+    else
+      kept=$((kept + 1))
+    fi
+  done
+  aloe_log "bundle: $kept packages in $dir ($(du -sh "$dir" | cut -f1)); $dropped base-system packages left out"
+}
+
+torch_prefix() {
+  if [ -n "${ALOE_TORCH_PREFIX:-}" ]; then
+    echo "$ALOE_TORCH_PREFIX"
+    return
+  fi
+  "${PYTHON:-python3}" -c 'import torch; print(torch.utils.cmake_prefix_path)'
+}
+
+build() {
+  local debs="${1:-}"
+  local sysroot="$ALOE_BUILD_DIR/sysroot"
+  mkdir -p "$ALOE_BUILD_DIR"
+  local prefixes
+  prefixes="$(torch_prefix)"
+  local torch_dir="$prefixes"
+  if [ -n "$debs" ]; then
+    rm -rf "$sysroot"
+    mkdir -p "$sysroot"
+    local deb count=0
+    for deb in "$debs"/*.deb; do
+      dpkg-deb -x "$deb" "$sysroot"
+      count=$((count + 1))
+    done
+    [ "$count" -gt 0 ] || { echo "gpu.sh: no .deb files in $debs" >&2; exit 1; }
+    aloe_log "unpacked $count packages under $sysroot"
+    # Absolute symlinks in the packages point into /usr: point them into the sysroot.
+    find "$sysroot" -type l -lname '/*' | while read -r link; do
+      ln -sfn "$sysroot$(readlink "$link")" "$link"
+    done
+    prefixes="$sysroot/usr;$prefixes"
+  fi
+  {
+    echo "# Sourced before running what $ALOE_BUILD_DIR built (scripts/gpu.sh)."
+    if [ -n "$debs" ]; then
+      echo "export LD_LIBRARY_PATH=\"$sysroot/usr/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""
+      echo "export PATH=\"$sysroot/usr/bin:\$PATH\""
+    fi
+  } >"$ALOE_BUILD_DIR/env.sh"
+  # shellcheck source=/dev/null
+  . "$ALOE_BUILD_DIR/env.sh"
+  aloe_log "configuring $ALOE_BUILD_DIR against LibTorch at $torch_dir"
+  cmake -S "$ALOE_ROOT" -B "$ALOE_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_PREFIX_PATH="$prefixes" | grep -E 'ALOE|Torch|CUDA' || true
+  grep -q 'ALOE_NCCL_INCLUDE_DIR:PATH=/' "$ALOE_BUILD_DIR/CMakeCache.txt" ||
+    aloe_log "warning: no nccl.h found: a multi-rank GPU node will have no NCCL group"
+  cmake --build "$ALOE_BUILD_DIR" -- -j"$(nproc)" aloe-worker aloe-server aloe-bench-worker \
+    aloe_worker_tests
+  aloe_log "built in $ALOE_BUILD_DIR; . $ALOE_BUILD_DIR/env.sh before running its binaries"
+}
+
+check() {
+  [ -f "$ALOE_BUILD_DIR/env.sh" ] || { echo "gpu.sh: run scripts/gpu.sh build first" >&2; exit 1; }
+  # shellcheck source=/dev/null
+  . "$ALOE_BUILD_DIR/env.sh"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv,noheader
+  "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
+    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*'
+  # A GPT-2-small-sized model (12 layers of width 768, 1024 tokens, vocabulary 24576: 124M
+  # parameters) on GPU 0 in bf16 autocast: the worker's trainer vs a bare LibTorch loop in the
+  # same run, and the model FLOPs utilisation against ALOE_PEAK_TFLOPS (default 989: H100 SXM
+  # dense bf16; 989 also for an H200).
+  local peak="${ALOE_PEAK_TFLOPS:-989}"
+  "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device=cuda:0 --autocast=bf16 --trainer \
+    --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
+    --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
+    --threads=4 --peak_tflops="$peak" | tee "$ALOE_BUILD_DIR/gpu-bench.log"
+  awk -v peak="$peak" '/^aloe_trainer/ {
+    for (i = 1; i <= NF; ++i) { split($i, kv, "="); v[kv[1]] = kv[2] }
+    printf "gpu: tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare LibTorch)\n",
+      v["tokens_per_second"], v["mfu"], peak, v["ratio"] }' "$ALOE_BUILD_DIR/gpu-bench.log"
+}
+
+case "${1:-}" in
+  bundle) shift; bundle "$@" ;;
+  build) shift; build "$@" ;;
+  check) check ;;
+  -h|--help) usage ;;
+  *) usage >&2; exit 2 ;;
+esac
