@@ -15,12 +15,15 @@
 #                               build-cuda) against python3's torch and builds the worker, the
 #                               server, the worker benchmark and the worker tests. Writes
 #                               $ALOE_BUILD_DIR/env.sh, which sets LD_LIBRARY_PATH for them.
-#   scripts/gpu.sh check        Runs the worker tests on that build (the GPU ones no longer
-#                               skip), then the GPU benchmark: tokens/s and MFU of a 124M model
-#                               (bf16 autocast) through the worker's trainer and a bare LibTorch
-#                               loop in the same run.
+#   scripts/gpu.sh check [tests|bench|job]...
+#                               On that build: the worker tests (the GPU ones no longer skip);
+#                               the GPU benchmark (tokens/s and MFU of a 124M model in bf16
+#                               autocast through the worker's trainer and a bare LibTorch loop in
+#                               the same run); a real job (aloe-server and aloe-worker --device on
+#                               the GPU, 4 rounds). All three by default.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
-# (a LibTorch CMake prefix instead of python's torch).
+# (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
+# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS.
 set -euo pipefail
 ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # shellcheck source=scripts/lib.sh
@@ -32,7 +35,7 @@ BUILD_PACKAGES=(protobuf-compiler libprotobuf-dev protobuf-compiler-grpc libgrpc
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libgloo-dev)
 BASE_PACKAGES='^(libc6|libc6-dev|libc-dev-bin|linux-libc-dev|libstdc\+\+6|libgcc-s1|gcc-12-base|libcrypt1|libcrypt-dev|libnsl2|libnsl-dev|libtirpc3|libtirpc-dev|libtirpc-common|rpcsvc-proto|adduser|passwd|debconf|libpam.*|libaudit.*|libselinux1|libsemanage.*|libsepol2|libcap-ng0|libdb5\.3|libpcre2-8-0|zlib1g|libzstd1|libbz2-1\.0|libgmp10|libffi8|pkgconf|pkgconf-bin|libpkgconf3)$'
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
 
 bundle() {
   local dir="${1:?usage: scripts/gpu.sh bundle DIR}"
@@ -101,25 +104,23 @@ build() {
     -DCMAKE_PREFIX_PATH="$prefixes" | grep -E 'ALOE|Torch|CUDA' || true
   grep -q 'ALOE_NCCL_INCLUDE_DIR:PATH=/' "$ALOE_BUILD_DIR/CMakeCache.txt" ||
     aloe_log "warning: no nccl.h found: a multi-rank GPU node will have no NCCL group"
-  cmake --build "$ALOE_BUILD_DIR" -- -j"$(nproc)" aloe-worker aloe-server aloe-bench-worker \
-    aloe_worker_tests
+  cmake --build "$ALOE_BUILD_DIR" -- -j"$(nproc)" aloe-worker aloe-server aloe-corpus \
+    aloe-bench-worker aloe_worker_tests
   aloe_log "built in $ALOE_BUILD_DIR; . $ALOE_BUILD_DIR/env.sh before running its binaries"
 }
 
-check() {
-  [ -f "$ALOE_BUILD_DIR/env.sh" ] || { echo "gpu.sh: run scripts/gpu.sh build first" >&2; exit 1; }
-  # shellcheck source=/dev/null
-  . "$ALOE_BUILD_DIR/env.sh"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
-    --format=csv,noheader
+check_tests() {
   "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
     --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*'
-  # A GPT-2-small-sized model (12 layers of width 768, 1024 tokens, vocabulary 24576: 124M
-  # parameters) on GPU 0 in bf16 autocast: the worker's trainer vs a bare LibTorch loop in the
-  # same run, and the model FLOPs utilisation against ALOE_PEAK_TFLOPS (default 989: H100 SXM
-  # dense bf16; 989 also for an H200).
+}
+
+# A GPT-2-small-sized model (12 layers of width 768, 1024 tokens, vocabulary 24576: 124M
+# parameters) in bf16 autocast: the worker's trainer vs a bare LibTorch loop in the same run, and
+# the model FLOPs utilisation against ALOE_PEAK_TFLOPS (default 989: H100 SXM dense bf16; 989
+# also for an H200).
+check_bench() {
   local peak="${ALOE_PEAK_TFLOPS:-989}"
-  "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device=cuda:0 --autocast=bf16 --trainer \
+  "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 --trainer \
     --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
     --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
     --threads=4 --peak_tflops="$peak" | tee "$ALOE_BUILD_DIR/gpu-bench.log"
@@ -129,10 +130,63 @@ check() {
       v["tokens_per_second"], v["mfu"], peak, v["ratio"] }' "$ALOE_BUILD_DIR/gpu-bench.log"
 }
 
+# A real job: aloe-server and one aloe-worker on the device (bf16 autocast) train the worker
+# benchmark's model (deploy/configs/bench-worker.textproto: 4 rounds of 50 steps) on a corpus
+# made from this repository's own text (the GPU machine may have no other).
+check_job() {
+  local job="$ALOE_BUILD_DIR/gpu-job"
+  rm -rf "$job"
+  mkdir -p "$job/text"
+  local f
+  for f in "$ALOE_ROOT"/README.md "$ALOE_ROOT"/worker/*.cc "$ALOE_ROOT"/server/*/*.cc; do
+    cp "$f" "$job/text/$(basename "$(dirname "$f")")_$(basename "$f").txt"
+  done
+  "$ALOE_BUILD_DIR/bin/aloe-corpus" --input_dir="$job/text" --output_dir="$job/corpus" \
+    >"$job/corpus.log" 2>&1 || { cat "$job/corpus.log" >&2; exit 1; }
+  sed "s|^corpus_dir:.*|corpus_dir: \"$job/corpus\"|" \
+    "$ALOE_ROOT/deploy/configs/bench-worker.textproto" >"$job/server.textproto"
+  "$ALOE_BUILD_DIR/bin/aloe-server" --config="$job/server.textproto" --port_file="$job/ports" \
+    >"$job/server.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 1 300); do [ -s "$job/ports" ] && break; sleep 0.1; done
+  local port
+  port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$job/ports")
+  [ -n "$port" ] || { cat "$job/server.log" >&2; exit 1; }
+  local rc=0
+  "$ALOE_BUILD_DIR/bin/aloe-worker" --server="127.0.0.1:$port" --corpus_dir="$job/corpus" \
+    --metrics=off --device="$DEVICE" --autocast=bf16 >"$job/worker.log" 2>&1 || rc=$?
+  wait "$server" || rc=$?
+  grep -E 'training on|tokens_per_second' "$job/worker.log" | sed 's/^/job: /'
+  if [ "$rc" -ne 0 ]; then
+    tail -20 "$job/server.log" "$job/worker.log" >&2
+    echo "gpu.sh: the job failed (exit $rc)" >&2
+    exit 1
+  fi
+}
+
+# check [tests|bench|job]...: all three by default, on ALOE_GPU_DEVICE (default cuda:0).
+check() {
+  [ -f "$ALOE_BUILD_DIR/env.sh" ] || { echo "gpu.sh: run scripts/gpu.sh build first" >&2; exit 1; }
+  # shellcheck source=/dev/null
+  . "$ALOE_BUILD_DIR/env.sh"
+  DEVICE="${ALOE_GPU_DEVICE:-cuda:0}"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  fi
+  local stages=("$@") stage
+  [ ${#stages[@]} -gt 0 ] || stages=(tests bench job)
+  for stage in "${stages[@]}"; do
+    case "$stage" in
+      tests|bench|job) aloe_log "check: $stage"; "check_$stage" ;;
+      *) echo "gpu.sh: unknown check stage '$stage' (tests, bench or job)" >&2; exit 2 ;;
+    esac
+  done
+}
+
 case "${1:-}" in
   bundle) shift; bundle "$@" ;;
   build) shift; build "$@" ;;
-  check) check ;;
+  check) shift; check "$@" ;;
   -h|--help) usage ;;
   *) usage >&2; exit 2 ;;
 esac
