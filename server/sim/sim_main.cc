@@ -20,6 +20,7 @@
 #include "common/config.h"
 #include "common/corpus_manifest.h"
 #include "common/flags_usage.h"
+#include "common/imported_model.h"
 #include "common/local_trainer_interface.h"
 #include "common/logging.h"
 #include "common/model_spec.h"
@@ -67,6 +68,10 @@ ABSL_FLAG(int64_t, seed, 0,
 ABSL_FLAG(double, tick, 0.05,
           "Virtual seconds between Tick / WAIT retries while some worker waits");
 ABSL_FLAG(int32_t, torch_threads, 1, "LibTorch intra-op threads for the simulated trainers");
+ABSL_FLAG(std::string, torchscript, "",
+          "Torch trainer with a config whose model_file is an imported model: the TorchScript "
+          "file it was imported from (aloe-import-model), trained by every simulated worker as "
+          "aloe-worker --torchscript does");
 ABSL_FLAG(double, synthetic_lr, 0.05, "Synthetic trainer: per-coordinate SGD step in (0, 1]");
 ABSL_FLAG(double, synthetic_noise, 0.1, "Synthetic trainer: gradient noise std per coordinate");
 ABSL_FLAG(double, synthetic_spread, 0.5, "Synthetic trainer: std of each shard's target offset");
@@ -140,11 +145,6 @@ absl::Status Main() {
   const std::string config_path = absl::GetFlag(FLAGS_config);
   if (config_path.empty()) return absl::InvalidArgumentError("--config is required (see --help)");
   ALOE_ASSIGN_OR_RETURN(v1::ServerConfig config, LoadServerConfig(config_path));
-  if (!config.model_file().empty()) {
-    return absl::InvalidArgumentError(
-        "model_file: aloe-sim trains the built-in transformer only; train an imported model with "
-        "aloe-server and aloe-worker --torchscript");
-  }
   if (absl::GetFlag(FLAGS_seed) != 0) config.set_seed(absl::GetFlag(FLAGS_seed));
   if (!absl::GetFlag(FLAGS_corpus_dir).empty()) {
     config.set_corpus_dir(absl::GetFlag(FLAGS_corpus_dir));
@@ -183,7 +183,16 @@ absl::Status Main() {
     }
   }
 
-  const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
+  // The model the core trains: the built-in transformer, or config.model_file's imported one.
+  ALOE_ASSIGN_OR_RETURN(const ServerModel model, LoadServerModel(config, kNoLayers));
+  const v1::ModelSpec& spec = model.spec;
+  options.model_fingerprint = model.fingerprint;
+  const std::string torchscript = absl::GetFlag(FLAGS_torchscript);
+  if (!torchscript.empty() && config.model_file().empty()) {
+    return absl::InvalidArgumentError(
+        "--torchscript is for a config with model_file (an imported model); this config trains "
+        "the built-in transformer");
+  }
   std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
   std::unique_ptr<LocalTrainerInterface> eval_trainer;
   // Objects the trainers borrow; declared before the simulator so they outlive it.
@@ -209,7 +218,7 @@ absl::Status Main() {
     o.noise_std = absl::GetFlag(FLAGS_synthetic_noise);
     o.shard_spread = absl::GetFlag(FLAGS_synthetic_spread);
     o.tokens_per_step =
-        static_cast<uint64_t>(config.inner_optimizer().batch_size()) * config.model().seq_len();
+        static_cast<uint64_t>(config.inner_optimizer().batch_size()) * model.seq_len;
     ALOE_ASSIGN_OR_RETURN(objective, SyntheticObjective::Create(spec, train, o));
     for (size_t i = 0; i < k; ++i)
       trainers.push_back(std::make_unique<SyntheticTrainer>(*objective));
@@ -229,10 +238,33 @@ absl::Status Main() {
     ALOE_ASSIGN_OR_RETURN(heldout,
                           TokenShard::Open(absl::StrCat(config.corpus_dir(), "/", heldout_file)));
     const uint32_t eval_sequences = static_cast<uint32_t>(absl::GetFlag(FLAGS_eval_sequences));
+    if (!config.model_file().empty() && torchscript.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model_file ", config.model_file(),
+          ": the torch trainer needs --torchscript, the TorchScript file it was imported from "
+          "(or use --trainer synthetic)"));
+    }
     for (size_t i = 0; i <= k; ++i) {
-      ALOE_ASSIGN_OR_RETURN(std::unique_ptr<worker::LocalTrainer> t,
-                            worker::LocalTrainer::Create(config.model(), config.inner_optimizer(),
-                                                         spec, config.seed()));
+      std::unique_ptr<worker::LocalTrainer> t;
+      if (torchscript.empty()) {
+        ALOE_ASSIGN_OR_RETURN(
+            t, worker::LocalTrainer::Create(config.model(), config.inner_optimizer(), spec,
+                                            config.seed()));
+      } else {
+        // Each simulated worker loads its own copy, as each aloe-worker process does.
+        std::string fingerprint;
+        ALOE_ASSIGN_OR_RETURN(worker::ScriptModelPtr script,
+                              worker::OpenScriptModel(torchscript, &fingerprint));
+        if (fingerprint != model.fingerprint) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("--torchscript ", torchscript, " is not the module model_file ",
+                           config.model_file(), " was imported from (architecture fingerprints ",
+                           fingerprint, " vs ", model.fingerprint, ")"));
+        }
+        ALOE_ASSIGN_OR_RETURN(t, worker::LocalTrainer::CreateForScript(
+                                     std::move(script), model.vocab_size, model.seq_len,
+                                     config.inner_optimizer(), spec));
+      }
       auto adapter = std::make_unique<TorchTrainer>(std::move(t), *cache, *heldout, eval_sequences);
       if (i < k) {
         trainers.push_back(std::move(adapter));
@@ -285,6 +317,8 @@ int main(int argc, char** argv) {
       "  A task of H steps takes the sum of the next H step times; with an A-EDiT budget\n"
       "  (local_work { mode: LOCAL_WORK_TIME_BUDGET }) the worker runs until the first step\n"
       "  end at or after the budget, capped at the task's local_steps.\n"
+      "Models: the config's built-in transformer, or its model_file (an imported model) with\n"
+      "  --torchscript FILE, the TorchScript file it was imported from.\n"
       "Membership: --events 'join@T:i,leave@T:i,crash@T:i'. Workers join at t = 0 unless their\n"
       "  first event is a join. Work in flight at a leave or crash is lost.\n"
       "\n"

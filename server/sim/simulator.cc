@@ -545,6 +545,7 @@ absl::Status Simulator::Engine::Join(Worker& w) {
   request.set_name(absl::StrFormat("sim-worker-%d", w.index));
   request.set_role(v1::ROLE_TRAINER);
   request.set_num_threads(1);
+  request.set_model_fingerprint(options_.model_fingerprint);
   absl::StatusOr<v1::JoinReply> reply = core_->Join(request);
   if (!reply.ok()) {
     return absl::Status(reply.status().code(),

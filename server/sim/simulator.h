@@ -108,6 +108,10 @@ struct SimulatorOptions {
   double tick_seconds = 0.05;      // > 0: Tick / WAIT-retry period while some worker waits
   // Stall limit (see the file comment); 0 = max(10, 3 * lease_seconds + finite grace_seconds).
   double stall_seconds = 0;
+  // Sent by every simulated worker at Join (JoinRequest.model_fingerprint): the imported model's
+  // fingerprint (common/imported_model.h ServerModel) when the config has model_file, "" for the
+  // built-in transformer.
+  std::string model_fingerprint;
   // Receives the core's metrics; null = discarded. Must outlive Run().
   MetricsSink* metrics = nullptr;
 };

@@ -5,11 +5,15 @@
 
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/imported_model.h"
 #include "common/tensor_codec.h"
 #include "server/core/checkpoint_store.h"
@@ -204,6 +208,59 @@ TEST_F(ByoModelTest, ATwoRankNodeTrainsAnImportedModelLikeOneProcess) {
   EXPECT_LE(relative, 1e-4) << log;
   EXPECT_GE(trained, 100 * relative) << log;
   EXPECT_TRUE(absl::StrContains(log, "rank 1 of 2 connected")) << log;
+}
+
+// The straggler simulator trains an imported model as well (aloe-sim --torchscript): version 0
+// is the module's own initialisation (its held-out loss is PyTorch's), the loss falls, and the
+// module must be the one model_file was imported from.
+TEST_F(ByoModelTest, StragglerSimulatorTrainsAnImportedModel) {
+  ASSERT_EQ(Import("logits").first, 0);
+  ASSERT_EQ(Import("loss", "--vocab_size=256 --seq_len=32").first, 0);
+  std::ofstream(dir_ + "/sim.textproto")
+      << absl::StrCat("corpus_dir: \"", dir_, "\"\nmodel_file: \"", dir_, "/logits.aloemodel\"\n",
+                      "inner_optimizer { lr: 0.003 min_lr: 0.0003 warmup_steps: 5 total_steps: 400 "
+                      "batch_size: 8 }\n",
+                      kNesterov, "\nlocal_steps: 20\nmax_versions: 6\n");
+  auto sim = [&](const std::string& flags) {
+    return RunShell(absl::StrCat(Bin("aloe-sim"), " --config=", dir_,
+                                 "/sim.textproto --speeds=1,0.5 --eval_sequences=64 --out=", dir_,
+                                 "/sim.csv ", flags));
+  };
+  auto [code, out] = sim("--torchscript=" + dir_ + "/logits.pt");
+  ASSERT_EQ(code, 0) << out;
+  ASSERT_TRUE(absl::StrContains(out, "versions=6")) << out;
+  // Rows with an evaluation: "<time>,<version>,<worker>,<staleness>,<shard>,<steps>,<loss>,...".
+  std::vector<std::pair<int, double>> evals;
+  for (absl::string_view line : absl::StrSplit(ReadFile(dir_ + "/sim.csv"), '\n')) {
+    std::vector<std::string> fields = absl::StrSplit(line, ',');
+    if (fields.size() != 8 || fields[6].empty() || fields[6] == "eval_loss") continue;
+    int version = 0;
+    double loss = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(fields[1], &version) && absl::SimpleAtod(fields[6], &loss))
+        << line;
+    evals.emplace_back(version, loss);
+  }
+  ASSERT_GE(evals.size(), 2u) << ReadFile(dir_ + "/sim.csv");
+  EXPECT_EQ(evals.front().first, 0);
+  EXPECT_EQ(evals.back().first, 6);
+  EXPECT_NEAR(evals.front().second, python_heldout_loss_, 1e-4 * python_heldout_loss_);
+  std::printf(
+      "aloe-sim, imported logits model: held-out loss %.6f at version 0 (PyTorch %.6f), "
+      "%.6f at version 6\n",
+      evals.front().second, python_heldout_loss_, evals.back().second);
+  EXPECT_LT(evals.back().second, evals.front().second - 1.0) << out;
+
+  // Another module, no module at all, and a module for the built-in transformer are refused.
+  std::tie(code, out) = sim("--torchscript=" + dir_ + "/loss.pt");
+  EXPECT_EQ(code, 1);
+  EXPECT_TRUE(absl::StrContains(out, "loss.pt is not the module model_file")) << out;
+  std::tie(code, out) = sim("");
+  EXPECT_EQ(code, 1);
+  EXPECT_TRUE(absl::StrContains(out, "the torch trainer needs --torchscript")) << out;
+  // The synthetic trainer needs no module: it takes the imported model's layers.
+  std::tie(code, out) = sim("--trainer=synthetic");
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, "versions=6")) << out;
 }
 
 }  // namespace
