@@ -963,6 +963,8 @@ absl::Status Main() {
     ALOE_LOG_INFO("worker", "metrics on port %d", prometheus->port());
     metrics = std::move(prometheus);
   }
+  // Heterogeneous fleets: dashboards label each worker's speed with its hardware.
+  metrics->Set(kInfo, 1, {*chosen, absl::GetFlag(FLAGS_autocast), absl::StrCat(nproc)});
   ClientOptions options;
   options.address = absl::GetFlag(FLAGS_server);
   options.raw_push = absl::GetFlag(FLAGS_raw_push);

@@ -19,6 +19,7 @@ inline constexpr char kComputeSeconds[] = "aloe_worker_compute_seconds_total";
 inline constexpr char kNetworkSeconds[] = "aloe_worker_network_seconds_total";
 inline constexpr char kEvalLoss[] = "aloe_worker_eval_loss";
 inline constexpr char kModelVersion[] = "aloe_worker_model_version";
+inline constexpr char kInfo[] = "aloe_worker_info";
 
 inline std::vector<MetricDef> WorkerMetricCatalogue() {
   using K = MetricKind;
@@ -35,6 +36,12 @@ inline std::vector<MetricDef> WorkerMetricCatalogue() {
       {kNetworkSeconds, K::kCounter, "Seconds blocked on pull, push and task requests", {}},
       {kEvalLoss, K::kGauge, "Held-out loss of the last evaluation (evaluator role)", {}},
       {kModelVersion, K::kGauge, "Global model version of the current task", {}},
+      {kInfo,
+       K::kGauge,
+       "Always 1: where this worker trains (device: cpu or cuda:I, rank 0's for a node), its "
+       "autocast (off or bf16) and its ranks (--nproc)",
+       {},
+       {"device", "autocast", "ranks"}},
   };
 }
 

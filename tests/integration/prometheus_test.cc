@@ -605,6 +605,11 @@ TEST_F(PrometheusTest, EveryDashboardPanelAndRecordingRuleReturnsData) {
   EXPECT_EQ(up["aloe-shard"], 0);
   EXPECT_EQ(up["aloe-trainer"], 2);
   EXPECT_EQ(up["aloe-evaluator"], 1);
+  // Where each trainer trains, which the speed panel joins into its legend (aloe_worker_info).
+  EXPECT_EQ(Instant("aloe_worker_info{job=\"aloe-trainer\",device=\"cpu\",autocast=\"off\","
+                    "ranks=\"1\"} == 1")
+                .size(),
+            2u);
   ExpectRulesHealthy();
   if (HasFailure()) ADD_FAILURE() << Logs();
   std::printf("prometheus: %zu metrics, %zu rules, %zu panel queries checked in %.1f s\n", metrics,
