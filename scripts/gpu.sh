@@ -105,13 +105,15 @@ build() {
   grep -q 'ALOE_NCCL_INCLUDE_DIR:PATH=/' "$ALOE_BUILD_DIR/CMakeCache.txt" ||
     aloe_log "warning: no nccl.h found: a multi-rank GPU node will have no NCCL group"
   cmake --build "$ALOE_BUILD_DIR" -- -j"$(nproc)" aloe-worker aloe-server aloe-corpus \
-    aloe-bench-worker aloe_worker_tests
+    aloe-bench-worker aloe_worker_tests aloe_integration_tests
   aloe_log "built in $ALOE_BUILD_DIR; . $ALOE_BUILD_DIR/env.sh before running its binaries"
 }
 
 check_tests() {
   "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
     --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*'
+  # A GPU worker against a real server, against the same job on the CPU.
+  "$ALOE_BUILD_DIR/bin/aloe_integration_tests" --gtest_filter='FsdpWorkerTest.*'
 }
 
 # A GPT-2-small-sized model (12 layers of width 768, 1024 tokens, vocabulary 24576: 124M

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -112,6 +113,33 @@ TEST_F(FsdpWorkerTest, SigtermStopsEveryRankAfterTheSameStepAndThePartialRoundIs
   EXPECT_EQ(Scraped("aloe_workers_left_total"), 1) << Logs();
   server_->Signal(SIGTERM);
   EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
+}
+
+// On a GPU (skipped unless aloe-worker can train on cuda:0 here: a build against a CUDA LibTorch
+// on a machine with a GPU; aloe-bench-worker, with the same trainer and device choice, is asked):
+// the 3-round job with the worker on the GPU, pulling and pushing through host memory, ends
+// where the same job with a CPU worker ends, up to float summation order.
+TEST_F(FsdpWorkerTest, AGpuWorkerTrainsLikeACpuWorker) {
+  const std::string probe =
+      Bin("aloe-bench-worker") +
+      " --device=cuda:0 --steps=1 --warmup=0 --vocab_size=16 --seq_len=8 --d_model=16 "
+      "--num_layers=1 --num_heads=2 --batch_size=1 >/dev/null 2>&1";
+  if (std::system(probe.c_str()) != 0) {
+    GTEST_SKIP() << "aloe-worker cannot train on cuda:0 here (no GPU, or a CPU-only LibTorch)";
+  }
+  const std::vector<float> cpu = RunJob("cpu", {});
+  const std::vector<float> gpu = RunJob("gpu", {"--device=cuda:0"});
+  ASSERT_FALSE(cpu.empty());
+  ASSERT_EQ(cpu.size(), gpu.size());
+  EXPECT_TRUE(absl::StrContains(logs_["gpu"], "training on cuda:0")) << logs_["gpu"];
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    diff += std::pow(static_cast<double>(gpu[i]) - cpu[i], 2);
+    norm += std::pow(static_cast<double>(cpu[i]), 2);
+  }
+  const double relative = std::sqrt(diff / norm);
+  std::printf("GPU worker vs CPU worker after 3 rounds: relative error %.3g\n", relative);
+  EXPECT_LE(relative, 1e-3) << logs_["gpu"];
 }
 
 // --device is checked before the worker joins, with the flag named: an unknown device, a GPU

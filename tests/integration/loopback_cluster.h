@@ -127,11 +127,14 @@ class LoopbackTest : public ::testing::Test {
   std::unique_ptr<Subprocess> StartWorker(int port, const std::string& role, int index,
                                           double slowdown = 1.0,
                                           const std::vector<std::string>& extra_flags = {}) {
+    // On the CPU unless a test's flags say otherwise (a later --device wins): the same
+    // numbers in every build, GPU or not.
     std::vector<std::string> argv = {
         Bin("aloe-worker"),    absl::StrCat("--server=127.0.0.1:", port),
         "--role=" + role,      "--corpus_dir=" + dir_,
         "--metrics=off",       absl::StrCat("--slowdown=", slowdown),
-        "--eval_sequences=16", absl::StrCat("--name=", role, index)};
+        "--eval_sequences=16", absl::StrCat("--name=", role, index),
+        "--device=cpu"};
     argv.insert(argv.end(), model_flags_.begin(), model_flags_.end());
     argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
     return std::make_unique<Subprocess>(argv, absl::StrCat(dir_, "/", role, index, ".log"));

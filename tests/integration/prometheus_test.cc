@@ -339,7 +339,7 @@ class PrometheusTest : public ::testing::Test {
         std::vector<std::string>{Bin("aloe-worker"), absl::StrCat("--server=127.0.0.1:", grpc_port),
                                  "--role=" + role, "--corpus_dir=" + dir_, "--metrics=127.0.0.1:0",
                                  absl::StrCat("--slowdown=", slowdown), "--eval_sequences=8",
-                                 "--name=" + name},
+                                 "--name=" + name, "--device=cpu"},
         log));
     const absl::Time deadline = absl::Now() + timeout;
     const std::string kLine = "metrics on port ";
