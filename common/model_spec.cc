@@ -161,6 +161,22 @@ uint64_t TotalElements(const v1::ModelSpec& spec) {
   return total;
 }
 
+double TrainingFlopsPerToken(const v1::ModelSpec& spec, const v1::TransformerConfig& model) {
+  const bool builtin = model.num_layers() > 0;
+  double multiplied = 0;
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    for (const v1::TensorSpec& t : layer.tensors()) {
+      if (builtin && (t.name() == "tok_emb.weight" || t.name() == "pos_emb.weight")) continue;
+      double n = 1;
+      for (int64_t d : t.shape()) n *= static_cast<double>(d);
+      multiplied += n;
+    }
+  }
+  const double attention =
+      builtin ? 12.0 * model.num_layers() * model.d_model() * model.seq_len() : 0.0;
+  return 6 * multiplied + attention;
+}
+
 std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed,
                                                      int64_t only_shard) {
   std::vector<std::vector<float>> params;

@@ -55,6 +55,14 @@ void AssignShards(uint32_t num_shards, v1::ModelSpec* spec);
 // Sum of num_elements over the layers of `spec`.
 uint64_t TotalElements(const v1::ModelSpec& spec);
 
+// Training FLOPs per predicted token (forward and backward), the usual estimate 6 N + 12 L d T:
+// N counts the parameters of the matrix products (every tensor of `spec` but the built-in
+// transformer's token and position embeddings, which are looked up, not multiplied), and 12 L d T
+// the attention scores and their weighted sums of `model`'s L blocks of width d over T tokens.
+// For an imported model (`model` has no blocks: only vocab_size and seq_len) the structure is
+// unknown: N counts every parameter and the attention term is 0.
+double TrainingFlopsPerToken(const v1::ModelSpec& spec, const v1::TransformerConfig& model);
+
 // Initial parameters for `spec`: one flat buffer per layer, each tensor drawn according to its
 // InitKind (INIT_NORMAL: N(0, init_std^2); INIT_UNSPECIFIED is treated as zeros). Deterministic
 // for a given (spec, seed) and standard library: layer l draws from its own std::mt19937_64

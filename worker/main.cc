@@ -221,6 +221,7 @@ class Worker {
   Collectives* const node_;
   Collectives* const control_;
   std::unique_ptr<FsdpTrainer> fsdp_;  // instead of trainer_ in a multi-rank node
+  double flops_per_token_ = 0;         // the joined model's training FLOPs per token
   bool need_join_ = true;
   bool evaluator_ = false;
   bool server_draining_ = false;
@@ -327,6 +328,7 @@ absl::Status Worker::Joined(const v1::JoinReply& joined) {
     }
     codecs_.push_back(codec);
   }
+  flops_per_token_ = TrainingFlopsPerToken(joined_.model_spec(), joined_.model());
   if (leader()) {
     ALOE_LOG_INFO("worker", "%s joined as worker %d at version %d%s%s", Name(), joined_.worker_id(),
                   joined_.version(),
@@ -649,6 +651,9 @@ void Worker::ReportRound(const v1::Task& task, const LocalTrainer::RoundStats& s
   heartbeat_->Set(joined_.worker_id(), train_s > 0 ? stats.steps / train_s : 0);
   metrics_.Set(kLoss, stats.mean_loss);
   metrics_.Set(kTokensPerSecond, stats.tokens / round_s);
+  if (stats.compute_seconds > 0) {
+    metrics_.Set(kModelFlops, stats.tokens / stats.compute_seconds * flops_per_token_);
+  }
   metrics_.Set(kStepsPerRound, stats.steps);
   metrics_.Set(kModelVersion, static_cast<double>(task.base_version()));
   metrics_.Add(kSteps, stats.steps);

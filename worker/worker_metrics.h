@@ -20,6 +20,7 @@ inline constexpr char kNetworkSeconds[] = "aloe_worker_network_seconds_total";
 inline constexpr char kEvalLoss[] = "aloe_worker_eval_loss";
 inline constexpr char kModelVersion[] = "aloe_worker_model_version";
 inline constexpr char kInfo[] = "aloe_worker_info";
+inline constexpr char kModelFlops[] = "aloe_worker_model_flops_per_second";
 
 inline std::vector<MetricDef> WorkerMetricCatalogue() {
   using K = MetricKind;
@@ -36,6 +37,11 @@ inline std::vector<MetricDef> WorkerMetricCatalogue() {
       {kNetworkSeconds, K::kCounter, "Seconds blocked on pull, push and task requests", {}},
       {kEvalLoss, K::kGauge, "Held-out loss of the last evaluation (evaluator role)", {}},
       {kModelVersion, K::kGauge, "Global model version of the current task", {}},
+      {kModelFlops,
+       K::kGauge,
+       "Model FLOP/s of the last round's steps: tokens per compute second x training FLOPs per "
+       "token (6 N + 12 L d T); divided by the device's peak, the MFU",
+       {}},
       {kInfo,
        K::kGauge,
        "Always 1: where this worker trains (device: cpu or cuda:I, rank 0's for a node), its "

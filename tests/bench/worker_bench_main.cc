@@ -128,14 +128,7 @@ absl::Status Run() {
   TransformerLM model(config);
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *model));
   model->to(device);
-  // Training FLOPs per predicted token: 6 N over the matrix products, plus attention.
-  double matmul_params = 0;
-  for (const auto& p : model->named_parameters()) {
-    if (p.key() != "tok_emb.weight" && p.key() != "pos_emb.weight")
-      matmul_params += p.value().numel();
-  }
-  const double flops_per_token =
-      6 * matmul_params + 12.0 * config.num_layers() * config.d_model() * config.seq_len();
+  const double flops_per_token = TrainingFlopsPerToken(spec, config);  // 6 N + 12 L d T
   auto mfu = [&](double tokens_per_second) {
     return peak_tflops > 0 ? absl::StrFormat(" mfu=%.3f", tokens_per_second * flops_per_token /
                                                               (peak_tflops * 1e12))

@@ -605,6 +605,14 @@ TEST_F(PrometheusTest, EveryDashboardPanelAndRecordingRuleReturnsData) {
   EXPECT_EQ(up["aloe-shard"], 0);
   EXPECT_EQ(up["aloe-trainer"], 2);
   EXPECT_EQ(up["aloe-evaluator"], 1);
+  // Each trainer's model FLOP/s once it has finished a round (the gauge starts at 0).
+  size_t busy = 0;
+  while (absl::Now() < deadline) {
+    busy = Instant("aloe_worker_model_flops_per_second{job=\"aloe-trainer\"} > 0").size();
+    if (busy == 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_EQ(busy, 2u);
   // Where each trainer trains, which the speed panel joins into its legend (aloe_worker_info).
   EXPECT_EQ(Instant("aloe_worker_info{job=\"aloe-trainer\",device=\"cpu\",autocast=\"off\","
                     "ranks=\"1\"} == 1")

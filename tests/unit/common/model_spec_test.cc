@@ -64,6 +64,20 @@ TEST(ModelSpecTest, DefaultModelHasThreePointThreeMillionParameters) {
   EXPECT_EQ(TransformerParameters(DefaultConfig()), static_cast<double>(expected));
 }
 
+// 6 N + 12 L d T by hand. Tiny: 532 parameters less the embeddings' 44 + 20 = 468 multiplied;
+// 6 * 468 + 12 * 2 * 4 * 5 = 2808 + 480. Default: 3323392 less 256*256 + 128*256 = 98304;
+// 6 * 3225088 + 12 * 4 * 256 * 128 = 19350528 + 1572864. An imported model (no blocks in its
+// config): 6 x every parameter, no attention term.
+TEST(ModelSpecTest, TrainingFlopsPerTokenByHand) {
+  EXPECT_EQ(TrainingFlopsPerToken(BuildTransformerSpec(TinyConfig(), 1), TinyConfig()), 3288.0);
+  EXPECT_EQ(TrainingFlopsPerToken(BuildTransformerSpec(DefaultConfig(), 2), DefaultConfig()),
+            20923392.0);
+  v1::TransformerConfig imported;
+  imported.set_vocab_size(11);
+  imported.set_seq_len(5);
+  EXPECT_EQ(TrainingFlopsPerToken(BuildTransformerSpec(TinyConfig(), 1), imported), 3192.0);
+}
+
 TEST(ModelSpecTest, TensorNamesShapesAndInitKinds) {
   const v1::ModelSpec spec = BuildTransformerSpec(TinyConfig(), 1);
   std::vector<std::string> names;
