@@ -149,7 +149,7 @@ TEST_F(ByoModelTest, LossModelTrainsAndMismatchedWorkersAreRefused) {
   EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), "version=3"))
       << ReadFile(dir_ + "/summary") << Logs();
   // A server refuses a bring-your-own worker when it trains the built-in transformer: see
-  // ServerCoreTest; aloe-sim refuses model_file.
+  // ServerCoreTest. aloe-sim with a model_file: StragglerSimulatorTrainsAnImportedModel.
 }
 
 // The imported logits model on a two-rank node (--nproc 2 --torchscript: FSDP over Gloo on the
