@@ -147,20 +147,11 @@ check_job() {
     >"$job/corpus.log" 2>&1 || { cat "$job/corpus.log" >&2; exit 1; }
   sed "s|^corpus_dir:.*|corpus_dir: \"$job/corpus\"|" \
     "$ALOE_ROOT/deploy/configs/bench-worker.textproto" >"$job/server.textproto"
-  "$ALOE_BUILD_DIR/bin/aloe-server" --config="$job/server.textproto" --port_file="$job/ports" \
-    >"$job/server.log" 2>&1 &
-  local server=$!
-  for _ in $(seq 1 300); do [ -s "$job/ports" ] && break; sleep 0.1; done
-  local port
-  port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$job/ports")
-  [ -n "$port" ] || { cat "$job/server.log" >&2; exit 1; }
   local rc=0
-  "$ALOE_BUILD_DIR/bin/aloe-worker" --server="127.0.0.1:$port" --corpus_dir="$job/corpus" \
-    --metrics=off --device="$DEVICE" --autocast=bf16 >"$job/worker.log" 2>&1 || rc=$?
-  wait "$server" || rc=$?
+  aloe_one_worker_job "$job" "$job/server.textproto" "$job/corpus" --device="$DEVICE" \
+    --autocast=bf16 || rc=$?
   grep -E 'training on|tokens_per_second' "$job/worker.log" | sed 's/^/job: /'
   if [ "$rc" -ne 0 ]; then
-    tail -20 "$job/server.log" "$job/worker.log" >&2
     echo "gpu.sh: the job failed (exit $rc)" >&2
     exit 1
   fi

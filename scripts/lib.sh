@@ -28,4 +28,33 @@ aloe_build() {
   cmake --build "$ALOE_BUILD_DIR" -- -j"$(nproc)" "$@"
 }
 
+# One job on a fresh aloe-server: starts $ALOE_BIN_DIR/aloe-server with CONFIG (logs and port
+# file in DIR), runs one aloe-worker on CORPUS with the remaining flags until the server's stop
+# condition, and waits for both. Returns non-zero (log tails on stderr) when either fails.
+# Usage: aloe_one_worker_job DIR CONFIG CORPUS [worker flags...]
+aloe_one_worker_job() {
+  local dir="$1" config="$2" corpus="$3"
+  shift 3
+  mkdir -p "$dir"
+  rm -f "$dir/ports"
+  "$ALOE_BIN_DIR/aloe-server" --config="$config" --port_file="$dir/ports" >"$dir/server.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 1 300); do [ -s "$dir/ports" ] && break; sleep 0.1; done
+  local port
+  port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$dir/ports" 2>/dev/null)
+  if [ -z "$port" ]; then
+    kill "$server" 2>/dev/null || true
+    tail -n 20 "$dir/server.log" >&2
+    return 1
+  fi
+  local rc=0
+  "$ALOE_BIN_DIR/aloe-worker" --server="127.0.0.1:$port" --corpus_dir="$corpus" --metrics=off \
+    "$@" >"$dir/worker.log" 2>&1 || rc=$?
+  # A failed worker leaves the server waiting for work: stop it (SIGTERM drains and exits).
+  if [ "$rc" -ne 0 ]; then kill "$server" 2>/dev/null || true; fi
+  wait "$server" || [ "$rc" -ne 0 ] || rc=1
+  if [ "$rc" -ne 0 ]; then tail -n 20 "$dir/server.log" "$dir/worker.log" >&2; fi
+  return "$rc"
+}
+
 aloe_log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }

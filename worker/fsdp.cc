@@ -332,8 +332,10 @@ struct FsdpTrainer::Impl {
   std::vector<torch::Tensor> shard;  // owned parameters
   std::vector<torch::Tensor> grad;   // owned gradient of the last step
   std::vector<torch::Tensor> m, v;   // AdamW moments
-  std::vector<torch::Tensor> decay;  // bool: the element's tensor is a matrix
-  std::vector<torch::Tensor> full;   // gathered layers during a step
+  // Per layer, the runs [offset, offset + length) of the owned slice that belong to matrices
+  // (weight decay applies to them only).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> decay_runs;
+  std::vector<torch::Tensor> full;  // gathered layers during a step
   uint64_t step = 0;
 
   int N() const { return layout.num_ranks; }
@@ -358,7 +360,7 @@ struct FsdpTrainer::Impl {
   }
 
   // With `params` set: the per-parameter shapes, this rank's slices of `initial` (one buffer per
-  // spec layer) on the device, the decay masks and zero moments; then drops the module's full
+  // spec layer) on the device, the weight-decay runs and zero moments; then drops the module's full
   // tensors.
   absl::Status Init(const std::vector<std::vector<float>>& initial) {
     try {
@@ -366,30 +368,29 @@ struct FsdpTrainer::Impl {
       for (int l = 0; l < spec.layers_size(); ++l) {
         const int64_t slice = static_cast<int64_t>(layout.slice(l));
         layer_params.emplace_back();
-        std::vector<uint8_t> decay_full(spec.layers(l).num_elements());
-        size_t offset = 0;
+        decay_runs.emplace_back();
+        const int64_t b = static_cast<int64_t>(layout.begin(l));
+        const int64_t e = static_cast<int64_t>(layout.end(l));
+        int64_t offset = 0;
         for (const v1::TensorSpec& t : spec.layers(l).tensors()) {
           layer_params.back().push_back(index++);
           shapes.emplace_back(t.shape().begin(), t.shape().end());
-          size_t numel = 1;
-          for (int64_t d : t.shape()) numel *= static_cast<size_t>(d);
-          numels.push_back(static_cast<int64_t>(numel));
+          int64_t numel = 1;
+          for (int64_t d : t.shape()) numel *= d;
+          numels.push_back(numel);
           // Decoupled weight decay on matrices only, as LocalTrainer's parameter groups.
-          std::fill_n(decay_full.begin() + offset, numel, t.shape_size() >= 2 ? 1 : 0);
+          const int64_t first = std::max(offset, b), last = std::min(offset + numel, e);
+          if (t.shape_size() >= 2 && first < last) {
+            decay_runs.back().emplace_back(first - b, last - first);
+          }
           offset += numel;
         }
-        const size_t b = layout.begin(l);
-        const int64_t owned = static_cast<int64_t>(layout.owned(l));
+        const int64_t owned = e - b;
         shard.push_back(torch::zeros({slice}, Floats()));
         shard.back()
             .narrow(0, 0, owned)
             .copy_(torch::from_blob(const_cast<float*>(initial[l].data()) + b, {owned},
                                     torch::kFloat32));
-        decay.push_back(torch::zeros({slice}, torch::TensorOptions().dtype(torch::kBool)));
-        decay.back()
-            .narrow(0, 0, owned)
-            .copy_(torch::from_blob(decay_full.data() + b, {owned}, torch::kUInt8));
-        decay.back() = decay.back().to(device);
         grad.push_back(torch::zeros({slice}, Floats()));
         m.push_back(torch::zeros({slice}, Floats()));
         v.push_back(torch::zeros({slice}, Floats()));
@@ -430,8 +431,8 @@ struct FsdpTrainer::Impl {
   // Reduce-scatters the gradients of the module into `grad` (mean over ranks) and returns the
   // squared L2 norm of this rank's owned part.
   absl::StatusOr<double> ScatterGradients() {
-    torch::Tensor squared = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64));
-    squared = squared.to(device);
+    torch::Tensor squared =
+        torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device));
     for (int l = 0; l < spec.layers_size(); ++l) {
       const int64_t slice = static_cast<int64_t>(layout.slice(l));
       torch::Tensor flat = torch::zeros({slice * N()}, Floats());
@@ -463,7 +464,11 @@ struct FsdpTrainer::Impl {
     for (int l = 0; l < spec.layers_size(); ++l) {
       torch::Tensor& p = shard[l];
       const torch::Tensor& g = grad[l];
-      if (wd != 0) p.copy_(torch::where(decay[l], p * (1 - lr * wd), p));
+      if (wd != 0) {
+        for (const auto& [offset, length] : decay_runs[l]) {
+          p.narrow(0, offset, length).mul_(1 - lr * wd);
+        }
+      }
       m[l].mul_(b1).add_(g, 1 - b1);
       v[l].mul_(b2).addcmul_(g, g, 1 - b2);
       const torch::Tensor denom = (v[l].sqrt() / std::sqrt(bc2)).add_(inner.eps());

@@ -11,16 +11,7 @@ bench_worker_run() {
   local name="$1"
   shift
   local dir="$ALOE_ROOT/out/bench-worker/$name"
-  mkdir -p "$dir"
-  "$ALOE_BIN_DIR/aloe-server" --config="$BENCH_CONFIG" --port_file="$dir/ports" \
-    >"$dir/server.log" 2>&1 &
-  local server=$!
-  for _ in $(seq 1 300); do [ -s "$dir/ports" ] && break; sleep 0.1; done
-  local port
-  port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$dir/ports")
-  "$ALOE_BIN_DIR/aloe-worker" --server="127.0.0.1:$port" --corpus_dir=data/sotu --metrics=off \
-    "$@" >"$dir/worker.log" 2>&1
-  wait "$server"
+  aloe_one_worker_job "$dir" "$BENCH_CONFIG" data/sotu "$@"
   grep -o 'tokens_per_second=[0-9.]*' "$dir/worker.log" | head -1 | cut -d= -f2
 }
 

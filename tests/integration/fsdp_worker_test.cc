@@ -39,6 +39,16 @@ std::vector<double> PushedBytes(const std::string& log) {
   return values;
 }
 
+// ||a - b|| / ||b|| over equally long parameter vectors.
+double RelativeError(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff += std::pow(static_cast<double>(a[i]) - b[i], 2);
+    norm += std::pow(static_cast<double>(b[i]), 2);
+  }
+  return std::sqrt(diff / norm);
+}
+
 class FsdpWorkerTest : public LoopbackTest {
  protected:
   // Runs a 3-round sync job with one worker started with `worker_flags`; returns the final
@@ -82,12 +92,7 @@ TEST_F(FsdpWorkerTest, TwoRankNodeTrainsLikeAOneProcessWorker) {
   EXPECT_EQ(two_bytes[0] + two_bytes[1], one_bytes[0]) << logs_["two"];
   EXPECT_LT(std::max(two_bytes[0], two_bytes[1]), 0.51 * one_bytes[0]) << logs_["two"];
   EXPECT_FALSE(absl::StrContains(logs_["two"], "dropped")) << logs_["two"];
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < one.size(); ++i) {
-    diff += std::pow(static_cast<double>(two[i]) - one[i], 2);
-    norm += std::pow(static_cast<double>(one[i]), 2);
-  }
-  const double relative = std::sqrt(diff / norm);
+  const double relative = RelativeError(two, one);
   std::printf("2-rank node vs 1-process worker after 3 rounds: relative error %.3g\n", relative);
   EXPECT_LE(relative, 1e-4) << logs_["two"];
 }
@@ -132,12 +137,7 @@ TEST_F(FsdpWorkerTest, AGpuWorkerTrainsLikeACpuWorker) {
   ASSERT_FALSE(cpu.empty());
   ASSERT_EQ(cpu.size(), gpu.size());
   EXPECT_TRUE(absl::StrContains(logs_["gpu"], "training on cuda:0")) << logs_["gpu"];
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    diff += std::pow(static_cast<double>(gpu[i]) - cpu[i], 2);
-    norm += std::pow(static_cast<double>(cpu[i]), 2);
-  }
-  const double relative = std::sqrt(diff / norm);
+  const double relative = RelativeError(gpu, cpu);
   std::printf("GPU worker vs CPU worker after 3 rounds: relative error %.3g\n", relative);
   EXPECT_LE(relative, 1e-3) << logs_["gpu"];
 }
