@@ -7,6 +7,21 @@
 // Built with -O3 and OpenMP (kernels/CMakeLists.txt): `omp simd` tells the compiler the
 // iterations are independent, which also holds for exact in-place aliasing because each
 // iteration reads its inputs before writing element i.
+//
+// The build targets x86-64-v2 (SSE4.2) so the binaries run on any x86-64 host of the last decade;
+// ALOE_VECTOR_CLONES also builds an AVX2 version of a kernel, which the loader picks on hosts that
+// have AVX2 (GCC target_clones, an ifunc resolved once). AVX2 without FMA: every element is the
+// same IEEE operations in the same order as on SSE, so the results are bit for bit those of the
+// baseline build (no fused multiply-add, no reordered sums). Not on SquaredL2Norm, whose double
+// sum a wider vector would add in another order. Measured on the 2-core AMD EPYC dev host
+// (AVX2 and AVX-512): screening a 1 MiB piece in L2 38 -> 73 GB/s, an in-place SGD step on 16 MiB
+// 18 -> 21 GB/s.
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ALOE_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define ALOE_VECTOR_CLONES
+#endif
 
 namespace aloe::kernels {
 namespace {
@@ -21,15 +36,16 @@ inline uint32_t NonFiniteBit(float v) {
 
 }  // namespace
 
-void SgdApply(const float* g, const float* theta_in, float* theta_out, size_t n, float lr) {
+ALOE_VECTOR_CLONES void SgdApply(const float* g, const float* theta_in, float* theta_out, size_t n,
+                                 float lr) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
     theta_out[i] = theta_in[i] - lr * g[i];
   }
 }
 
-void NesterovApply(const float* g, float* m, const float* theta_in, float* theta_out, size_t n,
-                   float lr, float beta) {
+ALOE_VECTOR_CLONES void NesterovApply(const float* g, float* m, const float* theta_in,
+                                      float* theta_out, size_t n, float lr, float beta) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
     const float gi = g[i];
@@ -40,9 +56,10 @@ void NesterovApply(const float* g, float* m, const float* theta_in, float* theta
   }
 }
 
-void DelayedNesterovApply(const float* g, float* m, float* d, const float* theta_in,
-                          float* theta_out, size_t n, float lr, float beta, uint32_t buffer_size,
-                          float c, bool momentum_step) {
+ALOE_VECTOR_CLONES void DelayedNesterovApply(const float* g, float* m, float* d,
+                                             const float* theta_in, float* theta_out, size_t n,
+                                             float lr, float beta, uint32_t buffer_size, float c,
+                                             bool momentum_step) {
   const float inv_n = 1.0f / static_cast<float>(buffer_size);
   if (momentum_step) {
     // m = beta*m + D/N; theta -= lr*((1 - cN + c)*beta*m + g/N); D = 0.
@@ -79,9 +96,9 @@ void DelayedNesterovApply(const float* g, float* m, float* d, const float* theta
   }
 }
 
-void AdamApply(const float* g, float* m, float* v, const float* theta_in, float* theta_out,
-               size_t n, float step_size, float beta1, float beta2, float eps,
-               float inv_sqrt_bias2) {
+ALOE_VECTOR_CLONES void AdamApply(const float* g, float* m, float* v, const float* theta_in,
+                                  float* theta_out, size_t n, float step_size, float beta1,
+                                  float beta2, float eps, float inv_sqrt_bias2) {
   const float one_minus_beta1 = 1.0f - beta1;
   const float one_minus_beta2 = 1.0f - beta2;
 #pragma omp simd
@@ -96,21 +113,21 @@ void AdamApply(const float* g, float* m, float* v, const float* theta_in, float*
   }
 }
 
-void WeightedAccumulate(const float* x, float w, float* acc, size_t n) {
+ALOE_VECTOR_CLONES void WeightedAccumulate(const float* x, float w, float* acc, size_t n) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
     acc[i] += w * x[i];
   }
 }
 
-void Scale(float* x, size_t n, float s) {
+ALOE_VECTOR_CLONES void Scale(float* x, size_t n, float s) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
     x[i] *= s;
   }
 }
 
-void ScaledCopy(const float* x, float w, float* out, size_t n) {
+ALOE_VECTOR_CLONES void ScaledCopy(const float* x, float w, float* out, size_t n) {
 #pragma omp simd
   for (size_t i = 0; i < n; ++i) {
     out[i] = w * x[i];
@@ -127,7 +144,7 @@ double SquaredL2Norm(const float* x, size_t n) {
   return sum;
 }
 
-bool AllFinite(const float* x, size_t n) {
+ALOE_VECTOR_CLONES bool AllFinite(const float* x, size_t n) {
   // Bit test rather than std::isfinite or x*0 tricks: stays correct under -ffast-math.
   uint32_t non_finite = 0;
 #pragma omp simd reduction(| : non_finite)
@@ -137,7 +154,7 @@ bool AllFinite(const float* x, size_t n) {
   return non_finite == 0;
 }
 
-bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
+ALOE_VECTOR_CLONES bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
   // |x| <= limit as an integer compare of the magnitude bits: IEEE-754 orders non-negative
   // floats like their bit patterns, and NaN/Inf patterns lie above every finite limit's.
   // The bits of |limit|: limit -0.0f admits the zeros, as 0.0f does (its sign bit would
@@ -157,7 +174,7 @@ bool CopyWithinMagnitude(const void* in, float* out, size_t n, float limit) {
   return over == 0;
 }
 
-bool AllWithinMagnitude(const float* x, size_t n, float limit) {
+ALOE_VECTOR_CLONES bool AllWithinMagnitude(const float* x, size_t n, float limit) {
   // As CopyWithinMagnitude: an integer compare of the magnitude bits.
   uint32_t limit_bits;
   std::memcpy(&limit_bits, &limit, sizeof(limit_bits));

@@ -91,7 +91,10 @@ ShardState::ShardState(v1::ModelSpec spec, uint32_t shard_index, uint32_t max_st
   size_t bytes = 0;
   for (uint32_t g : owned_)
     bytes += spec_.layers(static_cast<int>(g)).num_elements() * sizeof(float);
-  staging_buffers_ = FloatBufferPool::Create(2 * bytes);
+  // Idle buffers for every staging slot: under load the slots empty and fill without end, and a
+  // buffer freed at a commit is taken again by the next push (a fresh one would cost a zero-fill
+  // of its bytes). No more memory at the peak than the slots themselves (Take reuses first).
+  staging_buffers_ = FloatBufferPool::Create(std::max<size_t>(max_staged_, 2) * bytes);
 }
 
 absl::Status ShardState::CheckPart(const PendingUpdate& part) const {

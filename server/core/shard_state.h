@@ -181,7 +181,7 @@ class ShardState {
   std::map<uint64_t, ModelSnapshot> retained_;  // older versions (local order) kept for pulls
   std::unique_ptr<PseudoGradientPenalty> penalty_;  // null = off; modules = owned layers
   std::vector<PenaltyModuleReport> penalty_reports_;
-  std::shared_ptr<FloatBufferPool> staging_buffers_;  // idle: at most two updates' owned layers
+  std::shared_ptr<FloatBufferPool> staging_buffers_;  // idle: at most max_staged updates' owned layers
 };
 
 }  // namespace aloe::server

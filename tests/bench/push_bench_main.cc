@@ -14,7 +14,8 @@
 //
 //   --mode ingest: --pushers concurrent workers for --seconds; GB/s of pseudo-gradient accepted
 //     (bytes of acknowledged pushes / wall time) vs the GB/s of --pushers concurrent loopback TCP
-//     streams (1 MiB writes, a reader thread per stream) measured first in the same process.
+//     streams (1 MiB writes, a reader thread per stream) measured in the same process, taking
+//     turns with it (--repeats).
 //     Last line: "ingest: accepted_gbps=<X> ratio=<X / tcp> (raw TCP <Y> GB/s, N streams)".
 //   --mode egress: the other direction: --pushers concurrent workers each pulling every layer of
 //     the latest version back to back (a joiner's download, from every shard at once) for
@@ -80,6 +81,11 @@ ABSL_FLAG(double, round_seconds, 0,
           "Simulated training time of a worker between the reply to one push and its next push "
           "(the inner steps of a DiLoCo round); each worker's first push comes at a random phase "
           "in [0, round). 0 = push back to back (a closed loop without pause)");
+ABSL_FLAG(int32_t, repeats, 3,
+          "ingest / egress: the measurements take turns this many times (raw TCP, raw TCP with a "
+          "push's least work, the server; --seconds / repeats each turn), so that a machine "
+          "whose speed drifts during the run (other tenants, clocks) weighs on every one alike; "
+          "the ratios of each turn are printed too");
 ABSL_FLAG(int32_t, staged_slots, 8,
           "ingest: staging buffers of the raw TCP baseline with a push's least work (the server's "
           "max_staged_updates)");
@@ -605,6 +611,27 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
   return total;
 }
 
+// Adds the measured window of `r` to `total` (a run measured in several turns): updates, bytes,
+// seconds and errors add up, latencies merge (sorted), CPU use is weighted by seconds; spans stay
+// apart (each turn has its own clock).
+void MergeInto(Result& total, const Result& r) {
+  const double seconds = total.seconds + r.seconds;
+  auto weigh = [&](double a, double b) {
+    return seconds > 0 ? (a * total.seconds + b * r.seconds) / seconds : 0.0;
+  };
+  total.bench_cores = weigh(total.bench_cores, r.bench_cores);
+  total.watched_cores.resize(r.watched_cores.size(), 0.0);
+  for (size_t i = 0; i < r.watched_cores.size(); ++i) {
+    total.watched_cores[i] = weigh(total.watched_cores[i], r.watched_cores[i]);
+  }
+  total.updates += r.updates;
+  total.bytes += r.bytes;
+  total.errors += r.errors;
+  total.seconds = seconds;
+  total.latencies.insert(total.latencies.end(), r.latencies.begin(), r.latencies.end());
+  std::sort(total.latencies.begin(), total.latencies.end());
+}
+
 double Percentile(const std::vector<double>& sorted, double p) {
   if (sorted.empty()) return 0;
   const size_t i =
@@ -690,27 +717,52 @@ int Main() {
     const char* ops = pull ? "pull" : "push";
     const int workers = absl::GetFlag(FLAGS_pushers);
     const auto [receiver_cpu, sender_cpu] = PinnedCpus();
-    const double tcp = RawTcpGbps(workers, seconds, receiver_cpu, sender_cpu);
+    const int repeats = absl::GetFlag(FLAGS_repeats);
+    if (repeats < 1) {
+      std::fprintf(stderr, "--repeats must be >= 1\n");
+      return 2;
+    }
+    const double turn = seconds / repeats;
+    // Every thread this process starts from here on runs where its role says: gRPC's threads
+    // (the workers') inherit the sender's CPU; the baselines pin their own threads.
+    PinThisThread(sender_cpu);
+    // The model comes first: the least-work baseline needs its update size.
+    const uint64_t update_bytes = DescribeServer();
+    if (update_bytes == 0) return 1;
+    double tcp_sum = 0, staged_sum = 0;
+    Result r;
+    std::vector<std::string> turns;
+    for (int k = 0; k < repeats; ++k) {
+      const double tcp_k = RawTcpGbps(workers, turn, receiver_cpu, sender_cpu);
+      const int slots = absl::GetFlag(FLAGS_staged_slots);
+      const double staged_k =
+          pull ? 0 : StagedTcpGbps(workers, turn, update_bytes, slots, receiver_cpu, sender_cpu);
+      const Result r_k = RunWorkers(workers, turn, pull ? 0 : round, *watched, pull);
+      const double gbps_k = r_k.seconds > 0 ? static_cast<double>(r_k.bytes) / r_k.seconds / 1e9 : 0;
+      tcp_sum += tcp_k;
+      staged_sum += staged_k;
+      MergeInto(r, r_k);
+      turns.push_back(
+          pull ? absl::StrFormat("%.2f", tcp_k > 0 ? gbps_k / tcp_k : 0.0)
+               : absl::StrFormat("%.2f (least work %.2f)", tcp_k > 0 ? gbps_k / tcp_k : 0.0,
+                                 tcp_k > 0 ? staged_k / tcp_k : 0.0));
+    }
+    const double tcp = tcp_sum / repeats;
+    const double staged = staged_sum / repeats;
     std::printf("raw loopback TCP, %d streams: %.3f GB/s%s\n", workers, tcp,
                 receiver_cpu >= 0 ? absl::StrFormat(" (readers on CPU %d, writers on CPU %d)",
                                                     receiver_cpu, sender_cpu)
                                         .c_str()
                                   : "");
-    // Every gRPC thread of the workers starts after this: they all run on the sender's CPU.
-    PinThisThread(sender_cpu);
-    const uint64_t update_bytes = DescribeServer();
-    if (update_bytes == 0) return 1;
-    double staged = 0;
     if (!pull) {
-      const int slots = absl::GetFlag(FLAGS_staged_slots);
-      staged = StagedTcpGbps(workers, seconds, update_bytes, slots, receiver_cpu, sender_cpu);
       std::printf(
           "raw loopback TCP with the least work of a push path (%.1f MiB updates received into "
           "%d staging buffers, screened, SGD-applied): %.3f GB/s = %.2f of raw TCP\n",
-          update_bytes / 1048576.0, slots, staged, tcp > 0 ? staged / tcp : 0.0);
-      std::fflush(stdout);
+          update_bytes / 1048576.0, absl::GetFlag(FLAGS_staged_slots), staged,
+          tcp > 0 ? staged / tcp : 0.0);
     }
-    const Result r = RunWorkers(workers, seconds, pull ? 0 : round, *watched, pull);
+    std::printf("%d turns of %.1f s each (raw TCP, %sthe server): ratio per turn %s\n", repeats,
+                turn, pull ? "" : "least work, ", absl::StrJoin(turns, ", ").c_str());
     const double gbps = static_cast<double>(r.bytes) / r.seconds / 1e9;
     std::printf(
         "aloe-server, %d %sers: %llu %s of %.1f MiB in %.1f s, %.3f GB/s, "

@@ -424,6 +424,44 @@ TEST(OuterKernelsTest, NesterovWithZeroMomentumIsSgd) {
   EXPECT_EQ(m, g);
 }
 
+#if defined(__x86_64__)
+// x86-64 builds (kernels/CMakeLists.txt: SSE4.2 baseline, an AVX2 clone picked at load time on
+// hosts that have it) must not change a single bit of the outer step between hosts: a job
+// resumed on another machine follows the same trajectory. Kernels whose reference does the same
+// float operations in the same order must then equal it exactly, whichever clone this host runs;
+// a fused multiply-add or a reordering in either would show up here (the data is O(1) random).
+TEST(OuterKernelsTest, KernelsEqualTheReferenceBitForBitOnX86) {
+  const size_t n = 4099;  // a vector tail on every width
+  const std::vector<float> g = RandomVector(n, 31);
+  const std::vector<float> theta = RandomVector(n, 32);
+  const std::vector<float> m0 = RandomVector(n, 33);
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  std::vector<float> out(n), expected(n);
+  SgdApply(g.data(), theta.data(), out.data(), n, 0.37f);
+  reference::SgdApply(g.data(), theta.data(), expected.data(), n, 0.37f);
+  EXPECT_TRUE(same(out, expected)) << "SgdApply";
+
+  std::vector<float> m = m0, m_ref = m0;
+  NesterovApply(g.data(), m.data(), theta.data(), out.data(), n, 0.37f, 0.9f);
+  reference::NesterovApply(g.data(), m_ref.data(), theta.data(), expected.data(), n, 0.37f, 0.9f);
+  EXPECT_TRUE(same(out, expected) && same(m, m_ref)) << "NesterovApply";
+
+  std::vector<float> acc = m0, acc_ref = m0;
+  WeightedAccumulate(g.data(), 0.3f, acc.data(), n);
+  reference::WeightedAccumulate(g.data(), 0.3f, acc_ref.data(), n);
+  EXPECT_TRUE(same(acc, acc_ref)) << "WeightedAccumulate";
+
+  ScaledCopy(g.data(), 0.3f, out.data(), n);
+  reference::ScaledCopy(g.data(), 0.3f, expected.data(), n);
+  EXPECT_TRUE(same(out, expected)) << "ScaledCopy";
+  Scale(out.data(), n, 1.7f);
+  reference::Scale(expected.data(), n, 1.7f);
+  EXPECT_TRUE(same(out, expected)) << "Scale";
+}
+#endif
+
 #ifdef ALOE_HAVE_CUDA
 
 // Device buffer holding a copy of a host vector; freed on destruction.
