@@ -4,6 +4,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define ALOE_STREAMING_STORES 1
+#endif
+
 // Built with -O3 and OpenMP (kernels/CMakeLists.txt): `omp simd` tells the compiler the
 // iterations are independent, which also holds for exact in-place aliasing because each
 // iteration reads its inputs before writing element i.
@@ -172,6 +177,54 @@ ALOE_VECTOR_CLONES bool CopyWithinMagnitude(const void* in, float* out, size_t n
     over |= static_cast<uint32_t>((bits & 0x7fffffffu) > limit_bits);
   }
   return over == 0;
+}
+
+#ifdef ALOE_STREAMING_STORES
+namespace {
+
+// StreamWithinMagnitude on AVX2: element by element up to a 32-byte boundary of out, then 8
+// floats per aligned streaming store, then the tail element by element. The magnitude bits of a
+// float are non-negative as int32, so the signed compare orders them as the unsigned one does.
+__attribute__((target("avx2"))) bool StreamWithinMagnitudeAvx2(const unsigned char* in, float* out,
+                                                               size_t n, uint32_t limit_bits) {
+  uint32_t over = 0;
+  size_t i = 0;
+  auto one = [&](size_t k) {
+    uint32_t bits;
+    std::memcpy(&bits, in + k * sizeof(float), sizeof(bits));
+    std::memcpy(out + k, &bits, sizeof(bits));
+    over |= static_cast<uint32_t>((bits & 0x7fffffffu) > limit_bits);
+  };
+  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 31) != 0; ++i) one(i);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(limit_bits));
+  __m256i over_lanes = _mm256_setzero_si256();
+  for (; i + 8 <= n; i += 8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * sizeof(float)));
+    over_lanes =
+        _mm256_or_si256(over_lanes, _mm256_cmpgt_epi32(_mm256_and_si256(v, magnitude), limit));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), v);
+  }
+  for (; i < n; ++i) one(i);
+  _mm_sfence();  // the streamed lines are visible before anyone is told the copy is done
+  return over == 0 && _mm256_testz_si256(over_lanes, over_lanes);
+}
+
+}  // namespace
+#endif
+
+bool StreamWithinMagnitude(const void* in, float* out, size_t n, float limit) {
+#ifdef ALOE_STREAMING_STORES
+  // Below a few cache lines streaming buys nothing.
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && n >= 64) {
+    uint32_t limit_bits;
+    std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
+    return StreamWithinMagnitudeAvx2(static_cast<const unsigned char*>(in), out, n,
+                                     limit_bits & 0x7fffffffu);
+  }
+#endif
+  return CopyWithinMagnitude(in, out, n, limit);
 }
 
 ALOE_VECTOR_CLONES bool AllWithinMagnitude(const float* x, size_t n, float limit) {

@@ -116,26 +116,35 @@ std::vector<float>& UpdateAssembler::Buffer(uint32_t layer_id) {
   return buffer;
 }
 
-absl::Status UpdateAssembler::AddFp32InPlace(
-    uint32_t layer_id, uint64_t offset, uint64_t count,
-    absl::FunctionRef<absl::Status(absl::Span<float>)> fill) {
+absl::Status UpdateAssembler::AddFp32Read(
+    uint32_t layer_id, uint64_t offset, uint64_t count, absl::Span<char> bounce,
+    absl::FunctionRef<absl::Status(char* to, size_t bytes)> read) {
   ALOE_RETURN_IF_ERROR(CheckLayer(layer_id));
   ALOE_RETURN_IF_ERROR(CheckRange(layer_id, offset, count));
-  const absl::Span<float> out = absl::MakeSpan(Buffer(layer_id).data() + offset, count);
-  ALOE_RETURN_IF_ERROR(fill(out));
-  if (!kernels::AllWithinMagnitude(out.data(), out.size(), kMaxPushMagnitude)) {
-    const v1::LayerSpec& layer = spec_.layers(layer_id);
-    for (size_t i = 0; i < out.size(); ++i) {
-      if (!std::isfinite(out[i])) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("layer %d (%s) at offset %d: non-finite value %f at element %d",
-                            layer_id, layer.name(), offset, out[i], i));
+  const uint64_t piece = bounce.size() / sizeof(float);
+  if (count > 0 && piece == 0) {
+    return absl::InternalError("AddFp32Read: a bounce buffer smaller than one float");
+  }
+  float* const layer = Buffer(layer_id).data();
+  for (uint64_t done = 0; done < count;) {
+    const uint64_t n = std::min(piece, count - done);
+    ALOE_RETURN_IF_ERROR(read(bounce.data(), n * sizeof(float)));
+    const absl::Span<float> out = absl::MakeSpan(layer + offset + done, n);
+    if (!kernels::StreamWithinMagnitude(bounce.data(), out.data(), n, kMaxPushMagnitude)) {
+      const v1::LayerSpec& spec = spec_.layers(layer_id);
+      for (size_t i = 0; i < out.size(); ++i) {
+        if (!std::isfinite(out[i])) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("layer %d (%s) at offset %d: non-finite value %f at element %d",
+                              layer_id, spec.name(), offset, out[i], done + i));
+        }
       }
+      const size_t i = FirstOversized(out);
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
+          layer_id, spec.name(), out[i], offset + done + i, kMaxPushMagnitude));
     }
-    const size_t i = FirstOversized(out);
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
-        layer_id, layer.name(), out[i], offset + i, kMaxPushMagnitude));
+    done += n;
   }
   filled_[layer_id] += count;
   bytes_received_ += count * sizeof(float);
@@ -177,16 +186,17 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   }
   ALOE_RETURN_IF_ERROR(CheckRange(layer_id, offset, count));
   const absl::Span<float> out = absl::MakeSpan(Buffer(layer_id).data() + offset, count);
-  // float32 (the common case): decode, finiteness and magnitude in one pass; the slow path below
-  // runs only for other codecs and to name what a refused chunk got wrong.
+  // float32 (the common case): decode, finiteness and magnitude in one pass, streamed into the
+  // staged update (as AddFp32Read); the slow path below runs only for other codecs and to name
+  // what a refused chunk got wrong.
   const bool decoded =
       fp32 &&
       (in_pieces
            ? ForEachFloatRun(pieces, out.data(),
                              [](const char* in, float* to, size_t n) {
-                               return kernels::CopyWithinMagnitude(in, to, n, kMaxPushMagnitude);
+                               return kernels::StreamWithinMagnitude(in, to, n, kMaxPushMagnitude);
                              })
-           : kernels::CopyWithinMagnitude(payload.data(), out.data(), count, kMaxPushMagnitude));
+           : kernels::StreamWithinMagnitude(payload.data(), out.data(), count, kMaxPushMagnitude));
   if (!decoded) {
     if (in_pieces) join();
     absl::Status s = DecodeChunk(codec, payload, out);

@@ -61,14 +61,18 @@ class UpdateAssembler {
                         absl::Span<const std::string_view> payload,
                         v1::Codec codec = v1::CODEC_UNSPECIFIED);
 
-  // Adds the float32 elements [offset, offset + count) of layer `layer_id` that `fill` writes
-  // straight into the update's own buffer (a raw push receives them from its socket there,
-  // common/raw_push.h), then screens them as AddChunk does (NaN/Inf and kMaxPushMagnitude,
-  // kInvalidArgument naming the element). The same layer, order and size rules as AddChunk,
-  // checked before `fill` runs; a failure of `fill` is returned as it is. On any error nothing
-  // counts as received (the elements may have been written over).
-  absl::Status AddFp32InPlace(uint32_t layer_id, uint64_t offset, uint64_t count,
-                              absl::FunctionRef<absl::Status(absl::Span<float>)> fill);
+  // Adds the float32 elements [offset, offset + count) of layer `layer_id` that `read` delivers
+  // (a raw push reads them from its socket, common/raw_push.h): piece by piece, `read(to, bytes)`
+  // fills `bounce` (the caller's; a few hundred KiB, so it stays in cache) and each piece is
+  // screened as AddChunk screens (NaN/Inf and kMaxPushMagnitude, kInvalidArgument naming the
+  // element) while it is copied into the update's own buffer with streaming stores
+  // (kernels::StreamWithinMagnitude: the staged update is not read again before its commit).
+  // The same layer, order and size rules as AddChunk, checked before the first read; a failure
+  // of `read` is returned as it is. On any error nothing counts as received (the elements may
+  // have been written over).
+  absl::Status AddFp32Read(uint32_t layer_id, uint64_t offset, uint64_t count,
+                           absl::Span<char> bounce,
+                           absl::FunctionRef<absl::Status(char* to, size_t bytes)> read);
 
   // Returns the update when every layer (or its slice) is complete; kInvalidArgument otherwise.
   absl::StatusOr<PendingUpdate> Finish() &&;

@@ -119,19 +119,15 @@ absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& re
         header.slices() > 1 ? absl::StrFormat(", slice %d of %d", header.slice(), header.slices())
                             : ""))));
   }
-  // Each piece is screened right after it lands, while it is in cache.
-  constexpr uint64_t kPieceFloats = 256 << 10;
+  // Each piece lands in this thread's bounce buffer, small enough to stay in cache, and is
+  // screened while it is copied on into the staged update (UpdateAssembler::AddFp32Read).
+  constexpr size_t kBounceBytes = 256 << 10;
+  thread_local std::vector<char> bounce(kBounceBytes);
   auto read = [&](UpdateAssembler& assembler) -> absl::Status {
     for (const RawPushRange& range : ranges) {
-      for (uint64_t done = 0; done < range.count;) {
-        const uint64_t n = std::min(kPieceFloats, range.count - done);
-        ALOE_RETURN_IF_ERROR(assembler.AddFp32InPlace(
-            range.layer_id, range.first + done, n, [&](absl::Span<float> out) {
-              return in.ReadExactly(reinterpret_cast<char*>(out.data()),
-                                    out.size() * sizeof(float));
-            }));
-        done += n;
-      }
+      ALOE_RETURN_IF_ERROR(
+          assembler.AddFp32Read(range.layer_id, range.first, range.count, absl::MakeSpan(bounce),
+                                [&](char* to, size_t bytes) { return in.ReadExactly(to, bytes); }));
     }
     metrics_.Add(kRawPushBytes, static_cast<double>(expected));
     raw_push_bytes_ += expected;

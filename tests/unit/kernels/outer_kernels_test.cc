@@ -23,7 +23,7 @@
 namespace aloe::kernels {
 namespace {
 
-constexpr size_t kSizes[] = {0, 1, 7, 16, 1000, 4099};
+constexpr size_t kSizes[] = {0, 1, 7, 16, 64, 1000, 4099};
 
 // Fixed seed per (size, salt): deterministic, different data per buffer.
 std::vector<float> RandomVector(size_t n, unsigned salt, float lo = -1.0f, float hi = 1.0f) {
@@ -335,8 +335,9 @@ TEST_P(OuterKernelsSizeTest, AllFiniteDetectsNanAndInfAtFirstMiddleLast) {
 }
 
 // CopyWithinMagnitude from a deliberately misaligned byte buffer: returns (result, reference
-// result), checks that AllWithinMagnitude of the values in place agrees with each, and checks that both copies equal the input bit for bit and that nothing around the
-// destination was written.
+// result), checks that AllWithinMagnitude of the values in place agrees with each, that both
+// copies equal the input bit for bit and that nothing around the destination was written, and
+// the same of StreamWithinMagnitude.
 std::pair<bool, bool> CopyFromUnaligned(const std::vector<float>& x, float limit) {
   std::vector<unsigned char> bytes(x.size() * sizeof(float) + 1);
   if (!x.empty()) std::memcpy(bytes.data() + 1, x.data(), x.size() * sizeof(float));
@@ -353,6 +354,20 @@ std::pair<bool, bool> CopyFromUnaligned(const std::vector<float>& x, float limit
   for (size_t i = 0; i < kGuard; ++i) {
     EXPECT_EQ(storage[i], 7.0f) << "wrote " << kGuard - i << " before the destination";
     EXPECT_EQ(storage[kGuard + x.size() + i], 7.0f) << "wrote " << i << " past the destination";
+  }
+  // The streaming copy answers and writes the same, from every start within a 32-byte line
+  // (0 to 7 elements before its first aligned store; sizes from 64 take the streaming loop).
+  for (size_t shift = 0; shift < 8; ++shift) {
+    std::vector<float> streamed(x.size() + 2 * kGuard + 8, 7.0f);
+    float* to = streamed.data() + kGuard + shift;
+    EXPECT_EQ(StreamWithinMagnitude(bytes.data() + 1, to, x.size(), limit), fast)
+        << "start " << shift;
+    EXPECT_EQ(0, x.empty() ? 0 : std::memcmp(to, x.data(), x.size() * sizeof(float)))
+        << "start " << shift;
+    EXPECT_EQ(std::count(streamed.begin(), streamed.end(), 7.0f),
+              static_cast<std::ptrdiff_t>(streamed.size() - x.size()) -
+                  std::count(x.begin(), x.end(), 7.0f))
+        << "start " << shift << ": wrote outside the destination";
   }
   return {fast, slow};
 }
@@ -408,6 +423,7 @@ TEST(OuterKernelsTest, NullPointersWithZeroLengthAreNoOps) {
   EXPECT_EQ(SquaredL2Norm(nullptr, 0), 0.0);
   EXPECT_TRUE(AllFinite(nullptr, 0));
   EXPECT_TRUE(CopyWithinMagnitude(nullptr, nullptr, 0, 1.0f));
+  EXPECT_TRUE(StreamWithinMagnitude(nullptr, nullptr, 0, 1.0f));
   EXPECT_TRUE(AllWithinMagnitude(nullptr, 0, 1.0f));
 }
 

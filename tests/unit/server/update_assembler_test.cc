@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string_view>
 
 #include "common/status_matchers.h"
@@ -61,10 +62,13 @@ TEST(UpdateAssemblerTest, MixedCodecChunksOfOneLayerDecodeInPlace) {
   for (size_t i = 600; i < 1000; ++i) ASSERT_NEAR(got[i], g[i], std::abs(g[i]) / 256 + 1e-9f);
 }
 
-// Writes `values` into the span AddFp32InPlace offers (as a raw push's socket read does).
-auto Fill(const std::vector<float>& values, size_t from) {
-  return [&values, from](absl::Span<float> out) {
-    std::memcpy(out.data(), values.data() + from, out.size() * sizeof(float));
+// Delivers the bytes of values[from, ...) in the pieces AddFp32Read asks for (as a raw push's
+// socket reads do), each read going on where the last one stopped.
+auto Reader(const std::vector<float>& values, size_t from) {
+  auto at = std::make_shared<const char*>(reinterpret_cast<const char*>(values.data() + from));
+  return [at](char* to, size_t bytes) {
+    std::memcpy(to, *at, bytes);
+    *at += bytes;
     return absl::OkStatus();
   };
 }
@@ -74,28 +78,31 @@ TEST(UpdateAssemblerTest, InPlaceFloat32PiecesAssembleTheLayerAndCountTheBytes) 
   std::vector<float> g(1000);
   for (size_t i = 0; i < g.size(); ++i) g[i] = 0.25f * static_cast<float>(i) - 100.0f;
   UpdateAssembler assembler(spec, v1::PushHeader());
-  ASSERT_THAT(assembler.AddFp32InPlace(0, 0, 600, Fill(g, 0)), IsOk());
-  // Out of order and past the end: refused before anything is written.
+  // 600 elements in pieces of 70 (the last one 40): the streaming copy's aligned body, its
+  // head and its tail, and a piece too short to stream.
+  std::vector<char> bounce(70 * sizeof(float));
+  ASSERT_THAT(assembler.AddFp32Read(0, 0, 600, absl::MakeSpan(bounce), Reader(g, 0)), IsOk());
+  // Out of order and past the end: refused before anything is read.
   bool filled = false;
-  auto mark = [&](absl::Span<float>) {
+  auto mark = [&](char*, size_t) {
     filled = true;
     return absl::OkStatus();
   };
-  EXPECT_THAT(assembler.AddFp32InPlace(0, 700, 300, mark),
+  EXPECT_THAT(assembler.AddFp32Read(0, 700, 300, absl::MakeSpan(bounce), mark),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected offset 600")));
   EXPECT_THAT(
-      assembler.AddFp32InPlace(0, 600, 401, mark),
+      assembler.AddFp32Read(0, 600, 401, absl::MakeSpan(bounce), mark),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exceeds the layer's 1000 elements")));
-  EXPECT_THAT(assembler.AddFp32InPlace(1, 0, 1, mark),
+  EXPECT_THAT(assembler.AddFp32Read(1, 0, 1, absl::MakeSpan(bounce), mark),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown layer 1")));
   EXPECT_FALSE(filled);
   // A failing reader's status comes back as it is, and nothing counts as received.
-  EXPECT_THAT(assembler.AddFp32InPlace(
-                  0, 600, 400,
-                  [](absl::Span<float>) { return absl::UnavailableError("connection closed"); }),
+  EXPECT_THAT(assembler.AddFp32Read(
+                  0, 600, 400, absl::MakeSpan(bounce),
+                  [](char*, size_t) { return absl::UnavailableError("connection closed"); }),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("connection closed")));
   EXPECT_EQ(assembler.bytes_received(), 600 * sizeof(float));
-  ASSERT_THAT(assembler.AddFp32InPlace(0, 600, 400, Fill(g, 600)), IsOk());
+  ASSERT_THAT(assembler.AddFp32Read(0, 600, 400, absl::MakeSpan(bounce), Reader(g, 600)), IsOk());
   EXPECT_EQ(assembler.bytes_received(), 4000u);
   EXPECT_EQ(assembler.bytes_by_codec()[v1::CODEC_FP32], 4000u);
   auto update = std::move(assembler).Finish();
@@ -119,8 +126,10 @@ TEST(UpdateAssemblerTest, InPlaceValuesAreScreenedAndTheBadOneIsNamed) {
     std::vector<float> g(100, 0.5f);
     g[87] = c.value;
     UpdateAssembler assembler(spec, v1::PushHeader());
-    ASSERT_THAT(assembler.AddFp32InPlace(0, 0, 50, Fill(g, 0)), IsOk());
-    EXPECT_THAT(assembler.AddFp32InPlace(0, 50, 50, Fill(g, 50)),
+    // Pieces of 16: the bad value is in the third piece of the second call.
+    std::vector<char> bounce(16 * sizeof(float));
+    ASSERT_THAT(assembler.AddFp32Read(0, 0, 50, absl::MakeSpan(bounce), Reader(g, 0)), IsOk());
+    EXPECT_THAT(assembler.AddFp32Read(0, 50, 50, absl::MakeSpan(bounce), Reader(g, 50)),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
         << c.value;
     EXPECT_EQ(assembler.bytes_received(), 50 * sizeof(float));
@@ -141,13 +150,14 @@ TEST(UpdateAssemblerTest, InPlaceRefusesAnotherShardsLayerAndFillsASlice) {
   header.set_slices(2);  // elements [5, 10) of each layer
   UpdateAssembler assembler(spec, header, /*only_shard=*/1);
   const std::vector<float> g = {1, 2, 3, 4, 5};
-  EXPECT_THAT(assembler.AddFp32InPlace(0, 5, 5, Fill(g, 0)),
+  std::vector<char> bounce(1024);
+  EXPECT_THAT(assembler.AddFp32Read(0, 5, 5, absl::MakeSpan(bounce), Reader(g, 0)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("belongs to shard process 0, but this push went to shard "
                                  "process 1")));
-  EXPECT_THAT(assembler.AddFp32InPlace(1, 0, 5, Fill(g, 0)),
+  EXPECT_THAT(assembler.AddFp32Read(1, 0, 5, absl::MakeSpan(bounce), Reader(g, 0)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected offset 5")));
-  ASSERT_THAT(assembler.AddFp32InPlace(1, 5, 5, Fill(g, 0)), IsOk());
+  ASSERT_THAT(assembler.AddFp32Read(1, 5, 5, absl::MakeSpan(bounce), Reader(g, 0)), IsOk());
   auto update = std::move(assembler).Finish();
   ASSERT_THAT(update, IsOk());
   EXPECT_TRUE(update->layers[0].empty());
