@@ -178,10 +178,11 @@ class ShardState {
   const std::vector<int> local_of_global_;  // local index of each global layer, -1 if foreign
   std::unique_ptr<ParameterStore> store_;   // the owned layers only, re-indexed 0..owned-1
   std::map<UpdateKey, StagedUpdate> staged_;
-  std::map<uint64_t, ModelSnapshot> retained_;  // older versions (local order) kept for pulls
+  std::map<uint64_t, ModelSnapshot> retained_;      // older versions (local order) kept for pulls
   std::unique_ptr<PseudoGradientPenalty> penalty_;  // null = off; modules = owned layers
   std::vector<PenaltyModuleReport> penalty_reports_;
-  std::shared_ptr<FloatBufferPool> staging_buffers_;  // idle: at most max_staged updates' owned layers
+  // Idle: at most max_staged updates' owned layers.
+  std::shared_ptr<FloatBufferPool> staging_buffers_;
 };
 
 }  // namespace aloe::server
