@@ -478,6 +478,19 @@ class PrometheusTest : public ::testing::Test {
   }
 
   // Scraped endpoints that are up, per job.
+  // Polls `holds` every 200 ms until it returns true or `deadline` passes; returns its last
+  // answer. Instant queries see only the latest scrape of each target, and with 1 s scrape
+  // timeouts one slow scrape of a loaded machine marks a live target down (and its series stale)
+  // until the next one: checks of the present state wait for a good scrape.
+  template <typename Holds>
+  static bool Eventually(absl::Time deadline, Holds holds) {
+    while (true) {
+      if (holds()) return true;
+      if (absl::Now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+
   std::map<std::string, int> UpByJob() {
     std::map<std::string, int> up;
     for (const Struct& s : Instant("up == 1")) {
@@ -600,24 +613,33 @@ TEST_F(PrometheusTest, EveryDashboardPanelAndRecordingRuleReturnsData) {
   const size_t metrics = ExpectData(all, deadline);
 
   // The shipped job names found the right endpoints, all up.
-  std::map<std::string, int> up = UpByJob();
+  std::map<std::string, int> up;
+  Eventually(deadline, [&] {
+    up = UpByJob();
+    return up["aloe-server"] == 1 && up["aloe-shard"] == 0 && up["aloe-trainer"] == 2 &&
+           up["aloe-evaluator"] == 1;
+  });
   EXPECT_EQ(up["aloe-server"], 1);
   EXPECT_EQ(up["aloe-shard"], 0);
   EXPECT_EQ(up["aloe-trainer"], 2);
   EXPECT_EQ(up["aloe-evaluator"], 1);
   // Each trainer's model FLOP/s once it has finished a round (the gauge starts at 0).
   size_t busy = 0;
-  while (absl::Now() < deadline) {
+  Eventually(deadline, [&] {
     busy = Instant("aloe_worker_model_flops_per_second{job=\"aloe-trainer\"} > 0").size();
-    if (busy == 2) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
+    return busy == 2;
+  });
   EXPECT_EQ(busy, 2u);
   // Where each trainer trains, which the speed panel joins into its legend (aloe_worker_info).
-  EXPECT_EQ(Instant("aloe_worker_info{job=\"aloe-trainer\",device=\"cpu\",autocast=\"off\","
+  size_t described = 0;
+  Eventually(deadline, [&] {
+    described = Instant(
+                    "aloe_worker_info{job=\"aloe-trainer\",device=\"cpu\",autocast=\"off\","
                     "ranks=\"1\"} == 1")
-                .size(),
-            2u);
+                    .size();
+    return described == 2;
+  });
+  EXPECT_EQ(described, 2u);
   ExpectRulesHealthy();
   if (HasFailure()) ADD_FAILURE() << Logs();
   std::printf("prometheus: %zu metrics, %zu rules, %zu panel queries checked in %.1f s\n", metrics,
@@ -654,7 +676,11 @@ TEST_F(PrometheusTest, ShardPanelsAndRulesReturnDataForALayerShardedServer) {
   all.insert(all.end(), panel_queries.begin(), panel_queries.end());
   const size_t metrics = ExpectData(all, deadline);
 
-  std::map<std::string, int> up = UpByJob();
+  std::map<std::string, int> up;
+  Eventually(deadline, [&] {
+    up = UpByJob();
+    return up["aloe-server"] == 1 && up["aloe-shard"] == 2 && up["aloe-trainer"] == 1;
+  });
   EXPECT_EQ(up["aloe-server"], 1);
   EXPECT_EQ(up["aloe-shard"], 2);
   EXPECT_EQ(up["aloe-trainer"], 1);
