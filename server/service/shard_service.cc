@@ -1,6 +1,7 @@
 #include "server/service/shard_service.h"
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -119,15 +120,18 @@ absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& re
         header.slices() > 1 ? absl::StrFormat(", slice %d of %d", header.slice(), header.slices())
                             : ""))));
   }
-  // Each piece lands in this thread's bounce buffer, small enough to stay in cache, and is
-  // screened while it is copied on into the staged update (UpdateAssembler::AddFp32Read).
+  // Each piece lands in a bounce buffer small enough to stay in cache and is screened while it is
+  // copied on into the staged update (UpdateAssembler::AddFp32Read). One per push being received,
+  // taken once its staging slot is (AcceptPush calls `read` then): at most max_staged of them at
+  // once however many connections are open, so the shard's memory stays bounded by its slots.
+  // Uninitialized: every byte is received before it is read.
   constexpr size_t kBounceBytes = 256 << 10;
-  thread_local std::vector<char> bounce(kBounceBytes);
   auto read = [&](UpdateAssembler& assembler) -> absl::Status {
+    const std::unique_ptr<char[]> bounce(new char[kBounceBytes]);
     for (const RawPushRange& range : ranges) {
-      ALOE_RETURN_IF_ERROR(
-          assembler.AddFp32Read(range.layer_id, range.first, range.count, absl::MakeSpan(bounce),
-                                [&](char* to, size_t bytes) { return in.ReadExactly(to, bytes); }));
+      ALOE_RETURN_IF_ERROR(assembler.AddFp32Read(
+          range.layer_id, range.first, range.count, absl::MakeSpan(bounce.get(), kBounceBytes),
+          [&](char* to, size_t bytes) { return in.ReadExactly(to, bytes); }));
     }
     metrics_.Add(kRawPushBytes, static_cast<double>(expected));
     raw_push_bytes_ += expected;
