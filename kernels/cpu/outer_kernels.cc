@@ -1,5 +1,6 @@
 #include "kernels/cpu/outer_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -182,32 +183,29 @@ ALOE_VECTOR_CLONES bool CopyWithinMagnitude(const void* in, float* out, size_t n
 #ifdef ALOE_STREAMING_STORES
 namespace {
 
-// StreamWithinMagnitude on AVX2: element by element up to a 32-byte boundary of out, then 8
-// floats per aligned streaming store, then the tail element by element. The magnitude bits of a
-// float are non-negative as int32, so the signed compare orders them as the unsigned one does.
+// StreamWithinMagnitude on AVX2: CopyWithinMagnitude up to a 32-byte boundary of out, then 8
+// floats per aligned streaming store, then CopyWithinMagnitude for the tail. The magnitude bits
+// of a float are non-negative as int32, so the signed compare orders them as the unsigned one
+// (CopyWithinMagnitude's) does.
 __attribute__((target("avx2"))) bool StreamWithinMagnitudeAvx2(const unsigned char* in, float* out,
-                                                               size_t n, uint32_t limit_bits) {
-  uint32_t over = 0;
-  size_t i = 0;
-  auto one = [&](size_t k) {
-    uint32_t bits;
-    std::memcpy(&bits, in + k * sizeof(float), sizeof(bits));
-    std::memcpy(out + k, &bits, sizeof(bits));
-    over |= static_cast<uint32_t>((bits & 0x7fffffffu) > limit_bits);
-  };
-  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 31) != 0; ++i) one(i);
+                                                               size_t n, float limit) {
+  const size_t head =
+      std::min(n, ((32 - (reinterpret_cast<uintptr_t>(out) & 31)) & 31) / sizeof(float));
+  bool ok = CopyWithinMagnitude(in, out, head, limit);
+  uint32_t limit_bits;
+  std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
-  const __m256i limit = _mm256_set1_epi32(static_cast<int>(limit_bits));
-  __m256i over_lanes = _mm256_setzero_si256();
+  const __m256i limit_lanes = _mm256_set1_epi32(static_cast<int>(limit_bits & 0x7fffffffu));
+  __m256i over = _mm256_setzero_si256();
+  size_t i = head;
   for (; i + 8 <= n; i += 8) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i * sizeof(float)));
-    over_lanes =
-        _mm256_or_si256(over_lanes, _mm256_cmpgt_epi32(_mm256_and_si256(v, magnitude), limit));
+    over = _mm256_or_si256(over, _mm256_cmpgt_epi32(_mm256_and_si256(v, magnitude), limit_lanes));
     _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), v);
   }
-  for (; i < n; ++i) one(i);
+  ok &= CopyWithinMagnitude(in + i * sizeof(float), out + i, n - i, limit);
   _mm_sfence();  // the streamed lines are visible before anyone is told the copy is done
-  return over == 0 && _mm256_testz_si256(over_lanes, over_lanes);
+  return ok && _mm256_testz_si256(over, over);
 }
 
 }  // namespace
@@ -218,10 +216,7 @@ bool StreamWithinMagnitude(const void* in, float* out, size_t n, float limit) {
   // Below a few cache lines streaming buys nothing.
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2 && n >= 64) {
-    uint32_t limit_bits;
-    std::memcpy(&limit_bits, &limit, sizeof(limit_bits));
-    return StreamWithinMagnitudeAvx2(static_cast<const unsigned char*>(in), out, n,
-                                     limit_bits & 0x7fffffffu);
+    return StreamWithinMagnitudeAvx2(static_cast<const unsigned char*>(in), out, n, limit);
   }
 #endif
   return CopyWithinMagnitude(in, out, n, limit);

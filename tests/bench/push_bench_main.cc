@@ -738,9 +738,9 @@ int Main() {
     double tcp_sum = 0, staged_sum = 0;
     Result r;
     std::vector<std::string> turns;
+    const int slots = absl::GetFlag(FLAGS_staged_slots);
     for (int k = 0; k < repeats; ++k) {
       const double tcp_k = RawTcpGbps(workers, turn, receiver_cpu, sender_cpu);
-      const int slots = absl::GetFlag(FLAGS_staged_slots);
       const double staged_k =
           pull ? 0 : StagedTcpGbps(workers, turn, update_bytes, slots, receiver_cpu, sender_cpu);
       const Result r_k = RunWorkers(workers, turn, pull ? 0 : round, *watched, pull);
@@ -765,8 +765,7 @@ int Main() {
       std::printf(
           "raw loopback TCP with the least work of a push path (%.1f MiB updates received into "
           "%d staging buffers, screened, SGD-applied): %.3f GB/s = %.2f of raw TCP\n",
-          update_bytes / 1048576.0, absl::GetFlag(FLAGS_staged_slots), staged,
-          tcp > 0 ? staged / tcp : 0.0);
+          update_bytes / 1048576.0, slots, staged, tcp > 0 ? staged / tcp : 0.0);
     }
     std::printf("%d turns of %.1f s each (raw TCP, %sthe server): ratio per turn %s\n", repeats,
                 turn, pull ? "" : "least work, ", absl::StrJoin(turns, ", ").c_str());
