@@ -7,7 +7,9 @@
 #   scripts/gpu.sh bundle DIR   On a Debian 12 machine with its package archive: downloads into
 #                               DIR the .deb files of ALOE's other build dependencies (gRPC,
 #                               Protocol Buffers, Abseil, prometheus-cpp, GoogleTest, Gloo's
-#                               headers) and of the libraries they need, less the base system.
+#                               headers, from ALOE_GLOO_SUITE, default sid: LibTorch 2.x needs
+#                               newer ones than Debian 12's) and of the libraries they need,
+#                               less the base system.
 #                               About 30 MB: small enough to carry to a GPU machine that has
 #                               PyTorch but no Debian archive.
 #   scripts/gpu.sh build [DIR]  On the GPU machine: unpacks DIR's .deb files (if given) under
@@ -32,10 +34,14 @@ ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # The build dependencies (scripts/install-deps.sh names the same) and the packages of the base
 # system that the GPU machine has its own, newer copies of: never unpacked over it.
 BUILD_PACKAGES=(protobuf-compiler libprotobuf-dev protobuf-compiler-grpc libgrpc++-dev libgrpc-dev
-  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libgloo-dev)
+  libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libre2-dev)
+# Gloo's headers (LibTorch carries Gloo's code, not always its headers) must be as new as the
+# LibTorch: its ProcessGroupGloo.hpp overrides gloo::rendezvous::Store methods (has_v2_support,
+# multi_get, ...) that Debian 12's gloo of 2022 lacks. They come from a newer Debian suite.
+GLOO_SUITE="${ALOE_GLOO_SUITE:-sid}"
 BASE_PACKAGES='^(libc6|libc6-dev|libc-dev-bin|linux-libc-dev|libstdc\+\+6|libgcc-s1|gcc-12-base|libcrypt1|libcrypt-dev|libnsl2|libnsl-dev|libtirpc3|libtirpc-dev|libtirpc-common|rpcsvc-proto|adduser|passwd|debconf|libpam.*|libaudit.*|libselinux1|libsemanage.*|libsepol2|libcap-ng0|libdb5\.3|libpcre2-8-0|zlib1g|libzstd1|libbz2-1\.0|libgmp10|libffi8|pkgconf|pkgconf-bin|libpkgconf3)$'
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 
 bundle() {
   local dir="${1:?usage: scripts/gpu.sh bundle DIR}"
@@ -46,6 +52,7 @@ bundle() {
     -o Debug::NoLocking=1 --download-only -y --no-install-recommends \
     install "${BUILD_PACKAGES[@]}" >"$dir/apt.log" 2>&1 ||
     { cat "$dir/apt.log" >&2; exit 1; }
+  gloo_headers "$dir"
   rmdir "$dir/partial" 2>/dev/null || true
   local kept=0 dropped=0 deb name
   for deb in "$dir"/*.deb; do
@@ -57,6 +64,27 @@ bundle() {
     fi
   done
   aloe_log "bundle: $kept packages in $dir ($(du -sh "$dir" | cut -f1)); $dropped base-system packages left out"
+}
+
+# Downloads libgloo-dev of $GLOO_SUITE into DIR, from the mirror this machine's apt uses, signed
+# by Debian's archive keyring, through apt lists of its own (the system's are left alone).
+gloo_headers() {
+  local dir="$1" uri
+  uri="$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null |
+    grep -v security | head -1)"
+  [ -n "$uri" ] || uri="$(awk '$1 == "deb" && $3 ~ /^bookworm$/ { print $2; exit }' \
+    /etc/apt/sources.list 2>/dev/null)"
+  [ -n "$uri" ] || { echo "gpu.sh: no Debian mirror found in /etc/apt's sources" >&2; exit 1; }
+  local apt="$dir/.apt-$GLOO_SUITE"
+  mkdir -p "$apt/lists/partial"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri $GLOO_SUITE main" \
+    >"$apt/sources.list"
+  local o=(-o Dir::Etc::SourceList="$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
+    -o Dir::State::Lists="$apt/lists" -o Debug::NoLocking=1)
+  { apt-get -q "${o[@]}" update && (cd "$dir" && apt-get -q "${o[@]}" download libgloo-dev); } \
+    >>"$dir/apt.log" 2>&1 || { cat "$dir/apt.log" >&2; exit 1; }
+  rm -rf "$apt"
+  aloe_log "bundle: Gloo's headers from $GLOO_SUITE: $(cd "$dir" && ls libgloo-dev_*.deb)"
 }
 
 torch_prefix() {
@@ -89,11 +117,18 @@ build() {
       ln -sfn "$sysroot$(readlink "$link")" "$link"
     done
     prefixes="$sysroot/usr;$prefixes"
+    # A LibTorch that ships Gloo's headers builds against its own.
+    if [ -d "$torch_dir/../../include/gloo" ] && [ -d "$sysroot/usr/include/gloo" ]; then
+      rm -rf "$sysroot/usr/include/gloo"
+      aloe_log "using the Gloo headers of LibTorch ($(cd "$torch_dir/../../include" && pwd)/gloo)"
+    fi
   fi
   {
     echo "# Sourced before running what $ALOE_BUILD_DIR built (scripts/gpu.sh)."
     if [ -n "$debs" ]; then
       echo "export LD_LIBRARY_PATH=\"$sysroot/usr/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""
+      # gRPC's CMake package links re2 by name (-lre2): the linker looks here after -L.
+      echo "export LIBRARY_PATH=\"$sysroot/usr/lib/x86_64-linux-gnu\${LIBRARY_PATH:+:\$LIBRARY_PATH}\""
       echo "export PATH=\"$sysroot/usr/bin:\$PATH\""
     fi
   } >"$ALOE_BUILD_DIR/env.sh"
@@ -104,7 +139,8 @@ build() {
     -DCMAKE_PREFIX_PATH="$prefixes" | grep -E 'ALOE|Torch|CUDA' || true
   grep -q 'ALOE_NCCL_INCLUDE_DIR:PATH=/' "$ALOE_BUILD_DIR/CMakeCache.txt" ||
     aloe_log "warning: no nccl.h found: a multi-rank GPU node will have no NCCL group"
-  cmake --build "$ALOE_BUILD_DIR" -- -j"$(nproc)" aloe-worker aloe-server aloe-corpus \
+  # -k 0: one build reports every file that fails, not only the first.
+  cmake --build "$ALOE_BUILD_DIR" -- -k 0 -j"$(nproc)" aloe-worker aloe-server aloe-corpus \
     aloe-bench-worker aloe_worker_tests aloe_integration_tests
   aloe_log "built in $ALOE_BUILD_DIR; . $ALOE_BUILD_DIR/env.sh before running its binaries"
 }

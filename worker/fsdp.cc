@@ -1,5 +1,7 @@
 #include "worker/fsdp.h"
 
+#include <torch/version.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,6 +17,7 @@
 #endif
 
 #include "absl/strings/str_format.h"
+#include "common/logging.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
@@ -130,6 +133,20 @@ class NcclCollectives final : public GroupCollectives<c10d::ProcessGroupNCCL> {
   NcclCollectives(c10::intrusive_ptr<c10d::ProcessGroupNCCL> group, int rank, int size,
                   torch::Device device)
       : GroupCollectives(std::move(group), rank, size, device) {}
+
+  // LibTorch 2.x: a ProcessGroupNCCL destroyed without shutdown() warns that
+  // destroy_process_group() was not called and aborts its communicators; on an H200 with
+  // LibTorch 2.11 that destruction never returned. shutdown() is what destroy_process_group()
+  // does: it flushes the group's work, stops its watchdog and destroys the communicators.
+  ~NcclCollectives() override {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+    try {
+      group_->shutdown();
+    } catch (const std::exception& e) {
+      ALOE_LOG_WARNING("fsdp", "%s", LibTorchError("shutting the NCCL group down", e).ToString());
+    }
+#endif
+  }
 
   absl::Status AllGather(const float* shard, size_t n, float* full) override {
     try {
