@@ -29,8 +29,6 @@ absl::Status CheckTokens(const int64_t* tokens, int64_t count, uint32_t vocab_si
 #define ALOE_AUTOCAST_BY_DEVICE_TYPE 0
 #endif
 
-namespace {
-
 bool AutocastEnabled(at::DeviceType type) {
 #if ALOE_AUTOCAST_BY_DEVICE_TYPE
   return at::autocast::is_autocast_enabled(type);
@@ -38,6 +36,8 @@ bool AutocastEnabled(at::DeviceType type) {
   return type == at::kCUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
 #endif
 }
+
+namespace {
 
 at::ScalarType AutocastDtype(at::DeviceType type) {
 #if ALOE_AUTOCAST_BY_DEVICE_TYPE

@@ -23,6 +23,10 @@ void ApplyTrainerThreads();
 // SetTrainerDevice's choice (worker/trainer.h) as a LibTorch device.
 torch::Device TrainingDevice();
 
+// Whether LibTorch's autocast is on for `type` (at::kCPU or at::kCUDA) on the calling thread, in
+// the API of the LibTorch it is built against (1.13 or 2.x).
+bool AutocastEnabled(at::DeviceType type);
+
 // The forward pass of a training step under bf16 autocast while TrainerAutocastBf16()
 // (worker/trainer.h) is on, for the training device's type (CPU or CUDA autocast); a no-op
 // otherwise. Restores the thread's previous autocast state on destruction.

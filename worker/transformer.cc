@@ -1,5 +1,7 @@
 #include "worker/transformer.h"
 
+#include <torch/version.h>
+
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -10,6 +12,14 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "worker/torch_util.h"
+
+// LibTorch 2.x has fused attention (scaled_dot_product_attention); Debian's LibTorch 1.13 runs
+// the three-step form.
+#if TORCH_VERSION_MAJOR >= 2
+#define ALOE_FUSED_ATTENTION 1
+#else
+#define ALOE_FUSED_ATTENTION 0
+#endif
 
 namespace aloe::worker {
 namespace {
@@ -36,6 +46,12 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x,
   // [B, T, 3d] -> [3, B, H, T, head_dim]
   torch::Tensor qkv =
       qkv_(x).view({batch, time, 3, num_heads_, head_dim_}).permute({2, 0, 3, 1, 4});
+#if ALOE_FUSED_ATTENTION
+  // softmax(q k^T / sqrt(head_dim) + causal mask) v in one fused kernel that never materialises
+  // the T x T scores (FlashAttention on a GPU in bf16): the same function up to rounding.
+  torch::Tensor y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{},
+                                                     /*dropout_p=*/0.0, /*is_causal=*/true);
+#else
   // The 1/sqrt(head_dim) scale is applied to q (T x head_dim) rather than to the scores (T x T).
   torch::Tensor q = qkv[0] * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
   torch::Tensor k = qkv[1];
@@ -43,6 +59,7 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x,
   torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1));  // [B, H, T, T]
   scores = scores.masked_fill(causal_mask, -std::numeric_limits<float>::infinity());
   torch::Tensor y = torch::matmul(torch::softmax(scores, -1), v);  // [B, H, T, head_dim]
+#endif
   y = y.transpose(1, 2).reshape({batch, time, d_model});
   return proj_(y);
 }
@@ -87,9 +104,13 @@ torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens) {
   torch::Tensor positions =
       torch::arange(time, torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
   torch::Tensor x = tok_emb_(tokens) + pos_emb_(positions);
+#if ALOE_FUSED_ATTENTION
+  const torch::Tensor causal_mask;  // the fused attention masks by itself
+#else
   const torch::Tensor causal_mask =
       torch::ones({time, time}, torch::TensorOptions().dtype(torch::kBool).device(tokens.device()))
           .triu(1);
+#endif
   for (Block& block : block_list_) x = block(x, causal_mask);
   return head_(ln_f_(x));
 }

@@ -1,8 +1,9 @@
 // The decoder-only pre-LN transformer language model that aloe-worker trains, as a LibTorch
 // module. Its named_parameters() are exactly the tensors of BuildTransformerSpec
 // (common/model_spec.h): same names, shapes and order, so a spec layer's flat buffer maps onto
-// consecutive parameters. Works with LibTorch 1.13 (Debian) and 2.x: attention is an explicit
-// masked softmax, not scaled_dot_product_attention.
+// consecutive parameters. Works with LibTorch 1.13 (Debian) and 2.x: on 1.13 attention is an
+// explicit masked softmax, on 2.x the fused scaled_dot_product_attention (the same function up to
+// rounding; FlashAttention on a GPU in bf16).
 //
 // Includes <torch/torch.h>: include this header only from the few translation units that need
 // the module itself (the trainer, the bare-LibTorch benchmark, tests).
@@ -22,7 +23,8 @@ namespace aloe::worker {
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   CausalSelfAttentionImpl(int64_t d_model, int64_t num_heads);
-  // x: [B, T, d]; causal_mask: [T, T] bool, true where attention is forbidden (j > i).
+  // x: [B, T, d]; causal_mask: [T, T] bool, true where attention is forbidden (j > i); unused
+  // (may be undefined) on LibTorch 2.x, whose fused attention masks by itself.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& causal_mask);
 
  private:

@@ -1,6 +1,5 @@
 #include "worker/trainer.h"
 
-#include <ATen/autocast_mode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +13,7 @@
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
 #include "common/token_source.h"
+#include "worker/torch_util.h"
 #include "worker/transformer.h"
 
 namespace aloe::worker {
@@ -293,7 +293,7 @@ TEST(LocalTrainerTest, Bf16AutocastTrainsAsWellButNotBitForBit) {
   double fp32_loss = 0, bf16_loss = 0;
   const Layers fp32 = train(false, &fp32_loss);
   const Layers bf16 = train(true, &bf16_loss);
-  EXPECT_FALSE(at::autocast::is_cpu_enabled());  // the thread's state is restored
+  EXPECT_FALSE(AutocastEnabled(at::kCPU));  // the thread's state is restored
   ASSERT_EQ(fp32.size(), bf16.size());
   double diff = 0, norm = 0;
   for (size_t l = 0; l < fp32.size(); ++l) {
