@@ -9,8 +9,9 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
     v1::ModelSpec spec, std::vector<std::vector<float>> initial,
     const v1::OuterOptimizerConfig& optimizer, Executor& executor) {
   if (initial.size() != static_cast<size_t>(spec.layers_size())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "initial parameters have %d layers, the model spec %d", initial.size(), spec.layers_size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("initial parameters have %d layers, the model spec %d", initial.size(),
+                        spec.layers_size()));
   }
   const uint32_t num_shards = std::max<uint32_t>(1, spec.num_shards());
   std::unique_ptr<ParameterStore> store(new ParameterStore(std::move(spec), executor));
@@ -34,7 +35,7 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
     ALOE_ASSIGN_OR_RETURN(auto opt, MakeOuterOptimizer(optimizer, layer.num_elements()));
     store->optimizers_.push_back(std::move(opt));
     store->layers_.push_back(std::make_shared<std::vector<float>>(std::move(initial[i])));
-    store->scratch_.emplace_back(layer.num_elements());
+    store->scratch_.emplace_back();  // allocated at the layer's first aggregated step
   }
   size_t bytes = 0;
   for (const auto& layer : store->layers_) bytes += layer->size() * sizeof(float);
@@ -51,8 +52,8 @@ ModelSnapshot ParameterStore::Snapshot() const {
 
 absl::Status ParameterStore::CheckShapes(const PendingUpdate& update) const {
   if (update.layers.size() != layers_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "update has %d layers, the model has %d", update.layers.size(), layers_.size()));
+    return absl::InvalidArgumentError(absl::StrFormat("update has %d layers, the model has %d",
+                                                      update.layers.size(), layers_.size()));
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (update.layers[i].size() != layers_[i]->size()) {
@@ -104,10 +105,14 @@ absl::Status ParameterStore::ApplyLayer(size_t layer,
                                         LayerAggregation& aggregation) {
   // A lone update of weight 1 is applied from its own buffer, without the copy into scratch.
   const std::vector<float>* passthrough = aggregation.Passthrough(layer, updates);
-  const std::vector<float>& g = passthrough != nullptr ? *passthrough : scratch_[layer];
+  std::vector<float>& scratch = scratch_[layer];
+  if (passthrough == nullptr && scratch.size() != layers_[layer]->size()) {
+    scratch.assign(layers_[layer]->size(), 0.0f);
+  }
+  const std::vector<float>& g = passthrough != nullptr ? *passthrough : scratch;
   if (passthrough == nullptr) {
     ALOE_ASSIGN_OR_RETURN(const LayerStep step,
-                          aggregation.Aggregate(layer, updates, absl::MakeSpan(scratch_[layer])));
+                          aggregation.Aggregate(layer, updates, absl::MakeSpan(scratch)));
     if (step == LayerStep::kSkip) return absl::OkStatus();  // rollback: theta_{t+1} = theta_t
   }
   std::shared_ptr<std::vector<float>>& current = layers_[layer];
@@ -120,6 +125,12 @@ absl::Status ParameterStore::ApplyLayer(size_t layer,
   ALOE_RETURN_IF_ERROR(optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*next)));
   current = std::move(next);
   return absl::OkStatus();
+}
+
+size_t ParameterStore::scratch_bytes() const {
+  size_t bytes = 0;
+  for (const std::vector<float>& scratch : scratch_) bytes += scratch.size() * sizeof(float);
+  return bytes;
 }
 
 void ParameterStore::SaveOptimizerState(size_t layer, std::string* out) const {
@@ -148,9 +159,9 @@ absl::Status ParameterStore::Restore(uint64_t version,
     absl::Status s = optimizers_[i]->LoadState(optimizer_states[i]);
     if (!s.ok()) {
       for (size_t j = 0; j < i; ++j) (void)optimizers_[j]->LoadState(old_states[j]);
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "checkpoint optimizer state of layer %d (%s): %s", i, spec_.layers(i).name(),
-          s.message()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("checkpoint optimizer state of layer %d (%s): %s", i,
+                          spec_.layers(i).name(), s.message()));
     }
   }
   for (size_t i = 0; i < layers_.size(); ++i) {

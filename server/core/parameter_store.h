@@ -63,6 +63,12 @@ class ParameterStore {
   absl::Status ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
                               const std::vector<float>& weights);
 
+  // Bytes of the per-layer buffers that aggregate several updates (or one of weight != 1) into
+  // one g. A layer gets its buffer at its first such step: a server whose steps all apply a lone
+  // update of weight 1 (plain async) from the update's own buffer never holds one, which leaves
+  // a copy of the model's size for a retained version. Not synchronised with ApplyOuterStep.
+  size_t scratch_bytes() const;
+
   // Appends layer `layer`'s optimizer state blob to out (checkpoints).
   void SaveOptimizerState(size_t layer, std::string* out) const;
 
@@ -72,7 +78,8 @@ class ParameterStore {
                        const std::vector<std::string>& optimizer_states);
 
  private:
-  ParameterStore(v1::ModelSpec spec, Executor& executor) : spec_(std::move(spec)), executor_(executor) {}
+  ParameterStore(v1::ModelSpec spec, Executor& executor)
+      : spec_(std::move(spec)), executor_(executor) {}
   absl::Status ApplyLayer(size_t layer, const std::vector<const PendingUpdate*>& updates,
                           LayerAggregation& aggregation);
 
@@ -82,8 +89,8 @@ class ParameterStore {
   // Mutable here; handed out only as shared_ptr<const ...> in snapshots.
   std::vector<std::shared_ptr<std::vector<float>>> layers_;
   std::vector<std::unique_ptr<OuterOptimizer>> optimizers_;  // one per layer
-  std::vector<std::vector<float>> scratch_;                  // aggregated g per layer, reused
-  std::vector<std::vector<size_t>> shard_layers_;            // layer ids of each shard
+  std::vector<std::vector<float>> scratch_;  // aggregated g per layer, reused; empty until used
+  std::vector<std::vector<size_t>> shard_layers_;  // layer ids of each shard
   // Copy-on-write targets: the buffers of versions nobody reads any more, reused unzeroed (at
   // most one model's worth idle).
   std::shared_ptr<FloatBufferPool> buffers_;

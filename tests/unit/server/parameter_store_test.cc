@@ -76,5 +76,29 @@ TEST(ParameterStoreTest, WrongShapesChangeNothing) {
   EXPECT_EQ(*store->Snapshot().layers[1], (std::vector<float>{4, 5}));
 }
 
+// A lone update of weight 1 is applied from its own buffer: no layer gets an aggregation buffer
+// until a step aggregates (memory bound of a plain-async shard: one model copy fewer).
+TEST(ParameterStoreTest, AggregationBuffersAppearOnlyWithTheFirstAggregatedStep) {
+  InlineExecutor executor;
+  auto store = MakeStore(executor);
+  EXPECT_EQ(store->scratch_bytes(), 0u);
+  const PendingUpdate u = Update({2, 2, 2}, {2, 2});
+  ASSERT_THAT(store->ApplyOuterStep({&u}, {1.0f}), IsOk());
+  EXPECT_EQ(store->scratch_bytes(), 0u);
+  EXPECT_EQ(*store->Snapshot().layers[0], (std::vector<float>{0, 1, 2}));
+  // Weight 0.5: aggregated, so every layer now has its buffer (5 floats in all).
+  ASSERT_THAT(store->ApplyOuterStep({&u}, {0.5f}), IsOk());
+  EXPECT_EQ(store->scratch_bytes(), 5 * sizeof(float));
+  EXPECT_THAT(*store->Snapshot().layers[0],
+              ::testing::Pointwise(::testing::FloatEq(), {-0.5f, 0.5f, 1.5f}));
+  EXPECT_THAT(*store->Snapshot().layers[1],
+              ::testing::Pointwise(::testing::FloatEq(), {2.5f, 3.5f}));
+  // Two updates: the buffers are reused, g = 0.25 * 2 + 0.75 * 2 = 2 per element.
+  ASSERT_THAT(store->ApplyOuterStep({&u, &u}, {0.25f, 0.75f}), IsOk());
+  EXPECT_EQ(store->scratch_bytes(), 5 * sizeof(float));
+  EXPECT_THAT(*store->Snapshot().layers[1],
+              ::testing::Pointwise(::testing::FloatEq(), {1.5f, 2.5f}));
+}
+
 }  // namespace
 }  // namespace aloe::server
