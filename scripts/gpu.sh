@@ -10,7 +10,7 @@
 #                               headers, from ALOE_GLOO_SUITE, default sid: LibTorch 2.x needs
 #                               newer ones than Debian 12's) and of the libraries they need,
 #                               less the base system.
-#                               About 30 MB: small enough to carry to a GPU machine that has
+#                               About 25 MB: small enough to carry to a GPU machine that has
 #                               PyTorch but no Debian archive.
 #   scripts/gpu.sh build [DIR]  On the GPU machine: unpacks DIR's .deb files (if given) under
 #                               $ALOE_BUILD_DIR/sysroot, configures $ALOE_BUILD_DIR (default
@@ -31,8 +31,9 @@ ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
 
-# The build dependencies (scripts/install-deps.sh names the same) and the packages of the base
-# system that the GPU machine has its own, newer copies of: never unpacked over it.
+# The build dependencies (those of scripts/install-deps.sh less LibTorch's, and re2, which
+# gRPC's CMake package links by name) and the packages of the base system that the GPU machine
+# has its own, newer copies of: never unpacked over it.
 BUILD_PACKAGES=(protobuf-compiler libprotobuf-dev protobuf-compiler-grpc libgrpc++-dev libgrpc-dev
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libre2-dev)
 # Gloo's headers (LibTorch carries Gloo's code, not always its headers) must be as new as the
