@@ -25,7 +25,7 @@
 #                               the GPU, 4 rounds). All three by default.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
 # (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
-# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS.
+# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_TEST_SECONDS.
 set -euo pipefail
 ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # shellcheck source=scripts/lib.sh
@@ -146,11 +146,17 @@ build() {
   aloe_log "built in $ALOE_BUILD_DIR; . $ALOE_BUILD_DIR/env.sh before running its binaries"
 }
 
+# Each test binary under a time limit (ALOE_GPU_TEST_SECONDS, default 600): a collective that
+# never returns (as an NCCL group destroyed without shutdown once did) fails the check by name
+# instead of holding the machine.
 check_tests() {
-  "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
-    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*'
+  local limit="${ALOE_GPU_TEST_SECONDS:-600}"
+  timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
+    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*' ||
+    { echo "gpu.sh: aloe_worker_tests failed or ran past ${limit} s" >&2; exit 1; }
   # A GPU worker against a real server, against the same job on the CPU.
-  "$ALOE_BUILD_DIR/bin/aloe_integration_tests" --gtest_filter='FsdpWorkerTest.*'
+  timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_integration_tests" --gtest_filter='FsdpWorkerTest.*' ||
+    { echo "gpu.sh: aloe_integration_tests failed or ran past ${limit} s" >&2; exit 1; }
 }
 
 # A GPT-2-small-sized model (12 layers of width 768, 1024 tokens, vocabulary 24576: 124M
