@@ -170,7 +170,8 @@ class MetricsHttpServer {
         status, type, body.size(), body);
     size_t sent = 0;
     while (sent < response.size()) {
-      const ssize_t n = ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      const ssize_t n =
+          ::send(client, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
       if (n <= 0) return;
       sent += n;
     }

@@ -9,10 +9,10 @@
 #define ALOE_CONCAT_(a, b) ALOE_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define ALOE_RETURN_IF_ERROR(expr)                  \
-  do {                                              \
-    ::absl::Status aloe_status_ = (expr);           \
-    if (!aloe_status_.ok()) return aloe_status_;    \
+#define ALOE_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::absl::Status aloe_status_ = (expr);        \
+    if (!aloe_status_.ok()) return aloe_status_; \
   } while (false)
 
 // `lhs = value of expr` when expr (an absl::StatusOr<T>) is OK, otherwise returns its status.

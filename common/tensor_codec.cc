@@ -1,7 +1,7 @@
 #include "common/tensor_codec.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_format.h"
@@ -23,8 +23,8 @@ absl::Status DecodeFloats(std::string_view bytes, absl::Span<float> out) {
         absl::StrFormat("float32 payload of %d bytes is not a multiple of 4", bytes.size()));
   }
   if (bytes.size() / sizeof(float) != out.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "payload holds %d floats, expected %d", bytes.size() / sizeof(float), out.size()));
+    return absl::InvalidArgumentError(absl::StrFormat("payload holds %d floats, expected %d",
+                                                      bytes.size() / sizeof(float), out.size()));
   }
   if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
   if (!kernels::AllFinite(out.data(), out.size())) {
@@ -136,7 +136,8 @@ absl::Status DecodeChunk(v1::Codec codec, std::string_view payload, absl::Span<f
 std::vector<std::pair<size_t, size_t>> ChunkRanges(size_t n, size_t max_elements) {
   std::vector<std::pair<size_t, size_t>> ranges;
   if (max_elements == 0) max_elements = 1;
-  for (size_t b = 0; b < n; b += max_elements) ranges.emplace_back(b, std::min(n, b + max_elements));
+  for (size_t b = 0; b < n; b += max_elements)
+    ranges.emplace_back(b, std::min(n, b + max_elements));
   return ranges;
 }
 

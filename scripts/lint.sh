@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Static checks of everything in the repository that is not C++: shell scripts (shellcheck),
-# YAML under deploy/ and .github/ (yamllint, settings in .yamllint), the Prometheus configs,
-# recording rules and rule tests (promtool), the Grafana dashboard (JSON) and the Kubernetes
-# manifests (kubectl kustomize). Prints one line per check, then `lint: N passed, M failed`, and
-# exits 1 when a check failed. A tool that is not installed is skipped with a message
-# (scripts/install-deps.sh installs all but the optional kubectl). scripts/test.sh runs this
-# before building.
+# Static checks: the layout of the C++ and CUDA sources (clang-format 14, Debian 12's, with the
+# repository's .clang-format; another version formats differently, so it is skipped), shell
+# scripts (shellcheck), YAML under deploy/ and .github/ (yamllint, settings in .yamllint), the
+# Prometheus configs, recording rules and rule tests (promtool), the Grafana dashboard (JSON) and
+# the Kubernetes manifests (kubectl kustomize). Prints one line per check, then
+# `lint: N passed, M failed`, and exits 1 when a check failed. A tool that is not installed is
+# skipped with a message (scripts/install-deps.sh installs all but the optional kubectl).
+# scripts/test.sh runs this before building.
 # Usage: scripts/lint.sh [--help]
 set -euo pipefail
 
 if [ $# -gt 0 ]; then
   case "$1" in
-    -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "lint.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 fi
@@ -39,6 +40,24 @@ have() {
   echo "SKIP  $2: $1 is not installed (${3:-scripts/install-deps.sh installs it})"
   return 1
 }
+
+# C++ and CUDA: every tracked source as clang-format would write it.
+cpp_format() {
+  local f bad=()
+  for f in "$@"; do clang-format --dry-run --Werror "$f" >/dev/null 2>&1 || bad+=("$f"); done
+  [ ${#bad[@]} -eq 0 ] && return 0
+  printf '%s\n' "${bad[@]}" "(clang-format -i on these files formats them)"
+  return 1
+}
+mapfile -t cpp_files < <(git ls-files '*.cc' '*.h' '*.cu' '*.cuh' 2>/dev/null)
+if have clang-format "C++ layout"; then
+  if clang-format --version | grep -q 'version 14\.'; then
+    check "clang-format (${#cpp_files[@]} C++ and CUDA files)" cpp_format "${cpp_files[@]}"
+  else
+    echo "SKIP  C++ layout: $(clang-format --version | head -n 1) is not the clang-format 14 the" \
+      "layout is kept with"
+  fi
+fi
 
 # Shell: *.sh and *.sbatch files, and extensionless files whose first line is a sh/bash shebang.
 mapfile -t shell_files < <(

@@ -12,9 +12,10 @@ namespace aloe::server {
 
 // Reads the newest version in `from_dir` that is whole in every process's checkpoints (a
 // one-process server's, or a coordinator's with the shard-<i> directories of its N shard
-// processes beside them, or else its own copies of them in replicas/shard-<i>), converts it (server/core/checkpoint_layout.h) to the layout of
-// `config` (config.shard_processes: 0 for one process) and writes it to config.checkpoint.dir
-// (and its shard-<i> directories), from where the server resumes (--resume).
+// processes beside them, or else its own copies of them in replicas/shard-<i>), converts it
+// (server/core/checkpoint_layout.h) to the layout of `config` (config.shard_processes: 0 for one
+// process) and writes it to config.checkpoint.dir (and its shard-<i> directories), from where the
+// server resumes (--resume).
 //
 // The source must be of config's model, outer optimizer, penalty and corpus with any number of
 // processes: each file's fingerprint is compared with the one a server of that many processes

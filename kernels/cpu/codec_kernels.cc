@@ -28,9 +28,9 @@ constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kExponentMask = 0x7f800000u;  // all set: NaN or Inf
 constexpr uint32_t kBf16ExponentMask = 0x7f80u;
 constexpr uint32_t kBf16MaxFinite = 0x7f7fu;
-constexpr size_t kBf16Tile = 2048;  // values per finiteness check in the bf16 loops
-constexpr float kSmallestNormal = 1.17549435e-38f;     // 2^-126
-constexpr float kFloatMax = 3.40282347e38f;            // FLT_MAX
+constexpr size_t kBf16Tile = 2048;                  // values per finiteness check in the bf16 loops
+constexpr float kSmallestNormal = 1.17549435e-38f;  // 2^-126
+constexpr float kFloatMax = 3.40282347e38f;         // FLT_MAX
 
 inline uint32_t FloatBits(float v) {
   uint32_t bits;

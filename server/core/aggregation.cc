@@ -26,9 +26,9 @@ std::optional<uint64_t> SyncRoundAggregation::StartVersion(
 absl::StatusOr<ApplyBatch> SyncRoundAggregation::Submit(PendingUpdate update,
                                                         uint64_t current_version) {
   if (!open_ || update.base_version != round_version_ || round_version_ != current_version) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "stale update: based on version %d but the open round is at version %d",
-        update.base_version, open_ ? round_version_ : current_version));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("stale update: based on version %d but the open round is at version %d",
+                        update.base_version, open_ ? round_version_ : current_version));
   }
   if (started_.count(update.worker_id) == 0) {
     return absl::FailedPreconditionError(absl::StrFormat(

@@ -148,7 +148,8 @@ absl::Status CheckpointStore::ReadMessage(const std::string& path,
   buffer << in.rdbuf();
   const std::string file = buffer.str();
   if (file.size() < kHeaderBytes) {
-    return absl::DataLossError(absl::StrFormat("%s: truncated header (%d bytes)", path, file.size()));
+    return absl::DataLossError(
+        absl::StrFormat("%s: truncated header (%d bytes)", path, file.size()));
   }
   if (std::memcmp(file.data(), kMagic, sizeof(kMagic)) != 0) {
     return absl::DataLossError(absl::StrCat(path, ": bad magic"));
@@ -162,9 +163,9 @@ absl::Status CheckpointStore::ReadMessage(const std::string& path,
   ReadPod(&header, &crc);
   if (format != 1) return absl::DataLossError(absl::StrFormat("%s: format %d", path, format));
   if (file.size() - kHeaderBytes != length) {
-    return absl::DataLossError(absl::StrFormat(
-        "%s: truncated: header says %d payload bytes, file has %d", path, length,
-        file.size() - kHeaderBytes));
+    return absl::DataLossError(
+        absl::StrFormat("%s: truncated: header says %d payload bytes, file has %d", path, length,
+                        file.size() - kHeaderBytes));
   }
   const std::string_view payload(file.data() + kHeaderBytes, length);
   if (Crc32c(payload) != crc) return absl::DataLossError(absl::StrCat(path, ": checksum mismatch"));

@@ -44,8 +44,8 @@ std::optional<uint64_t> GracePeriodAggregation::PendingStartVersion() const {
 bool GracePeriodAggregation::CloseExpired(uint64_t current_version) {
   if (!window_open_) return false;
   const bool timed_out = grace_ != absl::InfiniteDuration() && clock_.Now() >= window_due_ + grace_;
-  const bool everyone_in = std::includes(window_members_.begin(), window_members_.end(),
-                                         known_.begin(), known_.end());
+  const bool everyone_in =
+      std::includes(window_members_.begin(), window_members_.end(), known_.begin(), known_.end());
   if (!timed_out && !everyone_in && !RoundComplete()) return false;
   Close(current_version);
   return true;
@@ -86,8 +86,8 @@ absl::StatusOr<ApplyBatch> GracePeriodAggregation::Submit(PendingUpdate update,
     Close(current_version);
   }
   if (started_.count(update.worker_id) == 0) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "worker %d has no work in progress (already pushed?)", update.worker_id));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("worker %d has no work in progress (already pushed?)", update.worker_id));
   }
   started_.erase(update.worker_id);
   auto expectation = expected_.find(update.worker_id);

@@ -88,7 +88,7 @@ class GracePeriodAggregation final : public AggregationPolicy {
   absl::Time window_due_;      // open + the opener's slack
   // Started workers whose task belongs to a round (Expect).
   std::map<uint64_t, Expectation> expected_;
-  std::set<uint64_t> released_;        // released by the last close, not yet restarted
+  std::set<uint64_t> released_;  // released by the last close, not yet restarted
   uint64_t release_version_ = 0;
   std::map<uint64_t, Release> release_of_;  // released, not yet restarted
   std::map<uint64_t, Release> started_by_;  // the release each worker last started from

@@ -62,18 +62,18 @@ class LocalWorkPlanner {
   enum class Mode { kFixed, kDyLU, kTimeBudget };
   struct Options {
     Mode mode = Mode::kFixed;
-    uint32_t local_steps = 50;         // H
-    double time_budget_seconds = 0;    // tau_time, kTimeBudget only
-    uint32_t max_steps = 0;            // cap for budgeted tasks; 0 = 100 * H
-    double speed_ema_alpha = 0.3;      // weight of a new speed report
-    bool align_rounds = false;         // kDyLU only: round alignment (see the file comment)
+    uint32_t local_steps = 50;       // H
+    double time_budget_seconds = 0;  // tau_time, kTimeBudget only
+    uint32_t max_steps = 0;          // cap for budgeted tasks; 0 = 100 * H
+    double speed_ema_alpha = 0.3;    // weight of a new speed report
+    bool align_rounds = false;       // kDyLU only: round alignment (see the file comment)
   };
   struct Plan {
-    uint32_t steps = 0;                // exact steps, or the cap when budgeted
-    double time_budget_seconds = 0;    // > 0: stop at the first step end after this
-    uint64_t round = 0;                // aligned DyLU: the round the task belongs to; 0 = none
-    double slack_seconds = 0;          // aligned DyLU: expected finish before the round end (inf:
-                                       // the round's end is not known yet)
+    uint32_t steps = 0;              // exact steps, or the cap when budgeted
+    double time_budget_seconds = 0;  // > 0: stop at the first step end after this
+    uint64_t round = 0;              // aligned DyLU: the round the task belongs to; 0 = none
+    double slack_seconds = 0;        // aligned DyLU: expected finish before the round end (inf:
+                                     // the round's end is not known yet)
   };
   // When a task starts, for round alignment.
   struct Start {

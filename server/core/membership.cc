@@ -18,8 +18,8 @@ uint64_t Membership::Join(const std::string& name, v1::Role role) {
 absl::Status Membership::Renew(uint64_t id, double steps_per_second) {
   auto it = members_.find(id);
   if (it == members_.end()) {
-    return absl::NotFoundError(
-        absl::StrFormat("worker %d is not a member (never joined, left, or its lease expired)", id));
+    return absl::NotFoundError(absl::StrFormat(
+        "worker %d is not a member (never joined, left, or its lease expired)", id));
   }
   it->second.lease_expiry = clock_.Now() + lease_;
   if (steps_per_second > 0) it->second.steps_per_second = steps_per_second;

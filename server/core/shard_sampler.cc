@@ -78,9 +78,9 @@ absl::Status ShardSampler::Restore(const std::vector<uint64_t>& steps,
                                    const std::vector<uint64_t>& tokens,
                                    const std::string& rng_state) {
   if (steps.size() != shards_.size() || tokens.size() != shards_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "checkpoint has progress for %d/%d data shards, the corpus has %d", steps.size(),
-        tokens.size(), shards_.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("checkpoint has progress for %d/%d data shards, the corpus has %d",
+                        steps.size(), tokens.size(), shards_.size()));
   }
   std::mt19937_64 rng;
   std::istringstream in(rng_state);

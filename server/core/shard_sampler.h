@@ -31,8 +31,7 @@ class ShardSampler {
   enum class Mode { kLearningProgress, kProportional };
 
   // Precondition: at least one shard with tokens > 0 (ServerCore::Create checks).
-  ShardSampler(std::vector<DataShard> shards, uint64_t seed,
-               Mode mode = Mode::kLearningProgress);
+  ShardSampler(std::vector<DataShard> shards, uint64_t seed, Mode mode = Mode::kLearningProgress);
 
   // Index of the shard for the next task (draws; does not record anything).
   size_t Next();

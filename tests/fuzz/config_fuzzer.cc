@@ -37,14 +37,13 @@ bool SameConfig(const v1::ServerConfig& a, const v1::ServerConfig& b) {
   comparator.set_treat_nan_as_equal(true);
   google::protobuf::util::MessageDifferencer differencer;
   differencer.set_field_comparator(&comparator);
-  differencer.set_message_field_comparison(
-      google::protobuf::util::MessageDifferencer::EQUIVALENT);
+  differencer.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
   return differencer.Compare(a, b);
 }
 
 void CheckError(const absl::Status& s, const char* what) {
-  FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument && !s.message().empty(), "%s: %s",
-             what, s.ToString().c_str());
+  FUZZ_CHECK(s.code() == absl::StatusCode::kInvalidArgument && !s.message().empty(), "%s: %s", what,
+             s.ToString().c_str());
 }
 
 // Parameters of the documented layout (common/model_spec.h), in double so that absurd sizes
@@ -52,8 +51,8 @@ void CheckError(const absl::Status& s, const char* what) {
 double ExpectedParameters(const v1::TransformerConfig& m) {
   const double v = m.vocab_size(), s = m.seq_len(), d = m.d_model();
   const double f = static_cast<double>(m.ffn_mult()) * d;
-  const double block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (f * d + f) +
-                       (d * f + d);
+  const double block =
+      2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (f * d + f) + (d * f + d);
   return (v * d + s * d) + m.num_layers() * block + (2 * d + v * d);
 }
 

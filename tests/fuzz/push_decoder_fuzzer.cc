@@ -189,8 +189,7 @@ bool ReferenceDecode(v1::Codec codec, std::string_view payload, std::vector<floa
     case v1::CODEC_BF16: {
       if (payload.size() % 2 != 0) return false;
       out->resize(payload.size() / 2);
-      if (!kernels::reference::Bf16Decode(payload.data(), payload.size(), out->data(),
-                                          out->size())
+      if (!kernels::reference::Bf16Decode(payload.data(), payload.size(), out->data(), out->size())
                .ok()) {
         return false;
       }
@@ -384,9 +383,9 @@ void Run(const uint8_t* data, size_t size) {
       FUZZ_CHECK(std::isfinite(got[j]) && std::fabs(got[j]) <= server::kMaxPushMagnitude,
                  "layer %d element %zu is %g", i, j, got[j]);
     }
-    FUZZ_CHECK(got.empty() || std::memcmp(got.data(), expected[i].data(),
-                                          got.size() * sizeof(float)) == 0,
-               "layer %d differs from the reference decode", i);
+    FUZZ_CHECK(
+        got.empty() || std::memcmp(got.data(), expected[i].data(), got.size() * sizeof(float)) == 0,
+        "layer %d differs from the reference decode", i);
   }
 }
 

@@ -83,14 +83,14 @@ void CheckReply(const uint8_t* data, size_t size) {
   v1::PushReply reply;
   const absl::Status read = ReadRawPushReply(in, &carried, &reply);
   if (!read.ok()) {
-    FUZZ_CHECK(read.code() == absl::StatusCode::kDataLoss ||
-                   read.code() == absl::StatusCode::kUnavailable,
-               "reply refused with code %d", static_cast<int>(read.code()));
+    FUZZ_CHECK(
+        read.code() == absl::StatusCode::kDataLoss || read.code() == absl::StatusCode::kUnavailable,
+        "reply refused with code %d", static_cast<int>(read.code()));
     return;
   }
-  FUZZ_CHECK(static_cast<int>(carried.code()) >= 0 &&
-                 carried.code() <= absl::StatusCode::kUnauthenticated,
-             "carried code %d", static_cast<int>(carried.code()));
+  FUZZ_CHECK(
+      static_cast<int>(carried.code()) >= 0 && carried.code() <= absl::StatusCode::kUnauthenticated,
+      "carried code %d", static_cast<int>(carried.code()));
   const std::string again = EncodeRawPushReply(carried, reply);
   MemoryReader in2(reinterpret_cast<const uint8_t*>(again.data()), again.size());
   absl::Status carried2;

@@ -34,8 +34,8 @@ using ::aloe::testing::WaitForFile;
 class DeterministicClient {
  public:
   explicit DeterministicClient(int port) {
-    auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                       grpc::InsecureChannelCredentials());
+    auto channel =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
     coordinator_ = v1::Coordinator::NewStub(channel);
     parameters_ = v1::ParameterService::NewStub(channel);
     grpc::ClientContext context;
@@ -68,7 +68,8 @@ class DeterministicClient {
         auto& layer = theta[chunk.layer_id()];
         layer.resize(chunk.layer_elements());
         const size_t n = chunk.data().size() / 4;
-        EXPECT_TRUE(DecodeFloats(chunk.data(), absl::MakeSpan(layer.data() + chunk.offset(), n)).ok());
+        EXPECT_TRUE(
+            DecodeFloats(chunk.data(), absl::MakeSpan(layer.data() + chunk.offset(), n)).ok());
       }
       if (!reader->Finish().ok()) return -1;
     }
@@ -139,7 +140,8 @@ class ResumeTest : public ::testing::Test {
     std::ofstream(dir_ + "/server.textproto") << absl::StrCat(R"(
       listen_address: "127.0.0.1:0"
       metrics_address: "off"
-      corpus_dir: ")", dir_, R"("
+      corpus_dir: ")",
+                                                              dir_, R"("
       model { vocab_size: 256 seq_len: 16 d_model: 32 num_layers: 2 num_heads: 2 }
       outer_optimizer { type: OUTER_DELAYED_NESTEROV lr: 0.7 momentum: 0.9 dn_buffer_size: 3 }
       local_steps: 5

@@ -94,8 +94,8 @@ TEST_F(LoopbackTest, Int8PushesWithErrorFeedbackTrainAndEvalLossFalls) {
   const size_t at = log.find("pushed_bytes=");
   ASSERT_NE(at, std::string::npos) << log;
   double pushed = 0;
-  ASSERT_TRUE(absl::SimpleAtod(log.substr(at + 13, log.find_first_of(" \n", at) - at - 13),
-                               &pushed));
+  ASSERT_TRUE(
+      absl::SimpleAtod(log.substr(at + 13, log.find_first_of(" \n", at) - at - 13), &pushed));
   const double per_round = pushed / RoundsOf(log);
   EXPECT_LT(per_round, 0.40 * fp32_bytes) << per_round << " of " << fp32_bytes;
   EXPECT_GT(per_round, 0.25 * fp32_bytes);
@@ -163,7 +163,9 @@ TEST_F(RawClientTest, BadPushesAreRejectedWithClearStatusAndChangeNothing) {
       {"stale version", grpc::StatusCode::FAILED_PRECONDITION, "stale version",
        [](v1::PushHeader* h, std::vector<v1::PushChunk>*) { h->set_base_version(99); }},
       {"not float32", grpc::StatusCode::INVALID_ARGUMENT, "not float32",
-       [](v1::PushHeader*, std::vector<v1::PushChunk>* c) { (*c)[0].mutable_data()->push_back('x'); }},
+       [](v1::PushHeader*, std::vector<v1::PushChunk>* c) {
+         (*c)[0].mutable_data()->push_back('x');
+       }},
   };
   for (const Case& c : cases) {
     v1::PushHeader h = header;

@@ -40,8 +40,9 @@ TEST(ConfigTest, TextFormatLoadsWithDefaults) {
 }
 
 TEST(ConfigTest, JsonLoads) {
-  auto config = LoadServerConfig(WriteFile(
-      "ok.json", R"({"corpusDir": "c", "localSteps": 7, "outerOptimizer": {"type": "OUTER_SGD"}})"));
+  auto config = LoadServerConfig(
+      WriteFile("ok.json",
+                R"({"corpusDir": "c", "localSteps": 7, "outerOptimizer": {"type": "OUTER_SGD"}})"));
   ASSERT_THAT(config, IsOk());
   EXPECT_EQ(config->local_steps(), 7u);
   EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_SGD);

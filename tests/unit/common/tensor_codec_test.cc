@@ -118,9 +118,9 @@ TEST(CodecChunkTest, MalformedPayloadsAndNonFiniteInputsAreRejected) {
   std::string bytes;
   EXPECT_THAT(EncodeChunk(v1::CODEC_INT8_BLOCKWISE, {1.0f, std::nanf("")}, 256, &bytes, nullptr),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("[1]")));
-  EXPECT_THAT(EncodeChunk(v1::CODEC_FP32, {std::numeric_limits<float>::infinity()}, 256, &bytes,
-                          nullptr),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 0")));
+  EXPECT_THAT(
+      EncodeChunk(v1::CODEC_FP32, {std::numeric_limits<float>::infinity()}, 256, &bytes, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element 0")));
   EXPECT_THAT(EncodedElementCount(v1::CODEC_BF16, std::string(3, '\0')),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bf16")));
   EXPECT_THAT(EncodedElementCount(v1::CODEC_INT8_BLOCKWISE, std::string(40, '\0')),
