@@ -134,10 +134,12 @@ absl::StatusOr<v1::HeartbeatReply> ServerClient::Heartbeat(const v1::HeartbeatRe
   return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::Heartbeat, request);
 }
 
-absl::StatusOr<v1::Task> ServerClient::RequestTask(uint64_t worker_id, bool ahead) {
+absl::StatusOr<v1::Task> ServerClient::RequestTask(uint64_t worker_id, bool ahead,
+                                                   uint64_t dropped_task_id) {
   v1::TaskRequest request;
   request.set_worker_id(worker_id);
   request.set_ahead(ahead);
+  request.set_dropped_task_id(dropped_task_id);
   return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::RequestTask, request);
 }
 

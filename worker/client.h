@@ -47,8 +47,10 @@ class ServerClient {
 
   absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
   absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
-  // ahead: a look-ahead task while the open one is still to be pushed (TaskRequest.ahead).
-  absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id, bool ahead = false);
+  // ahead: a look-ahead task while the open one is still to be pushed (TaskRequest.ahead);
+  // dropped_task_id: the open task given up (TaskRequest.dropped_task_id), 0 for none.
+  absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id, bool ahead = false,
+                                       uint64_t dropped_task_id = 0);
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status Leave(uint64_t worker_id);
 

@@ -182,6 +182,13 @@ class Worker {
   // (--corpus_dir), never the server's: kInvalidArgument, so it ends the worker instead of being
   // retried as a dropped task (which asked for the same task again in a tight loop).
   absl::StatusOr<const TokenSource*> Shard(const std::string& file);
+  // The next task (RequestTask), naming the task given up since the last answer (NoteDropped).
+  absl::StatusOr<v1::Task> RequestNextTask();
+  // After a task ended in an error that drops it: a TRAIN task dropped on FAILED_PRECONDITION
+  // (its base version is no longer held, say) cannot succeed when asked for again, so the next
+  // request gives it up (TaskRequest.dropped_task_id) instead of getting the same task back in
+  // a loop.
+  void NoteDropped(const v1::Task& task, const absl::Status& status);
   absl::Status Train(const v1::Task& task);
   // Tells the server this worker (its slice) holds the base version of `task` in full, so the
   // server need not keep that version while the round trains. Best effort: on failure the
@@ -225,6 +232,9 @@ class Worker {
   bool need_join_ = true;
   bool evaluator_ = false;
   bool server_draining_ = false;
+  // A TRAIN task given up on FAILED_PRECONDITION (e.g. its base version is gone): the next
+  // RequestTask names it, so the server ends it and hands out another instead of the same one.
+  uint64_t dropped_task_id_ = 0;
   v1::JoinReply joined_;
   std::unique_ptr<LocalTrainer> trainer_;
   ScriptModelPtr script_;           // --torchscript, until the trainer takes it over
@@ -369,8 +379,7 @@ absl::Status Worker::Run() {
   ALOE_RETURN_IF_ERROR(JoinServer());
   while (g_signal.load() == 0) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<v1::Task> task =
-        Retry<v1::Task>([&] { return client_.RequestTask(joined_.worker_id()); });
+    absl::StatusOr<v1::Task> task = Retry<v1::Task>([&] { return RequestNextTask(); });
     network_s_ += Seconds(t0, std::chrono::steady_clock::now());
     if (!task.ok() && task.status().code() == absl::StatusCode::kNotFound) {
       ALOE_LOG_WARNING("worker", "%s; joining again", task.status().message());
@@ -406,11 +415,25 @@ absl::Status Worker::Run() {
       // The server dropped this round (stale version, expired lease) or went away meanwhile
       // (restart): log and ask again; asking retries until the server is back.
       ALOE_LOG_WARNING("worker", "task %d dropped: %s", task->task_id(), status.message());
+      NoteDropped(*task, status);
       continue;
     }
     if (!status.ok()) return LeaveAfter(status);
   }
   return Finish();
+}
+
+absl::StatusOr<v1::Task> Worker::RequestNextTask() {
+  absl::StatusOr<v1::Task> task =
+      client_.RequestTask(joined_.worker_id(), /*ahead=*/false, dropped_task_id_);
+  if (task.ok()) dropped_task_id_ = 0;
+  return task;
+}
+
+void Worker::NoteDropped(const v1::Task& task, const absl::Status& status) {
+  if (task.kind() == v1::Task::TRAIN && status.code() == absl::StatusCode::kFailedPrecondition) {
+    dropped_task_id_ = task.task_id();
+  }
 }
 
 v1::NodeDirective Worker::NextDirective() {
@@ -421,8 +444,7 @@ v1::NodeDirective Worker::NextDirective() {
   }
   if (!need_join_) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<v1::Task> task =
-        Retry<v1::Task>([&] { return client_.RequestTask(joined_.worker_id()); });
+    absl::StatusOr<v1::Task> task = Retry<v1::Task>([&] { return RequestNextTask(); });
     network_s_ += Seconds(t0, std::chrono::steady_clock::now());
     if (task.ok()) {
       d.set_kind(task->kind() == v1::Task::STOP ? v1::NodeDirective::STOP
@@ -495,6 +517,7 @@ absl::Status Worker::RunNode() {
         status.code() == absl::StatusCode::kUnavailable) {
       ALOE_LOG_WARNING("worker", "rank %d: task %d dropped: %s", node_->rank(), task.task_id(),
                        status.message());
+      NoteDropped(task, status);
       continue;
     }
     if (!status.ok()) return LeaveAfter(status);

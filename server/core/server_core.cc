@@ -237,6 +237,14 @@ absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request)
   ALOE_ASSIGN_OR_RETURN(const Member* member, LiveMember(request.worker_id()));
   ALOE_RETURN_IF_ERROR(membership_.Renew(member->id, 0));
   auto open = open_tasks_.find(member->id);
+  if (request.dropped_task_id() != 0 && open != open_tasks_.end() &&
+      open->second.task.kind() == v1::Task::TRAIN &&
+      open->second.task.task_id() == request.dropped_task_id()) {
+    ALOE_LOG_WARNING("server", "worker %d gave up task %d; handing out another", member->id,
+                     request.dropped_task_id());
+    ALOE_RETURN_IF_ERROR(EndOpenTask(member->id));
+    open = open_tasks_.find(member->id);  // a look-ahead task may have taken its place
+  }
   if (request.ahead() && open != open_tasks_.end() && open->second.task.kind() == v1::Task::TRAIN) {
     return AheadTask(member->id);
   }
@@ -347,6 +355,19 @@ absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
   metrics_.Add(kTasksAhead, 1);
   PublishShards();
   return ahead.task;
+}
+
+absl::Status ServerCore::EndOpenTask(uint64_t worker) {
+  const OpenTask& open = open_tasks_[worker];
+  sampler_.Release(open.shard, open.assigned_tokens);
+  open_tasks_.erase(worker);
+  staged_.erase(worker);
+  ApplyBatch completed = aggregation_->OnWorkerGone(worker);
+  if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
+  PromoteAhead(worker);
+  PruneRetained();
+  PublishShards();
+  return absl::OkStatus();
 }
 
 void ServerCore::PromoteAhead(uint64_t worker) {
@@ -462,15 +483,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     // Too stale: dropped like the work of a departed worker; the worker starts afresh.
     metrics_.Add(kUpdatesRejected, 1, {"too_stale"});
     metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
-    const OpenTask& open = open_tasks_[worker];
-    sampler_.Release(open.shard, open.assigned_tokens);
-    open_tasks_.erase(worker);
-    staged_.erase(worker);
-    ApplyBatch completed = aggregation_->OnWorkerGone(worker);
-    if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
-    PromoteAhead(worker);
-    PruneRetained();
-    PublishShards();
+    ALOE_RETURN_IF_ERROR(EndOpenTask(worker));
     return scale.status();
   }
   if (*scale != 1.0f) {

@@ -218,6 +218,10 @@ class ServerCore {
   // After the open task of `worker` was pushed (or dropped as too stale), its look-ahead task, if
   // any, becomes the open one and the aggregation policy counts the worker as started.
   void PromoteAhead(uint64_t worker);
+  // Ends `worker`'s open task without an update (too stale, or given up by the worker): its
+  // tokens go back to the sampler, the aggregation stops waiting for it (which may complete a
+  // round), a look-ahead task takes its place, and its base version is no longer kept for it.
+  absl::Status EndOpenTask(uint64_t worker);
   v1::Task EvaluatorTask(uint64_t worker);
   void WorkerGone(uint64_t worker);
   // Tells the shards to drop the parts of `worker`'s update staged so far (if any).

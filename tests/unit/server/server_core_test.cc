@@ -1071,11 +1071,8 @@ v1::HeartbeatRequest PulledBeat(uint64_t worker, uint64_t task_id, uint32_t slic
 
 // Async: a task's base version is kept only until its worker says it holds it (all slices), not
 // for the whole round; the task itself stays open and its push is applied with its staleness.
-TEST_F(ServerCoreTest, BaseVersionIsKeptOnlyUntilTheWorkerHasPulledIt) {
-  v1::ServerConfig config = TinyConfig();
-  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
-  config.mutable_aggregation()->set_min_workers(1);
-  Make(config);
+TEST_F(AsyncServerCoreTest, BaseVersionIsKeptOnlyUntilTheWorkerHasPulledIt) {
+  Make(AsyncConfig(/*grace_seconds=*/0));
   const uint64_t a = Join();
   const uint64_t b = Join();
   const v1::Task ta = Request(a);  // base 0, pulled in 2 slices (a two-rank node)
@@ -1110,6 +1107,50 @@ TEST_F(ServerCoreTest, BaseVersionIsKeptOnlyUntilTheWorkerHasPulledIt) {
   auto applied = core_->SubmitUpdate(Update(a, ta, 1.0f));
   ASSERT_THAT(applied, IsOk());
   EXPECT_EQ(applied->version(), 3u);
+}
+
+// A worker that cannot run its task (its base version is gone) gives it up by name: the server
+// ends it (tokens back to the data shard, its base no longer kept) and hands out a new task from
+// the current version; a plain repeated request, or one naming another task, gets the same task.
+TEST_F(AsyncServerCoreTest, ATaskGivenUpIsEndedAndANewOneHandedOut) {
+  const v1::ServerConfig config = AsyncConfig(/*grace_seconds=*/0);
+  Make(config);
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);  // base 0, never pulled
+  const v1::Task tb = Request(b);
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)), IsOk());    // version 1
+  EXPECT_THAT(core_->RetainedVersions(), ::testing::Contains(0u));  // kept for ta
+  uint64_t in_flight = 0;
+  for (size_t i = 0; i < 2; ++i) in_flight += core_->sampler().tokens_in_flight(i);
+  EXPECT_GT(in_flight, 0u);  // a's task
+
+  v1::TaskRequest again;
+  again.set_worker_id(a);
+  EXPECT_EQ(core_->RequestTask(again)->task_id(), ta.task_id());  // a lost reply: the same task
+  again.set_dropped_task_id(ta.task_id() + 1000);                 // not a's open task: ignored
+  EXPECT_EQ(core_->RequestTask(again)->task_id(), ta.task_id());
+  EXPECT_THAT(core_->RetainedVersions(), ::testing::Contains(0u));
+
+  again.set_dropped_task_id(ta.task_id());
+  absl::StatusOr<v1::Task> fresh = core_->RequestTask(again);
+  ASSERT_THAT(fresh, IsOk());
+  EXPECT_EQ(fresh->kind(), v1::Task::TRAIN);
+  EXPECT_NE(fresh->task_id(), ta.task_id());
+  EXPECT_EQ(fresh->base_version(), 1u);
+  EXPECT_THAT(core_->RetainedVersions(), ElementsAre(1));  // version 0 was kept only for ta
+  // Asked again with the same id (a retry whose answer was lost): the new task, not another.
+  EXPECT_EQ(core_->RequestTask(again)->task_id(), fresh->task_id());
+  // Only the new task's tokens are in flight; the given-up task's went back.
+  uint64_t now_in_flight = 0;
+  for (size_t i = 0; i < 2; ++i) now_in_flight += core_->sampler().tokens_in_flight(i);
+  EXPECT_EQ(now_in_flight, static_cast<uint64_t>(fresh->local_steps()) *
+                               config.inner_optimizer().batch_size() * (config.model().seq_len()));
+  // The given-up task's update is refused; the new one's is applied.
+  EXPECT_FALSE(core_->SubmitUpdate(Update(a, ta, 1.0f)).ok());
+  auto applied = core_->SubmitUpdate(Update(a, *fresh, 1.0f));
+  ASSERT_THAT(applied, IsOk());
+  EXPECT_EQ(applied->version(), 2u);
 }
 
 // A core that replaces another (a coordinator going back to a checkpoint) never hands out an id
