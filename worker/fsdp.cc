@@ -136,8 +136,9 @@ class NcclCollectives final : public GroupCollectives<c10d::ProcessGroupNCCL> {
 
   // LibTorch 2.x: a ProcessGroupNCCL destroyed without shutdown() warns that
   // destroy_process_group() was not called and aborts its communicators; on an H200 with
-  // LibTorch 2.11 that destruction never returned. shutdown() is what destroy_process_group()
-  // does: it flushes the group's work, stops its watchdog and destroys the communicators.
+  // LibTorch 2.11 the test process hung right after that warning (and no longer does with this
+  // call). shutdown() is what destroy_process_group() does: it flushes the group's work, stops
+  // its watchdog and destroys the communicators.
   ~NcclCollectives() override {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
     try {
