@@ -54,6 +54,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+def free_ports_in_a_row(count):
+    """The first of `count` consecutive ports that were all free a moment ago (the script gives
+    shard i the port base + i)."""
+    for _ in range(100):
+        socks = [socket.socket()]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            base = socks[0].getsockname()[1]
+            for i in range(1, count):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def run_job(source, bin_dir, work, name, extra_env):
     """Runs the sbatch script as Slurm would start it; returns (exit code, its output, run dir)."""
     job = work / name
@@ -126,12 +146,14 @@ def main():
             eval_every: 20
             lease_seconds: 20
             """))
-        shard_port = free_port()
-        jobs = [("single", {}, 0),
-                ("sharded", {"ALOE_SHARDS": "2", "ALOE_SHARD_PORT": str(shard_port),
-                             "ALOE_SHARD_METRICS_PORT": str(free_port())}, 2)]
-        for name, env, shards in jobs:
-            code, output, run_dir = run_job(source, bin_dir, work, name, env)
+        # Ports picked right before each job (shard i listens on base + i): picked earlier,
+        # another test's connection could take one meanwhile.
+        jobs = [("single", lambda: {}, 0),
+                ("sharded", lambda: {"ALOE_SHARDS": "2",
+                                     "ALOE_SHARD_PORT": str(free_ports_in_a_row(2)),
+                                     "ALOE_SHARD_METRICS_PORT": str(free_ports_in_a_row(2))}, 2)]
+        for name, env_of, shards in jobs:
+            code, output, run_dir = run_job(source, bin_dir, work, name, env_of())
             logs = output
             for log in sorted(run_dir.glob("*.log")) if run_dir.exists() else []:
                 logs += f"\n==== {log.name}\n" + log.read_text()[-3000:]
