@@ -213,6 +213,7 @@ void FillServerDefaults(v1::ServerConfig* c) {
   if (c->eval_every() == 0) c->set_eval_every(1);
   if (c->max_staged_updates() == 0) c->set_max_staged_updates(8);
   if (c->receive_window_kib() == 0) c->set_receive_window_kib(2048);
+  if (c->max_retained_versions() == 0) c->set_max_retained_versions(1);
 }
 
 absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
@@ -331,6 +332,10 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (c.max_staged_updates() < 1 || c.max_staged_updates() > 4096) {
     return absl::InvalidArgumentError(
         absl::StrFormat("max_staged_updates must be in [1, 4096], got %d", c.max_staged_updates()));
+  }
+  if (c.max_retained_versions() < 1 || c.max_retained_versions() > 4096) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "max_retained_versions must be in [1, 4096], got %d", c.max_retained_versions()));
   }
   if (c.receive_window_kib() < 64 || c.receive_window_kib() > 262144) {
     return absl::InvalidArgumentError(absl::StrFormat(

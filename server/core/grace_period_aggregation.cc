@@ -37,7 +37,7 @@ bool GracePeriodAggregation::RoundComplete() const {
 }
 
 std::optional<uint64_t> GracePeriodAggregation::PendingStartVersion() const {
-  if (released_.empty()) return std::nullopt;
+  if (released_.empty() || grace_ == absl::ZeroDuration()) return std::nullopt;
   return release_version_;
 }
 
@@ -75,7 +75,10 @@ std::optional<uint64_t> GracePeriodAggregation::StartVersion(
     if (released_.count(worker) > 0) started_by_[worker] = release->second;
     release_of_.erase(release);
   }
-  if (released_.erase(worker) > 0) return release_version_;
+  // tau_grace = 0 (plain async): no window is shared, so a released worker starts from the
+  // newest version when it asks, as in Alg. 2 (its task starts from the current theta at once)
+  // and without holding the version of its release for it meanwhile.
+  if (released_.erase(worker) > 0 && grace_ > absl::ZeroDuration()) return release_version_;
   return current_version;
 }
 

@@ -7,7 +7,9 @@
 //     pushed into it, so nobody else could still arrive (Alg. 2's "else" branch); all workers
 //     of the window are then released together and start from one model version, the version
 //     at the close;
-//   - a worker never waits longer than tau_grace after its push; tau_grace = 0 is plain async.
+//   - a worker never waits longer than tau_grace after its push; tau_grace = 0 is plain async,
+//     where a released worker starts from the newest version when it asks (no window's workers
+//     share a version).
 // Workers that never pushed (new joiners) start at once from the current version.
 //
 // Rounds (DyLU round alignment, LocalWorkPlanner): the caller may tag a started worker's task

@@ -242,6 +242,7 @@ absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request)
       open->second.task.task_id() == request.dropped_task_id()) {
     ALOE_LOG_WARNING("server", "worker %d gave up task %d; handing out another", member->id,
                      request.dropped_task_id());
+    metrics_.Add(kTasksGivenUp, 1);
     ALOE_RETURN_IF_ERROR(EndOpenTask(member->id));
     open = open_tasks_.find(member->id);  // a look-ahead task may have taken its place
   }
@@ -565,6 +566,7 @@ absl::StatusOr<std::optional<PendingUpdate>> ServerCore::StageSlice(PendingUpdat
 
 absl::Status ServerCore::Apply(ApplyBatch batch) {
   const absl::Time start = clock_.Now();
+  CapRetained();  // before the step: a version not held is stepped in place, not copied
   std::vector<const PendingUpdate*> updates;
   for (const PendingUpdate& u : batch.updates) updates.push_back(&u);
   absl::Status status;
@@ -801,6 +803,28 @@ void ServerCore::PruneRetained() {
   for (auto it = retained_.begin(); it != retained_.end();) {
     it = needed.count(it->first) ? std::next(it) : retained_.erase(it);
   }
+}
+
+void ServerCore::CapRetained() {
+  PruneRetained();
+  const uint64_t current = version();
+  auto held = retained_.find(current);
+  if (held == retained_.end()) return;
+  const size_t older = std::distance(retained_.begin(), held);
+  if (older < config_.max_retained_versions()) return;
+  // Held for an evaluation (which measures exactly this version) or a grace window's released
+  // workers (who all start from it): kept whatever the cap says.
+  if (aggregation_->PendingStartVersion() == current) return;
+  for (const auto& [worker, open] : open_tasks_) {
+    if (open.task.kind() == v1::Task::EVAL && open.task.base_version() == current) return;
+  }
+  // Only training tasks that have not reported their pull start from it. Dropping it costs
+  // those whose pull has not begun a new task (a pull under way holds its version until it
+  // ends; one that begins later finds the version gone and its worker gives the task up), while
+  // holding it would cost a copy of the parameters. The versions held already stay, so a slow
+  // pull is never cut off by newer ones.
+  retained_.erase(held);
+  metrics_.Add(kRetainedVersionsDropped, 1);
 }
 
 void ServerCore::Tick() {

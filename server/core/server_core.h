@@ -243,6 +243,10 @@ class ServerCore {
   void CloseDueWindows();
   // Drops retained snapshots that no open task or released worker will start from.
   void PruneRetained();
+  // Called before an outer step that supersedes the current version: when that version is held
+  // only for training tasks that have not pulled it yet and max_retained_versions older ones are
+  // held already, stops holding it (ServerConfig.max_retained_versions).
+  void CapRetained();
   double TrainedSeconds() const;
 
   const v1::ServerConfig config_;

@@ -122,6 +122,11 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256}},
       {kTasksAhead, K::kCounter,
        "Look-ahead tasks handed out to overlapping workers (they start one version staler)"},
+      {kRetainedVersionsDropped, K::kCounter,
+       "Superseded versions not held for the tasks that had not pulled them yet "
+       "(max_retained_versions were held already)"},
+      {kTasksGivenUp, K::kCounter,
+       "Training tasks their workers gave up (e.g. the base version was no longer held)"},
       {kTrainerStepsPerSecond,
        K::kGauge,
        "Measured local steps/s of each live trainer (EMA of heartbeats and pushes; DyLU input)",

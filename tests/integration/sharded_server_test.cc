@@ -230,8 +230,10 @@ void RunSimulatedWorker(int port, int index, Simulation& sim) {
     const uint64_t id = joined->worker_id();
     const v1::ModelSpec& spec = joined->model_spec();
     uint64_t update_id = 0;
+    uint64_t dropped = 0;  // a task this worker cannot run, given up in its next request
     while (!sim.stop.load() && absl::Now() < deadline) {
-      absl::StatusOr<v1::Task> task = client.RequestTask(id);
+      absl::StatusOr<v1::Task> task = client.RequestTask(id, /*ahead=*/false, dropped);
+      if (task.ok()) dropped = 0;
       absl::Status failure = task.status();
       if (task.ok() && task->kind() == v1::Task::STOP) {
         (void)client.Leave(id);
@@ -260,6 +262,12 @@ void RunSimulatedWorker(int port, int index, Simulation& sim) {
       }
       if (!failure.ok()) {
         if (failure.code() == absl::StatusCode::kNotFound) break;  // forgotten: join again
+        // As aloe-worker: a training task that cannot run (its base version is no longer held,
+        // it went stale) is given up, else a repeated request would hand it out again.
+        if (failure.code() == absl::StatusCode::kFailedPrecondition && task.ok() &&
+            task->kind() == v1::Task::TRAIN) {
+          dropped = task->task_id();
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
     }

@@ -36,6 +36,7 @@ TEST(ConfigTest, TextFormatLoadsWithDefaults) {
   EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_NESTEROV);
   EXPECT_EQ(config->listen_address(), "127.0.0.1:7070");
   EXPECT_EQ(config->receive_window_kib(), 2048u);
+  EXPECT_EQ(config->max_retained_versions(), 1u);
   EXPECT_EQ(config->security().shard_identity(), "shards");
 }
 
@@ -63,6 +64,7 @@ TEST(ConfigTest, ErrorsNameTheField) {
       {"corpus_dir: 'c' inner_optimizer { lr: 0.01 min_lr: 0.5 }", "inner_optimizer."},
       {"corpus_dir: 'c' receive_window_kib: 63", "receive_window_kib must be in [64, 262144]"},
       {"corpus_dir: 'c' receive_window_kib: 262145", "receive_window_kib must be in [64, 262144]"},
+      {"corpus_dir: 'c' max_retained_versions: 4097", "max_retained_versions must be in [1, 4096]"},
   };
   int i = 0;
   for (const Case& c : cases) {

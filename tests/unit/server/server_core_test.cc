@@ -1153,6 +1153,109 @@ TEST_F(AsyncServerCoreTest, ATaskGivenUpIsEndedAndANewOneHandedOut) {
   EXPECT_EQ(applied->version(), 2u);
 }
 
+// Plain async (tau_grace = 0): a worker that pushed starts its next task from the newest version
+// when it asks, not from the version its own push made, and nothing holds that version for it
+// meanwhile. With a grace window the released workers share the version of the close.
+TEST_F(AsyncServerCoreTest, PlainAsyncStartsAReleasedWorkerFromTheNewestVersion) {
+  for (const double grace : {0.0, 100.0}) {
+    SCOPED_TRACE(grace);
+    Make(AsyncConfig(grace));
+    const uint64_t a = Join(), b = Join();
+    const v1::Task ta = Request(a);
+    const v1::Task tb = Request(b);
+    ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());  // version 1
+    if (grace > 0) {
+      EXPECT_EQ(Request(a).kind(), v1::Task::WAIT);                   // b may still join the window
+      ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)), IsOk());  // version 2, both released
+      EXPECT_THAT(core_->RetainedVersions(), ElementsAre(2));
+      const v1::Task tb2 = Request(b);
+      ASSERT_THAT(core_->SubmitUpdate(Update(b, tb2, 1.0f)), IsOk());  // version 3 (b alone)
+      EXPECT_EQ(Request(a).base_version(), 2u);  // the version the window closed at
+      continue;
+    }
+    EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0));         // tb's base, not pulled
+    ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)), IsOk());  // version 2
+    EXPECT_THAT(core_->RetainedVersions(), ElementsAre());
+    EXPECT_EQ(Request(a).base_version(), 2u);
+    EXPECT_EQ(Request(b).base_version(), 2u);
+  }
+}
+
+// max_retained_versions (default 1): an outer step that would hold one more older version does
+// not hold the version it replaces when only training tasks that have not pulled it start from
+// it. A version held already stays (a slow pull is never cut off by newer ones); a task whose
+// base is gone finds it so at its pull and is given up and replaced. An evaluation's version is
+// held whatever the cap says.
+TEST_F(AsyncServerCoreTest, AtMostMaxRetainedVersionsOlderVersionsAreHeld) {
+  for (const uint32_t cap : {1u, 2u}) {
+    SCOPED_TRACE(cap);
+    // The metrics outlive the cores: counted from here.
+    const double dropped0 = metrics_.Value("aloe_retained_versions_dropped_total");
+    auto dropped = [&] {
+      return metrics_.Value("aloe_retained_versions_dropped_total") - dropped0;
+    };
+    v1::ServerConfig config = AsyncConfig(/*grace_seconds=*/0);
+    config.set_eval_every(1000);  // the evaluator below gets version 0 only
+    config.set_max_retained_versions(cap);
+    Make(config);
+    const uint64_t a = Join(), b = Join(), c = Join();
+    auto pull = [&](uint64_t worker, uint64_t version) {
+      v1::PullRequest request;
+      request.set_worker_id(worker);
+      request.set_version(version);
+      return core_->SnapshotFor(request);
+    };
+    const v1::Task ta = Request(a);  // base 0: a slow pull
+    const v1::Task tb = Request(b);
+    const std::vector<std::vector<float>> v0 = Params();
+    ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 1.0f)), IsOk());  // version 1; 0 held for ta
+    const v1::Task tc = Request(c);                                 // base 1, not pulled yet
+    const v1::Task tb2 = Request(b);                                // base 1
+    ASSERT_EQ(tc.base_version(), 1u);
+    EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 1));
+    ASSERT_THAT(core_->SubmitUpdate(Update(b, tb2, 1.0f)), IsOk());  // version 2
+    if (cap == 2) {
+      EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 1));
+      EXPECT_EQ(dropped(), 0);
+      EXPECT_THAT(pull(c, 1), IsOk());
+      continue;
+    }
+    // Holding 1 as well would make two older versions: 1 is not held, 0 stays.
+    EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0));
+    EXPECT_EQ(dropped(), 1);
+    absl::StatusOr<ModelSnapshot> slow = pull(a, 0);
+    ASSERT_THAT(slow, IsOk());
+    for (size_t l = 0; l < v0.size(); ++l) EXPECT_EQ(*slow->layers[l], v0[l]) << "layer " << l;
+    EXPECT_THAT(pull(c, 1),
+                StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not available")));
+    // c gives its task up and gets one from version 2.
+    v1::TaskRequest give_up;
+    give_up.set_worker_id(c);
+    give_up.set_dropped_task_id(tc.task_id());
+    absl::StatusOr<v1::Task> fresh = core_->RequestTask(give_up);
+    ASSERT_THAT(fresh, IsOk());
+    EXPECT_EQ(fresh->base_version(), 2u);
+    EXPECT_EQ(metrics_.Value("aloe_tasks_given_up_total"), 1);
+    EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 2));
+    // The slow task goes on: its push is applied (staleness 2), and 2 is then held for c as
+    // the one older version.
+    ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());  // version 3
+    EXPECT_THAT(core_->RetainedVersions(), ElementsAre(2));
+    EXPECT_THAT(pull(c, 2), IsOk());
+
+    // An evaluation's version is held even with the cap reached.
+    const uint64_t e = Join(v1::ROLE_EVALUATOR);
+    const v1::Task eval = Request(e);
+    ASSERT_EQ(eval.kind(), v1::Task::EVAL);
+    EXPECT_EQ(eval.base_version(), 3u);
+    const v1::Task ta2 = Request(a);                                 // base 3
+    ASSERT_THAT(core_->SubmitUpdate(Update(a, ta2, 1.0f)), IsOk());  // version 4
+    EXPECT_THAT(core_->RetainedVersions(), ElementsAre(2, 3));
+    EXPECT_THAT(pull(e, 3), IsOk());
+    EXPECT_EQ(dropped(), 1);
+  }
+}
+
 // A core that replaces another (a coordinator going back to a checkpoint) never hands out an id
 // the old one did: a worker of the old core gets NOT_FOUND instead of acting as a new joiner.
 TEST_F(ServerCoreTest, ReplacementContinuesWorkerAndTaskIds) {
