@@ -579,8 +579,10 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   }
   ALOE_RETURN_IF_ERROR(followed);
   ALOE_LOG_INFO("shard",
-                "summary: shard %d at version %d, %.1f MB of pushes received (%.1f MB raw)", index,
-                shard->version(), shard->received_bytes() / 1e6, shard->raw_push_bytes() / 1e6);
+                "summary: shard %d at version %d, %.1f MB of pushes received (%.1f MB raw); "
+                "%d of %d layer updates copied (an older version was held)",
+                index, shard->version(), shard->received_bytes() / 1e6,
+                shard->raw_push_bytes() / 1e6, shard->copied_layer_steps(), shard->layer_steps());
   if (g_signal.load() != 0) {
     ALOE_LOG_INFO("shard", "signal %d: shard %d stops at version %d", g_signal.load(), index,
                   shard->version());

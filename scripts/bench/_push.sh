@@ -178,6 +178,8 @@ bench_push_run() {
   bench_push_report_memory "$max_staged" "$overhead_mib"
   bench_push_stop
   trap - EXIT INT TERM
+  # Each shard process's summary at exit (layer updates copied because an older version was held).
+  grep -h 'summary: shard' "$BENCH_PUSH_DIR"/shard*.log 2>/dev/null | sed 's/^.*summary: //' || true
   echo "load average at the end (1/5/15 min): $(cut -d' ' -f1-3 /proc/loadavg)"
   grep -E '^(ingest|egress|scale): ' "$BENCH_PUSH_DIR/bench.out" || true
   return "$rc"

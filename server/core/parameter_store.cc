@@ -116,11 +116,13 @@ absl::Status ParameterStore::ApplyLayer(size_t layer,
     if (step == LayerStep::kSkip) return absl::OkStatus();  // rollback: theta_{t+1} = theta_t
   }
   std::shared_ptr<std::vector<float>>& current = layers_[layer];
+  ++layer_steps_;
   if (current.use_count() == 1) {
     // Nobody is streaming this buffer: update in place.
     return optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*current));
   }
   // Every element is written by the optimizer: a recycled buffer needs no zero-fill.
+  ++copied_layer_steps_;
   std::shared_ptr<std::vector<float>> next = buffers_->MakeShared(g.size());
   ALOE_RETURN_IF_ERROR(optimizers_[layer]->Apply(g, *current, absl::MakeSpan(*next)));
   current = std::move(next);

@@ -13,6 +13,7 @@
 // through the Executor.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -69,6 +70,13 @@ class ParameterStore {
   // a copy of the model's size for a retained version. Not synchronised with ApplyOuterStep.
   size_t scratch_bytes() const;
 
+  // Layer updates of the outer steps so far (skipped layers not counted), and how many of them
+  // wrote a fresh buffer because a snapshot (an older version held for tasks, or a pull under
+  // way) still used the layer's buffer; the rest updated it in place. Not synchronised with
+  // ApplyOuterStep.
+  uint64_t layer_steps() const { return layer_steps_.load(); }
+  uint64_t copied_layer_steps() const { return copied_layer_steps_.load(); }
+
   // Appends layer `layer`'s optimizer state blob to out (checkpoints).
   void SaveOptimizerState(size_t layer, std::string* out) const;
 
@@ -94,6 +102,8 @@ class ParameterStore {
   // Copy-on-write targets: the buffers of versions nobody reads any more, reused unzeroed (at
   // most one model's worth idle).
   std::shared_ptr<FloatBufferPool> buffers_;
+  std::atomic<uint64_t> layer_steps_{0};  // updated from the executor's threads
+  std::atomic<uint64_t> copied_layer_steps_{0};
 };
 
 }  // namespace aloe::server

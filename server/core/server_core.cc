@@ -595,6 +595,7 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
       }
     }
   }
+  const uint64_t copied = sharded() ? 0 : store_->copied_layer_steps();
   if (sharded()) {
     // Committed above.
   } else if (penalty_ != nullptr) {
@@ -604,6 +605,9 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
     if (status.ok()) ReportPenalty(aggregation.reports(), version(), "server", metrics_);
   } else {
     status = store_->ApplyOuterStep(updates, batch.weights);
+  }
+  if (!sharded() && store_->copied_layer_steps() > copied) {
+    metrics_.Add(kLayerStepsCopied, static_cast<double>(store_->copied_layer_steps() - copied));
   }
   if (!status.ok()) {
     // Shapes were checked on submission: this is an invariant violation, not bad input.

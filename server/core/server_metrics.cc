@@ -125,6 +125,9 @@ std::vector<MetricDef> ServerMetricCatalogue() {
       {kRetainedVersionsDropped, K::kCounter,
        "Superseded versions not held for the tasks that had not pulled them yet "
        "(max_retained_versions were held already)"},
+      {kLayerStepsCopied, K::kCounter,
+       "Layer updates of outer steps written to a fresh buffer because an older version (held "
+       "for tasks, or a pull under way) still used the layer; the rest update in place"},
       {kTasksGivenUp, K::kCounter,
        "Training tasks their workers gave up (e.g. the base version was no longer held)"},
       {kTrainerStepsPerSecond,

@@ -53,6 +53,7 @@ inline constexpr char kGraceWindowWorkers[] = "aloe_grace_window_workers";
 inline constexpr char kTasksAhead[] = "aloe_tasks_ahead_total";
 inline constexpr char kRetainedVersionsDropped[] = "aloe_retained_versions_dropped_total";
 inline constexpr char kTasksGivenUp[] = "aloe_tasks_given_up_total";
+inline constexpr char kLayerStepsCopied[] = "aloe_layer_steps_copied_total";
 // Per live trainer, labels {worker (id), name}; removed when the worker leaves or expires.
 inline constexpr char kTrainerStepsPerSecond[] = "aloe_trainer_steps_per_second";
 inline constexpr char kTrainerPlannedSteps[] = "aloe_trainer_planned_steps";

@@ -73,6 +73,10 @@ class ShardState {
   // The version of the owned parameters: 0 at start, then the version of the last COMMIT
   // applied or of the checkpoint restored.
   uint64_t version() const { return store_->version(); }
+  // ParameterStore::layer_steps / copied_layer_steps of the owned layers (since this state was
+  // created or restored from version 0).
+  uint64_t layer_steps() const { return store_->layer_steps(); }
+  uint64_t copied_layer_steps() const { return store_->copied_layer_steps(); }
 
   // --- Staging: what a Push to this shard delivers.
 

@@ -277,7 +277,12 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
       }
     } else {
       const absl::Time start = absl::Now();
+      const uint64_t steps = state_->layer_steps(), copied = state_->copied_layer_steps();
       status = state_->Apply(order);
+      layer_steps_ += state_->layer_steps() - steps;
+      const uint64_t copies = state_->copied_layer_steps() - copied;
+      copied_layer_steps_ += copies;
+      if (copies > 0) metrics_.Add(kLayerStepsCopied, static_cast<double>(copies));
       const uint64_t v = state_->version();
       if (status.ok() && order.kind() == v1::ShardOrder::COMMIT) {
         metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(absl::Now() - start));

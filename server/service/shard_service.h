@@ -81,10 +81,16 @@ class ShardServer final : public WireParameterService {
   // Payload bytes of the pushes received whole so far, and the part of them that came raw.
   uint64_t received_bytes() const { return received_bytes_.load(); }
   uint64_t raw_push_bytes() const { return raw_push_bytes_.load(); }
+  // Layer updates of the outer steps applied so far, and those that wrote a fresh buffer
+  // (ParameterStore::copied_layer_steps: an older version held for tasks, or a pull under way).
+  uint64_t layer_steps() const { return layer_steps_.load(); }
+  uint64_t copied_layer_steps() const { return copied_layer_steps_.load(); }
 
  private:
   std::atomic<uint64_t> received_bytes_{0};
   std::atomic<uint64_t> raw_push_bytes_{0};
+  std::atomic<uint64_t> layer_steps_{0};
+  std::atomic<uint64_t> copied_layer_steps_{0};
   // Applies one order; an error means this state cannot follow the log any more.
   absl::Status ApplyOrder(const v1::ShardOrder& order);
   absl::Status Restore(uint64_t version);

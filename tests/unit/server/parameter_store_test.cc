@@ -100,5 +100,29 @@ TEST(ParameterStoreTest, AggregationBuffersAppearOnlyWithTheFirstAggregatedStep)
               ::testing::Pointwise(::testing::FloatEq(), {1.5f, 2.5f}));
 }
 
+// A layer nobody else holds is updated in place; one that a snapshot still holds (an older
+// version kept for pulls) gets a fresh buffer, and the snapshot keeps the old values.
+TEST(ParameterStoreTest, CountsTheLayerUpdatesThatCopy) {
+  InlineExecutor executor;
+  auto store = MakeStore(executor);
+  const PendingUpdate u = Update({2, 2, 2}, {2, 2});
+  const float* before = store->Snapshot().layers[0]->data();
+  ASSERT_THAT(store->ApplyOuterStep({&u}, {1.0f}), IsOk());
+  EXPECT_EQ(store->layer_steps(), 2u);
+  EXPECT_EQ(store->copied_layer_steps(), 0u);
+  EXPECT_EQ(store->Snapshot().layers[0]->data(), before);  // in place
+  {
+    const ModelSnapshot held = store->Snapshot();
+    ASSERT_THAT(store->ApplyOuterStep({&u}, {1.0f}), IsOk());
+    EXPECT_EQ(store->layer_steps(), 4u);
+    EXPECT_EQ(store->copied_layer_steps(), 2u);
+    EXPECT_NE(store->Snapshot().layers[0]->data(), held.layers[0]->data());
+    EXPECT_EQ(*held.layers[0], (std::vector<float>{0, 1, 2}));
+  }
+  ASSERT_THAT(store->ApplyOuterStep({&u}, {1.0f}), IsOk());  // nothing held any more
+  EXPECT_EQ(store->layer_steps(), 6u);
+  EXPECT_EQ(store->copied_layer_steps(), 2u);
+}
+
 }  // namespace
 }  // namespace aloe::server

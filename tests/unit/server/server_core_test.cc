@@ -1194,6 +1194,8 @@ TEST_F(AsyncServerCoreTest, AtMostMaxRetainedVersionsOlderVersionsAreHeld) {
     auto dropped = [&] {
       return metrics_.Value("aloe_retained_versions_dropped_total") - dropped0;
     };
+    const double copied0 = metrics_.Value("aloe_layer_steps_copied_total");
+    auto copied = [&] { return metrics_.Value("aloe_layer_steps_copied_total") - copied0; };
     v1::ServerConfig config = AsyncConfig(/*grace_seconds=*/0);
     config.set_eval_every(1000);  // the evaluator below gets version 0 only
     config.set_max_retained_versions(cap);
@@ -1213,16 +1215,20 @@ TEST_F(AsyncServerCoreTest, AtMostMaxRetainedVersionsOlderVersionsAreHeld) {
     const v1::Task tb2 = Request(b);                                // base 1
     ASSERT_EQ(tc.base_version(), 1u);
     EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 1));
+    const double layers = core_->spec().layers_size();
+    EXPECT_EQ(copied(), layers);  // version 0 was held: every layer stepped into a fresh buffer
     ASSERT_THAT(core_->SubmitUpdate(Update(b, tb2, 1.0f)), IsOk());  // version 2
     if (cap == 2) {
       EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0, 1));
       EXPECT_EQ(dropped(), 0);
+      EXPECT_EQ(copied(), 2 * layers);
       EXPECT_THAT(pull(c, 1), IsOk());
       continue;
     }
     // Holding 1 as well would make two older versions: 1 is not held, 0 stays.
     EXPECT_THAT(core_->RetainedVersions(), ElementsAre(0));
     EXPECT_EQ(dropped(), 1);
+    EXPECT_EQ(copied(), layers);  // version 1's buffers were updated in place
     absl::StatusOr<ModelSnapshot> slow = pull(a, 0);
     ASSERT_THAT(slow, IsOk());
     for (size_t l = 0; l < v0.size(); ++l) EXPECT_EQ(*slow->layers[l], v0[l]) << "layer " << l;
