@@ -51,8 +51,11 @@ inline constexpr char kPseudoGradientNorm[] = "aloe_pseudo_gradient_norm";
 inline constexpr char kGraceWindowWorkers[] = "aloe_grace_window_workers";
 // Look-ahead tasks handed out to overlapping workers (TaskRequest.ahead).
 inline constexpr char kTasksAhead[] = "aloe_tasks_ahead_total";
+// Versions not held because max_retained_versions older ones were (ServerCore::CapRetained),
+// and the tasks workers gave up (TaskRequest.dropped_task_id).
 inline constexpr char kRetainedVersionsDropped[] = "aloe_retained_versions_dropped_total";
 inline constexpr char kTasksGivenUp[] = "aloe_tasks_given_up_total";
+// Layer updates that wrote a fresh buffer (ParameterStore::copied_layer_steps).
 inline constexpr char kLayerStepsCopied[] = "aloe_layer_steps_copied_total";
 // Per live trainer, labels {worker (id), name}; removed when the worker leaves or expires.
 inline constexpr char kTrainerStepsPerSecond[] = "aloe_trainer_steps_per_second";
