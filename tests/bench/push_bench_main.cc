@@ -29,7 +29,9 @@
 // Before measuring it prints the model and, for a layer-sharded server, one line per shard
 // process "shard I holds L layers, N parameters = B bytes" (scripts/bench/_push.sh reads these
 // for the memory bound). With --watch it also reports the CPU (cores used while pushing) and the
-// peak RSS (VmHWM) of the named server processes.
+// peak RSS (VmHWM) of the named server processes. With --pin, ingest also reports how busy the
+// receiving CPU was in each measurement (/proc/stat) and its busy seconds per GB for the least
+// work and for the server: whether the gap to the least work is more CPU per byte or idle time.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -205,6 +207,38 @@ std::pair<int, int> PinnedCpus() {
   return {receiver, sender};
 }
 
+// Busy and all time of one CPU so far, in clock ticks (/proc/stat: busy = user, nice, system,
+// irq, softirq and steal; all = busy + idle + iowait). Zeros for cpu < 0 or when unreadable.
+struct CpuTicks {
+  uint64_t busy = 0;
+  uint64_t all = 0;
+};
+
+CpuTicks ReadCpuTicks(int cpu) {
+  CpuTicks t;
+  if (cpu < 0) return t;
+  std::ifstream in("/proc/stat");
+  const std::string name = absl::StrCat("cpu", cpu);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string label;
+    uint64_t user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+    if (!(fields >> label) || label != name) continue;
+    fields >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+    t.busy = user + nice + system + irq + softirq + steal;
+    t.all = t.busy + idle + iowait;
+    break;
+  }
+  return t;
+}
+
+// The share of the time between two readings the CPU was busy; -1 when unknown.
+double BusyShare(const CpuTicks& from, const CpuTicks& to) {
+  if (to.all <= from.all) return -1;
+  return static_cast<double>(to.busy - from.busy) / static_cast<double>(to.all - from.all);
+}
+
 // `streams` connected loopback TCP connections as (sending end, receiving end), or none (the
 // error printed) when they cannot be made.
 std::vector<std::pair<int, int>> LoopbackConnections(int streams) {
@@ -239,7 +273,9 @@ std::vector<std::pair<int, int>> LoopbackConnections(int streams) {
 // GB/s of `streams` concurrent loopback TCP connections, each written with 1 MiB send()s for
 // `seconds` and drained by its own reader thread (readers on CPU `receiver_cpu`, writers on
 // `sender_cpu` when those are >= 0).
-double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender_cpu = -1) {
+// *receiver_busy (when given): BusyShare of CPU receiver_cpu over the measured window.
+double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender_cpu = -1,
+                  double* receiver_busy = nullptr) {
   const std::vector<std::pair<int, int>> connections = LoopbackConnections(streams);
   if (connections.empty()) return 0;
   std::atomic<uint64_t> received{0};
@@ -275,9 +311,11 @@ double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender
     });
   }
   at_start = received.load();
+  const CpuTicks cpu0 = ReadCpuTicks(receiver_cpu);
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   const double elapsed = Since(t0);
   const uint64_t bytes = received.load() - at_start.load();
+  if (receiver_busy != nullptr) *receiver_busy = BusyShare(cpu0, ReadCpuTicks(receiver_cpu));
   stop = true;
   for (std::thread& t : writers) t.join();
   for (int out : senders) shutdown(out, SHUT_RDWR), close(out);
@@ -298,7 +336,7 @@ double RawTcpGbps(int streams, double seconds, int receiver_cpu = -1, int sender
 constexpr float kScreenLimit = 1e6f;  // the shard's kMaxPushMagnitude (update_assembler.h)
 
 double StagedTcpGbps(int streams, double seconds, uint64_t update_bytes, int slots,
-                     int receiver_cpu = -1, int sender_cpu = -1) {
+                     int receiver_cpu = -1, int sender_cpu = -1, double* receiver_busy = nullptr) {
   const size_t n = update_bytes / sizeof(float);
   if (n == 0) return 0;
   const std::vector<std::pair<int, int>> connections = LoopbackConnections(streams);
@@ -389,9 +427,11 @@ double StagedTcpGbps(int streams, double seconds, uint64_t update_bytes, int slo
   std::this_thread::sleep_for(std::chrono::seconds(1));  // as the pushes: connections warm
   const uint64_t at_start = applied.load();
   const auto t0 = Clock::now();
+  const CpuTicks cpu0 = ReadCpuTicks(receiver_cpu);
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   const double elapsed = Since(t0);
   const uint64_t bytes = applied.load() - at_start;
+  if (receiver_busy != nullptr) *receiver_busy = BusyShare(cpu0, ReadCpuTicks(receiver_cpu));
   stop_sending = true;
   for (int out : senders) shutdown(out, SHUT_RDWR);
   for (std::thread& t : writers) t.join();
@@ -434,6 +474,7 @@ struct Result {
   int errors = 0;
   double bench_cores = 0;             // CPU of this process while pushing, in cores
   std::vector<double> watched_cores;  // the same for each --watch process
+  double receiver_busy = -1;          // BusyShare of the receiving CPU (--pin), -1 unknown
 };
 
 // `workers` concurrent simulated workers pushing full updates, each pausing `round` seconds after
@@ -441,7 +482,7 @@ struct Result {
 // `seconds` from when every worker has pushed once and at least one round has passed.
 // pull: each worker pulls the latest version back to back instead (egress; round ignored).
 Result RunWorkers(int workers, double seconds, double round, const std::vector<Watched>& watched,
-                  bool pull = false) {
+                  bool pull = false, int receiver_cpu = -1) {
   worker::ClientOptions options;
   options.address = absl::GetFlag(FLAGS_server);
   std::vector<std::unique_ptr<worker::ServerClient>> clients;
@@ -592,11 +633,13 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
   for (const Watched& w : watched) cpu_before.push_back(CpuSeconds(w.pid));
   const double bench_cpu_before = CpuSeconds(getpid());
   const auto t0 = Clock::now();
+  const CpuTicks receiver0 = ReadCpuTicks(receiver_cpu);
   measure.Notify();
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   stop.Notify();
   Result total;
   total.seconds = Since(t0);
+  total.receiver_busy = BusyShare(receiver0, ReadCpuTicks(receiver_cpu));
   total.bench_cores = (CpuSeconds(getpid()) - bench_cpu_before) / total.seconds;
   for (size_t i = 0; i < watched.size(); ++i) {
     total.watched_cores.push_back((CpuSeconds(watched[i].pid) - cpu_before[i]) / total.seconds);
@@ -626,6 +669,7 @@ void MergeInto(Result& total, const Result& r) {
     return seconds > 0 ? (a * total.seconds + b * r.seconds) / seconds : 0.0;
   };
   total.bench_cores = weigh(total.bench_cores, r.bench_cores);
+  total.receiver_busy = weigh(total.receiver_busy, r.receiver_busy);
   total.watched_cores.resize(r.watched_cores.size(), 0.0);
   for (size_t i = 0; i < r.watched_cores.size(); ++i) {
     total.watched_cores[i] = weigh(total.watched_cores[i], r.watched_cores[i]);
@@ -736,14 +780,19 @@ int Main() {
     const uint64_t update_bytes = DescribeServer();
     if (update_bytes == 0) return 1;
     double tcp_sum = 0, staged_sum = 0;
+    double tcp_busy_sum = 0, staged_busy_sum = 0;  // of the receiving CPU (--pin)
     Result r;
     std::vector<std::string> turns;
     const int slots = absl::GetFlag(FLAGS_staged_slots);
     for (int k = 0; k < repeats; ++k) {
-      const double tcp_k = RawTcpGbps(workers, turn, receiver_cpu, sender_cpu);
-      const double staged_k =
-          pull ? 0 : StagedTcpGbps(workers, turn, update_bytes, slots, receiver_cpu, sender_cpu);
-      const Result r_k = RunWorkers(workers, turn, pull ? 0 : round, *watched, pull);
+      double tcp_busy = -1, staged_busy = -1;
+      const double tcp_k = RawTcpGbps(workers, turn, receiver_cpu, sender_cpu, &tcp_busy);
+      const double staged_k = pull ? 0
+                                   : StagedTcpGbps(workers, turn, update_bytes, slots, receiver_cpu,
+                                                   sender_cpu, &staged_busy);
+      const Result r_k = RunWorkers(workers, turn, pull ? 0 : round, *watched, pull, receiver_cpu);
+      tcp_busy_sum += tcp_busy;
+      staged_busy_sum += staged_busy;
       const double gbps_k =
           r_k.seconds > 0 ? static_cast<double>(r_k.bytes) / r_k.seconds / 1e9 : 0;
       tcp_sum += tcp_k;
@@ -782,6 +831,17 @@ int Main() {
     }
     std::printf("CPU while %sing (cores of %u): %s\n", ops, std::thread::hardware_concurrency(),
                 cpu.c_str());
+    if (receiver_cpu >= 0 && !pull && r.receiver_busy >= 0 && staged_busy_sum >= 0) {
+      // Where the gap to the least work is: the receiving core's time per byte, or its idle time.
+      const double staged_busy = staged_busy_sum / repeats;
+      const double per_gb_staged = staged > 0 ? staged_busy / staged : 0;
+      const double per_gb_server = gbps > 0 ? r.receiver_busy / gbps : 0;
+      std::printf(
+          "CPU %d (the receiving side) busy while measuring: raw TCP %.0f%%, least work %.0f%%, "
+          "the server %.0f%%; its busy seconds per GB: least work %.3f, the server %.3f (%.2fx)\n",
+          receiver_cpu, 100 * tcp_busy_sum / repeats, 100 * staged_busy, 100 * r.receiver_busy,
+          per_gb_staged, per_gb_server, per_gb_staged > 0 ? per_gb_server / per_gb_staged : 0.0);
+    }
     if (!watched->empty()) {
       std::printf("peak RSS MiB (%s): %s\n", absl::StrJoin(names, "/").c_str(),
                   PeakRssList(*watched).c_str());
