@@ -182,7 +182,8 @@ class Worker {
   // (--corpus_dir), never the server's: kInvalidArgument, so it ends the worker instead of being
   // retried as a dropped task (which asked for the same task again in a tight loop).
   absl::StatusOr<const TokenSource*> Shard(const std::string& file);
-  // The next task (RequestTask), naming the task given up since the last answer (NoteDropped).
+  // The next task: the one the last push's reply carried (PushReply.next_task), else
+  // RequestTask's answer, naming the task given up since the last answer (NoteDropped).
   absl::StatusOr<v1::Task> RequestNextTask();
   // After a task ended in an error that drops it: a TRAIN task dropped on FAILED_PRECONDITION
   // (its base version is no longer held, say) cannot succeed when asked for again, so the next
@@ -235,6 +236,9 @@ class Worker {
   // A TRAIN task given up on FAILED_PRECONDITION (e.g. its base version is gone): the next
   // RequestTask names it, so the server ends it and hands out another instead of the same one.
   uint64_t dropped_task_id_ = 0;
+  // The task the reply of this worker's last push carried (PushHeader.want_next_task), until
+  // RequestNextTask hands it out; cleared at every join.
+  std::optional<v1::Task> next_task_;
   v1::JoinReply joined_;
   std::unique_ptr<LocalTrainer> trainer_;
   ScriptModelPtr script_;           // --torchscript, until the trainer takes it over
@@ -251,6 +255,7 @@ class Worker {
   bool overlap_refused_ = false;
   // Totals for the closing summary.
   uint64_t rounds_ = 0, steps_ = 0, tokens_ = 0, pushed_bytes_ = 0;
+  uint64_t tasks_from_push_replies_ = 0;  // tasks that came with a push reply, not RequestTask
   double compute_s_ = 0, network_s_ = 0;
   std::chrono::steady_clock::time_point first_task_{};
 };
@@ -286,6 +291,7 @@ absl::Status Worker::JoinServer() {
 }
 
 absl::Status Worker::Joined(const v1::JoinReply& joined) {
+  next_task_.reset();  // a task of the previous membership
   // A layer-sharded server: pulls and pushes go to its shard processes. Every rank of a node
   // comes through here (REJOIN), as each pulls and pushes its own slices.
   absl::Status shards = client_.SetShards(
@@ -424,6 +430,13 @@ absl::Status Worker::Run() {
 }
 
 absl::StatusOr<v1::Task> Worker::RequestNextTask() {
+  if (next_task_.has_value() && dropped_task_id_ == 0) {
+    v1::Task task = *std::move(next_task_);
+    next_task_.reset();
+    ++tasks_from_push_replies_;
+    return task;
+  }
+  next_task_.reset();
   absl::StatusOr<v1::Task> task =
       client_.RequestTask(joined_.worker_id(), /*ahead=*/false, dropped_task_id_);
   if (task.ok()) dropped_task_id_ = 0;
@@ -544,10 +557,10 @@ absl::Status Worker::Finish() {
   ALOE_LOG_INFO("worker",
                 "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
                 "network_seconds=%.2f tokens_per_second=%.1f pushed_bytes=%d "
-                "blocked_on_network=%.4f",
+                "blocked_on_network=%.4f tasks_from_push_replies=%d",
                 rounds_, steps_, tokens_, wall, compute_s_, network_s_,
                 wall > 0 ? static_cast<double>(tokens_) / wall : 0.0, pushed_bytes_,
-                wall > 0 ? network_s_ / wall : 0.0);
+                wall > 0 ? network_s_ / wall : 0.0, tasks_from_push_replies_);
   return absl::OkStatus();
 }
 
@@ -571,9 +584,14 @@ absl::Status Worker::Train(const v1::Task& task) {
   const auto t2 = std::chrono::steady_clock::now();
   if (stats.steps == 0) return absl::OkStatus();
   uint64_t pushed = 0;
-  absl::StatusOr<v1::PushReply> reply = PushDelta(HeaderFor(task, stats), delta_, &pushed);
+  v1::PushHeader header = HeaderFor(task, stats);
+  // The node's leader asks for its next task: it comes with the reply when this rank's push is
+  // the one that completes the update (always for one rank), saving a RequestTask round trip.
+  header.set_want_next_task(leader());
+  absl::StatusOr<v1::PushReply> reply = PushDelta(header, delta_, &pushed);
   const auto t3 = std::chrono::steady_clock::now();
   if (!reply.ok()) return reply.status();
+  if (leader() && reply->has_next_task()) next_task_ = reply->next_task();
   ReportRound(task, stats, *reply, pulled, pushed, Seconds(t1, t2), Seconds(t0, t3),
               Seconds(t0, t1) + Seconds(t2, t3));
   return absl::OkStatus();

@@ -442,6 +442,7 @@ absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
 }
 
 absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
+  const bool want_next_task = update.want_next_task;  // of this push, not the merged slices
   v1::PushHeader header;
   header.set_worker_id(update.worker_id);
   header.set_task_id(update.task_id);
@@ -515,6 +516,16 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   PromoteAhead(worker);
   reply.set_version(version());
   reply.set_staleness(staleness);
+  if (want_next_task) {
+    // What the worker's RequestTask right after this reply would get, minus its round trip.
+    v1::TaskRequest next;
+    next.set_worker_id(worker);
+    absl::StatusOr<v1::Task> task = RequestTask(next);
+    if (task.ok() && task->kind() != v1::Task::WAIT) {
+      *reply.mutable_next_task() = *std::move(task);
+      metrics_.Add(kTasksInPushReplies, 1);
+    }
+  }
   return reply;
 }
 

@@ -59,7 +59,9 @@ class ServerCore {
   absl::Status CheckPushHeader(const v1::PushHeader& header) const;
   // Takes a fully assembled update; aggregates and applies when it completes a batch. A slice of
   // a sliced update (update.slices > 1) is staged until every slice has arrived (reply staged);
-  // the slice that completes it submits the merged update.
+  // the slice that completes it submits the merged update. With update.want_next_task (of the
+  // push that completes it) the reply also carries the worker's next task, as RequestTask would
+  // answer it now, unless that answer is WAIT.
   absl::StatusOr<v1::PushReply> SubmitUpdate(PendingUpdate update);
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status Leave(const v1::LeaveRequest& request);

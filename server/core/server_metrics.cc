@@ -122,6 +122,9 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256}},
       {kTasksAhead, K::kCounter,
        "Look-ahead tasks handed out to overlapping workers (they start one version staler)"},
+      {kTasksInPushReplies, K::kCounter,
+       "Tasks handed out in the reply of the push that completed the worker's previous update "
+       "(each saved the worker a RequestTask round trip)"},
       {kRetainedVersionsDropped, K::kCounter,
        "Superseded versions not held for the tasks that had not pulled them yet "
        "(max_retained_versions were held already)"},

@@ -51,6 +51,9 @@ inline constexpr char kPseudoGradientNorm[] = "aloe_pseudo_gradient_norm";
 inline constexpr char kGraceWindowWorkers[] = "aloe_grace_window_workers";
 // Look-ahead tasks handed out to overlapping workers (TaskRequest.ahead).
 inline constexpr char kTasksAhead[] = "aloe_tasks_ahead_total";
+// Tasks handed out in the reply of the push that completed the worker's update
+// (PushHeader.want_next_task).
+inline constexpr char kTasksInPushReplies[] = "aloe_tasks_in_push_replies_total";
 // Versions not held because max_retained_versions older ones were (ServerCore::CapRetained),
 // and the tasks workers gave up (TaskRequest.dropped_task_id).
 inline constexpr char kRetainedVersionsDropped[] = "aloe_retained_versions_dropped_total";

@@ -24,6 +24,9 @@ struct PendingUpdate {
   // it on arrival; a sharded coordinator (whose updates carry no data) folds it into the
   // update's commit weight instead.
   float weight_scale = 1.0f;
+  // PushHeader.want_next_task: the reply that completes the update carries the worker's next
+  // task (ServerCore::SubmitUpdate).
+  bool want_next_task = false;
   // g = theta_base - theta_end, one flat float32 buffer per layer of the ModelSpec.
   std::vector<std::vector<float>> layers;
 };

@@ -39,6 +39,7 @@ PendingUpdate UpdateOfHeader(const v1::PushHeader& header) {
   update.tokens_learned = header.tokens_learned();
   update.train_loss = header.train_loss();
   update.compute_seconds = header.compute_seconds();
+  update.want_next_task = header.want_next_task();
   return update;
 }
 

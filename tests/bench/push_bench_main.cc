@@ -4,9 +4,9 @@
 // Every simulated worker is a real gRPC client (worker/client.h, the code path of aloe-worker):
 // it joins as a trainer (retrying while the server answers UNAVAILABLE: a layer-sharded server
 // until its shard processes follow the coordinator), then loops RequestTask -> --round_seconds of
-// simulated training -> Push of a full fp32 update (every value 0, so the model does not drift);
-// a worker's first push (right after its first task) is not measured (it warms the
-// connections). Against a
+// simulated training -> Push of a full fp32 update (every value 0, so the model does not drift),
+// whose reply carries the next task (--next_task_in_reply, as aloe-worker asks); a worker's first
+// push (right after its first task) is not measured (it warms the connections). Against a
 // layer-sharded server (JoinReply.shard_addresses) every push goes to the shard processes
 // directly, each getting its own layers, as aloe-worker's do. The server must run in plain async
 // mode (aggregation { mode: AGGREGATION_ASYNC }, no grace window) so that every push is applied
@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -100,6 +101,9 @@ ABSL_FLAG(bool, report_pulled, true,
           "Tell the server at each task's start that its base version is held (a simulated worker "
           "pushes zeros and never reads parameters, so it skips the pull itself); false: keep "
           "every open task's base version on the server for the whole round");
+ABSL_FLAG(bool, next_task_in_reply, true,
+          "Ask for the next task with each push (PushHeader.want_next_task), as aloe-worker does; "
+          "false: ask RequestTask after every push (one more round trip per round)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the workers' first-push phases (--round_seconds)");
 ABSL_FLAG(std::string, pin, "",
           "RECEIVER,SENDER: CPU numbers. The raw TCP baseline's reader threads run on RECEIVER and "
@@ -519,6 +523,7 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
   const auto epoch = Clock::now();  // of Result.spans
   absl::Notification measure;       // the window opens: pushes started from now on count
   const bool report_pulled = absl::GetFlag(FLAGS_report_pulled);
+  const bool next_task_in_reply = absl::GetFlag(FLAGS_next_task_in_reply);
   absl::Notification stop;   // the window closes: pushes finished from now on do not
   std::atomic<int> warm{0};  // workers whose first push is done
   std::vector<Result> per_worker(workers);
@@ -530,6 +535,7 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
       const uint64_t id = joined[w].worker_id();
       Result& r = per_worker[w];
       uint64_t update_id = 0;
+      std::optional<v1::Task> next;  // the task the last push's reply carried
       // RequestTask -> `train` seconds of simulated training -> Push, as a worker's round: the
       // task (and the version it starts from) is open while the worker trains. Returns false when
       // the worker must stop (no task, or the window closed while training). The push counts in
@@ -557,7 +563,9 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
           return true;
         }
         while (true) {
-          absl::StatusOr<v1::Task> task = client.RequestTask(id);
+          absl::StatusOr<v1::Task> task =
+              next ? absl::StatusOr<v1::Task>(*std::move(next)) : client.RequestTask(id);
+          next.reset();
           if (!task.ok() || task->kind() == v1::Task::STOP) {
             if (!task.ok()) std::fprintf(stderr, "task: %s\n", task.status().ToString().c_str());
             ++r.errors;
@@ -582,6 +590,7 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
           header.set_steps_done(task->local_steps());
           header.set_tokens_learned(1);
           header.set_codec(v1::CODEC_FP32);
+          header.set_want_next_task(next_task_in_reply);
           uint64_t bytes = 0;
           const bool counted = measure.HasBeenNotified();
           const auto t0 = Clock::now();
@@ -592,6 +601,7 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
             std::fprintf(stderr, "push: %s\n", reply.status().ToString().c_str());
             ++r.errors;
           } else {
+            if (reply->has_next_task()) next = reply->next_task();
             const double start = std::chrono::duration<double>(t0 - epoch).count();
             r.spans.emplace_back(start, start + latency);
             r.span_counted.push_back(counted && !stop.HasBeenNotified());

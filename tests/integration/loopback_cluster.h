@@ -54,6 +54,20 @@ inline constexpr const char* kParagraphs[] = {
     "people, shall not perish from the earth.",
 };
 
+// The integer `key` of a worker's closing summary line ("summary: rounds=3 steps=..."); -1 when
+// the log has no summary or the key is missing.
+inline int SummaryValue(const std::string& log, const std::string& key) {
+  const size_t summary = log.find("summary: rounds=");
+  if (summary == std::string::npos) return -1;
+  const std::string line = log.substr(summary, log.find('\n', summary) - summary);
+  for (absl::string_view field : absl::StrSplit(line.substr(9), ' ', absl::SkipEmpty())) {
+    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(field, '=');
+    int value = -1;
+    if (kv.first == key && absl::SimpleAtoi(kv.second, &value)) return value;
+  }
+  return -1;
+}
+
 inline std::vector<uint32_t> Bytes(const std::string& text, int repeat) {
   std::vector<uint32_t> tokens;
   for (int r = 0; r < repeat; ++r) {

@@ -464,6 +464,12 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   const std::string coordinator = ReadFile(dir_ + "/server.log");
   EXPECT_TRUE(absl::StrContains(coordinator, "shard 1 restarted")) << ShardLogs();
   EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/shard0.log"), "restored version")) << ShardLogs();
+  // The pushes that completed rounds got their next task in the reply the shards relayed: at
+  // least the 8 rounds after the common checkpoint (>= 4) and before the last version.
+  EXPECT_GE(SummaryValue(ReadFile(dir_ + "/trainer0.log"), "tasks_from_push_replies") +
+                SummaryValue(ReadFile(dir_ + "/trainer1.log"), "tasks_from_push_replies"),
+            8)
+      << ShardLogs();
   // Training made progress across the restart: the last evaluation beats the first.
   std::vector<double> losses;
   for (absl::string_view line : absl::StrSplit(summary, '\n', absl::SkipEmpty())) {

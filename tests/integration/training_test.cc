@@ -18,6 +18,7 @@ using ::aloe::testing::HttpGet;
 using ::aloe::testing::LoopbackTest;
 using ::aloe::testing::RawClientTest;
 using ::aloe::testing::ReadFile;
+using ::aloe::testing::SummaryValue;
 
 constexpr char kEightRounds[] = R"(
       local_steps: 12
@@ -32,6 +33,12 @@ TEST_F(LoopbackTest, TwoWorkersTrainAndEvalLossFalls) {
   EXPECT_NE(run.scrape.find("aloe_updates_applied_total"), std::string::npos) << run.scrape;
   EXPECT_NE(run.scrape.find("aloe_apply_latency_seconds_bucket"), std::string::npos);
   ExpectEightRoundsAndEvalLossFalls(run);
+  // The push that completes a round gets its worker's next task in the reply (the task from the
+  // new version, or STOP after the last): one per round. The other worker asks RequestTask.
+  EXPECT_EQ(SummaryValue(ReadFile(dir_ + "/trainer0.log"), "tasks_from_push_replies") +
+                SummaryValue(ReadFile(dir_ + "/trainer1.log"), "tasks_from_push_replies"),
+            8)
+      << Logs();
 }
 
 // The same training with the EDiT pseudo-gradient penalty (paper 000 Alg. 2) aggregating the
@@ -58,15 +65,7 @@ TEST_F(LoopbackTest, PenaltyWithDelayedNesterovTrainsAndEvalLossFalls) {
 }
 
 // Rounds a trainer completed, from its closing summary line.
-int RoundsOf(const std::string& log) {
-  const size_t at = log.find("summary: rounds=");
-  int rounds = -1;
-  if (at != std::string::npos) {
-    const std::string rest = log.substr(at + 16);
-    absl::SimpleAtoi(rest.substr(0, rest.find(' ')), &rounds);
-  }
-  return rounds;
-}
+int RoundsOf(const std::string& log) { return SummaryValue(log, "rounds"); }
 
 // Pushes quantised to int8 blockwise (blocks of 64) with error feedback, the embedding in bf16:
 // training still converges, and the wire carries about a quarter of the fp32 bytes.

@@ -1008,6 +1008,37 @@ TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart)
   EXPECT_EQ(core_->version(), 1u);
 }
 
+// A sharded coordinator answers the part that completes an update with the next task (the shard
+// relays it to the worker); the parts before it are staged replies without one.
+TEST_F(ServerCoreTest, ShardedCoordinatorAnswersTheLastPartWithTheNextTask) {
+  v1::ServerConfig config = TinyConfig();
+  config.set_shard_processes(2);
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  ASSERT_THAT(ValidateServerConfig(config), IsOk());
+  Make(config);
+  core_->SetShardAddress(0, "127.0.0.1:7001");
+  core_->SetShardAddress(1, "127.0.0.1:7002");
+  const uint64_t a = Join();
+  const v1::Task ta = Request(a);
+  v1::PushHeader header = HeaderOf(a, ta, 1);
+  header.set_want_next_task(true);
+  auto first = Part(*core_, 1, header);
+  ASSERT_THAT(first, IsOk());
+  EXPECT_TRUE(first->staged());
+  EXPECT_FALSE(first->has_next_task());
+  auto last = Part(*core_, 0, header);
+  ASSERT_THAT(last, IsOk());
+  EXPECT_TRUE(last->applied());
+  ASSERT_TRUE(last->has_next_task());
+  EXPECT_EQ(last->next_task().kind(), v1::Task::TRAIN);
+  EXPECT_EQ(last->next_task().base_version(), 1u);
+  EXPECT_EQ(Request(a).task_id(), last->next_task().task_id());
+  // The COMMIT of version 1 went out before the task from it.
+  ASSERT_EQ(core_->orders().size(), 1u);
+  EXPECT_EQ(core_->orders()[0].version(), 1u);
+}
+
 TEST_F(ServerCoreTest, ShardedStalenessDiscountTravelsInTheCommitWeight) {
   v1::ServerConfig config = TinyConfig();
   config.set_shard_processes(1);
@@ -1178,6 +1209,88 @@ TEST_F(AsyncServerCoreTest, PlainAsyncStartsAReleasedWorkerFromTheNewestVersion)
     EXPECT_THAT(core_->RetainedVersions(), ElementsAre());
     EXPECT_EQ(Request(a).base_version(), 2u);
     EXPECT_EQ(Request(b).base_version(), 2u);
+  }
+}
+
+// PushHeader.want_next_task: the reply of the push that completes an update carries the task a
+// RequestTask right after it would get (now the worker's open task), unless that is WAIT; a push
+// that does not ask, or a slice that does not complete the update, gets none.
+TEST_F(AsyncServerCoreTest, APushThatAsksGetsItsNextTaskInTheReply) {
+  v1::ServerConfig config = AsyncConfig(0);
+  config.set_max_versions(3);
+  Make(config);
+  const uint64_t a = Join(), b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  auto ra = core_->SubmitUpdate(Update(a, ta, 1.0f));  // version 1, not asked
+  ASSERT_THAT(ra, IsOk());
+  EXPECT_FALSE(ra->has_next_task());
+  PendingUpdate ub = Update(b, tb, 1.0f);
+  ub.want_next_task = true;
+  auto rb = core_->SubmitUpdate(std::move(ub));  // version 2
+  ASSERT_THAT(rb, IsOk());
+  ASSERT_TRUE(rb->has_next_task());
+  const v1::Task next = rb->next_task();
+  EXPECT_EQ(next.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(next.base_version(), 2u);
+  EXPECT_GT(next.task_id(), tb.task_id());
+  EXPECT_EQ(next.local_steps(), 5u);
+  EXPECT_EQ(Request(b).task_id(), next.task_id());  // it is b's open task
+  EXPECT_EQ(metrics_.Value("aloe_tasks_in_push_replies_total"), 1);
+  // The last version: a's next task would be STOP, and the reply carries it.
+  const v1::Task ta2 = Request(a);
+  ASSERT_EQ(ta2.kind(), v1::Task::TRAIN);
+  PendingUpdate ua = Update(a, ta2, 1.0f);
+  ua.want_next_task = true;
+  ra = core_->SubmitUpdate(std::move(ua));  // version 3 = max_versions
+  ASSERT_THAT(ra, IsOk());
+  ASSERT_TRUE(ra->has_next_task());
+  EXPECT_EQ(ra->next_task().kind(), v1::Task::STOP);
+  EXPECT_EQ(metrics_.Value("aloe_tasks_in_push_replies_total"), 2);
+
+  // Sync (min_workers 2): the first push of a round would get WAIT, so its reply carries no
+  // task; the push that completes the round gets its next task from the new version.
+  Make(TinyConfig());
+  const uint64_t c = Join(), d = Join();
+  const v1::Task tc = Request(c);
+  const v1::Task td = Request(d);
+  PendingUpdate uc = Update(c, tc, 1.0f);
+  uc.want_next_task = true;
+  auto rc = core_->SubmitUpdate(std::move(uc));
+  ASSERT_THAT(rc, IsOk());
+  EXPECT_FALSE(rc->applied());
+  EXPECT_FALSE(rc->has_next_task());
+  PendingUpdate ud = Update(d, td, 3.0f);
+  ud.want_next_task = true;
+  auto rd = core_->SubmitUpdate(std::move(ud));
+  ASSERT_THAT(rd, IsOk());
+  EXPECT_TRUE(rd->applied());
+  ASSERT_TRUE(rd->has_next_task());
+  EXPECT_EQ(rd->next_task().kind(), v1::Task::TRAIN);
+  EXPECT_EQ(rd->next_task().base_version(), 1u);
+  EXPECT_EQ(Request(c).base_version(), 1u);  // c asks as usual
+
+  // Sliced: only the slice that completes the update answers, and only if it asked.
+  for (const bool last_asks : {true, false}) {
+    SCOPED_TRACE(last_asks);
+    Make(AsyncConfig(0));
+    const uint64_t e = Join();
+    const v1::Task te = Request(e);
+    auto slice = [&](uint32_t i, bool ask) {
+      PendingUpdate u = Update(e, te, 1.0f);
+      u.slice = i;
+      u.slices = 2;
+      u.want_next_task = ask;
+      return core_->SubmitUpdate(std::move(u));
+    };
+    auto first = slice(0, true);
+    ASSERT_THAT(first, IsOk());
+    EXPECT_TRUE(first->staged());
+    EXPECT_FALSE(first->has_next_task());
+    auto second = slice(1, last_asks);
+    ASSERT_THAT(second, IsOk());
+    EXPECT_FALSE(second->staged());
+    EXPECT_EQ(second->has_next_task(), last_asks);
   }
 }
 
