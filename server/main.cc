@@ -515,6 +515,7 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   options.every_versions = config.checkpoint().every_versions();
   options.uploader = uploader.get();
   options.max_staged = config.max_staged_updates();
+  options.admit_locally = config.shard_processes() == 1;
   options.make_initial = [&]() -> absl::StatusOr<std::unique_ptr<ShardState>> {
     ALOE_ASSIGN_OR_RETURN(ServerModel fresh, LoadServerModel(config, index));
     return make_state(std::move(fresh.initial));

@@ -958,6 +958,17 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
     return status;
   }
   auto admitted = admitted_.find({header.worker_id(), header.update_id()});
+  if (admitted == admitted_.end() && config_.shard_processes() == 1) {
+    // The only shard process admits on its own (its slots bound the staged updates; it does not
+    // ask AdmitPush first): admitted now, as AdmitPush would have.
+    ALOE_ASSIGN_OR_RETURN(const bool room, AdmitPush(header));
+    if (!room) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%d updates are being pushed to the shards (max_staged_updates): push again later",
+          admitted_.size()));
+    }
+    admitted = admitted_.find({header.worker_id(), header.update_id()});
+  }
   if (admitted == admitted_.end()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "update %d of worker %d is not admitted (a newer update of the worker replaced it, or "

@@ -141,7 +141,8 @@ class ServerCore {
   // of) its update that did not reach every shard.
   absl::StatusOr<bool> AdmitPush(const v1::PushHeader& header);
   size_t admitted_updates() const { return admitted_.size(); }
-  // Shard `shard` staged its part of the update `header` describes (it must be admitted). Returns
+  // Shard `shard` staged its part of the update `header` describes (it must be admitted; the only
+  // shard process of shard_processes 1 does not ask, and its report admits the update). Returns
   // staged = true until every shard has, then SubmitUpdate's reply for the whole update (whose
   // errors mean: drop the part; a DISCARD order tells the shards that staged it).
   absl::StatusOr<v1::PushReply> SubmitShardPart(uint32_t shard, const v1::PushHeader& header);

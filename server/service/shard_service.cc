@@ -166,8 +166,12 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
   // The coordinator admits at most max_staged_updates updates at once, the same on every shard
   // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
   // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
-  if (absl::Status admitted = AwaitAdmission(cancelled, header, identity); !admitted.ok()) {
-    return Reject(admitted);
+  // The only shard process needs no such agreement: its local slot below is the same bound, and
+  // the round trip is saved (the coordinator admits the update when it is reported).
+  if (!options_.admit_locally) {
+    if (absl::Status admitted = AwaitAdmission(cancelled, header, identity); !admitted.ok()) {
+      return Reject(admitted);
+    }
   }
   std::shared_ptr<FloatBufferPool> buffers;
   {

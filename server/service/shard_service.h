@@ -50,6 +50,10 @@ class ShardServer final : public WireParameterService {
     CheckpointUploader* uploader = nullptr;
     uint32_t every_versions = 0;
     uint32_t max_staged = 8;  // the ShardState's max_staged (slots incl. pushes being received)
+    // The only shard process (shard_processes 1): its own slots bound what it stages, as the
+    // coordinator's admission would, so a push is read without asking Admit first; the
+    // coordinator admits the update when its part is reported (ServerCore::SubmitShardPart).
+    bool admit_locally = false;
     // A fresh state at version 0 (the initial model), for RESTORE of version 0.
     std::function<absl::StatusOr<std::unique_ptr<ShardState>>()> make_initial;
   };

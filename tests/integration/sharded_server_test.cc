@@ -423,6 +423,37 @@ std::vector<v1::ShardOrder> Journal(const std::string& path) {
   return orders.ok() ? *orders : std::vector<v1::ShardOrder>();
 }
 
+// The only shard process (shard_processes 1) reads a push without asking the coordinator's
+// admission first (its own 2 slots are the bound), and its report admits the update: 3 async
+// trainers pushing raw reach the last version, and the shard stops at it.
+TEST_F(ShardedServerTest, TheOnlyShardProcessAdmitsOnItsOwnAndTheJobCompletes) {
+  raw_pushes_ = true;
+  const int port = StartServer(
+      "shard_processes: 1\nmax_staged_updates: 2\nlocal_steps: 5\nmax_versions: 10\n"
+      "eval_every: 1000000\naggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 "
+      "}\n",
+      kNesterov, {"--role=coordinator"});
+  ASSERT_GT(port, 0);
+  shards_[0] = StartShard(0, port, false);
+  std::vector<std::unique_ptr<Subprocess>> trainers;
+  std::vector<Subprocess*> processes = {shards_[0].get()};
+  for (int i = 0; i < 3; ++i) {
+    trainers.push_back(StartWorker(port, "trainer", i));
+    processes.push_back(trainers.back().get());
+  }
+  ASSERT_NO_FATAL_FAILURE(ExpectJobEnds(processes));
+  // Tasks handed out before the stop still push: the job ends at 10 or a little after.
+  const std::string summary = ReadFile(dir_ + "/summary");
+  const size_t at = summary.find("version=");
+  int version = 0;
+  ASSERT_NE(at, std::string::npos) << summary;
+  ASSERT_TRUE(absl::SimpleAtoi(summary.substr(at + 8, summary.find('\n', at) - at - 8), &version));
+  EXPECT_GE(version, 10) << ShardLogs();
+  const std::string shard = ReadFile(dir_ + "/shard0.log");
+  EXPECT_EQ(StoppedAt(shard), version) << ShardLogs();
+  EXPECT_FALSE(absl::StrContains(shard, "(0.0 MB raw)")) << ShardLogs();  // the pushes came raw
+}
+
 TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   const std::string ckpt = dir_ + "/ckpt";
   const int port = StartSyncCluster(ckpt);

@@ -1440,6 +1440,47 @@ TEST_F(ServerCoreTest, ShardedAdmissionIsBoundedAndEndsWithTheUpdate) {
   EXPECT_FALSE(core_->AdmitPush(HeaderOf(a, ta, 7)).ok());
 }
 
+// The only shard process (shard_processes 1) does not ask AdmitPush: its report admits the
+// update. The bound still holds: beyond max_staged_updates the report is refused
+// (RESOURCE_EXHAUSTED) and changes nothing; a stale report is refused as at admission.
+TEST_F(ServerCoreTest, TheOnlyShardProcessIsAdmittedByItsReport) {
+  v1::ServerConfig config = TinyConfig();
+  config.set_shard_processes(1);
+  config.set_max_staged_updates(1);
+  Make(config);  // sync, min_workers 2
+  core_->SetShardAddress(0, "s0");
+  const uint64_t a = Join(), b = Join();
+  const v1::Task ta = Request(a), tb = Request(b);
+  auto ra = core_->SubmitShardPart(0, HeaderOf(a, ta, 1));
+  ASSERT_THAT(ra, IsOk());
+  EXPECT_FALSE(ra->staged());   // the only part: the whole update
+  EXPECT_FALSE(ra->applied());  // the round waits for b
+  EXPECT_EQ(core_->admitted_updates(), 1u);
+  EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(b, tb, 1)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("max_staged_updates")));
+  EXPECT_EQ(core_->admitted_updates(), 1u);
+  EXPECT_TRUE(core_->orders().empty());
+  EXPECT_EQ(Request(b).task_id(), tb.task_id());  // b's task is still open
+
+  config.set_max_staged_updates(2);
+  Make(config);
+  core_->SetShardAddress(0, "s0");
+  const uint64_t c = Join(), d = Join();
+  const v1::Task tc = Request(c), td = Request(d);
+  ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(c, tc, 1)), IsOk());
+  auto rd = core_->SubmitShardPart(0, HeaderOf(d, td, 1));
+  ASSERT_THAT(rd, IsOk());
+  EXPECT_TRUE(rd->applied());
+  EXPECT_EQ(core_->version(), 1u);
+  EXPECT_EQ(core_->admitted_updates(), 0u);  // ended by the COMMIT
+  ASSERT_EQ(core_->orders().size(), 1u);
+  EXPECT_EQ(core_->orders()[0].entries_size(), 2);
+  // A retry of a committed update finds no open task: refused, nothing admitted.
+  EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(c, tc, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
+  EXPECT_EQ(core_->admitted_updates(), 0u);
+}
+
 // A restarted process skips the worker ids its predecessor may have handed out after the
 // checkpoint: a worker of the dead process comes back with such an id and must get NOT_FOUND.
 TEST_F(ServerCoreTest, RestartedProcessSkipsWorkerIdsOfTheLostOne) {
