@@ -534,7 +534,10 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
       float* residual = residuals ? (*residuals)[layer].data() + begin : nullptr;
       absl::Status s;
       if (codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED) {
-        s = CheckFinite(values);
+        // Sent as it is. The server screens every value in the pass that streams it into staging
+        // and refuses a NaN or Inf (or a value beyond its magnitude limit) naming the layer and
+        // element, with nothing applied; a second full pass here cost the pushing core as much
+        // as 8% of a shard's ingest on loopback.
         chunk.floats = values;
         if (residual != nullptr) std::fill(residual, residual + values.size(), 0.0f);
       } else {

@@ -82,7 +82,9 @@ class ServerClient {
   // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB. With header.slices() > 1, layers[l]
   // is slice header.slice() of layer l and the chunk offsets are placed accordingly. When
   // residuals is not null it receives, per layer, layers - decode(encode(layers)) for error
-  // feedback. kInvalidArgument (nothing sent) when a value cannot be encoded. *bytes grows by the
+  // feedback. kInvalidArgument (nothing sent) when a value cannot be encoded (NaN or Inf in a
+  // bf16 or int8 layer); float32 values are sent as they are, and the server refuses a NaN or
+  // Inf among them (kInvalidArgument naming the layer and element). *bytes grows by the
   // payload bytes sent.
   //
   // With shards every shard gets, in parallel, a stream of the chunks of its own layers under

@@ -8,10 +8,12 @@
 # on every exit path (trap). The benchmark's last line (`ingest: ...` / `scale: ...`) is printed
 # last.
 #
-# Environment: ALOE_BENCH_PIN = RECEIVER,SENDER (CPU numbers; ingest and egress): the server
-# processes and the raw TCP baseline's readers run on RECEIVER only, the benchmark's workers and
-# the TCP writers on SENDER only, so that neither side of either measurement shares its core
-# with the other side (unset: no pinning); ALOE_BENCH_MAX_STAGED = S (default 8, the server's
+# Environment: ALOE_BENCH_PIN = RECEIVER,SENDER[,COORDINATOR] (CPU numbers; ingest and egress):
+# the server processes and the raw TCP baseline's readers run on RECEIVER only, the benchmark's
+# workers and the TCP writers on SENDER only, so that neither side of either measurement shares
+# its core with the other side (unset: no pinning); with COORDINATOR the coordinator of a
+# layer-sharded server runs there instead (its own core, or one of the sides': a deployment's
+# coordinator is on another host than its shards); ALOE_BENCH_MAX_STAGED = S (default 8, the server's
 # default); ALOE_BENCH_TRANSPORT = raw (default: the shard processes also take raw pushes,
 # aloe-server --push_listen, which the benchmark's workers then use for their float32 layers) or
 # grpc (every push over gRPC);
@@ -22,6 +24,7 @@
 BENCH_PUSH_NAMES=()
 BENCH_PUSH_PIDS=()
 BENCH_PUSH_PREFIX=()  # command prefix of the server processes (taskset with ALOE_BENCH_PIN)
+BENCH_PUSH_COORDINATOR_PREFIX=()  # the coordinator's (ALOE_BENCH_PIN's COORDINATOR)
 BENCH_PUSH_DIR=""
 
 # Prints `N` TCP ports of 127.0.0.1 that were free a moment ago (the shard processes need fixed
@@ -42,7 +45,11 @@ EOF
 bench_push_start() {
   local name="$1"
   shift
-  ${BENCH_PUSH_PREFIX[@]+"${BENCH_PUSH_PREFIX[@]}"} "$ALOE_BIN_DIR/aloe-server" "$@" \
+  local prefix=(${BENCH_PUSH_PREFIX[@]+"${BENCH_PUSH_PREFIX[@]}"})
+  if [ "$name" = coordinator ] && [ ${#BENCH_PUSH_COORDINATOR_PREFIX[@]} -gt 0 ]; then
+    prefix=("${BENCH_PUSH_COORDINATOR_PREFIX[@]}")
+  fi
+  ${prefix[@]+"${prefix[@]}"} "$ALOE_BIN_DIR/aloe-server" "$@" \
     --port_file="$BENCH_PUSH_DIR/$name.ports" >"$BENCH_PUSH_DIR/$name.log" 2>&1 &
   BENCH_PUSH_NAMES+=("$name")
   BENCH_PUSH_PIDS+=("$!")
@@ -120,15 +127,23 @@ bench_push_run() {
       return 2 ;;
   esac
   local pin="${ALOE_BENCH_PIN:-}" pin_flags=()
+  BENCH_PUSH_PREFIX=()
+  BENCH_PUSH_COORDINATOR_PREFIX=()
   if [ -n "$pin" ]; then
-    if ! [[ "$pin" =~ ^[0-9]+,[0-9]+$ ]]; then
-      echo "ALOE_BENCH_PIN: RECEIVER,SENDER (two CPU numbers), got '${ALOE_BENCH_PIN}'" >&2
+    if ! [[ "$pin" =~ ^[0-9]+,[0-9]+(,[0-9]+)?$ ]]; then
+      echo "ALOE_BENCH_PIN: RECEIVER,SENDER[,COORDINATOR] (CPU numbers), got '${ALOE_BENCH_PIN}'" >&2
       return 2
     fi
-    BENCH_PUSH_PREFIX=(taskset -c "${pin%,*}")
-    pin_flags=(--pin="$pin")
-    echo "pinned: server processes and TCP readers on CPU ${pin%,*}, the benchmark's workers" \
-      "and TCP writers on CPU ${pin#*,}"
+    local cpus
+    IFS=, read -r -a cpus <<<"$pin"
+    BENCH_PUSH_PREFIX=(taskset -c "${cpus[0]}")
+    pin_flags=(--pin="${cpus[0]},${cpus[1]}")
+    echo "pinned: server processes and TCP readers on CPU ${cpus[0]}, the benchmark's workers" \
+      "and TCP writers on CPU ${cpus[1]}"
+    if [ ${#cpus[@]} -eq 3 ] && [ "$shards" -gt 0 ]; then
+      BENCH_PUSH_COORDINATOR_PREFIX=(taskset -c "${cpus[2]}")
+      echo "pinned: the coordinator on CPU ${cpus[2]}"
+    fi
   fi
   aloe_build aloe-server aloe-bench-push >/dev/null
   "$ALOE_ROOT/scripts/prepare-corpus.sh" data/sotu >/dev/null
