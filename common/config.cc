@@ -333,6 +333,15 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrFormat("max_staged_updates must be in [1, 4096], got %d", c.max_staged_updates()));
   }
+  if (c.shard_processes() > 0 && c.aggregation().mode() == v1::AGGREGATION_SYNC &&
+      c.aggregation().min_workers() > c.max_staged_updates()) {
+    // Every update of a sync round stays staged on every shard until the round commits.
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "aggregation.min_workers (%d) exceeds max_staged_updates (%d): a sync round of a "
+        "layer-sharded server commits only once all of its updates are staged at once, so it "
+        "could never commit; raise max_staged_updates to at least the number of trainers",
+        c.aggregation().min_workers(), c.max_staged_updates()));
+  }
   if (c.max_retained_versions() < 1 || c.max_retained_versions() > 4096) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_retained_versions must be in [1, 4096], got %d", c.max_retained_versions()));

@@ -49,6 +49,22 @@ TEST(ConfigTest, JsonLoads) {
   EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_SGD);
 }
 
+// A sync round of a layer-sharded server needs all of its updates staged at once; async rounds
+// (whose windows close on time) and single-process servers have no such limit.
+TEST(ConfigTest, ShardedSyncRoundsMustFitTheStagingSlots) {
+  const std::string sync = "corpus_dir: 'c' max_staged_updates: 3 aggregation { min_workers: 4";
+  EXPECT_THAT(LoadServerConfig(WriteFile("s1.textproto", "shard_processes: 2 " + sync + " }")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("could never commit")));
+  EXPECT_THAT(LoadServerConfig(WriteFile("s2.textproto", sync + " }")), IsOk());
+  EXPECT_THAT(LoadServerConfig(WriteFile(
+                  "s3.textproto", "shard_processes: 2 " + sync + " mode: AGGREGATION_ASYNC }")),
+              IsOk());
+  EXPECT_THAT(LoadServerConfig(WriteFile("s4.textproto",
+                                         "shard_processes: 2 corpus_dir: 'c' max_staged_updates: 4 "
+                                         "aggregation { min_workers: 4 }")),
+              IsOk());
+}
+
 TEST(ConfigTest, ErrorsNameTheField) {
   struct Case {
     std::string text;
@@ -65,6 +81,8 @@ TEST(ConfigTest, ErrorsNameTheField) {
       {"corpus_dir: 'c' receive_window_kib: 63", "receive_window_kib must be in [64, 262144]"},
       {"corpus_dir: 'c' receive_window_kib: 262145", "receive_window_kib must be in [64, 262144]"},
       {"corpus_dir: 'c' max_retained_versions: 4097", "max_retained_versions must be in [1, 4096]"},
+      {"corpus_dir: 'c' shard_processes: 2 max_staged_updates: 3 aggregation { min_workers: 4 }",
+       "aggregation.min_workers (4) exceeds max_staged_updates (3)"},
   };
   int i = 0;
   for (const Case& c : cases) {
