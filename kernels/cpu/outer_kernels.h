@@ -12,6 +12,9 @@
 //   - An output may be the very same pointer as an input of the same length (in-place update);
 //     partially overlapping buffers are not allowed.
 //   - No checks for NaN/Inf: non-finite inputs propagate (use AllFinite to screen inputs).
+//   - The outer steps (SgdApply, NesterovApply, DelayedNesterovApply, AdamApply) out of place
+//     (theta_out != theta_in: a copy-on-write step) write theta_out with streaming stores on
+//     AVX2 hosts, bypassing the cache; the result is bit for bit the in-place step's.
 //
 // Every kernel has a plain scalar twin of the same signature in aloe::kernels::reference, used by
 // tests as the definition of the result.
