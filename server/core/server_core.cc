@@ -177,6 +177,21 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
                                       [](const std::string& a) { return !a.empty(); }),
                         shard_addresses_.size()));
   }
+  if (sharded() && config_.aggregation().mode() == v1::AGGREGATION_SYNC &&
+      request.role() != v1::ROLE_EVALUATOR) {
+    // Every update of a sync round stays staged on every shard until the round commits, and a
+    // round waits for every trainer: one trainer more than the staging slots would stop every
+    // round for good (its push could never be admitted).
+    const size_t trainers = membership_.LiveIds(v1::ROLE_TRAINER).size();
+    if (trainers >= config_.max_staged_updates()) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "this layer-sharded sync server has %d trainers, as many as max_staged_updates (%d): "
+          "a sync round commits only once every trainer's update is staged on every shard, so "
+          "one more trainer would stop every round; raise max_staged_updates, train in async "
+          "mode, or join once a trainer has left (or its lease of %.0f s has run out)",
+          trainers, config_.max_staged_updates(), config_.lease_seconds()));
+    }
+  }
   const uint64_t id = membership_.Join(request.name(), request.role());
   metrics_.Add(kWorkersJoined, 1);
   if (request.role() != v1::ROLE_EVALUATOR) {

@@ -20,6 +20,7 @@ namespace {
 
 using ::aloe::testing::IsOk;
 using ::aloe::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -1444,24 +1445,35 @@ TEST_F(ServerCoreTest, ShardedAdmissionIsBoundedAndEndsWithTheUpdate) {
 // update. The bound still holds: beyond max_staged_updates the report is refused
 // (RESOURCE_EXHAUSTED) and changes nothing; a stale report is refused as at admission.
 TEST_F(ServerCoreTest, TheOnlyShardProcessIsAdmittedByItsReport) {
+  // One slot, held by a's admission: b's report cannot be admitted.
   v1::ServerConfig config = TinyConfig();
   config.set_shard_processes(1);
   config.set_max_staged_updates(1);
-  Make(config);  // sync, min_workers 2
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  Make(config);
   core_->SetShardAddress(0, "s0");
   const uint64_t a = Join(), b = Join();
   const v1::Task ta = Request(a), tb = Request(b);
-  auto ra = core_->SubmitShardPart(0, HeaderOf(a, ta, 1));
-  ASSERT_THAT(ra, IsOk());
-  EXPECT_FALSE(ra->staged());   // the only part: the whole update
-  EXPECT_FALSE(ra->applied());  // the round waits for b
-  EXPECT_EQ(core_->admitted_updates(), 1u);
+  ASSERT_THAT(core_->AdmitPush(HeaderOf(a, ta, 1)), IsOk());
   EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(b, tb, 1)),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("max_staged_updates")));
   EXPECT_EQ(core_->admitted_updates(), 1u);
   EXPECT_TRUE(core_->orders().empty());
   EXPECT_EQ(Request(b).task_id(), tb.task_id());  // b's task is still open
+  auto ra = core_->SubmitShardPart(0, HeaderOf(a, ta, 1));
+  ASSERT_THAT(ra, IsOk());
+  EXPECT_FALSE(ra->staged());  // the only part: the whole update
+  EXPECT_TRUE(ra->applied());
+  EXPECT_EQ(core_->admitted_updates(), 0u);  // ended by the COMMIT
+  // b's report now admits b's update itself.
+  auto rb = core_->SubmitShardPart(0, HeaderOf(b, tb, 1));
+  ASSERT_THAT(rb, IsOk());
+  EXPECT_TRUE(rb->applied());
+  EXPECT_EQ(core_->version(), 2u);
 
+  config = TinyConfig();  // sync, min_workers 2
+  config.set_shard_processes(1);
   config.set_max_staged_updates(2);
   Make(config);
   core_->SetShardAddress(0, "s0");
@@ -1479,6 +1491,45 @@ TEST_F(ServerCoreTest, TheOnlyShardProcessIsAdmittedByItsReport) {
   EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(c, tc, 1)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
   EXPECT_EQ(core_->admitted_updates(), 0u);
+}
+
+// A sync round of a layer-sharded server commits only once every trainer's update is staged on
+// every shard at once: a trainer beyond max_staged_updates is refused at Join (it would stop
+// every round) with a message naming the limit; evaluators are not limited, and a trainer may
+// join once another has left. Async servers and single-process servers have no such limit.
+TEST_F(ServerCoreTest, AShardedSyncServerTakesNoMoreTrainersThanStagingSlots) {
+  v1::ServerConfig config = TinyConfig();  // sync, min_workers 2
+  config.set_shard_processes(2);
+  config.set_max_staged_updates(2);
+  Make(config);
+  core_->SetShardAddress(0, "s0");
+  core_->SetShardAddress(1, "s1");
+  const uint64_t a = Join();
+  Join();
+  v1::JoinRequest third;
+  third.set_name("third");
+  third.set_role(v1::ROLE_TRAINER);
+  EXPECT_THAT(core_->Join(third),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("has 2 trainers, as many as max_staged_updates (2)"),
+                             HasSubstr("would stop every round"))));
+  EXPECT_EQ(metrics_.Value("aloe_workers_joined_total"), 2);  // the refusal changed nothing
+  Join(v1::ROLE_EVALUATOR);
+  v1::LeaveRequest leave;
+  leave.set_worker_id(a);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  EXPECT_THAT(core_->Join(third), IsOk());
+
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  Make(config);
+  core_->SetShardAddress(0, "s0");
+  core_->SetShardAddress(1, "s1");
+  for (int i = 0; i < 3; ++i) Join();
+  config = TinyConfig();
+  config.set_max_staged_updates(2);
+  Make(config);
+  for (int i = 0; i < 3; ++i) Join();
 }
 
 // A restarted process skips the worker ids its predecessor may have handed out after the
