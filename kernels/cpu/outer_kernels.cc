@@ -138,25 +138,6 @@ namespace {
 // FMA), so the results are bit for bit the same.
 constexpr size_t kStreamMinElements = 64;  // below a few cache lines streaming buys nothing
 
-// Runs an out-of-place step as loop(offset, count) on the elements before theta_out's first
-// 32-byte boundary and after the last whole group of 8, and stream(offset, count) on the groups
-// of 8 in between (theta_out + offset 32-byte aligned, count a multiple of 8). False, with
-// nothing done, for an in-place or short step or a host without AVX2.
-template <typename Loop, typename Stream>
-bool StreamedOutOfPlace(const float* theta_in, const float* theta_out, size_t n, Loop loop,
-                        Stream stream) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (!avx2 || theta_out == theta_in || n < kStreamMinElements) return false;
-  const size_t head =
-      std::min(n, ((32 - (reinterpret_cast<uintptr_t>(theta_out) & 31)) & 31) / sizeof(float));
-  const size_t body = (n - head) / 8 * 8;
-  loop(0, head);
-  stream(head, body);
-  loop(head + body, n - head - body);
-  _mm_sfence();  // the streamed lines are visible before the caller publishes the buffer
-  return true;
-}
-
 __attribute__((target("avx2"))) void SgdApplyStream(const float* g, const float* theta_in,
                                                     float* theta_out, size_t n, float lr) {
   const __m256 vlr = _mm256_set1_ps(lr);
@@ -250,78 +231,78 @@ __attribute__((target("avx2"))) void AdamApplyStream(const float* g, float* m, f
 }  // namespace
 #endif
 
-void SgdApply(const float* g, const float* theta_in, float* theta_out, size_t n, float lr) {
+// The streamed twin of an outer step's loop; without streaming stores the loop itself, which
+// OuterStep then never runs as the twin.
 #ifdef ALOE_STREAMING_STORES
-  if (StreamedOutOfPlace(
-          theta_in, theta_out, n,
-          [&](size_t o, size_t k) {
-            loops::SgdApplyLoop(g + o, theta_in + o, theta_out + o, k, lr);
-          },
-          [&](size_t o, size_t k) { SgdApplyStream(g + o, theta_in + o, theta_out + o, k, lr); })) {
+#define ALOE_STREAMED(kernel) kernel##Stream
+#else
+#define ALOE_STREAMED(kernel) loops::kernel##Loop
+#endif
+
+namespace {
+
+// Runs an outer step as step(kernel, offset, count): `kernel` (a loop or its streamed twin, of
+// the same signature) on elements [offset, offset + count). Out of place (theta_out !=
+// theta_in) on an AVX2 host the twin writes the groups of 8 from theta_out's first 32-byte
+// boundary on, and the loop the elements before and after them; otherwise the loop does all.
+template <typename Kernel, typename Step>
+void OuterStep(const float* theta_in, const float* theta_out, size_t n, Kernel loop,
+               Kernel streamed, Step step) {
+#ifdef ALOE_STREAMING_STORES
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && theta_out != theta_in && n >= kStreamMinElements) {
+    const size_t head =
+        std::min(n, ((32 - (reinterpret_cast<uintptr_t>(theta_out) & 31)) & 31) / sizeof(float));
+    const size_t body = (n - head) / 8 * 8;
+    step(loop, 0, head);
+    step(streamed, head, body);
+    step(loop, head + body, n - head - body);
+    _mm_sfence();  // the streamed lines are visible before the caller publishes the buffer
     return;
   }
+#else
+  (void)streamed;
 #endif
-  loops::SgdApplyLoop(g, theta_in, theta_out, n, lr);
+  step(loop, 0, n);
+}
+
+}  // namespace
+
+void SgdApply(const float* g, const float* theta_in, float* theta_out, size_t n, float lr) {
+  OuterStep(
+      theta_in, theta_out, n, loops::SgdApplyLoop, ALOE_STREAMED(SgdApply),
+      [&](auto kernel, size_t o, size_t k) { kernel(g + o, theta_in + o, theta_out + o, k, lr); });
 }
 
 void NesterovApply(const float* g, float* m, const float* theta_in, float* theta_out, size_t n,
                    float lr, float beta) {
-#ifdef ALOE_STREAMING_STORES
-  if (StreamedOutOfPlace(
-          theta_in, theta_out, n,
-          [&](size_t o, size_t k) {
-            loops::NesterovApplyLoop(g + o, m + o, theta_in + o, theta_out + o, k, lr, beta);
-          },
-          [&](size_t o, size_t k) {
-            NesterovApplyStream(g + o, m + o, theta_in + o, theta_out + o, k, lr, beta);
-          })) {
-    return;
-  }
-#endif
-  loops::NesterovApplyLoop(g, m, theta_in, theta_out, n, lr, beta);
+  OuterStep(theta_in, theta_out, n, loops::NesterovApplyLoop, ALOE_STREAMED(NesterovApply),
+            [&](auto kernel, size_t o, size_t k) {
+              kernel(g + o, m + o, theta_in + o, theta_out + o, k, lr, beta);
+            });
 }
 
 void DelayedNesterovApply(const float* g, float* m, float* d, const float* theta_in,
                           float* theta_out, size_t n, float lr, float beta, uint32_t buffer_size,
                           float c, bool momentum_step) {
-#ifdef ALOE_STREAMING_STORES
-  if (StreamedOutOfPlace(
-          theta_in, theta_out, n,
-          [&](size_t o, size_t k) {
-            loops::DelayedNesterovApplyLoop(g + o, m + o, d + o, theta_in + o, theta_out + o, k, lr,
-                                            beta, buffer_size, c, momentum_step);
-          },
-          [&](size_t o, size_t k) {
-            DelayedNesterovApplyStream(g + o, m + o, d + o, theta_in + o, theta_out + o, k, lr,
-                                       beta, buffer_size, c, momentum_step);
-          })) {
-    return;
-  }
-#endif
-  loops::DelayedNesterovApplyLoop(g, m, d, theta_in, theta_out, n, lr, beta, buffer_size, c,
-                                  momentum_step);
+  OuterStep(theta_in, theta_out, n, loops::DelayedNesterovApplyLoop,
+            ALOE_STREAMED(DelayedNesterovApply), [&](auto kernel, size_t o, size_t k) {
+              kernel(g + o, m + o, d + o, theta_in + o, theta_out + o, k, lr, beta, buffer_size, c,
+                     momentum_step);
+            });
 }
 
 void AdamApply(const float* g, float* m, float* v, const float* theta_in, float* theta_out,
                size_t n, float step_size, float beta1, float beta2, float eps,
                float inv_sqrt_bias2) {
-#ifdef ALOE_STREAMING_STORES
-  if (StreamedOutOfPlace(
-          theta_in, theta_out, n,
-          [&](size_t o, size_t k) {
-            loops::AdamApplyLoop(g + o, m + o, v + o, theta_in + o, theta_out + o, k, step_size,
-                                 beta1, beta2, eps, inv_sqrt_bias2);
-          },
-          [&](size_t o, size_t k) {
-            AdamApplyStream(g + o, m + o, v + o, theta_in + o, theta_out + o, k, step_size, beta1,
-                            beta2, eps, inv_sqrt_bias2);
-          })) {
-    return;
-  }
-#endif
-  loops::AdamApplyLoop(g, m, v, theta_in, theta_out, n, step_size, beta1, beta2, eps,
-                       inv_sqrt_bias2);
+  OuterStep(theta_in, theta_out, n, loops::AdamApplyLoop, ALOE_STREAMED(AdamApply),
+            [&](auto kernel, size_t o, size_t k) {
+              kernel(g + o, m + o, v + o, theta_in + o, theta_out + o, k, step_size, beta1, beta2,
+                     eps, inv_sqrt_bias2);
+            });
 }
+
+#undef ALOE_STREAMED
 
 ALOE_VECTOR_CLONES void WeightedAccumulate(const float* x, float w, float* acc, size_t n) {
 #pragma omp simd
