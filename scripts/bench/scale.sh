@@ -24,7 +24,11 @@
 # once (and, sharing the cores, end together) collide again every round: at 64 workers 18 of 255
 # pushes overlapped two or more others instead of the ~1% that independent arrivals give. The
 # table after the main one shows how many pushes ran alone, beside one other or beside more, and
-# their latencies: the tail is the pushes that shared the machine.
+# their latencies: the tail is the pushes that shared the machine. Two lines follow it: the p99 of
+# the pushes at 64 workers that overlapped no other, against p50 at 16 (whether the server itself
+# slows down as workers are added), and the server processes' CPU time per push at 16 workers
+# against the p50 latency there: near 100% means a lone push keeps the server's cores busy for
+# its whole latency, so k pushes that overlap take up to k times as long on any push path.
 # Takes about 2 minutes.
 # Environment: ALOE_BENCH_SECONDS (measured seconds per worker count, default 20: 4 rounds);
 # ALOE_BENCH_ROUND_SECONDS (default 5; 0 = push back to back); ALOE_BENCH_ROUND_JITTER (default

@@ -23,7 +23,11 @@
 //     "egress: served_gbps=<X> ratio=<X / tcp> (raw TCP <Y> GB/s, N streams)".
 //   --mode scale: for each worker count in --workers, that many concurrent workers for --seconds:
 //     offered load (workers x update bytes / round), accepted GB/s, updates/s, push latency
-//     p50/p99 (first byte sent to reply). Last line:
+//     p50/p99 (first byte sent to reply), and with --watch the server processes' CPU time per
+//     push; then the pushes by how many others overlapped them, the p99 of those that overlapped
+//     none at the last count against p50 at 16, and the server's CPU time per push at 16 against
+//     p50 there (near 100%: a push is bound by the server's cores, so pushes that overlap share
+//     them and take longer in proportion). Last line:
 //     "scale: p99_at_<max>=<ms> ms ratio=<p99 at max / p50 at 16> (p50 at 16 workers: <ms> ms)".
 //
 // Before measuring it prints the model and, for a layer-sharded server, one line per shard
@@ -887,34 +891,49 @@ int Main() {
     if (!watched->empty()) {
       std::printf("; peak RSS so far of %s", absl::StrJoin(names, "/").c_str());
     }
-    std::printf("\n%8s %12s %12s %10s %10s %10s %7s %10s %10s %16s\n", "workers", "offered GB/s",
-                "accept GB/s", "updates/s", "p50 ms", "p99 ms", "errors", "cpu bench", "cpu server",
-                "peak RSS MiB");
+    std::printf("; server ms/push = the server processes' CPU time per accepted push");
+    std::printf("\n%8s %12s %12s %10s %10s %10s %7s %10s %10s %14s %16s\n", "workers",
+                "offered GB/s", "accept GB/s", "updates/s", "p50 ms", "p99 ms", "errors",
+                "cpu bench", "cpu server", "server ms/push", "peak RSS MiB");
     double p50_at_16 = 0, p99_at_max = 0;
+    double cpu_ms_at_16 = 0;       // the server's CPU time per push with 16 workers
+    double p99_alone_at_max = 0;   // of the pushes that overlapped no other, at the last count
+    double overlapped_at_max = 0;  // the share of pushes that overlapped another, there
     int errors = 0;
     std::vector<std::string> overlap_rows;
     for (int n : counts) {
       const Result r = RunWorkers(n, seconds, round, *watched);
       // Where the tail comes from: pushes that shared the machine with others take longer.
       std::string row = absl::StrFormat("%8d", n);
-      for (const std::vector<double>& v : LatenciesByOverlap(r)) {
+      const std::array<std::vector<double>, 3> by_overlap = LatenciesByOverlap(r);
+      for (const std::vector<double>& v : by_overlap) {
         absl::StrAppendFormat(&row, " %7d %6.1f %6.1f", v.size(), 1e3 * Percentile(v, 0.5),
                               1e3 * Percentile(v, 1.0));
       }
       overlap_rows.push_back(row);
+      const size_t counted = by_overlap[0].size() + by_overlap[1].size() + by_overlap[2].size();
+      p99_alone_at_max = 1e3 * Percentile(by_overlap[0], 0.99);
+      overlapped_at_max =
+          counted > 0 ? 1.0 - static_cast<double>(by_overlap[0].size()) / counted : 0.0;
       const double p50 = 1e3 * Percentile(r.latencies, 0.5);
       const double p99 = 1e3 * Percentile(r.latencies, 0.99);
       double server_cores = 0;
       for (double c : r.watched_cores) server_cores += c;
       const std::string server_cpu = watched->empty() ? "-" : absl::StrFormat("%.2f", server_cores);
+      // How long one push keeps the server's cores busy: when it is about a lone push's latency,
+      // pushes are bound by those cores, and k pushes at once take about k times as long.
+      const double cpu_ms = r.updates > 0 ? 1e3 * server_cores * r.seconds / r.updates : 0.0;
+      const std::string server_ms =
+          watched->empty() || r.updates == 0 ? "-" : absl::StrFormat("%.1f", cpu_ms);
       const std::string offered =
           round > 0 ? absl::StrFormat("%.3f", n * static_cast<double>(update_bytes) / round / 1e9)
                     : "-";
-      std::printf("%8d %12s %12.3f %10.2f %10.1f %10.1f %7d %10.2f %10s %16s\n", n, offered.c_str(),
-                  r.bytes / r.seconds / 1e9, r.updates / r.seconds, p50, p99, r.errors,
-                  r.bench_cores, server_cpu.c_str(), PeakRssList(*watched).c_str());
+      std::printf("%8d %12s %12.3f %10.2f %10.1f %10.1f %7d %10.2f %10s %14s %16s\n", n,
+                  offered.c_str(), r.bytes / r.seconds / 1e9, r.updates / r.seconds, p50, p99,
+                  r.errors, r.bench_cores, server_cpu.c_str(), server_ms.c_str(),
+                  PeakRssList(*watched).c_str());
       std::fflush(stdout);
-      if (n == 16) p50_at_16 = p50;
+      if (n == 16) p50_at_16 = p50, cpu_ms_at_16 = cpu_ms;
       p99_at_max = p99;
       errors += r.errors;
     }
@@ -923,6 +942,20 @@ int Main() {
         "%8s %22s %22s %22s\n",
         "workers", "alone", "beside 1 other", "beside 2+ others");
     for (const std::string& row : overlap_rows) std::printf("%s\n", row.c_str());
+    if (p50_at_16 > 0) {
+      // The tail split in two: the pushes that had the server to themselves at the last count
+      // (does the server slow down as workers are added?), and how many shared it.
+      std::printf(
+          "at %d workers: the pushes that overlapped no other p99 %.1f ms = %.2f x p50 at 16; "
+          "%.0f%% overlapped another\n",
+          counts.back(), p99_alone_at_max, p99_alone_at_max / p50_at_16, 100 * overlapped_at_max);
+      if (cpu_ms_at_16 > 0) {
+        std::printf(
+            "at 16 workers the server's cores were busy %.1f ms per push, %.0f%% of the p50 "
+            "latency (%.1f ms)\n",
+            cpu_ms_at_16, 100 * cpu_ms_at_16 / p50_at_16, p50_at_16);
+      }
+    }
     std::printf("scale: p99_at_%d=%.1f ms ratio=%.2f (p50 at 16 workers: %.1f ms)\n", counts.back(),
                 p99_at_max, p50_at_16 > 0 ? p99_at_max / p50_at_16 : 0.0, p50_at_16);
     return errors == 0 ? 0 : 1;
