@@ -664,8 +664,11 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
     if (!sharded()) due_checkpoints_.clear();
     due_checkpoints_.push_back(CaptureCheckpoint());
   }
-  ALOE_LOG_INFO("server", "version %d: outer step over %d updates, mean train loss %.4f", version(),
-                batch.updates.size(), loss_sum / static_cast<double>(batch.updates.size()));
+  if (std::optional<std::string> line =
+          step_log_.Step(clock_.Now(), version(), batch.updates.size(),
+                         loss_sum / static_cast<double>(batch.updates.size()))) {
+    ALOE_LOG_INFO("server", "%s", *line);
+  }
   if (staging_buffers_ != nullptr) {
     for (PendingUpdate& u : batch.updates) {
       for (std::vector<float>& layer : u.layers) staging_buffers_->Give(std::move(layer));
@@ -874,6 +877,10 @@ void ServerCore::UpdateStopping() {
   if (config_.max_seconds() > 0 && (started_ || restored_seconds_ > 0) &&
       TrainedSeconds() >= config_.max_seconds()) {
     stopping_ = true;
+  }
+  // The job's last versions appear in the log even when they came faster than one line a second.
+  if (stopping_) {
+    if (std::optional<std::string> line = step_log_.Flush()) ALOE_LOG_INFO("server", "%s", *line);
   }
 }
 

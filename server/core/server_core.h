@@ -28,6 +28,7 @@
 #include "server/core/grace_period_aggregation.h"
 #include "server/core/local_work.h"
 #include "server/core/membership.h"
+#include "server/core/outer_step_log.h"
 #include "server/core/parameter_store.h"
 #include "server/core/pseudo_gradient_penalty.h"
 #include "server/core/shard_sampler.h"
@@ -297,6 +298,7 @@ class ServerCore {
   // Label values {worker id, name} of each live trainer's per-worker series.
   std::map<uint64_t, LabelValues> trainer_labels_;
   bool stopping_ = false;
+  OuterStepLog step_log_;  // the outer-step lines of the log, at most about one a second
   bool draining_ = false;
   uint64_t updates_applied_ = 0;
 };
