@@ -29,8 +29,11 @@
 # slows down as workers are added), and the server processes' CPU time per push at 16 workers
 # against the p50 latency there: near 100% means a lone push keeps the server's cores busy for
 # its whole latency, so k pushes that overlap take up to k times as long on any push path.
-# Takes about 2 minutes.
-# Environment: ALOE_BENCH_SECONDS (measured seconds per worker count, default 20: 4 rounds);
+# Takes about 6 minutes.
+# Environment: ALOE_BENCH_SECONDS (measured seconds per worker count, default 60: 12 rounds, so
+# p99 at 64 workers is taken over ~770 pushes; with 20 s it was the 3rd largest of ~256, and one
+# noisy second of a shared host moved it: ratio 1.85-3.11 in four 20 s runs on 2026-11-26, 1.86
+# and 2.02 in two 60 s runs);
 # ALOE_BENCH_ROUND_SECONDS (default 5; 0 = push back to back); ALOE_BENCH_ROUND_JITTER (default
 # 0.007; 0 = every round exactly ALOE_BENCH_ROUND_SECONDS); ALOE_BENCH_SHARDS (shard
 # processes, default 2; 0 = the single-process server); ALOE_BENCH_MAX_STAGED (default 8).
@@ -39,4 +42,4 @@
 . "$ALOE_ROOT/scripts/bench/_push.sh"
 bench_push_run "${ALOE_BENCH_SHARDS:-2}" --mode=scale --workers=8,16,32,64 \
   --round_seconds="${ALOE_BENCH_ROUND_SECONDS:-5}" \
-  --round_jitter="${ALOE_BENCH_ROUND_JITTER:-0.007}" --seconds="${ALOE_BENCH_SECONDS:-20}"
+  --round_jitter="${ALOE_BENCH_ROUND_JITTER:-0.007}" --seconds="${ALOE_BENCH_SECONDS:-60}"
