@@ -48,6 +48,10 @@ ABSL_FLAG(double, slowdown, 1.0,
 ABSL_FLAG(std::string, metrics, "127.0.0.1:0", "Prometheus endpoint host:port, or 'off'");
 ABSL_FLAG(int32_t, eval_sequences, 64, "Held-out sequences per evaluation (evaluator role)");
 ABSL_FLAG(double, connect_timeout, 60, "Seconds to keep retrying while the server is unreachable");
+ABSL_FLAG(double, join_wait, 600,
+          "Seconds to keep asking to join, every 5 s, while the server refuses for want of room "
+          "(RESOURCE_EXHAUSTED: a layer-sharded sync server with as many trainers as staging "
+          "slots); 0 = exit at once");
 ABSL_FLAG(std::string, token_file, "", "File whose first line is this worker's access token");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA that signed the server certificate (enables TLS)");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual TLS)");
@@ -88,6 +92,8 @@ namespace aloe::worker {
 namespace {
 
 std::atomic<int> g_signal{0};
+// How often a worker the server has no room for asks to join again (--join_wait).
+constexpr absl::Duration kJoinWaitStep = absl::Seconds(5);
 // Ends a training round at the next step end (LocalTrainer::Train), so that the steps done are
 // pushed before the worker leaves.
 std::atomic<bool> g_interrupt{false};
@@ -282,7 +288,31 @@ absl::StatusOr<v1::JoinReply> Worker::JoinRpc() {
   request.set_role(evaluator_ ? v1::ROLE_EVALUATOR : v1::ROLE_TRAINER);
   request.set_num_threads(absl::GetFlag(FLAGS_threads));
   request.set_model_fingerprint(script_fingerprint_);
-  return Retry<v1::JoinReply>([&] { return client_.Join(request); });
+  // A server without room for one more trainer takes one once another leaves: wait for that
+  // (saying so now and then) instead of exiting, up to --join_wait.
+  const absl::Duration wait = absl::Seconds(absl::GetFlag(FLAGS_join_wait));
+  const absl::Time give_up = absl::Now() + wait;
+  absl::Time next_note = absl::InfinitePast();
+  while (true) {
+    absl::StatusOr<v1::JoinReply> joined =
+        Retry<v1::JoinReply>([&] { return client_.Join(request); });
+    if (joined.ok() || joined.status().code() != absl::StatusCode::kResourceExhausted ||
+        absl::Now() >= give_up || g_signal.load() != 0) {
+      return joined;
+    }
+    if (absl::Now() >= next_note) {
+      ALOE_LOG_WARNING("worker",
+                       "the server has no room for this worker yet (%s); asking again "
+                       "every %.0f s for up to %.0f s more (--join_wait)",
+                       joined.status().message(), absl::ToDoubleSeconds(kJoinWaitStep),
+                       absl::ToDoubleSeconds(give_up - absl::Now()));
+      next_note = absl::Now() + absl::Minutes(1);
+    }
+    for (absl::Time until = absl::Now() + kJoinWaitStep;
+         absl::Now() < until && g_signal.load() == 0;) {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
 }
 
 absl::Status Worker::JoinServer() {

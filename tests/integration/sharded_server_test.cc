@@ -454,6 +454,38 @@ TEST_F(ShardedServerTest, TheOnlyShardProcessAdmitsOnItsOwnAndTheJobCompletes) {
   EXPECT_FALSE(absl::StrContains(shard, "(0.0 MB raw)")) << ShardLogs();  // the pushes came raw
 }
 
+// A layer-sharded sync server takes no more trainers than staging slots (a round waits for every
+// trainer's update to be staged on every shard). A trainer beyond them waits, asking again,
+// and joins and trains once another trainer leaves.
+TEST_F(ShardedServerTest, ATrainerBeyondTheStagingSlotsWaitsAndJoinsWhenOneLeaves) {
+  const int port = StartServer(
+      "shard_processes: 2\nmax_staged_updates: 1\nlocal_steps: 5\nmax_versions: 40\n"
+      "eval_every: 1000000\naggregation { mode: AGGREGATION_SYNC min_workers: 1 }\n",
+      kNesterov, {"--role=coordinator"});
+  ASSERT_GT(port, 0);
+  for (int i = 0; i < 2; ++i) shards_[i] = StartShard(i, port, false);
+  auto first = StartWorker(port, "trainer", 0);
+  ASSERT_TRUE(WaitForText(dir_ + "/trainer0.log", "joined as worker", absl::Seconds(60)))
+      << ReadFile(dir_ + "/trainer0.log") << ShardLogs();
+  auto second = StartWorker(port, "trainer", 1);
+  ASSERT_TRUE(WaitForText(dir_ + "/trainer1.log", "has no room for this worker", absl::Seconds(60)))
+      << ReadFile(dir_ + "/trainer1.log") << ShardLogs();
+  EXPECT_TRUE(
+      absl::StrContains(ReadFile(dir_ + "/trainer1.log"), "as many as max_staged_updates (1)"))
+      << ReadFile(dir_ + "/trainer1.log");
+  EXPECT_FALSE(absl::StrContains(ReadFile(dir_ + "/server.log"), "the job is over"))
+      << "the job ended before the second trainer could take the slot; raise max_versions";
+  // The first trainer leaves (scaled down): the second takes its place and trains to the end.
+  first->Signal(SIGTERM);
+  EXPECT_EQ(first->Wait(absl::Seconds(60)), std::optional<int>(0));
+  ASSERT_NO_FATAL_FAILURE(ExpectJobEnds({second.get(), shards_[0].get(), shards_[1].get()}));
+  const std::string log = ReadFile(dir_ + "/trainer1.log");
+  EXPECT_TRUE(absl::StrContains(log, "joined as worker")) << log;
+  EXPECT_GT(SummaryValue(log, "rounds"), 0) << log;
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), "version=40"))
+      << ReadFile(dir_ + "/summary") << ShardLogs();
+}
+
 TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   const std::string ckpt = dir_ + "/ckpt";
   const int port = StartSyncCluster(ckpt);

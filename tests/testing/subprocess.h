@@ -35,6 +35,8 @@ std::string ReadFile(const std::string& path);
 
 // Waits until `path` exists and is non-empty, up to `timeout`.
 bool WaitForFile(const std::string& path, absl::Duration timeout);
+// Waits until the file at `path` (a process's log) contains `text`, up to `timeout`.
+bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout);
 
 // GET http://127.0.0.1:port/path over a plain socket; returns the body or "" on failure.
 std::string HttpGet(int port, const std::string& path);
