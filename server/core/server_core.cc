@@ -872,13 +872,15 @@ void ServerCore::Tick() {
 }
 
 void ServerCore::UpdateStopping() {
-  if (stopping_) return;
-  if (config_.max_versions() > 0 && version() >= config_.max_versions()) stopping_ = true;
-  if (config_.max_seconds() > 0 && (started_ || restored_seconds_ > 0) &&
-      TrainedSeconds() >= config_.max_seconds()) {
-    stopping_ = true;
+  if (!stopping_) {
+    if (config_.max_versions() > 0 && version() >= config_.max_versions()) stopping_ = true;
+    if (config_.max_seconds() > 0 && (started_ || restored_seconds_ > 0) &&
+        TrainedSeconds() >= config_.max_seconds()) {
+      stopping_ = true;
+    }
   }
-  // The job's last versions appear in the log even when they came faster than one line a second.
+  // The job's last versions appear in the log even when they came faster than one line a second
+  // (also the steps of updates still pushed after the stop: Apply calls this after every step).
   if (stopping_) {
     if (std::optional<std::string> line = step_log_.Flush()) ALOE_LOG_INFO("server", "%s", *line);
   }
