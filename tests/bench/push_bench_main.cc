@@ -933,7 +933,10 @@ int Main() {
                   r.errors, r.bench_cores, server_cpu.c_str(), server_ms.c_str(),
                   PeakRssList(*watched).c_str());
       std::fflush(stdout);
-      if (n == 16) p50_at_16 = p50, cpu_ms_at_16 = cpu_ms;
+      if (n == 16) {
+        p50_at_16 = p50;
+        cpu_ms_at_16 = cpu_ms;
+      }
       p99_at_max = p99;
       errors += r.errors;
     }

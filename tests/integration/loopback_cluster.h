@@ -159,10 +159,7 @@ class LoopbackTest : public ::testing::Test {
   std::unique_ptr<Subprocess> StartJoinedEvaluator(int port,
                                                    const std::vector<std::string>& flags = {}) {
     auto evaluator = StartWorker(port, "evaluator", 0, 1.0, flags);
-    for (int i = 0; i < 600; ++i) {
-      if (absl::StrContains(ReadFile(dir_ + "/evaluator0.log"), "joined as worker")) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+    WaitForText(dir_ + "/evaluator0.log", "joined as worker", absl::Seconds(60));
     return evaluator;
   }
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -65,22 +66,30 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-bool WaitForFile(const std::string& path, absl::Duration timeout) {
+namespace {
+
+// Reads the file at `path` every `every` until `done` says yes of its contents, up to `timeout`.
+bool PollFile(const std::string& path, absl::Duration timeout, absl::Duration every,
+              const std::function<bool(const std::string&)>& done) {
   const absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
-    if (!ReadFile(path).empty()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (done(ReadFile(path))) return true;
+    absl::SleepFor(every);
   }
   return false;
 }
 
+}  // namespace
+
+bool WaitForFile(const std::string& path, absl::Duration timeout) {
+  return PollFile(path, timeout, absl::Milliseconds(20),
+                  [](const std::string& contents) { return !contents.empty(); });
+}
+
 bool WaitForText(const std::string& path, const std::string& text, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (ReadFile(path).find(text) != std::string::npos) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return false;
+  return PollFile(path, timeout, absl::Milliseconds(100), [&](const std::string& contents) {
+    return contents.find(text) != std::string::npos;
+  });
 }
 
 int FreePort() {
