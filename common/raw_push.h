@@ -1,10 +1,10 @@
-// Raw pushes: the float32 part of a push sent to a shard process over a plain TCP connection
-// instead of a gRPC stream. gRPC costs a push its HTTP/2 framing, flow-control bookkeeping and a
-// thread hand-off per message; on loopback that held one shard to ~0.6 of what receiving,
-// screening and applying the same bytes costs (`scripts/bench.sh ingest` measures both). Here
-// the shard receives the payload straight into its staging buffers and screens each piece as it
-// lands. Only the bulk bytes move: admission, staging reports and commits stay on the
-// coordinator's gRPC control plane, with the same all-or-nothing rules.
+// Raw pushes: the float32 part of a push sent to a shard process (or a single-process server)
+// over a plain TCP connection instead of a gRPC stream. gRPC costs a push its HTTP/2 framing,
+// flow-control bookkeeping and a thread hand-off per message; on loopback that held one shard to
+// ~0.6 of what receiving, screening and applying the same bytes costs (`scripts/bench.sh ingest`
+// measures both). Here the shard receives the payload straight into its staging buffers and screens
+// each piece as it lands. Only the bulk bytes move: admission, staging reports and commits stay on
+// the coordinator's gRPC control plane, with the same all-or-nothing rules.
 //
 // One connection carries any number of pushes, one after the other. Per push, little-endian:
 //
@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -53,9 +54,10 @@ struct RawPushRange {
 };
 
 // The payload layout of a push to shard process `shard` under `header`: every layer of the spec
-// owned by that shard (layers[l].shard() == shard), in layer order, whole or (header.slices() >
-// 1) slice header.slice() of it. The caller has checked the slice fields.
-std::vector<RawPushRange> RawPushRanges(const v1::ModelSpec& spec, uint32_t shard,
+// owned by that shard (layers[l].shard() == shard), or every layer of the spec when shard is
+// nullopt (a single-process server), in layer order, whole or (header.slices() > 1) slice
+// header.slice() of it. The caller has checked the slice fields.
+std::vector<RawPushRange> RawPushRanges(const v1::ModelSpec& spec, std::optional<uint32_t> shard,
                                         const v1::PushHeader& header);
 // Bytes of the payload those ranges take.
 uint64_t RawPushPayloadBytes(const std::vector<RawPushRange>& ranges);

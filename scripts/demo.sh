@@ -11,7 +11,8 @@
 #   --seconds N    training time (default 180)
 #   --slowdown F   the second worker runs F times slower (default 2)
 #   --shards N     a layer-sharded server: a coordinator and N shard processes holding the
-#                  parameters (raw pushes on), instead of one process (default 0)
+#                  parameters, instead of one process (default 0). Either way the server
+#                  takes raw pushes (--push_listen) besides gRPC
 #   --config FILE  server config (default deploy/configs/demo.textproto or demo-async.textproto)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -74,7 +75,7 @@ free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-SERVER_FLAGS=()
+SERVER_FLAGS=(--push_listen="127.0.0.1:$(free_port)")
 [ "$SHARDS" -gt 0 ] && SERVER_FLAGS=(--role=coordinator --shard_processes="$SHARDS")
 "$ALOE_BIN_DIR/aloe-server" --config="$CONFIG" --max_seconds="$SECONDS_TO_TRAIN" \
   --port_file="$RUN_DIR/ports" --summary_file="$RUN_DIR/summary" "${SERVER_FLAGS[@]}" \
@@ -141,6 +142,7 @@ wait "$SERVER_PID" || { echo "demo.sh: the server failed; see $RUN_DIR/server.lo
 echo
 echo "==== ALOE demo summary ===="
 grep 'summary:' "$RUN_DIR/server.log" | sed 's/^.*summary: /server: /'
+grep 'raw pushes:' "$RUN_DIR/server.log" | sed 's/^.*raw pushes: /server: raw pushes: /' || true
 # The shard processes end with the job (FINISH from the coordinator) and log a summary.
 for ((i = 0; i < SHARDS; i++)); do
   for _ in $(seq 1 100); do grep -q 'summary:' "$RUN_DIR/shard$i.log" && break; sleep 0.1; done

@@ -90,16 +90,17 @@ ABSL_FLAG(int32_t, shard_index, -1, "--role shard: which shard process this is, 
 ABSL_FLAG(std::string, coordinator, "",
           "--role shard: the coordinator's address (default: the config's listen_address)");
 ABSL_FLAG(std::string, push_listen, "",
-          "--role shard: also take raw pushes (the float32 payload over plain TCP, without gRPC's "
-          "framing; 1.2-1.5x the ingest of gRPC pushes here) on this HOST:PORT (a fixed port: "
-          "workers are told it). Refused with TLS: raw pushes are not encrypted");
+          "--role shard or single: also take raw pushes (the float32 payload over plain TCP, "
+          "without gRPC's framing; 1.2-1.5x the ingest of gRPC pushes here) on this HOST:PORT (a "
+          "fixed port: workers are told it). Refused with TLS: raw pushes are not encrypted");
 ABSL_FLAG(std::string, advertise, "",
           "--role shard: the HOST:PORT workers are told to reach this shard at (default: "
           "--listen). Needed when --listen is a wildcard such as 0.0.0.0:7071 (a container, a "
           "host with several interfaces): name this host as workers dial it (and as its TLS "
           "certificate names it)");
 ABSL_FLAG(std::string, advertise_push, "",
-          "--role shard: the HOST:PORT workers are told for raw pushes (default: --push_listen)");
+          "--role shard or single: the HOST:PORT workers are told for raw pushes (default: "
+          "--push_listen)");
 ABSL_FLAG(std::string, token_file, "",
           "--role shard: file whose first line is the token this shard presents to the "
           "coordinator (security.token_file)");
@@ -203,8 +204,10 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
     return absl::InvalidArgumentError("--order_journal is for --role coordinator only");
   }
   if (const std::string push = absl::GetFlag(FLAGS_push_listen); !push.empty()) {
-    if (role != "shard")
-      return absl::InvalidArgumentError("--push_listen is for --role shard only");
+    if (role == "coordinator") {
+      return absl::InvalidArgumentError(
+          "--push_listen is for --role shard or single (a coordinator takes no pushes)");
+    }
     if (push.rfind(':') == std::string::npos || push.substr(push.rfind(':') + 1) == "0") {
       return absl::InvalidArgumentError(
           "--push_listen needs HOST:PORT with a fixed port (workers are told it)");
@@ -229,17 +232,16 @@ absl::StatusOr<v1::ServerConfig> ConfigFromFlags() {
     }
     ALOE_RETURN_IF_ERROR(
         CheckAdvertised("--advertise", "--listen", absl::GetFlag(FLAGS_advertise), listen));
-    if (!absl::GetFlag(FLAGS_advertise_push).empty() && absl::GetFlag(FLAGS_push_listen).empty()) {
-      return absl::InvalidArgumentError("--advertise_push needs --push_listen");
-    }
-    if (!absl::GetFlag(FLAGS_push_listen).empty()) {
-      ALOE_RETURN_IF_ERROR(CheckAdvertised("--advertise_push", "--push_listen",
-                                           absl::GetFlag(FLAGS_advertise_push),
-                                           absl::GetFlag(FLAGS_push_listen)));
-    }
-  } else if (!absl::GetFlag(FLAGS_advertise).empty() ||
-             !absl::GetFlag(FLAGS_advertise_push).empty()) {
-    return absl::InvalidArgumentError("--advertise and --advertise_push are for --role shard only");
+  } else if (!absl::GetFlag(FLAGS_advertise).empty()) {
+    return absl::InvalidArgumentError("--advertise is for --role shard only");
+  }
+  if (!absl::GetFlag(FLAGS_advertise_push).empty() && absl::GetFlag(FLAGS_push_listen).empty()) {
+    return absl::InvalidArgumentError("--advertise_push needs --push_listen");
+  }
+  if (!absl::GetFlag(FLAGS_push_listen).empty()) {
+    ALOE_RETURN_IF_ERROR(CheckAdvertised("--advertise_push", "--push_listen",
+                                         absl::GetFlag(FLAGS_advertise_push),
+                                         absl::GetFlag(FLAGS_push_listen)));
   }
   return config;
 }
@@ -285,6 +287,27 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);
+}
+
+// The raw push listener of --push_listen serving `handler`, or null without the flag. Plaintext,
+// as gRPC without TLS: the same rule for non-loopback addresses.
+absl::StatusOr<std::unique_ptr<RawPushListener>> StartRawPushes(const v1::ServerConfig& config,
+                                                                RawPushListener::Handler handler) {
+  const std::string push_listen = absl::GetFlag(FLAGS_push_listen);
+  if (push_listen.empty()) return nullptr;
+  if (!IsLoopback(push_listen) && !config.security().insecure()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "refusing raw pushes on non-loopback address %s: they are not encrypted; pass "
+        "--insecure (security.insecure) on a trusted network",
+        push_listen));
+  }
+  return RawPushListener::Start(push_listen, std::move(handler), RawPushListener::Options());
+}
+
+// Where workers are told to send raw pushes: --advertise_push, else --push_listen ("" = none).
+std::string AdvertisedPushAddress() {
+  return absl::GetFlag(FLAGS_advertise_push).empty() ? absl::GetFlag(FLAGS_push_listen)
+                                                     : absl::GetFlag(FLAGS_advertise_push);
 }
 
 absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {
@@ -523,9 +546,7 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   // Told to the coordinator, and by it to the workers.
   options.address =
       absl::GetFlag(FLAGS_advertise).empty() ? listen : absl::GetFlag(FLAGS_advertise);
-  options.push_address = absl::GetFlag(FLAGS_advertise_push).empty()
-                             ? absl::GetFlag(FLAGS_push_listen)
-                             : absl::GetFlag(FLAGS_advertise_push);
+  options.push_address = AdvertisedPushAddress();
   const std::string push_listen = absl::GetFlag(FLAGS_push_listen);
   const size_t owned_layers = state->owned_layers().size();
   auto shard = std::make_unique<ShardServer>(spec, std::move(state), options, *auth, *metrics);
@@ -533,22 +554,12 @@ absl::Status RunShard(const v1::ServerConfig& config) {
   ALOE_ASSIGN_OR_RETURN(
       std::unique_ptr<grpc::Server> server,
       StartGrpc(listen, credentials, {shard.get()}, config.receive_window_kib(), &grpc_port));
-  std::unique_ptr<RawPushListener> raw_pushes;
-  if (!push_listen.empty()) {
-    // Plaintext, as gRPC without TLS: the same rule for non-loopback addresses.
-    if (!IsLoopback(push_listen) && !config.security().insecure()) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "refusing raw pushes on non-loopback address %s: they are not encrypted; pass "
-          "--insecure (security.insecure) on a trusted network",
-          push_listen));
-    }
-    auto serve = [&shard](const RawPushRequest& request, ByteReader& in,
-                          const std::function<bool()>& cancelled) {
-      return shard->ServeRawPush(request, in, cancelled);
-    };
-    ALOE_ASSIGN_OR_RETURN(raw_pushes,
-                          RawPushListener::Start(push_listen, serve, RawPushListener::Options()));
-  }
+  ALOE_ASSIGN_OR_RETURN(
+      std::unique_ptr<RawPushListener> raw_pushes,
+      StartRawPushes(config, [&shard](const RawPushRequest& request, ByteReader& in,
+                                      const std::function<bool()>& cancelled) {
+        return shard->ServeRawPush(request, in, cancelled);
+      }));
   ALOE_LOG_INFO("shard",
                 "shard %d of %d listening on %s%s%s (metrics port %d): %d layers, %d parameters; "
                 "following the coordinator at %s",
@@ -687,12 +698,21 @@ absl::Status Run() {
   if (!(pull_delay_ms >= 0) || pull_delay_ms > 600000) {
     return absl::InvalidArgumentError("--pull_delay_ms must be in [0, 600000]");
   }
-  ParameterServiceImpl parameters(handle, *auth, *metrics, absl::Milliseconds(pull_delay_ms));
+  ParameterServiceImpl parameters(handle, *auth, *metrics, config.max_staged_updates(),
+                                  absl::Milliseconds(pull_delay_ms));
   std::vector<grpc::Service*> services = {&coordinator};
   std::unique_ptr<OrderJournal> journal;
   std::unique_ptr<ShardControlService> shard_control;
+  std::unique_ptr<RawPushListener> raw_pushes;
   if (config.shard_processes() == 0) {
     services.push_back(&parameters);
+    ALOE_ASSIGN_OR_RETURN(
+        raw_pushes,
+        StartRawPushes(config, [&parameters](const RawPushRequest& request, ByteReader& in,
+                                             const std::function<bool()>& cancelled) {
+          return parameters.ServeRawPush(request, in, cancelled);
+        }));
+    handle.Run([](ServerCore& core) { core.SetPushAddress(AdvertisedPushAddress()); });
   } else {
     // Workers pull and push at the shard processes; the shards follow this coordinator.
     ShardControlService::Options options;
@@ -758,6 +778,12 @@ absl::Status Run() {
                 v1::OuterOptimizerType_Name(config.outer_optimizer().type()),
                 config.outer_optimizer().lr(), config.outer_optimizer().momentum(),
                 config.local_steps());
+  if (raw_pushes != nullptr) {
+    ALOE_LOG_INFO("server", "raw pushes on %s%s", absl::GetFlag(FLAGS_push_listen),
+                  AdvertisedPushAddress() == absl::GetFlag(FLAGS_push_listen)
+                      ? ""
+                      : absl::StrCat(" as ", AdvertisedPushAddress()).c_str());
+  }
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     ALOE_RETURN_IF_ERROR(WritePortFile(absl::GetFlag(FLAGS_port_file), grpc_port, metrics_port));
   }
@@ -802,6 +828,10 @@ absl::Status Run() {
     }
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (raw_pushes != nullptr) {
+    raw_pushes->Shutdown();
+    ALOE_LOG_INFO("server", "raw pushes: %d bytes received whole", parameters.raw_push_bytes());
+  }
   if (checkpoints) {
     // The final state (on SIGTERM/SIGINT too), so a restart loses nothing that was applied.
     const v1::ServerCheckpoint last =

@@ -70,7 +70,8 @@ ServerClient::RawConnection::~RawConnection() {
 }
 
 absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses,
-                                     const std::vector<std::string>& push_addresses) {
+                                     const std::vector<std::string>& push_addresses,
+                                     const std::string& server_push_address) {
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (addresses[i].empty()) {
       return absl::InvalidArgumentError(absl::StrFormat("shard %d has no address", i));
@@ -81,6 +82,18 @@ absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses,
                                                       push_addresses.size(), addresses.size()));
   }
   auto push_address = [&](size_t i) { return push_addresses.empty() ? "" : push_addresses[i]; };
+  {
+    // A single server's raw endpoint: kept (with its connection) while the address stays.
+    absl::MutexLock lock(&mu_);
+    const std::string current = server_raw_ != nullptr ? server_raw_->push_address : "";
+    if (server_push_address != current) {
+      server_raw_ =
+          server_push_address.empty()
+              ? nullptr
+              : std::make_shared<const Shard>(Shard{"the server", channel_, server_push_address,
+                                                    std::make_shared<RawConnection>()});
+    }
+  }
   const std::shared_ptr<const ShardSet> current = Shards();
   bool same = addresses.size() == current->size();
   for (size_t i = 0; same && i < addresses.size(); ++i) {
@@ -101,6 +114,11 @@ absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses,
 std::shared_ptr<const ServerClient::ShardSet> ServerClient::Shards() const {
   absl::MutexLock lock(&mu_);
   return shards_;
+}
+
+std::shared_ptr<const ServerClient::Shard> ServerClient::ServerRaw() const {
+  absl::MutexLock lock(&mu_);
+  return server_raw_;
 }
 
 namespace {
@@ -553,7 +571,22 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
   for (std::vector<OutgoingChunk>& chunks : streams) {
     if (chunks.empty()) chunks.emplace_back();
   }
-  if (shards->empty()) return SendPush(*this, channel_, header, streams[0], bytes);
+  if (shards->empty()) {
+    // A single server that takes raw pushes gets every layer that way when all are float32.
+    const std::shared_ptr<const Shard> server = raw_push_ ? ServerRaw() : nullptr;
+    bool raw = server != nullptr && layers.size() == static_cast<size_t>(spec.layers_size());
+    for (size_t l = 0; raw && l < layers.size(); ++l) {
+      const v1::Codec codec = l < codecs.size() ? codecs[l] : v1::CODEC_FP32;
+      raw = codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED;
+    }
+    if (raw) {
+      bool unreachable = false;
+      absl::StatusOr<v1::PushReply> reply =
+          SendRawPush(*server, std::nullopt, header, spec, layers, bytes, &unreachable);
+      if (!unreachable) return reply;
+    }
+    return SendPush(*this, channel_, header, streams[0], bytes);
+  }
 
   std::vector<absl::StatusOr<v1::PushReply>> replies(streams.size());
   std::vector<uint64_t> sent(streams.size(), 0);
@@ -583,8 +616,9 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
 }
 
 absl::StatusOr<v1::PushReply> ServerClient::SendRawPush(
-    const Shard& shard, uint32_t index, const v1::PushHeader& header, const v1::ModelSpec& spec,
-    const std::vector<std::vector<float>>& layers, uint64_t* bytes, bool* unreachable) const {
+    const Shard& shard, std::optional<uint32_t> index, const v1::PushHeader& header,
+    const v1::ModelSpec& spec, const std::vector<std::vector<float>>& layers, uint64_t* bytes,
+    bool* unreachable) const {
   *unreachable = false;
   const std::vector<RawPushRange> ranges = RawPushRanges(spec, index, header);
   for (const RawPushRange& range : ranges) {
@@ -614,10 +648,9 @@ absl::StatusOr<v1::PushReply> ServerClient::SendRawPush(
         connection.grpc_until = absl::Now() + kRawPushRetry;
         *unreachable = true;
         ALOE_LOG_WARNING("worker",
-                         "raw pushes to shard %d at %s: %s; pushing to it over gRPC for the next "
-                         "%d s",
-                         index, shard.push_address, fd.status().message(),
-                         absl::ToInt64Seconds(kRawPushRetry));
+                         "raw pushes to %s at %s: %s; pushing to it over gRPC for the next %d s",
+                         index ? absl::StrCat("shard ", *index) : "the server", shard.push_address,
+                         fd.status().message(), absl::ToInt64Seconds(kRawPushRetry));
         return fd.status();
       }
       connection.fd = *fd;

@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,9 +62,11 @@ class ServerClient {
   // kInvalidArgument (nothing changed) for an empty address. Pulls and pushes already under way
   // finish on the shards they started with. push_addresses (JoinReply.shard_push_addresses):
   // empty, or one per shard, "" where a shard takes no raw pushes; kInvalidArgument when there
-  // are some but not one per shard.
+  // are some but not one per shard. server_push_address (JoinReply.push_address): where a
+  // single-process server (no shards) takes raw pushes, "" = none.
   absl::Status SetShards(const std::vector<std::string>& addresses,
-                         const std::vector<std::string>& push_addresses = {});
+                         const std::vector<std::string>& push_addresses = {},
+                         const std::string& server_push_address = "");
 
   // Pulls `version` (or the latest when latest is true) into layers, resized per spec. With
   // slices > 1 only slice `slice` of every layer is pulled (SliceRange, common/model_spec.h) and
@@ -91,7 +94,8 @@ class ServerClient {
   // the same header (a header-only message when it has none) and answers staged = true until
   // the shards' parts (and, sliced, all slices) are in. A shard that takes raw pushes gets its
   // layers that way (over one kept-open TCP connection, reopened once when a reused one turns
-  // out closed) when all of them are float32 and ClientOptions.raw_push allows it; kInvalidArgument
+  // out closed) when all of them are float32 and ClientOptions.raw_push allows it (and so does a
+  // single-process server that takes raw pushes, with every layer); kInvalidArgument
   // (nothing sent there) when a layer buffer's size is not its layer's (or slice's). The result
   // is the first shard error in
   // shard order; else the reply with staged = false; else staged = true with slices_received
@@ -125,11 +129,14 @@ class ServerClient {
   // The shard set now (empty = single server). Shared so that a Pull or Push keeps using the
   // set it started with while SetShards swaps in another.
   std::shared_ptr<const ShardSet> Shards() const;
+  // A single-process server's raw push endpoint (null = none), shared likewise.
+  std::shared_ptr<const Shard> ServerRaw() const;
 
-  // One raw push of `layers`' ranges to shard `index`. *unreachable = true (and nothing sent)
+  // One raw push of `layers`' ranges to shard `index` (nullopt: every layer, to a single-process
+  // server). *unreachable = true (and nothing sent)
   // when its listener cannot be connected, now or within kRawPushRetry of the last failure: the
   // caller pushes over gRPC instead.
-  absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, uint32_t index,
+  absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, std::optional<uint32_t> index,
                                             const v1::PushHeader& header, const v1::ModelSpec& spec,
                                             const std::vector<std::vector<float>>& layers,
                                             uint64_t* bytes, bool* unreachable) const;
@@ -142,6 +149,7 @@ class ServerClient {
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const ShardSet> shards_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const Shard> server_raw_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace aloe::worker

@@ -322,11 +322,13 @@ absl::Status Worker::JoinServer() {
 
 absl::Status Worker::Joined(const v1::JoinReply& joined) {
   next_task_.reset();  // a task of the previous membership
-  // A layer-sharded server: pulls and pushes go to its shard processes. Every rank of a node
-  // comes through here (REJOIN), as each pulls and pushes its own slices.
+  // A layer-sharded server: pulls and pushes go to its shard processes (a single-process server
+  // may take raw pushes itself). Every rank of a node comes through here (REJOIN), as each pulls
+  // and pushes its own slices.
   absl::Status shards = client_.SetShards(
       {joined.shard_addresses().begin(), joined.shard_addresses().end()},
-      {joined.shard_push_addresses().begin(), joined.shard_push_addresses().end()});
+      {joined.shard_push_addresses().begin(), joined.shard_push_addresses().end()},
+      joined.push_address());
   if (!shards.ok()) {
     return absl::Status(shards.code(),
                         absl::StrCat("the server's shard addresses: ", shards.message()));

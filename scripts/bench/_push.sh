@@ -1,10 +1,11 @@
 # Shared by scripts/bench/ingest.sh, egress.sh and scale.sh (not a benchmark: bench.sh skips
 # files named _*). Starts aloe-server with deploy/configs/bench-push.textproto, layer-sharded: one
 # --role coordinator and SHARDS --role shard processes (the config plus `shard_processes: SHARDS`
-# and `max_staged_updates: S`), or with SHARDS 0 one single-process aloe-server as before the
-# split. Runs aloe-bench-push against it with the given flags, then prints every server process's
-# peak RSS (VmHWM, read before it is stopped) and, per shard process, the memory bound of issue 6:
-# peak RSS <= (3 + S) x the bytes of its parameters + a fixed overhead. The processes are stopped
+# and `max_staged_updates: S`), or with SHARDS 0 one single-process aloe-server (the config plus
+# `max_staged_updates: S`). Runs aloe-bench-push against it with the given flags, then prints
+# every server process's peak RSS (VmHWM, read before it is stopped) and, per shard process (and
+# for the single-process server, of the whole model), the memory bound of issue 6: peak RSS <=
+# (3 + S) x the bytes of its parameters + a fixed overhead. The processes are stopped
 # on every exit path (trap). The benchmark's last line (`ingest: ...` / `scale: ...`) is printed
 # last.
 #
@@ -14,9 +15,9 @@
 # its core with the other side (unset: no pinning); with COORDINATOR the coordinator of a
 # layer-sharded server runs there instead (its own core, or one of the sides': a deployment's
 # coordinator is on another host than its shards); ALOE_BENCH_MAX_STAGED = S (default 8, the server's
-# default); ALOE_BENCH_TRANSPORT = raw (default: the shard processes also take raw pushes,
-# aloe-server --push_listen, which the benchmark's workers then use for their float32 layers) or
-# grpc (every push over gRPC);
+# default); ALOE_BENCH_TRANSPORT = raw (default: the shard processes, or the single-process
+# server, also take raw pushes, aloe-server --push_listen, which the benchmark's workers then use
+# for their float32 layers) or grpc (every push over gRPC);
 # ALOE_BENCH_RSS_OVERHEAD_MIB = the fixed overhead of the bound (default 32: a shard process of
 # this binary with a model of a few thousand parameters peaks at ~22 MiB under 4 pushers).
 # shellcheck shell=bash
@@ -79,6 +80,11 @@ bench_push_report_memory() {
     if [ "${name#shard}" != "$name" ] && [ -f "$BENCH_PUSH_DIR/bench.out" ]; then
       bytes=$(sed -n "s/^shard ${name#shard} holds .* = \([0-9]*\) bytes$/\1/p" \
         "$BENCH_PUSH_DIR/bench.out")
+    elif [ "$name" = server ] && [ -f "$BENCH_PUSH_DIR/bench.out" ]; then
+      # The single-process server holds every layer: its bound is the whole model's.
+      bytes=$(sed -n 's/^model: [0-9]* layers, \([0-9]*\) parameters.*/\1/p' \
+        "$BENCH_PUSH_DIR/bench.out")
+      [ -n "$bytes" ] && bytes=$((bytes * 4))
     fi
     if [ -z "$bytes" ]; then
       awk -v n="$name" -v k="$hwm_kib" 'BEGIN { printf "%s: peak RSS %.0f MiB\n", n, k / 1024 }'
@@ -160,8 +166,13 @@ bench_push_run() {
   local common=(--config="$config" --drain_seconds=0)
   local port watch
   if [ "$shards" -eq 0 ]; then
-    echo "server: one aloe-server process (deploy/configs/bench-push.textproto)"
-    bench_push_start server "${common[@]}"
+    printf 'max_staged_updates: %d\n' "$max_staged" >>"$config"
+    echo "server: one aloe-server process (deploy/configs/bench-push.textproto," \
+      "max_staged_updates: $max_staged)"
+    echo "pushes: $transport (ALOE_BENCH_TRANSPORT)"
+    local single_raw=()
+    [ "$transport" = raw ] && single_raw=(--push_listen="127.0.0.1:$(bench_push_free_ports 1)")
+    bench_push_start server "${common[@]}" ${single_raw[@]+"${single_raw[@]}"}
     port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$BENCH_PUSH_DIR/server.ports")
     watch="server:${BENCH_PUSH_PIDS[0]}"
   else

@@ -214,6 +214,7 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
                   [](const std::string& a) { return !a.empty(); })) {
     for (const std::string& a : shard_push_addresses_) reply.add_shard_push_addresses(a);
   }
+  if (shard_addresses_.empty()) reply.set_push_address(push_address_);
   PublishMembership();
   return reply;
 }

@@ -134,6 +134,9 @@ class ServerCore {
   // Join answers kUnavailable until every shard has an address.
   void SetShardAddress(uint32_t shard, std::string address, std::string push_address = "");
   bool shards_ready() const;
+  // A single-process server takes raw pushes at `address` too (aloe-server --push_listen; ""
+  // = none): Join tells workers (JoinReply.push_address).
+  void SetPushAddress(std::string address) { push_address_ = std::move(address); }
   // Admits the update `header` names to be pushed to the shards (AdmitRequest): at most
   // max_staged_updates updates are admitted at once, the same on every shard. true when admitted
   // now or before (a retry, another shard's part); false while max_staged_updates others are;
@@ -270,6 +273,7 @@ class ServerCore {
   std::vector<v1::ShardOrder> orders_;
   std::vector<std::string> shard_addresses_;
   std::vector<std::string> shard_push_addresses_;  // parallel to shard_addresses_
+  std::string push_address_;                       // a single-process server's raw pushes
   std::map<uint64_t, Parts> parts_;                // by worker
   // Admitted updates (worker_id, update_id) -> submitted (every shard staged its part).
   std::map<std::pair<uint64_t, uint64_t>, bool> admitted_;

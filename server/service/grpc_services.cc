@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/model_spec.h"
+#include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "server/core/server_metrics.h"
 #include "server/core/update_assembler.h"
@@ -17,6 +18,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 namespace {
+
+// How long a push waits for a receive slot (the shard processes wait as long for theirs).
+constexpr absl::Duration kReceiveSlotWait = absl::Seconds(120);
 
 // Copies a successful StatusOr into *out, and converts the status either way.
 template <typename T>
@@ -117,6 +121,44 @@ void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics) 
   }
 }
 
+absl::StatusOr<std::vector<RawPushRange>> CheckRawPush(const v1::ModelSpec& spec,
+                                                       std::optional<uint32_t> shard,
+                                                       const RawPushRequest& request) {
+  const v1::PushHeader& header = request.header;
+  if (header.codec() != v1::CODEC_FP32 && header.codec() != v1::CODEC_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "raw push: codec %s; raw pushes carry float32 only (push other codecs over gRPC)",
+        v1::Codec_IsValid(header.codec()) ? v1::Codec_Name(header.codec())
+                                          : std::to_string(header.codec())));
+  }
+  ALOE_RETURN_IF_ERROR(CheckSlice(header.slice(), header.slices()));
+  std::vector<RawPushRange> ranges = RawPushRanges(spec, shard, header);
+  const uint64_t expected = RawPushPayloadBytes(ranges);
+  if (request.payload_bytes != expected) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "raw push: payload of %d bytes, but %s expects %d (float32 of its %d layers%s)",
+        request.payload_bytes,
+        shard ? absl::StrFormat("shard process %d", *shard) : std::string("the server"), expected,
+        ranges.size(),
+        header.slices() > 1 ? absl::StrFormat(", slice %d of %d", header.slice(), header.slices())
+                            : ""));
+  }
+  return ranges;
+}
+
+absl::Status ReadRawPayload(const std::vector<RawPushRange>& ranges, ByteReader& in,
+                            UpdateAssembler& assembler) {
+  constexpr size_t kBounceBytes = 256 << 10;
+  // Uninitialized: every byte is received before it is read.
+  const std::unique_ptr<char[]> bounce(new char[kBounceBytes]);
+  for (const RawPushRange& range : ranges) {
+    ALOE_RETURN_IF_ERROR(assembler.AddFp32Read(
+        range.layer_id, range.first, range.count, absl::MakeSpan(bounce.get(), kBounceBytes),
+        [&](char* to, size_t bytes) { return in.ReadExactly(to, bytes); }));
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status ParameterServiceImpl::ServePull(grpc::ServerContext* context,
                                              const v1::PullRequest* request,
                                              PullStreamWriter* writer) {
@@ -132,35 +174,72 @@ grpc::Status ParameterServiceImpl::ServePull(grpc::ServerContext* context,
 grpc::Status ParameterServiceImpl::ServePush(grpc::ServerContext* context, PushStreamReader* reader,
                                              v1::PushReply* reply) {
   const absl::Time start = absl::Now();
-  auto reject = [&](const absl::Status& status) {
-    handle_.Run([&](ServerCore& core) { core.CountRejected(status); });
-    return ToGrpcStatus(status);
-  };
   absl::StatusOr<std::string> identity = Authorize(auth_, *context, std::nullopt);
-  if (!identity.ok()) return reject(identity.status());
+  if (!identity.ok()) return ToGrpcStatus(Rejected(identity.status()));
   absl::StatusOr<v1::PushHeader> first = reader->ReadHeader();
-  if (!first.ok()) return reject(first.status());
-  const v1::PushHeader header = *std::move(first);
-  if (absl::Status owner = auth_.CheckOwner(header.worker_id(), *identity); !owner.ok()) {
-    return reject(owner);
+  if (!first.ok()) return ToGrpcStatus(Rejected(first.status()));
+  return Reply(
+      Accept(
+          *first, *identity, [context] { return context->IsCancelled(); },
+          [&](UpdateAssembler& assembler) { return reader->ReadChunks(assembler); }, start),
+      reply);
+}
+
+absl::StatusOr<v1::PushReply> ParameterServiceImpl::ServeRawPush(
+    const RawPushRequest& request, ByteReader& in, const std::function<bool()>& cancelled) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> identity = auth_.IdentifyToken(request.token);
+  if (!identity.ok()) return Rejected(identity.status());
+  absl::StatusOr<std::vector<RawPushRange>> ranges =
+      CheckRawPush(handle_.spec(), std::nullopt, request);
+  if (!ranges.ok()) return Rejected(ranges.status());
+  const uint64_t expected = request.payload_bytes;
+  bool whole = false;  // the payload was received whole
+  auto read = [&](UpdateAssembler& assembler) -> absl::Status {
+    ALOE_RETURN_IF_ERROR(ReadRawPayload(*ranges, in, assembler));
+    whole = true;
+    return absl::OkStatus();
+  };
+  absl::StatusOr<v1::PushReply> result = Accept(request.header, *identity, cancelled, read, start);
+  // Counted after Accept counted them in aloe_received_bytes_total: a scrape in between never
+  // sees more raw bytes than received ones.
+  if (whole) {
+    metrics_.Add(kRawPushBytes, static_cast<double>(expected));
+    raw_push_bytes_ += expected;
+  }
+  return result;
+}
+
+absl::Status ParameterServiceImpl::Rejected(const absl::Status& status) {
+  handle_.Run([&](ServerCore& core) { core.CountRejected(status); });
+  return status;
+}
+
+absl::StatusOr<v1::PushReply> ParameterServiceImpl::Accept(
+    const v1::PushHeader& header, const std::string& identity, absl::FunctionRef<bool()> cancelled,
+    absl::FunctionRef<absl::Status(UpdateAssembler&)> read, absl::Time start) {
+  if (absl::Status owner = auth_.CheckOwner(header.worker_id(), identity); !owner.ok()) {
+    return Rejected(owner);
   }
   std::shared_ptr<FloatBufferPool> buffers;
   absl::Status status = handle_.Run([&](ServerCore& core) {
     buffers = core.staging_buffers();
     return core.CheckPushHeader(header);
   });
-  if (!status.ok()) return reject(status);
+  if (!status.ok()) return Rejected(status);
+  // Its staging buffers are taken only with a slot: memory stays bounded however many push.
+  absl::StatusOr<ReceiveSlots::Slot> slot = receiving_.Acquire(cancelled, kReceiveSlotWait);
+  if (!slot.ok()) return Rejected(slot.status());
 
   UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers));
-  if (absl::Status read = reader->ReadChunks(assembler); !read.ok()) return reject(read);
+  if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
-
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();
-  if (!update.ok()) return reject(update.status());
+  if (!update.ok()) return Rejected(update.status());
   absl::StatusOr<v1::PushReply> result =
       handle_.Run([&](ServerCore& core) { return core.SubmitUpdate(*std::move(update)); });
   metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));
-  return Reply(std::move(result), reply);
+  return result;
 }
 
 }  // namespace aloe::server

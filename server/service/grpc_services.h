@@ -5,9 +5,19 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
+#include "common/raw_push.h"
+#include "common/receive_slots.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/core/update_assembler.h"
 #include "server/service/auth.h"
@@ -28,6 +38,22 @@ grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& s
 
 // Adds the payload bytes an assembler accepted to the received-bytes metric, per codec.
 void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics);
+
+// What a raw push to shard process `shard` (nullopt: a single-process server, every layer) must
+// carry, after checking its prelude: float32 (kInvalidArgument naming another codec), valid slice
+// fields, and payload_bytes equal to the float32 bytes of those layers (kInvalidArgument naming
+// both sizes). The payload layout (RawPushRanges).
+absl::StatusOr<std::vector<RawPushRange>> CheckRawPush(const v1::ModelSpec& spec,
+                                                       std::optional<uint32_t> shard,
+                                                       const RawPushRequest& request);
+
+// Reads a raw push's payload, laid out as `ranges`, from `in` into `assembler`: each piece lands
+// in a 256 KiB bounce buffer (small enough to stay in cache) and is screened while it is copied
+// on into the update's staging buffers (UpdateAssembler::AddFp32Read). The bounce buffer lives
+// only during the call, which callers make holding a staging or receive slot: at most as many
+// exist as slots, however many connections are open.
+absl::Status ReadRawPayload(const std::vector<RawPushRange>& ranges, ByteReader& in,
+                            UpdateAssembler& assembler);
 
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
@@ -51,19 +77,45 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
 class ParameterServiceImpl final : public WireParameterService {
  public:
-  // handle, auth and metrics must outlive the service. pull_delay: every Pull waits this long
-  // before it streams (a slow link, for tests of overlapped communication).
+  // handle, auth and metrics must outlive the service. max_receiving: at most this many pushes
+  // are received at once (ServerConfig.max_staged_updates); a push beyond them waits unread, up
+  // to 120 s, then fails RESOURCE_EXHAUSTED. pull_delay: every Pull waits this long before it
+  // streams (a slow link, for tests of overlapped communication).
   ParameterServiceImpl(CoreHandle& handle, Authenticator& auth, MetricsSink& metrics,
-                       absl::Duration pull_delay = absl::ZeroDuration())
-      : handle_(handle), auth_(auth), metrics_(metrics), pull_delay_(pull_delay) {}
+                       uint32_t max_receiving, absl::Duration pull_delay = absl::ZeroDuration())
+      : handle_(handle),
+        auth_(auth),
+        metrics_(metrics),
+        receiving_(max_receiving),
+        pull_delay_(pull_delay) {}
 
   grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;
   grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
+  // A raw push (common/raw_push.h: the float32 values of every layer, or of one slice of every
+  // layer, over a plain TCP connection; RawPushListener's handler): the same checks, receive
+  // slots, screening and submission as a gRPC push, each value screened as it is streamed into
+  // the update's staging buffers. kInvalidArgument for another codec or a payload size that is
+  // not the layers'.
+  absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in,
+                                             const std::function<bool()>& cancelled);
+  // Payload bytes of the raw pushes received whole so far.
+  uint64_t raw_push_bytes() const { return raw_push_bytes_.load(); }
 
  private:
+  // Counts a refused push (aloe_updates_rejected_total) and returns its status.
+  absl::Status Rejected(const absl::Status& status);
+  // The part of a push after its header arrived: the owner and header checks, a receive slot,
+  // `read` (the chunks or the raw payload into the assembler), then the whole update submitted.
+  absl::StatusOr<v1::PushReply> Accept(const v1::PushHeader& header, const std::string& identity,
+                                       absl::FunctionRef<bool()> cancelled,
+                                       absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
+                                       absl::Time start);
+
   CoreHandle& handle_;
   Authenticator& auth_;
   MetricsSink& metrics_;
+  ReceiveSlots receiving_;
+  std::atomic<uint64_t> raw_push_bytes_{0};
   const absl::Duration pull_delay_;
 };
 

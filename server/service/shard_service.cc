@@ -101,39 +101,14 @@ absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& re
   absl::StatusOr<std::string> identity = auth_.IdentifyToken(request.token);
   if (!identity.ok()) return AbslStatusOf(Reject(identity.status()));
   const v1::PushHeader& header = request.header;
-  if (header.codec() != v1::CODEC_FP32 && header.codec() != v1::CODEC_UNSPECIFIED) {
-    return AbslStatusOf(Reject(absl::InvalidArgumentError(absl::StrFormat(
-        "raw push: codec %s; raw pushes carry float32 only (push other codecs over gRPC)",
-        v1::Codec_IsValid(header.codec()) ? v1::Codec_Name(header.codec())
-                                          : std::to_string(header.codec())))));
-  }
-  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) {
-    return AbslStatusOf(Reject(s));
-  }
-  const std::vector<RawPushRange> ranges = RawPushRanges(spec_, options_.shard_index, header);
-  const uint64_t expected = RawPushPayloadBytes(ranges);
-  if (request.payload_bytes != expected) {
-    return AbslStatusOf(Reject(absl::InvalidArgumentError(absl::StrFormat(
-        "raw push: payload of %d bytes, but shard process %d expects %d (float32 of its %d "
-        "layers%s)",
-        request.payload_bytes, options_.shard_index, expected, ranges.size(),
-        header.slices() > 1 ? absl::StrFormat(", slice %d of %d", header.slice(), header.slices())
-                            : ""))));
-  }
-  // Each piece lands in a bounce buffer small enough to stay in cache and is screened while it is
-  // copied on into the staged update (UpdateAssembler::AddFp32Read). One per push being received,
-  // taken once its staging slot is (AcceptPush calls `read` then): at most max_staged of them at
-  // once however many connections are open, so the shard's memory stays bounded by its slots.
-  // Uninitialized: every byte is received before it is read.
-  constexpr size_t kBounceBytes = 256 << 10;
+  absl::StatusOr<std::vector<RawPushRange>> ranges =
+      CheckRawPush(spec_, options_.shard_index, request);
+  if (!ranges.ok()) return AbslStatusOf(Reject(ranges.status()));
+  const uint64_t expected = request.payload_bytes;
+  // Read once its staging slot is taken (AcceptPush calls `read` then).
   bool whole = false;  // the payload was received whole
   auto read = [&](UpdateAssembler& assembler) -> absl::Status {
-    const std::unique_ptr<char[]> bounce(new char[kBounceBytes]);
-    for (const RawPushRange& range : ranges) {
-      ALOE_RETURN_IF_ERROR(assembler.AddFp32Read(
-          range.layer_id, range.first, range.count, absl::MakeSpan(bounce.get(), kBounceBytes),
-          [&](char* to, size_t bytes) { return in.ReadExactly(to, bytes); }));
-    }
+    ALOE_RETURN_IF_ERROR(ReadRawPayload(*ranges, in, assembler));
     whole = true;
     return absl::OkStatus();
   };

@@ -503,10 +503,12 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
       std::exit(1);
     }
     joined[w] = *reply;
-    // A layer-sharded server: the pushes go to its shard processes, as aloe-worker's do.
+    // A layer-sharded server: the pushes go to its shard processes, as aloe-worker's do (raw
+    // where the shards, or a single-process server, take raw pushes).
     absl::Status shards = clients[w]->SetShards(
         {reply->shard_addresses().begin(), reply->shard_addresses().end()},
-        {reply->shard_push_addresses().begin(), reply->shard_push_addresses().end()});
+        {reply->shard_push_addresses().begin(), reply->shard_push_addresses().end()},
+        reply->push_address());
     if (!shards.ok()) {
       std::fprintf(stderr, "shard addresses: %s\n", shards.ToString().c_str());
       std::exit(1);

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/tensor_codec.h"
 #include "server/core/checkpoint_store.h"
 #include "tests/integration/loopback_cluster.h"
@@ -22,6 +23,7 @@
 namespace aloe {
 namespace {
 
+using ::aloe::testing::FreePort;
 using ::aloe::testing::LoopbackTest;
 using ::aloe::testing::ReadFile;
 
@@ -51,11 +53,12 @@ double RelativeError(const std::vector<float>& a, const std::vector<float>& b) {
 
 class FsdpWorkerTest : public LoopbackTest {
  protected:
-  // Runs a 3-round sync job with one worker started with `worker_flags`; returns the final
-  // parameters (from the checkpoint written at exit) as floats.
-  std::vector<float> RunJob(const std::string& name, const std::vector<std::string>& worker_flags) {
-    const std::string ckpt =
-        RunSingleTrainerJob(name, "local_steps: 6\nmax_versions: 3\n", worker_flags);
+  // Runs a 3-round sync job with one worker started with `worker_flags` (and the server with
+  // `server_flags`); returns the final parameters (from the checkpoint written at exit) as floats.
+  std::vector<float> RunJob(const std::string& name, const std::vector<std::string>& worker_flags,
+                            const std::vector<std::string>& server_flags = {}) {
+    const std::string ckpt = RunSingleTrainerJob(name, "local_steps: 6\nmax_versions: 3\n",
+                                                 worker_flags, /*evaluate=*/false, server_flags);
     const std::string summary = ReadFile(dir_ + "/summary");
     EXPECT_TRUE(absl::StrContains(summary, "version=3")) << summary << Logs();
     // One update per round: the two slices of each round were merged, not counted twice.
@@ -95,6 +98,28 @@ TEST_F(FsdpWorkerTest, TwoRankNodeTrainsLikeAOneProcessWorker) {
   const double relative = RelativeError(two, one);
   std::printf("2-rank node vs 1-process worker after 3 rounds: relative error %.3g\n", relative);
   EXPECT_LE(relative, 1e-4) << logs_["two"];
+}
+
+// A single-process server with --push_listen: the two ranks of a node push their float32 slices
+// raw (JoinReply.push_address) and the job ends where the same job with gRPC pushes ends.
+TEST_F(FsdpWorkerTest, RawPushesOfATwoRankNodeToOneServerTrainLikeGrpcPushes) {
+  const std::vector<float> grpc = RunJob("grpc", {"--nproc=2"});
+  const std::vector<float> raw =
+      RunJob("raw", {"--nproc=2"}, {absl::StrCat("--push_listen=127.0.0.1:", FreePort())});
+  ASSERT_FALSE(grpc.empty());
+  ASSERT_EQ(raw.size(), grpc.size());
+  // Every pushed byte came raw: 3 rounds x the two ranks' slices.
+  const std::vector<double> pushed = PushedBytes(logs_["raw"]);
+  ASSERT_EQ(pushed.size(), 2u) << logs_["raw"];
+  const std::string server_log = ReadFile(dir_ + "/raw.server.log");
+  EXPECT_TRUE(
+      absl::StrContains(server_log, absl::StrFormat("raw pushes: %d bytes received whole",
+                                                    static_cast<uint64_t>(pushed[0] + pushed[1]))))
+      << server_log;
+  EXPECT_FALSE(absl::StrContains(ReadFile(dir_ + "/grpc.server.log"), "raw pushes")) << "grpc";
+  const double relative = RelativeError(raw, grpc);
+  std::printf("raw vs gRPC pushes after 3 rounds: relative error %.3g\n", relative);
+  EXPECT_LE(relative, 1e-6) << logs_["raw"];
 }
 
 // SIGTERM to the node's launcher reaches every rank: they agree to stop after the same step,

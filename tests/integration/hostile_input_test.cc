@@ -14,21 +14,27 @@
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "common/push_wire.h"
+#include "common/raw_push.h"
 #include "tests/integration/loopback_cluster.h"
 #include "tests/testing/subprocess.h"
 
 namespace aloe {
 namespace {
 
+using ::aloe::testing::FreePort;
 using ::aloe::testing::HttpGet;
 using ::aloe::testing::RawClientTest;
+using ::aloe::testing::RawExchange;
 
 constexpr int kPushes = 1000;
 
@@ -332,6 +338,140 @@ TEST_F(HostileInputTest, UnparsableMessagesAreRejectedAndChangeNothing) {
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(Scraped("aloe_model_version"), 1);
   EXPECT_NE(PullLatest(joined.worker_id()), before);
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+// A single-process server receives at most max_staged_updates pushes at once (each holds a
+// staging buffer of its whole update): here 1. A second push waits unread while the first is
+// open, and is applied once the first ends.
+TEST_F(HostileInputTest, PushesBeyondTheStagingSlotsWaitUntilOneEnds) {
+  const int port = StartServer(
+      "local_steps: 3\nmax_staged_updates: 1\n"
+      "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n");
+  ASSERT_GT(port, 0);
+  Connect(port);
+  v1::JoinReply joined_a, joined_b;
+  v1::Task task_a, task_b;
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("slow", &joined_a, &task_a));
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("queued", &joined_b, &task_b));
+
+  // The first push sends its header and holds the stream open: its slot stays taken.
+  grpc::ClientContext context_a;
+  v1::PushReply reply_a;
+  auto writer_a = parameters_->Push(&context_a, &reply_a);
+  v1::PushChunk first;
+  *first.mutable_header() = HeaderFor(joined_a, task_a);
+  ASSERT_TRUE(writer_a->Write(first));
+  absl::SleepFor(absl::Milliseconds(300));  // the server has read the header and taken the slot
+
+  absl::Notification b_done;
+  grpc::Status status_b;
+  std::thread b([&] {
+    status_b = Push(HeaderFor(joined_b, task_b), FullUpdate(0.5f));
+    b_done.Notify();
+  });
+  EXPECT_FALSE(b_done.WaitForNotificationWithTimeout(absl::Seconds(2)))
+      << "a second push was received while the only slot was taken: " << status_b.error_message();
+  EXPECT_EQ(Scraped("aloe_model_version"), 0);
+
+  for (const v1::PushChunk& c : FullUpdate(0.25f)) ASSERT_TRUE(writer_a->Write(c));
+  ASSERT_TRUE(writer_a->WritesDone());
+  const grpc::Status status_a = writer_a->Finish();
+  ASSERT_TRUE(status_a.ok()) << status_a.error_message();
+  EXPECT_TRUE(b_done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  b.join();
+  ASSERT_TRUE(status_b.ok()) << status_b.error_message();
+  EXPECT_EQ(Scraped("aloe_model_version"), 2);
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+// A single-process server with --push_listen takes raw pushes of every layer's float32 values
+// (JoinReply.push_address tells workers where) with the same rules as gRPC pushes: a wrong
+// payload size, another codec, a NaN, a stranger's update or one of an unknown worker is refused
+// naming the problem and changes nothing; a good one is applied as an outer SGD step.
+TEST_F(HostileInputTest, RawPushesToTheSingleProcessServerAreScreenedAndApplied) {
+  const std::string push_address = absl::StrCat("127.0.0.1:", FreePort());
+  const int port = StartServer("local_steps: 3\n", "outer_optimizer { type: OUTER_SGD lr: 0.5 }",
+                               {"--push_listen=" + push_address});
+  ASSERT_GT(port, 0);
+  Connect(port);
+  v1::JoinReply joined;
+  v1::Task task;
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("raw", &joined, &task));
+  EXPECT_EQ(joined.push_address(), push_address);
+  EXPECT_EQ(joined.shard_addresses_size(), 0);
+  const std::vector<std::vector<float>> before = PullLatest(joined.worker_id());
+
+  // g[l][i] = 0.001 * (i % 7) - 0.002 * l: every element of every layer in the payload.
+  std::vector<std::vector<float>> g(spec_.layers_size());
+  std::string payload;
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    g[l].resize(spec_.layers(l).num_elements());
+    for (size_t i = 0; i < g[l].size(); ++i) {
+      g[l][i] = 0.001f * static_cast<float>(i % 7) - 0.002f * static_cast<float>(l);
+    }
+    payload.append(reinterpret_cast<const char*>(g[l].data()), g[l].size() * sizeof(float));
+  }
+  const v1::PushHeader header = HeaderFor(joined, task);
+  auto raw = [&](const v1::PushHeader& h, const std::string& bytes, uint64_t declared) {
+    absl::Status carried;
+    v1::PushReply reply;
+    const absl::Status transport =
+        RawExchange(push_address, EncodeRawPushPrelude("", h, declared) + bytes, &carried, &reply);
+    EXPECT_TRUE(transport.ok()) << transport;
+    return carried;
+  };
+  struct Bad {
+    std::string what;
+    absl::Status status;
+    std::string message;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({"short payload", raw(header, payload.substr(4), payload.size() - 4),
+                 absl::StrFormat("payload of %d bytes, but the server expects %d",
+                                 payload.size() - 4, payload.size())});
+  v1::PushHeader bf16 = header;
+  bf16.set_codec(v1::CODEC_BF16);
+  bad.push_back({"bf16", raw(bf16, payload, payload.size()), "raw pushes carry float32 only"});
+  std::string nan = payload;
+  const float qnan = std::nanf("");
+  const size_t at = spec_.layers(0).num_elements() + 5;  // layer 1, element 5
+  std::memcpy(&nan[at * sizeof(float)], &qnan, sizeof(float));
+  bad.push_back({"NaN", raw(header, nan, nan.size()), "layer 1"});
+  v1::PushHeader stranger = header;
+  stranger.set_worker_id(joined.worker_id() + 1000);
+  bad.push_back({"unknown worker", raw(stranger, payload, payload.size()), ""});
+  v1::PushHeader sliced = header;
+  sliced.set_slices(2);
+  sliced.set_slice(2);
+  bad.push_back({"bad slice", raw(sliced, payload, payload.size()), "slice"});
+  for (const Bad& b : bad) {
+    EXPECT_FALSE(b.status.ok()) << b.what;
+    EXPECT_TRUE(absl::StrContains(b.status.message(), b.message)) << b.what << ": " << b.status;
+  }
+  EXPECT_EQ(bad[0].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad[2].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RejectedTotal(), static_cast<double>(bad.size()));
+  EXPECT_EQ(Scraped("aloe_model_version"), 0);
+  EXPECT_EQ(PullLatest(joined.worker_id()), before);
+
+  // The good push: theta - 0.5 * g, every element.
+  ASSERT_TRUE(raw(header, payload, payload.size()).ok());
+  EXPECT_EQ(Scraped("aloe_model_version"), 1);
+  EXPECT_EQ(Scraped("aloe_raw_push_bytes_total"), static_cast<double>(payload.size()));
+  const std::vector<std::vector<float>> after = PullLatest(joined.worker_id());
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t l = 0; l < after.size(); ++l) {
+    ASSERT_EQ(after[l].size(), g[l].size());
+    for (size_t i = 0; i < g[l].size(); ++i) {
+      ASSERT_EQ(after[l][i], before[l][i] - 0.5f * g[l][i]) << "layer " << l << " element " << i;
+    }
+  }
+  // A retry of the same update is refused as a duplicate and changes nothing.
+  EXPECT_FALSE(raw(header, payload, payload.size()).ok());
+  EXPECT_EQ(Scraped("aloe_model_version"), 1);
   server_->Signal(SIGTERM);
   EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
 }

@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -25,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "common/corpus_manifest.h"
 #include "common/model_spec.h"
+#include "common/raw_push.h"
 #include "common/tensor_codec.h"
 #include "common/token_shard.h"
 #include "proto/aloe.grpc.pb.h"
@@ -74,6 +76,19 @@ inline std::vector<uint32_t> Bytes(const std::string& text, int repeat) {
     for (unsigned char c : text) tokens.push_back(c);
   }
   return tokens;
+}
+
+// Writes `bytes` to a new raw push connection to `address` and reads the reply into *carried.
+// Returns the transport's status.
+inline absl::Status RawExchange(const std::string& address, const std::string& bytes,
+                                absl::Status* carried, v1::PushReply* reply) {
+  absl::StatusOr<int> fd = ConnectTcp(address, absl::Seconds(10));
+  if (!fd.ok()) return fd.status();
+  absl::Status s = WriteAll(*fd, bytes.data(), bytes.size(), absl::Seconds(30));
+  SocketReader in(*fd, absl::Seconds(30));
+  if (s.ok()) s = ReadRawPushReply(in, carried, reply);
+  close(*fd);
+  return s;
 }
 
 class LoopbackTest : public ::testing::Test {
@@ -253,14 +268,16 @@ class LoopbackTest : public ::testing::Test {
   // directory dir_/ckpt_<name> that receives the final state. With `evaluate`, an evaluator joins
   // first and measures versions 0 and the final one (evaluation reads the model, so the training
   // stays deterministic); FinalEvalLoss() then reads the last. Returns the checkpoint directory;
-  // the trainer's log is kept as <name>.log.
+  // the trainer's log is kept as <name>.log, the server's as <name>.server.log.
   std::string RunSingleTrainerJob(const std::string& name, const std::string& config,
                                   const std::vector<std::string>& worker_flags = {},
-                                  bool evaluate = false) {
+                                  bool evaluate = false,
+                                  const std::vector<std::string>& server_flags = {}) {
     const std::string ckpt = dir_ + "/ckpt_" + name;
     const int port = StartServer(absl::StrCat(config, "\naggregation { min_workers: 1 }\n",
                                               evaluate ? "eval_every: 1000000\n" : "",
-                                              "checkpoint { dir: \"", ckpt, "\" keep: 1 }\n"));
+                                              "checkpoint { dir: \"", ckpt, "\" keep: 1 }\n"),
+                                 kNesterov, server_flags);
     EXPECT_GT(port, 0);
     if (port == 0) return ckpt;
     std::unique_ptr<Subprocess> evaluator;
@@ -274,6 +291,7 @@ class LoopbackTest : public ::testing::Test {
       EXPECT_EQ(evaluator->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
     }
     std::rename((dir_ + "/trainer0.log").c_str(), (dir_ + "/" + name + ".log").c_str());
+    std::rename((dir_ + "/server.log").c_str(), (dir_ + "/" + name + ".server.log").c_str());
     return ckpt;
   }
 

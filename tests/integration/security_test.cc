@@ -210,9 +210,13 @@ TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
     std::vector<std::string> flags = shard;
     flags.insert(flags.end(), c.flags.begin(), c.flags.end());
     ExpectRefused(c.security, flags, "shard_processes: 1", c.message);
+    // The same rules for a single-process server's raw pushes.
+    ExpectRefused(c.security, c.flags, "", c.message);
   }
   ExpectRefused("", {"--role=coordinator", "--push_listen=127.0.0.1:17072"}, "shard_processes: 1",
-                "--push_listen is for --role shard only");
+                "--push_listen is for --role shard or single (a coordinator takes no pushes)");
+  ExpectRefused("", {"--advertise_push=10.1.2.3:17072"}, "",
+                "--advertise_push needs --push_listen");
 }
 
 TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
@@ -309,7 +313,11 @@ TEST_F(SecurityTest, ShardAddressesWorkersCannotDialAreRefused) {
     ExpectRefused("", flags, "shard_processes: 1", c.message);
   }
   ExpectRefused("", {"--role=coordinator", "--advertise=shard-0:7071"}, "shard_processes: 1",
-                "--advertise and --advertise_push are for --role shard");
+                "--advertise is for --role shard only");
+  // A single-process server's raw push address: the same rule as a shard's.
+  ExpectRefused("", {"--push_listen=0.0.0.0:17072", "--insecure"}, "",
+                "--push_listen 0.0.0.0:17072 listens on every interface, and workers cannot dial "
+                "that address: pass --advertise_push HOST:PORT");
 }
 
 TEST_F(SecurityTest, ShardsTheCoordinatorRefusesExitWithTheReason) {

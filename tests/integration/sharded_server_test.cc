@@ -309,19 +309,6 @@ absl::StatusOr<v1::JoinReply> JoinTrainer(worker::ServerClient& client, const st
   return joined;
 }
 
-// Writes `bytes` to a new raw push connection to `address` and reads the reply into *carried.
-// Returns the transport's status.
-absl::Status RawExchange(const std::string& address, const std::string& bytes,
-                         absl::Status* carried, v1::PushReply* reply) {
-  absl::StatusOr<int> fd = ConnectTcp(address, absl::Seconds(10));
-  if (!fd.ok()) return fd.status();
-  absl::Status s = WriteAll(*fd, bytes.data(), bytes.size(), absl::Seconds(30));
-  SocketReader in(*fd, absl::Seconds(30));
-  if (s.ok()) s = ReadRawPushReply(in, carried, reply);
-  close(*fd);
-  return s;
-}
-
 // The float32 bytes of the layers of `spec` that shard process `shard` owns, in layer order.
 std::string RawPayload(const v1::ModelSpec& spec, uint32_t shard,
                        const std::vector<std::vector<float>>& g) {

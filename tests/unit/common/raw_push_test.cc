@@ -151,7 +151,7 @@ TEST(RawPushTest, RepliesCarryTheOutcome) {
               StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
 }
 
-TEST(RawPushTest, RangesAreTheShardsLayersInOrderWholeOrSliced) {
+TEST(RawPushTest, RangesAreTheShardsLayersOrEveryLayerInOrderWholeOrSliced) {
   v1::ModelSpec spec;
   const uint64_t sizes[] = {10, 7, 5, 3};
   const uint32_t shards[] = {1, 0, 1, 1};
@@ -184,6 +184,13 @@ TEST(RawPushTest, RangesAreTheShardsLayersInOrderWholeOrSliced) {
   EXPECT_EQ(ranges[2].first, 2u);
   EXPECT_EQ(ranges[2].count, 1u);
   EXPECT_TRUE(RawPushRanges(spec, 2, whole).empty());
+  // No shard (a single-process server): every layer, in order.
+  ranges = RawPushRanges(spec, std::nullopt, sliced);
+  ASSERT_EQ(ranges.size(), 4u);
+  EXPECT_EQ(ranges[1].layer_id, 1u);
+  EXPECT_EQ(ranges[1].first, 6u);  // layer 1 (7 elements): ceil(7 / 3) = 3 per slice, [6, 7)
+  EXPECT_EQ(ranges[1].count, 1u);
+  EXPECT_EQ(RawPushPayloadBytes(ranges), (2 + 1 + 1 + 1) * 4u);
 }
 
 TEST(RawPushTest, SocketsConnectCarryBytesTimeOutAndReportClosing) {
