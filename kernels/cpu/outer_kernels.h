@@ -78,6 +78,14 @@ void ScaledCopy(const float* x, float w, float* out, size_t n);
 // order differs from a sequential loop, so results agree with it to rounding, not bit for bit.
 double SquaredL2Norm(const float* x, size_t n);
 
+// sum_i x[i]^2 of n float32 values given as little-endian bytes at any alignment (a received
+// payload, or a piece of it still in cache while it is streamed on), for the norm metric: 3x
+// SquaredL2Norm's speed on values in cache, because each of 16 lanes adds blocks of 64 squares
+// in float before it adds them to its double total. So it agrees with SquaredL2Norm to about
+// 64 float roundings (relative 1e-5), not to double rounding; meant for pushed values (|x| <=
+// 1e6: no float overflow). The same result on every host.
+double SquaredL2NormOfBytes(const void* in, size_t n);
+
 // True when no element is NaN, +Inf or -Inf. Scans all n elements (no early exit) so the loop
 // stays branch-free and vectorised; it is meant for the common all-finite case.
 bool AllFinite(const float* x, size_t n);

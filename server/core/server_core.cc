@@ -510,6 +510,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     for (std::vector<float>& layer : update.layers) {
       kernels::Scale(layer.data(), layer.size(), *scale);
     }
+    for (double& squares : update.layer_squares) squares *= static_cast<double>(*scale) * *scale;
   }
   absl::StatusOr<ApplyBatch> batch = aggregation_->Submit(std::move(update), version());
   if (!batch.ok()) {
@@ -578,6 +579,13 @@ absl::StatusOr<std::optional<PendingUpdate>> ServerCore::StageSlice(PendingUpdat
       std::copy(update.layers[l].begin() + first, update.layers[l].begin() + last,
                 staged.merged.layers[l].begin() + first);
     }
+    // The slices' sums of squares add up; a retried slice's would count twice: unmeasured.
+    std::vector<double>& squares = staged.merged.layer_squares;
+    if (staged.received[update.slice] || update.layer_squares.size() != squares.size()) {
+      squares.clear();
+    } else {
+      for (size_t l = 0; l < squares.size(); ++l) squares[l] += update.layer_squares[l];
+    }
     if (!staged.received[update.slice]) {
       staged.received[update.slice] = true;
       ++staged.count;
@@ -614,11 +622,15 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
     orders_.push_back(std::move(order));
     ++commit_version_;
   } else if (penalty_ == nullptr) {
-    // Per (update, layer) norms; with the penalty on, it reports them itself.
+    // Per (update, layer) norms; with the penalty on, it reports them itself. Measured while
+    // the update was received when it was (layer_squares), else read from the update.
     for (const PendingUpdate* u : updates) {
-      for (const std::vector<float>& layer : u->layers) {
+      const bool measured = u->layer_squares.size() == u->layers.size();
+      for (size_t l = 0; l < u->layers.size(); ++l) {
+        const std::vector<float>& layer = u->layers[l];
         metrics_.Observe(kPseudoGradientNorm,
-                         std::sqrt(kernels::SquaredL2Norm(layer.data(), layer.size())));
+                         std::sqrt(measured ? u->layer_squares[l]
+                                            : kernels::SquaredL2Norm(layer.data(), layer.size())));
       }
     }
   }

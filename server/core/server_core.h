@@ -58,6 +58,10 @@ class ServerCore {
   absl::StatusOr<v1::Task> RequestTask(const v1::TaskRequest& request);
   // Cheap checks of a push header before its chunks are read (live worker, open task, version).
   absl::Status CheckPushHeader(const v1::PushHeader& header) const;
+  // Whether the updates this server applies report their layers' norms from layer_squares when
+  // they carry them (UpdateAssembler's sum_squares): a single-process server without the EDiT
+  // penalty (the penalty measures its own).
+  bool wants_layer_squares() const { return !sharded() && penalty_ == nullptr; }
   // Takes a fully assembled update; aggregates and applies when it completes a batch. A slice of
   // a sliced update (update.slices > 1) is staged until every slice has arrived (reply staged);
   // the slice that completes it submits the merged update. With update.want_next_task (of the

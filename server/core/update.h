@@ -29,6 +29,11 @@ struct PendingUpdate {
   bool want_next_task = false;
   // g = theta_base - theta_end, one flat float32 buffer per layer of the ModelSpec.
   std::vector<std::vector<float>> layers;
+  // sum_i g[i]^2 per layer (of the elements received: a slice's, until merged), measured while
+  // the pushed values were still in cache (UpdateAssembler with sum_squares), scaled with
+  // weight_scale; empty = not measured. Only for the norm metric: it adds in another order than
+  // kernels::SquaredL2Norm over the whole layer would, so it agrees with that to rounding.
+  std::vector<double> layer_squares;
 };
 
 }  // namespace aloe::server

@@ -45,11 +45,12 @@ PendingUpdate UpdateOfHeader(const v1::PushHeader& header) {
 
 UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header,
                                  std::optional<uint32_t> only_shard,
-                                 std::shared_ptr<FloatBufferPool> buffers)
+                                 std::shared_ptr<FloatBufferPool> buffers, bool sum_squares)
     : spec_(spec),
       filled_(spec.layers_size(), 0),
       only_shard_(only_shard),
-      buffers_(std::move(buffers)) {
+      buffers_(std::move(buffers)),
+      squares_(sum_squares ? spec.layers_size() : 0, 0.0) {
   update_ = UpdateOfHeader(header);
   update_.layers.resize(spec.layers_size());
   if (header.codec() != v1::CODEC_UNSPECIFIED) default_codec_ = header.codec();
@@ -145,6 +146,7 @@ absl::Status UpdateAssembler::AddFp32Read(
           "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
           layer_id, spec.name(), out[i], offset + done + i, kMaxPushMagnitude));
     }
+    if (!squares_.empty()) squares_[layer_id] += kernels::SquaredL2NormOfBytes(bounce.data(), n);
     done += n;
   }
   filled_[layer_id] += count;
@@ -190,14 +192,14 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   // float32 (the common case): decode, finiteness and magnitude in one pass, streamed into the
   // staged update (as AddFp32Read); the slow path below runs only for other codecs and to name
   // what a refused chunk got wrong.
-  const bool decoded =
-      fp32 &&
-      (in_pieces
-           ? ForEachFloatRun(pieces, out.data(),
-                             [](const char* in, float* to, size_t n) {
-                               return kernels::StreamWithinMagnitude(in, to, n, kMaxPushMagnitude);
-                             })
-           : kernels::StreamWithinMagnitude(payload.data(), out.data(), count, kMaxPushMagnitude));
+  double squares = 0;  // of this chunk, measured from its received bytes while they are in cache
+  auto stream = [&](const char* in, float* to, size_t n) {
+    if (!kernels::StreamWithinMagnitude(in, to, n, kMaxPushMagnitude)) return false;
+    if (!squares_.empty()) squares += kernels::SquaredL2NormOfBytes(in, n);
+    return true;
+  };
+  const bool decoded = fp32 && (in_pieces ? ForEachFloatRun(pieces, out.data(), stream)
+                                          : stream(payload.data(), out.data(), count));
   if (!decoded) {
     if (in_pieces) join();
     absl::Status s = DecodeChunk(codec, payload, out);
@@ -210,7 +212,10 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
           "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
           layer_id, layer.name(), out[i], offset + i, kMaxPushMagnitude));
     }
+    // Decoded through the cache (bf16, int8): still there.
+    if (!squares_.empty()) squares = kernels::SquaredL2Norm(out.data(), out.size());
   }
+  if (!squares_.empty()) squares_[layer_id] += squares;
   filled_[layer_id] += count;
   bytes_received_ += size;
   bytes_by_codec_[codec] += size;
@@ -231,6 +236,7 @@ absl::StatusOr<PendingUpdate> UpdateAssembler::Finish() && {
     if (only_shard_ && spec_.layers(i).shard() != *only_shard_) continue;
     if (update_.layers[i].empty()) update_.layers[i].resize(spec_.layers(i).num_elements());
   }
+  update_.layer_squares = std::move(squares_);
   return std::move(update_);
 }
 

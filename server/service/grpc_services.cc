@@ -222,8 +222,10 @@ absl::StatusOr<v1::PushReply> ParameterServiceImpl::Accept(
     return Rejected(owner);
   }
   std::shared_ptr<FloatBufferPool> buffers;
+  bool squares = false;
   absl::Status status = handle_.Run([&](ServerCore& core) {
     buffers = core.staging_buffers();
+    squares = core.wants_layer_squares();
     return core.CheckPushHeader(header);
   });
   if (!status.ok()) return Rejected(status);
@@ -231,7 +233,7 @@ absl::StatusOr<v1::PushReply> ParameterServiceImpl::Accept(
   absl::StatusOr<ReceiveSlots::Slot> slot = receiving_.Acquire(cancelled, kReceiveSlotWait);
   if (!slot.ok()) return Rejected(slot.status());
 
-  UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers));
+  UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers), squares);
   if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();

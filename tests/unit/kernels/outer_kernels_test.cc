@@ -293,6 +293,21 @@ TEST_P(OuterKernelsSizeTest, SquaredL2NormMatchesDoubleLoop) {
   }
 }
 
+TEST_P(OuterKernelsSizeTest, SquaredL2NormOfBytesIsTheNormOfTheValuesAtAnyAlignment) {
+  const size_t n = GetParam();
+  const std::vector<float> x = RandomVector(n, 13, -100.0f, 100.0f);
+  double expected = 0;
+  for (float v : x) expected += static_cast<double>(v) * v;
+  // The values' bytes at offsets 0..3 of a byte buffer: aligned and not.
+  for (size_t shift = 0; shift < 4; ++shift) {
+    std::vector<unsigned char> bytes(n * sizeof(float) + shift + 1, 0xff);
+    if (n > 0) std::memcpy(bytes.data() + shift, x.data(), n * sizeof(float));
+    const double got = SquaredL2NormOfBytes(bytes.data() + shift, n);
+    EXPECT_NEAR(got, expected, 1e-5 * expected) << "shift " << shift;
+  }
+  EXPECT_EQ(SquaredL2NormOfBytes(nullptr, 0), 0.0);
+}
+
 TEST_P(OuterKernelsSizeTest, SquaredL2NormDoesNotOverflowFloat) {
   // Each square (1e30) overflows float32 but not double.
   const size_t n = GetParam();

@@ -233,7 +233,12 @@ TEST_F(ServerCoreTest, PublishesShardTrainerReleaseAndNormMetrics) {
   PendingUpdate ua = Update(a, ta, 1.0f);
   ua.compute_seconds = 1.0;  // 5 steps in 1 s
   ASSERT_THAT(core_->SubmitUpdate(ua), IsOk());
-  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 3.0f)), IsOk());
+  // b's layers' sums of squares as measured on arrival (UpdateAssembler's sum_squares): the
+  // norm metric reports those instead of reading the update again.
+  PendingUpdate ub = Update(b, tb, 3.0f);
+  ub.layer_squares.assign(core_->spec().layers_size(), 49.0);
+  ASSERT_TRUE(core_->wants_layer_squares());
+  ASSERT_THAT(core_->SubmitUpdate(ub), IsOk());
   // 0.3 * 5 + 0.7 * 2.6 = 3.32.
   EXPECT_NEAR(metrics_.Value("aloe_trainer_steps_per_second", {ida, "w"}), 3.32, 1e-12);
   EXPECT_EQ(metrics_.Observations("aloe_grace_window_workers"), std::vector<double>{2});
@@ -258,7 +263,7 @@ TEST_F(ServerCoreTest, PublishesShardTrainerReleaseAndNormMetrics) {
   const int layers = core_->spec().layers_size();
   ASSERT_EQ(norms.size(), 2u * layers);
   EXPECT_NEAR(norms[0], std::sqrt(double(core_->spec().layers(0).num_elements())), 1e-4);
-  EXPECT_NEAR(norms[layers], 3 * std::sqrt(double(core_->spec().layers(0).num_elements())), 1e-4);
+  for (int l = 0; l < layers; ++l) EXPECT_EQ(norms[layers + l], 7.0) << "measured, layer " << l;
 
   v1::LeaveRequest leave;
   leave.set_worker_id(a);

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string_view>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "common/tensor_codec.h"
 #include "tests/testing/pieces.h"
@@ -204,6 +205,58 @@ TEST(UpdateAssemblerTest, PayloadInPiecesDecodesAsTheWholeWhereverItIsCut) {
     ASSERT_THAT(update, IsOk());
     ASSERT_EQ(update->layers[0].size(), g.size());
     EXPECT_EQ(std::memcmp(update->layers[0].data(), g.data(), 4 * g.size()), 0);
+  }
+}
+
+// With sum_squares every layer's sum of squares is measured from the chunks as they arrive,
+// whatever way they come: whole float32 chunks, chunks in pieces with values split between
+// them, raw reads in pieces, and bf16 (of the decoded values); without, none is.
+TEST(UpdateAssemblerTest, SumSquaresMeasuresEachLayerFromItsChunks) {
+  v1::ModelSpec spec;
+  for (int l = 0; l < 3; ++l) {
+    v1::LayerSpec* layer = spec.add_layers();
+    layer->set_id(l);
+    layer->set_name(absl::StrCat("layer", l));
+    layer->set_num_elements(500);
+  }
+  std::vector<std::vector<float>> g(3, std::vector<float>(500));
+  for (int l = 0; l < 3; ++l) {
+    for (size_t i = 0; i < 500; ++i) {
+      g[l][i] = 0.01f * static_cast<float>((i * 7 + l) % 101) - 0.5f;
+    }
+  }
+  for (const bool on : {true, false}) {
+    UpdateAssembler assembler(spec, v1::PushHeader(), std::nullopt, nullptr, on);
+    // Layer 0: two float32 chunks, the second in pieces cut inside values.
+    std::string a, b;
+    AppendFloats(absl::MakeConstSpan(g[0].data(), 200), &a);
+    AppendFloats(absl::MakeConstSpan(g[0].data() + 200, 300), &b);
+    ASSERT_THAT(assembler.AddChunk(0, 0, a), IsOk());
+    ASSERT_THAT(assembler.AddChunk(0, 200, absl::MakeConstSpan(CutAt(b, {5, 6, 401, 1199}))),
+                IsOk());
+    // Layer 1: raw reads in pieces of 70.
+    std::vector<char> bounce(70 * sizeof(float));
+    ASSERT_THAT(assembler.AddFp32Read(1, 0, 500, absl::MakeSpan(bounce), Reader(g[1], 0)), IsOk());
+    // Layer 2: bf16.
+    std::string c;
+    ASSERT_THAT(EncodeChunk(v1::CODEC_BF16, g[2], 64, &c, nullptr), IsOk());
+    ASSERT_THAT(assembler.AddChunk(2, 0, c, v1::CODEC_BF16), IsOk());
+    auto update = std::move(assembler).Finish();
+    ASSERT_THAT(update, IsOk());
+    if (!on) {
+      EXPECT_TRUE(update->layer_squares.empty());
+      continue;
+    }
+    ASSERT_EQ(update->layer_squares.size(), 3u);
+    for (int l = 0; l < 3; ++l) {
+      double expected = 0;  // of what was received: layer 2's bf16-rounded values
+      for (float v : update->layers[l]) expected += static_cast<double>(v) * v;
+      EXPECT_NEAR(update->layer_squares[l], expected, 1e-5 * expected) << "layer " << l;
+    }
+    double exact = 0;
+    for (float v : g[0]) exact += static_cast<double>(v) * v;
+    EXPECT_NEAR(update->layer_squares[0], exact, 1e-5 * exact);
+    EXPECT_GT(exact, 1.0);
   }
 }
 
