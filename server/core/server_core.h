@@ -267,7 +267,7 @@ class ServerCore {
   v1::ModelSpec spec_;
   std::unique_ptr<ParameterStore> store_;  // null when sharded across processes
   // Single process: applied updates give their layer buffers back here for the next pushes
-  // (UpdateAssembler); at most two updates' worth idle. Null when sharded.
+  // (UpdateAssembler); at most max_staged_updates updates' worth idle. Null when sharded.
   std::shared_ptr<FloatBufferPool> staging_buffers_;
   // Sharded coordinator: the version of the last COMMIT order, the order log since
   // orders_base_version_, the shards' addresses and the parts staged per worker.
