@@ -659,6 +659,48 @@ TEST_F(ClientRawPushTest, AnUnreachableListenerSendsThePushOverGrpcForAWhile) {
   EXPECT_TRUE(late.Pushes().empty());
 }
 
+// A single-process server that takes raw pushes (JoinReply.push_address, no shards) gets every
+// layer over its listener; a push with an encoded layer, and any push while the listener cannot
+// be reached, goes to the server over gRPC.
+TEST_F(ClientRawPushTest, ASingleServersListenerGetsEveryLayerAndEncodedPushesUseGrpc) {
+  FakeRawShard single;
+  single.SetAnswer(absl::OkStatus(), Reply(false, 9));  // applied
+  ServerClient client(WithToken(main_.address, "tok"));
+  ASSERT_THAT(client.SetShards({}, {}, single.address()), IsOk());
+  main_.service.SetPushAnswer(grpc::Status::OK, Reply(false, 9));
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> reply =
+      client.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_TRUE(reply->applied());
+  EXPECT_EQ(bytes, PayloadBytes(spec_));
+  EXPECT_TRUE(main_.service.Pushes().empty()) << "the server got a gRPC push";
+  const std::vector<FakeRawShard::Received> pushes = single.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  EXPECT_EQ(pushes[0].token, "tok");
+  EXPECT_EQ(pushes[0].header.update_id(), Header().update_id());
+  std::vector<float> all;  // every layer, in layer order
+  for (const std::vector<float>& layer : Values(spec_))
+    all.insert(all.end(), layer.begin(), layer.end());
+  EXPECT_EQ(pushes[0].payload, all);
+  // One bf16 layer: the whole push over gRPC.
+  std::vector<v1::Codec> codecs(spec_.layers_size(), v1::CODEC_FP32);
+  codecs[1] = v1::CODEC_BF16;
+  ASSERT_THAT(client.Push(Header(), spec_, Values(spec_), codecs, 256, nullptr, &bytes), IsOk());
+  EXPECT_EQ(main_.service.Pushes().size(), 1u);
+  EXPECT_EQ(single.Pushes().size(), 1u);
+  // Told no listener any more (a re-join): gRPC.
+  ASSERT_THAT(client.SetShards({}, {}, ""), IsOk());
+  ASSERT_THAT(client.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes), IsOk());
+  EXPECT_EQ(main_.service.Pushes().size(), 2u);
+  EXPECT_EQ(single.Pushes().size(), 1u);
+  // A listener nobody answers at: the push goes over gRPC.
+  const std::string nowhere = "127.0.0.1:" + std::to_string(::aloe::testing::FreePort());
+  ASSERT_THAT(client.SetShards({}, {}, nowhere), IsOk());
+  ASSERT_THAT(client.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes), IsOk());
+  EXPECT_EQ(main_.service.Pushes().size(), 3u);
+}
+
 TEST_F(ClientRawPushTest, RawPushesOffOrTlsUseGrpcAndAddressListsMustMatch) {
   ClientOptions options = Plaintext(main_.address);
   options.raw_push = false;
