@@ -194,16 +194,12 @@ absl::StatusOr<v1::PushReply> ParameterServiceImpl::ServeRawPush(
       CheckRawPush(handle_.spec(), std::nullopt, request);
   if (!ranges.ok()) return Rejected(ranges.status());
   const uint64_t expected = request.payload_bytes;
-  bool whole = false;  // the payload was received whole
-  auto read = [&](UpdateAssembler& assembler) -> absl::Status {
-    ALOE_RETURN_IF_ERROR(ReadRawPayload(*ranges, in, assembler));
-    whole = true;
-    return absl::OkStatus();
-  };
+  absl::Status received = absl::UnknownError("not read");  // OK: the payload came whole
+  auto read = [&](UpdateAssembler& a) { return received = ReadRawPayload(*ranges, in, a); };
   absl::StatusOr<v1::PushReply> result = Accept(request.header, *identity, cancelled, read, start);
   // Counted after Accept counted them in aloe_received_bytes_total: a scrape in between never
   // sees more raw bytes than received ones.
-  if (whole) {
+  if (received.ok()) {
     metrics_.Add(kRawPushBytes, static_cast<double>(expected));
     raw_push_bytes_ += expected;
   }

@@ -106,15 +106,11 @@ absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& re
   if (!ranges.ok()) return AbslStatusOf(Reject(ranges.status()));
   const uint64_t expected = request.payload_bytes;
   // Read once its staging slot is taken (AcceptPush calls `read` then).
-  bool whole = false;  // the payload was received whole
-  auto read = [&](UpdateAssembler& assembler) -> absl::Status {
-    ALOE_RETURN_IF_ERROR(ReadRawPayload(*ranges, in, assembler));
-    whole = true;
-    return absl::OkStatus();
-  };
+  absl::Status received = absl::UnknownError("not read");  // OK: the payload came whole
+  auto read = [&](UpdateAssembler& a) { return received = ReadRawPayload(*ranges, in, a); };
   v1::PushReply reply;
   const grpc::Status status = AcceptPush(header, *identity, cancelled, read, &reply, start);
-  if (whole) {
+  if (received.ok()) {
     // Counted after AcceptPush counted them in aloe_received_bytes_total: a scrape in between
     // never sees more raw bytes than received ones (a raw share above 1).
     metrics_.Add(kRawPushBytes, static_cast<double>(expected));
