@@ -26,18 +26,21 @@ absl::StatusOr<ReceiveSlots::Slot> ReceiveSlots::Acquire(absl::FunctionRef<bool(
   absl::MutexLock lock(&mu_);
   const uint64_t ticket = next_ticket_++;
   waiting_.push_back(ticket);
-  auto leave = [&] {
-    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), ticket));
-    freed_.SignalAll();  // the waiters behind may now be close enough to the front
+  auto leave = [&] { waiting_.erase(std::find(waiting_.begin(), waiting_.end(), ticket)); };
+  // Leaving without a slot may bring the waiters behind close enough to the front; taking one
+  // moves them up by one as it takes one free slot away, so it wakes nobody.
+  auto give_up = [&] {
+    leave();
+    freed_.SignalAll();
   };
   while (!MayTake(ticket)) {
     if (cancelled()) {
-      leave();
+      give_up();
       return absl::CancelledError("the push was abandoned while it waited");
     }
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      leave();
+      give_up();
       return absl::ResourceExhaustedError(absl::StrFormat(
           "%d pushes are being received (max_staged_updates) and none ended for %.0f s; push "
           "again later",
