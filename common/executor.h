@@ -1,5 +1,5 @@
 // Runs independent pieces of work, e.g. one parameter shard's update each. Algorithm code
-// receives an Executor instead of creating threads (STYLE.md rule 0).
+// receives an Executor instead of creating threads (docs/architecture.md, "Dependency rule").
 #pragma once
 
 #include <condition_variable>

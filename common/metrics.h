@@ -1,6 +1,6 @@
 // Metrics facade. Algorithm code reports through a MetricsSink it receives by reference; the
 // daemons wire in PrometheusMetrics (a real /metrics endpoint), tests a RecordingMetrics.
-// Names follow the catalogue in README.md: prefixed aloe_, units in the name.
+// Names follow the catalogue in docs/operations.md#metrics: prefixed aloe_, units in the name.
 #pragma once
 
 #include <map>

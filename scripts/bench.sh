@@ -24,8 +24,8 @@ fi
 
 cd "$ALOE_ROOT"
 "$ALOE_ROOT/scripts/install-deps.sh" >/dev/null
-# The host goes with every number: the same code measured 0.78-0.94 (ingest) on one 2-core VM
-# and 0.34-0.45 on another (README, Benchmarks).
+# The host goes with every number: the same code measures differently on two VMs of the same
+# size (docs/benchmarks.md).
 host_cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
 host_mem=$(awk '/^MemTotal:/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)
 echo "host: ${host_cpu:-unknown CPU}, $(nproc) cores, $host_mem, kernel $(uname -r)"

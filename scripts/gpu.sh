@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU workers: builds ALOE against the CUDA LibTorch of a PyTorch installation and checks it on
-# the GPUs (README "GPU workers"). Debian 12's LibTorch is CPU-only; PyTorch's wheel carries a
+# the GPUs (docs/operations.md, "GPU workers"). Debian 12's LibTorch is CPU-only; PyTorch's wheel carries a
 # CUDA LibTorch with NCCL (python3 -c 'import torch; print(torch.utils.cmake_prefix_path)').
 #
 # Usage:

@@ -1,4 +1,4 @@
-// Wire codecs for pseudo-gradients and parameters (ALGORITHMS.md "Compression", paper 001):
+// Wire codecs for pseudo-gradients and parameters (docs/algorithms.md, "Compression", paper 001):
 // bf16 casts and int8 blockwise absmax quantization, with optional error feedback (the
 // quantization residual is produced in the same pass, for the caller to add to its next update)
 // and a fused decode-and-accumulate so the server can aggregate pushes straight from the wire.

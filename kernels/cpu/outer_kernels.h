@@ -1,5 +1,5 @@
 // Fused single-pass CPU loops for the server's outer step and the codecs: the outer optimizers
-// (ALGORITHMS.md "Outer optimizers"), pseudo-gradient averaging, norms and finiteness checks.
+// (docs/algorithms.md, "Outer optimizers"), pseudo-gradient averaging, norms and finiteness checks.
 //
 // Why fused: on the target hosts one OpenMP-SIMD pass over raw float pointers runs at 35-41 GB/s
 // while a chain of separate element-wise ops is 2-8x slower, so every kernel reads each input

@@ -135,7 +135,7 @@ double TimePushPath(size_t n, int threads, int warmup, int reps, bool with_penal
   dn.set_momentum(0.9f);
   dn.set_dn_buffer_size(4);
   dn.set_dn_momentum_activation(0.1f);
-  v1::PenaltyConfig penalty_config;  // ALGORITHMS.md defaults
+  v1::PenaltyConfig penalty_config;  // the defaults of docs/algorithms.md
   penalty_config.set_enabled(true);
   penalty_config.set_ema_alpha(0.02f);
   penalty_config.set_z_threshold(3.0f);
