@@ -698,7 +698,7 @@ absl::Status Run() {
   if (!(pull_delay_ms >= 0) || pull_delay_ms > 600000) {
     return absl::InvalidArgumentError("--pull_delay_ms must be in [0, 600000]");
   }
-  ParameterServiceImpl parameters(handle, *auth, *metrics, config.max_staged_updates(),
+  ParameterServiceImpl parameters(handle, *auth, *metrics, clock, config.max_staged_updates(),
                                   absl::Milliseconds(pull_delay_ms));
   std::vector<grpc::Service*> services = {&coordinator};
   std::unique_ptr<OrderJournal> journal;
