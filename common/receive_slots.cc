@@ -22,7 +22,7 @@ ReceiveSlots::Slot::~Slot() {
 absl::StatusOr<ReceiveSlots::Slot> ReceiveSlots::Acquire(absl::FunctionRef<bool()> cancelled,
                                                          absl::Duration max_wait,
                                                          absl::Duration poll) {
-  const absl::Time deadline = absl::Now() + max_wait;
+  const absl::Time deadline = clock_.Now() + max_wait;
   absl::MutexLock lock(&mu_);
   const uint64_t ticket = next_ticket_++;
   waiting_.push_back(ticket);
@@ -38,7 +38,7 @@ absl::StatusOr<ReceiveSlots::Slot> ReceiveSlots::Acquire(absl::FunctionRef<bool(
       give_up();
       return absl::CancelledError("the push was abandoned while it waited");
     }
-    const absl::Time now = absl::Now();
+    const absl::Time now = clock_.Now();
     if (now >= deadline) {
       give_up();
       return absl::ResourceExhaustedError(absl::StrFormat(
@@ -46,7 +46,7 @@ absl::StatusOr<ReceiveSlots::Slot> ReceiveSlots::Acquire(absl::FunctionRef<bool(
           "again later",
           capacity_, absl::ToDoubleSeconds(max_wait)));
     }
-    freed_.WaitWithDeadline(&mu_, std::min(deadline, now + poll));
+    freed_.WaitWithTimeout(&mu_, std::min(deadline - now, poll));
   }
   leave();
   ++in_use_;
@@ -66,6 +66,11 @@ bool ReceiveSlots::MayTake(uint64_t ticket) const {
 uint32_t ReceiveSlots::in_use() const {
   absl::MutexLock lock(&mu_);
   return in_use_;
+}
+
+uint32_t ReceiveSlots::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<uint32_t>(waiting_.size());
 }
 
 uint32_t ReceiveSlots::peak() const {

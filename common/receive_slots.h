@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 
 namespace aloe {
 
@@ -37,13 +38,16 @@ class ReceiveSlots {
     ReceiveSlots* owner_;
   };
 
-  // capacity >= 1 (0 is taken as 1).
-  explicit ReceiveSlots(uint32_t capacity) : capacity_(capacity == 0 ? 1 : capacity) {}
+  // capacity >= 1 (0 is taken as 1). `clock` times the waits (Acquire's max_wait) and must
+  // outlive the slots.
+  ReceiveSlots(uint32_t capacity, const Clock& clock)
+      : capacity_(capacity == 0 ? 1 : capacity), clock_(clock) {}
   ReceiveSlots(const ReceiveSlots&) = delete;
   ReceiveSlots& operator=(const ReceiveSlots&) = delete;
 
-  // Takes a free slot, waiting up to `max_wait` for one; `cancelled` (the caller gave up: a
-  // cancelled call, a closed connection, a server stopping) is asked at least every `poll`.
+  // Takes a free slot, waiting up to `max_wait` (on the clock) for one; `cancelled` (the caller
+  // gave up: a cancelled call, a closed connection, a server stopping) and the clock are asked
+  // whenever a slot is given back and at least every `poll` (blocking up to `poll` at a time).
   // kResourceExhausted naming the bound when none freed in time, kCancelled once `cancelled`
   // says so. Slots go to waiters in the order they came (first come, first served: with 32
   // back-to-back pushers on 8 slots, handing a freed slot to whichever waiter woke first let
@@ -53,6 +57,8 @@ class ReceiveSlots {
 
   uint32_t capacity() const { return capacity_; }
   uint32_t in_use() const;
+  // Callers waiting in Acquire now.
+  uint32_t waiting() const;
   // The most slots held at once so far.
   uint32_t peak() const;
 
@@ -63,6 +69,7 @@ class ReceiveSlots {
   bool MayTake(uint64_t ticket) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint32_t capacity_;
+  const Clock& clock_;
   mutable absl::Mutex mu_;
   absl::CondVar freed_;
   uint32_t in_use_ ABSL_GUARDED_BY(mu_) = 0;

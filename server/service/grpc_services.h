@@ -15,6 +15,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "common/metrics.h"
 #include "common/raw_push.h"
 #include "common/receive_slots.h"
@@ -77,16 +78,17 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
 class ParameterServiceImpl final : public WireParameterService {
  public:
-  // handle, auth and metrics must outlive the service. max_receiving: at most this many pushes
-  // are received at once (ServerConfig.max_staged_updates); a push beyond them waits unread, up
-  // to 120 s, then fails RESOURCE_EXHAUSTED. pull_delay: every Pull waits this long before it
-  // streams (a slow link, for tests of overlapped communication).
+  // handle, auth, metrics and clock must outlive the service. max_receiving: at most this many
+  // pushes are received at once (ServerConfig.max_staged_updates); a push beyond them waits
+  // unread, up to 120 s on `clock`, then fails RESOURCE_EXHAUSTED. pull_delay: every Pull waits
+  // this long before it streams (a slow link, for tests of overlapped communication).
   ParameterServiceImpl(CoreHandle& handle, Authenticator& auth, MetricsSink& metrics,
-                       uint32_t max_receiving, absl::Duration pull_delay = absl::ZeroDuration())
+                       const Clock& clock, uint32_t max_receiving,
+                       absl::Duration pull_delay = absl::ZeroDuration())
       : handle_(handle),
         auth_(auth),
         metrics_(metrics),
-        receiving_(max_receiving),
+        receiving_(max_receiving, clock),
         pull_delay_(pull_delay) {}
 
   grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;

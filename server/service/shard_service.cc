@@ -331,6 +331,11 @@ void ShardServer::WriteFinalCheckpoint() {
   if (last) WriteCheckpoint(*std::move(last));
 }
 
+void ShardServer::CancelFollow() {
+  absl::MutexLock lock(&follow_mu_);
+  if (follow_context_ != nullptr) follow_context_->TryCancel();
+}
+
 absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
   bool announced = false;
   while (!stop.load()) {
@@ -351,6 +356,19 @@ absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
     }
     grpc::ClientContext context;
     if (!options_.token.empty()) context.AddMetadata(kTokenMetadata, options_.token);
+    {
+      absl::MutexLock lock(&follow_mu_);
+      follow_context_ = &context;
+    }
+    // Cleared on every way out of this iteration.
+    struct Unregister {
+      ShardServer* server;
+      ~Unregister() {
+        absl::MutexLock lock(&server->follow_mu_);
+        server->follow_context_ = nullptr;
+      }
+    } unregister{this};
+    if (stop.load()) break;  // CancelFollow may have run before the context was registered
     std::unique_ptr<grpc::ClientReader<v1::ShardOrder>> reader =
         control_->Follow(&context, request);
     v1::ShardOrder order;

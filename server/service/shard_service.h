@@ -76,7 +76,10 @@ class ShardServer final : public WireParameterService {
   // coordinator refusing this process for good (another config: kInvalidArgument or
   // kFailedPrecondition; a missing or unknown token: kUnauthenticated or kPermissionDenied)
   // ends it with that refusal instead, since following again would be refused again.
-  absl::Status RunFollowLoop(const std::atomic<bool>& stop);
+  absl::Status RunFollowLoop(const std::atomic<bool>& stop) ABSL_LOCKS_EXCLUDED(follow_mu_);
+  // Ends the follow stream open now, for a RunFollowLoop whose `stop` was just set (it returns
+  // without waiting for the coordinator's next order).
+  void CancelFollow() ABSL_LOCKS_EXCLUDED(follow_mu_);
   // At exit: checkpoints the current version unless it is on disk already (or the state is
   // still fresh, i.e. never assembled), so that a restart loses nothing that was applied.
   void WriteFinalCheckpoint();
@@ -121,6 +124,8 @@ class ShardServer final : public WireParameterService {
   Authenticator& auth_;
   MetricsSink& metrics_;
   std::unique_ptr<v1::ShardControl::Stub> control_;
+  absl::Mutex follow_mu_;
+  grpc::ClientContext* follow_context_ ABSL_GUARDED_BY(follow_mu_) = nullptr;  // the open stream
   absl::Mutex mu_;
   absl::CondVar changed_;  // a commit, discard or restore happened, or a slot came free
   std::unique_ptr<ShardState> state_ ABSL_GUARDED_BY(mu_);

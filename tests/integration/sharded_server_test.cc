@@ -11,7 +11,7 @@
 //    and raw pushes (common/raw_push.h; the victim's push to shard 1 breaks off mid-payload).
 //  - APullWaitingForAVersionEndsWhenTheShardsGoBack: a shard restart makes every process go back
 //    to an older version; a pull waiting for a newer one ends at once instead of after 10 s.
-//  - CheckpointMovesFromOneProcessToShardProcessesAndBack: aloe-server --reshard_from moves a
+//  - CheckpointMovesFromOneProcessToShardProcessesAndBack: aloe-reshard moves a
 //    job's checkpoint from one process to a coordinator and 2 shard processes and back, training
 //    on after each move, with the exact state in the converted files; bad conversions are
 //    refused, naming the problem, and write nothing.
@@ -533,15 +533,15 @@ TEST_F(ShardedServerTest, ShardRestartReassemblesAndTrainingCompletes) {
   EXPECT_LT(losses.back(), losses.front() - 0.3) << summary;
 }
 
-// Runs `aloe-server --reshard_from=FROM --checkpoint_dir=TO --shard_processes=N` with the test's
+// Runs `aloe-reshard --from=FROM --to=TO --shard_processes=N` with the test's
 // config; returns its exit code (nullopt on a timeout) and leaves its output in *log.
 std::optional<int> Reshard(const std::string& bin, const std::string& dir, const std::string& from,
                            const std::string& to, int processes, std::string* log,
                            const std::string& config = "server.textproto") {
   static int runs = 0;
   const std::string log_path = absl::StrCat(dir, "/reshard", ++runs, ".log");
-  Subprocess tool({bin, absl::StrCat("--config=", dir, "/", config), "--reshard_from=" + from,
-                   "--checkpoint_dir=" + to, absl::StrCat("--shard_processes=", processes)},
+  Subprocess tool({bin, absl::StrCat("--config=", dir, "/", config), "--from=" + from, "--to=" + to,
+                   absl::StrCat("--shard_processes=", processes)},
                   log_path);
   std::optional<int> code = tool.Wait(absl::Seconds(60));
   *log = ReadFile(log_path);
@@ -605,7 +605,7 @@ TEST_F(ShardedServerTest, CheckpointMovesFromOneProcessToShardProcessesAndBack) 
 
   // 2. To two shard processes.
   std::string log;
-  ASSERT_EQ(Reshard(Bin("aloe-server"), dir_, a, b, 2, &log), std::optional<int>(0)) << log;
+  ASSERT_EQ(Reshard(Bin("aloe-reshard"), dir_, a, b, 2, &log), std::optional<int>(0)) << log;
   EXPECT_TRUE(absl::StrContains(log, absl::StrCat("version 3 of ", a, " (one process) is now in ",
                                                   b, " for a coordinator and 2 shard processes")))
       << log;
@@ -631,7 +631,7 @@ TEST_F(ShardedServerTest, CheckpointMovesFromOneProcessToShardProcessesAndBack) 
   EXPECT_EQ(StoppedAt(ReadFile(dir_ + "/shard1-resumed.log")), 5) << ShardLogs();
 
   // 4. Back to one process, which trains on to version 6.
-  ASSERT_EQ(Reshard(Bin("aloe-server"), dir_, b, c, 0, &log), std::optional<int>(0)) << log;
+  ASSERT_EQ(Reshard(Bin("aloe-reshard"), dir_, b, c, 0, &log), std::optional<int>(0)) << log;
   EXPECT_TRUE(absl::StrContains(log, "version 5 of " + b +
                                          " (a coordinator and 2 shard processes) "
                                          "is now in " +
@@ -656,7 +656,7 @@ TEST_F(ShardedServerTest, CheckpointMovesFromOneProcessToShardProcessesAndBack) 
                      const std::string& to_dir = "") {
     SCOPED_TRACE(expected);
     const std::string to = to_dir.empty() ? out : to_dir;
-    EXPECT_EQ(Reshard(Bin("aloe-server"), dir_, from, to, processes, &log), std::optional<int>(1))
+    EXPECT_EQ(Reshard(Bin("aloe-reshard"), dir_, from, to, processes, &log), std::optional<int>(1))
         << log;
     EXPECT_TRUE(absl::StrContains(log, expected)) << log;
     if (to_dir.empty()) {
@@ -686,7 +686,7 @@ TEST_F(ShardedServerTest, CheckpointMovesFromOneProcessToShardProcessesAndBack) 
                                      "/corrupt/shard-0/checkpoint-000000000005.aloeckpt")
                             .c_str()),
             0);
-  ASSERT_EQ(Reshard(Bin("aloe-server"), dir_, dir_ + "/corrupt", dir_ + "/ckpt_four", 3, &log),
+  ASSERT_EQ(Reshard(Bin("aloe-reshard"), dir_, dir_ + "/corrupt", dir_ + "/ckpt_four", 3, &log),
             std::optional<int>(0))
       << log;
   EXPECT_TRUE(absl::StrContains(log, "version 5: ")) << log;
@@ -696,7 +696,7 @@ TEST_F(ShardedServerTest, CheckpointMovesFromOneProcessToShardProcessesAndBack) 
   ASSERT_TRUE(absl::StrContains(other, "d_model: 64"));
   absl::StrReplaceAll({{"d_model: 64", "d_model: 32"}}, &other);
   std::ofstream(dir_ + "/other.textproto") << other;
-  EXPECT_EQ(Reshard(Bin("aloe-server"), dir_, a, out, 2, &log, "other.textproto"),
+  EXPECT_EQ(Reshard(Bin("aloe-reshard"), dir_, a, out, 2, &log, "other.textproto"),
             std::optional<int>(1));
   EXPECT_TRUE(absl::StrContains(log, "is of another model, outer optimizer, penalty or corpus"))
       << log;
@@ -756,14 +756,14 @@ TEST_F(ShardedServerTest, ALostShardHostStartsAgainFromTheCoordinatorsCopy) {
   }
 
   // The coordinator's directory alone (its checkpoints and copies, no shard directory) converts
-  // to one process: --reshard_from reads the copies.
+  // to one process: aloe-reshard reads the copies.
   const std::string alone = dir_ + "/coordinator_only";
   ASSERT_EQ(std::system(absl::StrCat("mkdir -p ", alone, " && cp ", ckpt, "/checkpoint-* ", alone,
                                      " && cp -r ", ckpt, "/replicas ", alone)
                             .c_str()),
             0);
   std::string log_one;
-  EXPECT_EQ(Reshard(Bin("aloe-server"), dir_, alone, dir_ + "/one", 0, &log_one),
+  EXPECT_EQ(Reshard(Bin("aloe-reshard"), dir_, alone, dir_ + "/one", 0, &log_one),
             std::optional<int>(0))
       << log_one;
   EXPECT_TRUE(absl::StrContains(log_one, "the coordinator's copies in " + alone + "/replicas"))

@@ -4,14 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <chrono>
 #include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include "common/clock.h"
 
+// Time comes from a FakeClock only: a deadline passes when the test advances the clock, and a
+// waiter is known to wait once ReceiveSlots::waiting() counts it.
 namespace aloe {
 namespace {
 
@@ -19,21 +20,36 @@ using ::testing::HasSubstr;
 
 bool Never() { return false; }
 
-TEST(ReceiveSlotsTest, AtMostCapacityAreHeldAndAFullSetRefusesAfterTheWait) {
-  ReceiveSlots slots(2);
+// Spins (yielding) until `slots` has `n` callers waiting in Acquire.
+void AwaitWaiters(const ReceiveSlots& slots, uint32_t n) {
+  while (slots.waiting() != n) std::this_thread::yield();
+}
+
+TEST(ReceiveSlotsTest, AtMostCapacityAreHeldAndAFullSetRefusesAtTheDeadline) {
+  FakeClock clock;
+  ReceiveSlots slots(2, clock);
   absl::StatusOr<ReceiveSlots::Slot> a = slots.Acquire(Never, absl::Seconds(1));
   absl::StatusOr<ReceiveSlots::Slot> b = slots.Acquire(Never, absl::Seconds(1));
   ASSERT_TRUE(a.ok());
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(slots.in_use(), 2u);
 
-  const absl::Time start = absl::Now();
-  absl::StatusOr<ReceiveSlots::Slot> c = slots.Acquire(Never, absl::Milliseconds(150));
-  EXPECT_GE(absl::Now() - start, absl::Milliseconds(150));
+  // Every poll asks `cancelled`, which moves the clock on by 50 ms: the third poll is at the
+  // 150 ms deadline, where the wait ends.
+  int polls = 0;
+  auto tick = [&] {
+    ++polls;
+    clock.Advance(absl::Milliseconds(50));
+    return false;
+  };
+  absl::StatusOr<ReceiveSlots::Slot> c =
+      slots.Acquire(tick, absl::Milliseconds(150), absl::ZeroDuration());
+  EXPECT_EQ(polls, 3);
   ASSERT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(c.status().message()),
               HasSubstr("2 pushes are being received (max_staged_updates)"));
   EXPECT_EQ(slots.in_use(), 2u);  // the refusal took nothing
+  EXPECT_EQ(slots.waiting(), 0u);
 
   a = absl::CancelledError("dropped");  // destroys the first slot
   EXPECT_EQ(slots.in_use(), 1u);
@@ -43,25 +59,49 @@ TEST(ReceiveSlotsTest, AtMostCapacityAreHeldAndAFullSetRefusesAfterTheWait) {
   EXPECT_EQ(slots.peak(), 2u);
 }
 
+TEST(ReceiveSlotsTest, AWaiterTimesOutWhenTheClockPassesItsDeadline) {
+  FakeClock clock;
+  ReceiveSlots slots(1, clock);
+  absl::StatusOr<ReceiveSlots::Slot> held = slots.Acquire(Never, absl::Seconds(1));
+  ASSERT_TRUE(held.ok());
+  absl::Status status;
+  std::thread waiter(
+      [&] { status = slots.Acquire(Never, absl::Seconds(30), absl::Milliseconds(1)).status(); });
+  AwaitWaiters(slots, 1);
+  clock.Advance(absl::Seconds(29));
+  EXPECT_EQ(slots.waiting(), 1u);  // still before its deadline (it may poll meanwhile)
+  clock.Advance(absl::Seconds(1));
+  waiter.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(slots.waiting(), 0u);
+  EXPECT_EQ(slots.in_use(), 1u);
+}
+
 TEST(ReceiveSlotsTest, AWaiterTakesTheSlotWhenItIsGivenBack) {
-  ReceiveSlots slots(1);
+  FakeClock clock;  // never moves: only a freed slot ends the wait
+  ReceiveSlots slots(1, clock);
   std::optional<ReceiveSlots::Slot> held;
   held.emplace(*slots.Acquire(Never, absl::Seconds(1)));
-  absl::Notification got;
+  std::atomic<bool> got{false};
   std::thread waiter([&] {
-    absl::StatusOr<ReceiveSlots::Slot> slot = slots.Acquire(Never, absl::Seconds(30));
+    absl::StatusOr<ReceiveSlots::Slot> slot =
+        slots.Acquire(Never, absl::Seconds(30), absl::InfiniteDuration());
     EXPECT_TRUE(slot.ok()) << slot.status();
-    got.Notify();
+    got.store(true);
   });
-  EXPECT_FALSE(got.WaitForNotificationWithTimeout(absl::Milliseconds(300)));
+  AwaitWaiters(slots, 1);
+  EXPECT_FALSE(got.load());
+  EXPECT_EQ(slots.in_use(), 1u);
   held.reset();
-  EXPECT_TRUE(got.WaitForNotificationWithTimeout(absl::Seconds(10)));
   waiter.join();
+  EXPECT_TRUE(got.load());
   EXPECT_EQ(slots.in_use(), 0u);
+  EXPECT_EQ(slots.waiting(), 0u);
 }
 
 TEST(ReceiveSlotsTest, SlotsGoToWaitersInTheOrderTheyCame) {
-  ReceiveSlots slots(1);
+  FakeClock clock;
+  ReceiveSlots slots(1, clock);
   std::optional<ReceiveSlots::Slot> held;
   held.emplace(*slots.Acquire(Never, absl::Seconds(1)));
   absl::Mutex mu;
@@ -69,15 +109,13 @@ TEST(ReceiveSlotsTest, SlotsGoToWaitersInTheOrderTheyCame) {
   std::vector<std::thread> waiters;
   for (int w = 0; w < 4; ++w) {
     waiters.emplace_back([&, w] {
-      absl::StatusOr<ReceiveSlots::Slot> slot = slots.Acquire(Never, absl::Seconds(30));
+      absl::StatusOr<ReceiveSlots::Slot> slot =
+          slots.Acquire(Never, absl::Seconds(30), absl::InfiniteDuration());
       ASSERT_TRUE(slot.ok()) << slot.status();
-      {
-        absl::MutexLock lock(&mu);
-        order.push_back(w);
-      }
-      absl::SleepFor(absl::Milliseconds(20));
+      absl::MutexLock lock(&mu);
+      order.push_back(w);  // recorded while the only slot is held
     });
-    absl::SleepFor(absl::Milliseconds(100));  // each is waiting before the next comes
+    AwaitWaiters(slots, w + 1);  // each is waiting before the next comes
   }
   held.reset();
   for (std::thread& t : waiters) t.join();
@@ -86,27 +124,27 @@ TEST(ReceiveSlotsTest, SlotsGoToWaitersInTheOrderTheyCame) {
 }
 
 TEST(ReceiveSlotsTest, AWaiterThatGivesUpStopsWaitingWithinAPoll) {
-  ReceiveSlots slots(1);
+  FakeClock clock;
+  ReceiveSlots slots(1, clock);
   absl::StatusOr<ReceiveSlots::Slot> held = slots.Acquire(Never, absl::Seconds(1));
   ASSERT_TRUE(held.ok());
   std::atomic<bool> gone{false};
-  absl::Notification done;
   absl::Status status;
   std::thread waiter([&] {
-    status = slots.Acquire([&] { return gone.load(); }, absl::Seconds(30), absl::Milliseconds(20))
+    status = slots.Acquire([&] { return gone.load(); }, absl::Seconds(30), absl::Milliseconds(1))
                  .status();
-    done.Notify();
   });
-  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(200)));
+  AwaitWaiters(slots, 1);
   gone.store(true);
-  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(5)));
-  waiter.join();
+  waiter.join();  // no slot is given back: only a poll sees `gone`
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(slots.in_use(), 1u);
+  EXPECT_EQ(slots.waiting(), 0u);
 }
 
 TEST(ReceiveSlotsTest, AMovedSlotIsGivenBackOnce) {
-  ReceiveSlots slots(2);
+  FakeClock clock;
+  ReceiveSlots slots(2, clock);
   {
     ReceiveSlots::Slot a = *slots.Acquire(Never, absl::Seconds(1));
     ReceiveSlots::Slot b = std::move(a);
@@ -120,28 +158,35 @@ TEST(ReceiveSlotsTest, AMovedSlotIsGivenBackOnce) {
 }
 
 TEST(ReceiveSlotsTest, ManyThreadsNeverHoldMoreThanTheCapacity) {
-  ReceiveSlots slots(3);
+  FakeClock clock;
+  ReceiveSlots slots(3, clock);
   std::atomic<int> holding{0};
   std::atomic<int> most{0};
+  std::atomic<int> first_held{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
-    threads.emplace_back([&] {
+    threads.emplace_back([&, t] {
       for (int i = 0; i < 300; ++i) {
-        absl::StatusOr<ReceiveSlots::Slot> slot = slots.Acquire(Never, absl::Seconds(30));
+        absl::StatusOr<ReceiveSlots::Slot> slot =
+            slots.Acquire(Never, absl::Seconds(30), absl::InfiniteDuration());
         ASSERT_TRUE(slot.ok()) << slot.status();
         const int now = ++holding;
         int seen = most.load();
         while (now > seen && !most.compare_exchange_weak(seen, now)) {
         }
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        if (i == 0 && t < 3) {
+          // The first three threads hold their first slots together: the set does fill up.
+          ++first_held;
+          while (first_held.load() < 3) std::this_thread::yield();
+        }
+        std::this_thread::yield();
         --holding;
       }
     });
   }
   for (std::thread& t : threads) t.join();
-  EXPECT_LE(most.load(), 3);
-  EXPECT_GE(most.load(), 2);  // the threads did overlap
-  EXPECT_LE(slots.peak(), 3u);
+  EXPECT_EQ(most.load(), 3);
+  EXPECT_EQ(slots.peak(), 3u);
   EXPECT_EQ(slots.in_use(), 0u);
 }
 

@@ -1,4 +1,5 @@
-// aloe-server --reshard_from DIR: moves a job's checkpoint to another process layout.
+// The checkpoint converter of aloe-reshard (tools/reshard_main.cc): moves a job's checkpoint to
+// another process layout.
 #pragma once
 
 #include <string>
@@ -15,7 +16,7 @@ namespace aloe::server {
 // processes beside them, or else its own copies of them in replicas/shard-<i>), converts it
 // (server/core/checkpoint_layout.h) to the layout of `config` (config.shard_processes: 0 for one
 // process) and writes it to config.checkpoint.dir (and its shard-<i> directories), from where the
-// server resumes (--resume).
+// server resumes (aloe-server --resume).
 //
 // The source must be of config's model, outer optimizer, penalty and corpus with any number of
 // processes: each file's fingerprint is compared with the one a server of that many processes

@@ -1,4 +1,4 @@
-#include "server/reshard.h"
+#include "tools/reshard.h"
 
 #include <dirent.h>
 #include <stdlib.h>
@@ -178,11 +178,11 @@ absl::Status Reshard(const v1::ServerConfig& config, const std::string& from_dir
   const std::string to_dir = config.checkpoint().dir();
   if (to_dir.empty()) {
     return absl::InvalidArgumentError(
-        "--reshard_from writes to checkpoint.dir: set it (or --checkpoint_dir) to a new directory");
+        "aloe-reshard writes to checkpoint.dir: set it (or --to) to a new directory");
   }
   if (RealPath(to_dir) == RealPath(from_dir)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "--reshard_from %s and checkpoint.dir %s are the same directory: write the converted "
+        "--from %s and checkpoint.dir %s are the same directory: write the converted "
         "checkpoint to a new one",
         from_dir, to_dir));
   }
@@ -268,7 +268,7 @@ absl::Status Reshard(const v1::ServerConfig& config, const std::string& from_dir
                           : absl::StrFormat("a coordinator and %d shard processes", processes);
   };
   absl::PrintF(
-      "aloe-server --reshard_from: version %d of %s (%s) is now in %s for %s; start the server "
+      "aloe-reshard: version %d of %s (%s) is now in %s for %s; start the server "
       "with --resume and checkpoint.dir %s\n",
       out.coordinator.version(), from_dir, layout(from_processes), to_dir, layout(to_processes),
       to_dir);
