@@ -6,7 +6,7 @@
 //     process with the layers ModelSpec assigns it (layers[l].shard), their optimizer state and
 //     their penalty statistics, all at the coordinator's version.
 // The layout a job runs with is fixed while it runs; converting its checkpoint is how a job moves
-// from one process to N shard processes, or from N to M (aloe-server --reshard_from).
+// from one process to N shard processes, or from N to M (tools/reshard.h, aloe-reshard).
 //
 // Every value is moved, none is recomputed: a joined and split checkpoint restores exactly the
 // state that was saved. Fingerprints are the caller's (the target layout's differ from the
