@@ -73,10 +73,22 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   if (train_shards.empty()) {
     return absl::InvalidArgumentError("the corpus has no training shards");
   }
-  // A sharded coordinator holds no parameters: the spec alone.
-  ALOE_ASSIGN_OR_RETURN(
-      ServerModel model,
-      LoadServerModel(config, config.shard_processes() > 0 ? kNoLayers : kAllLayers));
+  ALOE_ASSIGN_OR_RETURN(DeployedParameters parameters,
+                        CreateParameterBackend(config, executor, clock, metrics));
+  return Create(config, std::move(parameters), std::move(train_shards), std::move(heldout_file),
+                clock, metrics);
+}
+
+absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerConfig& config,
+                                                               DeployedParameters parameters,
+                                                               std::vector<DataShard> train_shards,
+                                                               std::string heldout_file,
+                                                               const Clock& clock,
+                                                               MetricsSink& metrics) {
+  if (train_shards.empty()) {
+    return absl::InvalidArgumentError("the corpus has no training shards");
+  }
+  const ServerModel& model = parameters.model;
   v1::ServerConfig effective = config;
   if (!model.fingerprint.empty()) {
     // An imported model: what workers need to read data comes from the file.
@@ -86,25 +98,8 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
   std::unique_ptr<ServerCore> core(new ServerCore(effective, clock, metrics));
   core->model_fingerprint_ = model.fingerprint;
   core->spec_ = model.spec;
-  if (config.shard_processes() == 0) {
-    ALOE_ASSIGN_OR_RETURN(core->store_,
-                          ParameterStore::Create(std::move(model.spec), std::move(model.initial),
-                                                 config.outer_optimizer(), executor));
-    size_t bytes = 0;
-    for (const v1::LayerSpec& layer : core->spec_.layers()) {
-      bytes += layer.num_elements() * sizeof(float);
-    }
-    // Idle buffers for every receive slot (max_staged_updates pushes are received at once), as a
-    // shard process keeps for its staging slots: with 2 updates' worth, 4 full-speed pushers kept
-    // freeing buffers and zero-filling new ones (memset, 6% of the process's CPU). No more memory
-    // at the peak than the slots themselves: Take reuses first.
-    core->staging_buffers_ =
-        FloatBufferPool::Create(std::max<size_t>(config.max_staged_updates(), 2) * bytes);
-  } else {
-    // The shard processes hold the parameters; the coordinator keeps only their layout.
-    core->shard_addresses_.resize(config.shard_processes());
-    core->shard_push_addresses_.resize(config.shard_processes());
-  }
+  core->backend_ = std::move(parameters.backend);
+  core->shard_log_ = parameters.shard_log;
   for (const v1::LayerCodec& layer_codec : config.transport().layer_codecs()) {
     const auto& layers = core->spec().layers();
     if (std::none_of(layers.begin(), layers.end(),
@@ -121,10 +116,6 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(
     core->aggregation_ = std::move(grace_aggregation);
   } else {
     core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
-  }
-  if (config.penalty().enabled() && config.shard_processes() == 0) {  // sharded: on the shards
-    ALOE_ASSIGN_OR_RETURN(core->penalty_, PseudoGradientPenalty::Create(
-                                              config.penalty(), core->spec().layers_size()));
   }
   core->sampler_ = ShardSampler(std::move(train_shards), config.seed(),
                                 config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL
@@ -175,28 +166,8 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
                                             : absl::StrCat("brings another model (fingerprint ",
                                                            request.model_fingerprint(), ")")));
   }
-  if (sharded() && !shards_ready()) {
-    return absl::UnavailableError(
-        absl::StrFormat("waiting for the shard processes: %d of %d are following the coordinator",
-                        std::count_if(shard_addresses_.begin(), shard_addresses_.end(),
-                                      [](const std::string& a) { return !a.empty(); }),
-                        shard_addresses_.size()));
-  }
-  if (sharded() && config_.aggregation().mode() == v1::AGGREGATION_SYNC &&
-      request.role() != v1::ROLE_EVALUATOR) {
-    // Every update of a sync round stays staged on every shard until the round commits, and a
-    // round waits for every trainer: one trainer more than the staging slots would stop every
-    // round for good (its push could never be admitted).
-    const size_t trainers = membership_.LiveIds(v1::ROLE_TRAINER).size();
-    if (trainers >= config_.max_staged_updates()) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "this layer-sharded sync server has %d trainers, as many as max_staged_updates (%d): "
-          "a sync round commits only once every trainer's update is staged on every shard, so "
-          "one more trainer would stop every round; raise max_staged_updates, train in async "
-          "mode, or join once a trainer has left (or its lease of %.0f s has run out)",
-          trainers, config_.max_staged_updates(), config_.lease_seconds()));
-    }
-  }
+  ALOE_RETURN_IF_ERROR(
+      backend_->CheckJoin(request.role(), membership_.LiveIds(v1::ROLE_TRAINER).size()));
   const uint64_t id = membership_.Join(request.name(), request.role());
   metrics_.Add(kWorkersJoined, 1);
   if (request.role() != v1::ROLE_EVALUATOR) {
@@ -214,12 +185,7 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   *reply.mutable_transport() = config_.transport();
   *reply.mutable_outer_optimizer() = config_.outer_optimizer();
   reply.set_model_fingerprint(model_fingerprint_);
-  for (const std::string& address : shard_addresses_) reply.add_shard_addresses(address);
-  if (std::any_of(shard_push_addresses_.begin(), shard_push_addresses_.end(),
-                  [](const std::string& a) { return !a.empty(); })) {
-    for (const std::string& a : shard_push_addresses_) reply.add_shard_push_addresses(a);
-  }
-  if (shard_addresses_.empty()) reply.set_push_address(push_address_);
+  backend_->DescribeTo(reply);
   PublishMembership();
   return reply;
 }
@@ -474,8 +440,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   header.set_slice(update.slice);
   header.set_slices(update.slices);
   absl::Status status = CheckPushHeader(header);
-  // Sharded: the shards checked the shapes of their parts; the update carries no data here.
-  if (status.ok() && store_ != nullptr) status = store_->CheckShapes(update);
+  if (status.ok()) status = backend_->CheckShapes(update);
   if (!status.ok()) {
     CountRejected(status);
     return status;
@@ -510,7 +475,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     return scale.status();
   }
   if (*scale != 1.0f) {
-    // Sharded: the discount travels with the commit as part of the update's weight.
+    // Where the update carries no layers, the discount goes with it as part of its weight.
     update.weight_scale = *scale;
     for (std::vector<float>& layer : update.layers) {
       kernels::Scale(layer.data(), layer.size(), *scale);
@@ -605,58 +570,9 @@ absl::StatusOr<std::optional<PendingUpdate>> ServerCore::StageSlice(PendingUpdat
 }
 
 absl::Status ServerCore::Apply(ApplyBatch batch) {
-  const absl::Time start = clock_.Now();
   CapRetained();  // before the step: a version not held is stepped in place, not copied
-  std::vector<const PendingUpdate*> updates;
-  for (const PendingUpdate& u : batch.updates) updates.push_back(&u);
-  absl::Status status;
   ObserveReleases();
-  if (sharded()) {
-    // The outer step happens on every shard process, in this order (ShardOrder COMMIT).
-    v1::ShardOrder order;
-    order.set_kind(v1::ShardOrder::COMMIT);
-    order.set_version(commit_version_ + 1);
-    for (size_t i = 0; i < batch.updates.size(); ++i) {
-      v1::CommitEntry* entry = order.add_entries();
-      entry->set_worker_id(batch.updates[i].worker_id);
-      entry->set_update_id(batch.updates[i].update_id);
-      entry->set_weight(batch.weights[i] * batch.updates[i].weight_scale);
-      entry->set_discount(batch.updates[i].weight_scale);
-      admitted_.erase({batch.updates[i].worker_id, batch.updates[i].update_id});
-    }
-    orders_.push_back(std::move(order));
-    ++commit_version_;
-  } else if (penalty_ == nullptr) {
-    // Per (update, layer) norms; with the penalty on, it reports them itself. Measured while
-    // the update was received when it was (layer_squares), else read from the update.
-    for (const PendingUpdate* u : updates) {
-      const bool measured = u->layer_squares.size() == u->layers.size();
-      for (size_t l = 0; l < u->layers.size(); ++l) {
-        const std::vector<float>& layer = u->layers[l];
-        metrics_.Observe(kPseudoGradientNorm,
-                         std::sqrt(measured ? u->layer_squares[l]
-                                            : kernels::SquaredL2Norm(layer.data(), layer.size())));
-      }
-    }
-  }
-  const uint64_t copied = sharded() ? 0 : store_->copied_layer_steps();
-  if (sharded()) {
-    // Committed above.
-  } else if (penalty_ != nullptr) {
-    // The penalty's per-layer weights replace the batch's (paper 000 Alg. 2).
-    PenaltyAggregation aggregation(*penalty_);
-    status = store_->ApplyOuterStep(updates, aggregation);
-    if (status.ok()) ReportPenalty(aggregation.reports(), version(), "server", metrics_);
-  } else {
-    status = store_->ApplyOuterStep(updates, batch.weights);
-  }
-  if (!sharded() && store_->copied_layer_steps() > copied) {
-    metrics_.Add(kLayerStepsCopied, static_cast<double>(store_->copied_layer_steps() - copied));
-  }
-  if (!status.ok()) {
-    // Shapes were checked on submission: this is an invariant violation, not bad input.
-    return absl::InternalError(absl::StrCat("outer step failed: ", status.message()));
-  }
+  ALOE_RETURN_IF_ERROR(backend_->ApplyOuterStep(batch));
   double loss_sum = 0;
   for (const PendingUpdate& u : batch.updates) {
     auto it = submitted_.find(u.task_id);
@@ -674,23 +590,16 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   metrics_.Set(kModelVersion, static_cast<double>(version()));
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
-  // A sharded coordinator applies nothing: its shard processes observe their COMMITs.
-  if (!sharded()) metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(clock_.Now() - start));
   PublishShards();
   const uint32_t every = config_.checkpoint().every_versions();
   if (!config_.checkpoint().dir().empty() && every > 0 && version() % every == 0) {
-    if (!sharded()) due_checkpoints_.clear();
+    if (!backend_->keeps_every_checkpoint()) due_checkpoints_.clear();
     due_checkpoints_.push_back(CaptureCheckpoint());
   }
   if (std::optional<std::string> line =
           step_log_.Step(clock_.Now(), version(), batch.updates.size(),
                          loss_sum / static_cast<double>(batch.updates.size()))) {
     ALOE_LOG_INFO("server", "%s", *line);
-  }
-  if (staging_buffers_ != nullptr) {
-    for (PendingUpdate& u : batch.updates) {
-      for (std::vector<float>& layer : u.layers) staging_buffers_->Give(std::move(layer));
-    }
   }
   UpdateStopping();
   return absl::OkStatus();
@@ -757,10 +666,7 @@ void ServerCore::WorkerGone(uint64_t worker) {
   }
   planner_.Forget(worker);
   staged_.erase(worker);
-  DiscardParts(worker);
-  // What it did not push to every shard will never complete; a submitted update waits for its
-  // COMMIT (a round may still apply it).
-  ReleaseUnsubmitted(worker);
+  backend_->DropUnsubmitted(worker);
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
     metrics_.Remove(kTrainerStepsPerSecond, labels->second);
     metrics_.Remove(kTrainerPlannedSteps, labels->second);
@@ -771,15 +677,8 @@ void ServerCore::WorkerGone(uint64_t worker) {
     absl::Status s = Apply(std::move(batch));
     if (!s.ok()) ALOE_LOG_ERROR("server", "%s", s.ToString());
   }
-  // Worker ids are never reused: its norm statistics can go. (An update of this worker still
-  // waiting in an open round would start a fresh entry when applied.)
-  if (penalty_ != nullptr) penalty_->ForgetStream(worker);
-  if (sharded() && config_.penalty().enabled()) {
-    v1::ShardOrder forget;  // the shards hold the penalty statistics
-    forget.set_kind(v1::ShardOrder::FORGET);
-    forget.add_entries()->set_worker_id(worker);
-    orders_.push_back(std::move(forget));
-  }
+  // Worker ids are never reused: what is kept per worker can go.
+  backend_->ForgetWorker(worker);
   PruneRetained();
   PublishMembership();
   PublishShards();
@@ -936,58 +835,14 @@ std::string ServerCore::FingerprintOf(const v1::ServerConfig& config, const v1::
   return f;
 }
 
-ModelSnapshot ServerCore::Snapshot() const {
-  if (store_ != nullptr) return store_->Snapshot();
-  ModelSnapshot snapshot;
-  snapshot.version = commit_version_;
-  return snapshot;
-}
-
-void ServerCore::SetShardAddress(uint32_t shard, std::string address, std::string push_address) {
-  if (shard >= shard_addresses_.size()) return;
-  shard_addresses_[shard] = std::move(address);
-  shard_push_addresses_[shard] = std::move(push_address);
-}
-
-bool ServerCore::shards_ready() const {
-  return std::none_of(shard_addresses_.begin(), shard_addresses_.end(),
-                      [](const std::string& a) { return a.empty(); });
-}
-
 std::vector<uint64_t> ServerCore::RetainedVersions() const {
   std::vector<uint64_t> versions;
   for (const auto& [version, snapshot] : retained_) versions.push_back(version);
   return versions;
 }
 
-std::optional<uint64_t> ServerCore::OrderIndexAfter(uint64_t shard_version) const {
-  if (shard_version == orders_base_version_) return orders_first_index_;
-  if (shard_version < orders_base_version_ || shard_version > commit_version_) return std::nullopt;
-  for (size_t i = 0; i < orders_.size(); ++i) {
-    if (orders_[i].kind() == v1::ShardOrder::COMMIT && orders_[i].version() == shard_version) {
-      return orders_first_index_ + i + 1;
-    }
-  }
-  return std::nullopt;
-}
-
-void ServerCore::TrimOrdersBefore(uint64_t index) {
-  if (index < orders_first_index_ + kOrderTrimBatch) return;
-  const size_t drop = std::min<uint64_t>(index - orders_first_index_, orders_.size());
-  for (size_t i = 0; i < drop; ++i) {
-    if (orders_[i].kind() == v1::ShardOrder::COMMIT) orders_base_version_ = orders_[i].version();
-  }
-  orders_.erase(orders_.begin(), orders_.begin() + static_cast<std::ptrdiff_t>(drop));
-  orders_first_index_ += drop;
-}
-
 absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
                                                           const v1::PushHeader& header) {
-  if (!sharded() || shard >= config_.shard_processes()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "shard %d reported a staged update, but this coordinator has %d shard processes", shard,
-        config_.shard_processes()));
-  }
   // The shard merged the slices of a sliced push: the coordinator sees whole updates.
   v1::PushHeader whole = header;
   whole.set_slice(0);
@@ -999,76 +854,21 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
     CountRejected(status);
     return status;
   }
-  auto admitted = admitted_.find({header.worker_id(), header.update_id()});
-  if (admitted == admitted_.end() && config_.shard_processes() == 1) {
-    // The only shard process admits on its own (its slots bound the staged updates; it does not
-    // ask AdmitPush first): admitted now, as AdmitPush would have.
-    ALOE_ASSIGN_OR_RETURN(const bool room, AdmitPush(header));
-    if (!room) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "%d updates are being pushed to the shards (max_staged_updates): push again later",
-          admitted_.size()));
-    }
-    admitted = admitted_.find({header.worker_id(), header.update_id()});
-  }
-  if (admitted == admitted_.end()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "update %d of worker %d is not admitted (a newer update of the worker replaced it, or "
-        "it was discarded): push again",
-        header.update_id(), header.worker_id()));
-  }
-  auto it = parts_.find(header.worker_id());
-  if (it != parts_.end() &&
-      (it->second.update_id != header.update_id() || it->second.task_id != header.task_id())) {
-    DiscardParts(header.worker_id());  // a new update supersedes the parts staged so far
-    it = parts_.end();
-  }
-  if (it == parts_.end()) {
-    Parts parts;
-    parts.update_id = header.update_id();
-    parts.task_id = header.task_id();
-    parts.received.assign(config_.shard_processes(), false);
-    it = parts_.emplace(header.worker_id(), std::move(parts)).first;
-  }
-  Parts& parts = it->second;
-  if (!parts.received[shard]) {
-    parts.received[shard] = true;
-    ++parts.count;
-  }
-  if (parts.count < config_.shard_processes()) {
+  ALOE_ASSIGN_OR_RETURN(const uint32_t staged, backend_->StagePart(shard, header));
+  if (staged < backend_->parts()) {
     v1::PushReply reply;
     reply.set_staged(true);
-    reply.set_slices_received(parts.count);
+    reply.set_slices_received(staged);
     reply.set_version(version());
     return reply;
   }
-  parts_.erase(it);
-  admitted->second = true;  // staged on every shard: released by its COMMIT or DISCARD
   absl::StatusOr<v1::PushReply> reply = SubmitUpdate(UpdateOfHeader(whole));
   // Rejected (e.g. too stale): the shards drop what they staged.
-  if (!reply.ok()) AppendDiscard(whole.worker_id(), whole.update_id());
+  if (!reply.ok()) backend_->Discard(whole.worker_id(), whole.update_id());
   return reply;
 }
 
-void ServerCore::DiscardParts(uint64_t worker) {
-  auto it = parts_.find(worker);
-  if (it == parts_.end()) return;
-  AppendDiscard(worker, it->second.update_id);
-  parts_.erase(it);
-}
-
-void ServerCore::AppendDiscard(uint64_t worker, uint64_t update_id) {
-  v1::ShardOrder discard;
-  discard.set_kind(v1::ShardOrder::DISCARD);
-  v1::CommitEntry* entry = discard.add_entries();
-  entry->set_worker_id(worker);
-  entry->set_update_id(update_id);
-  orders_.push_back(std::move(discard));
-  admitted_.erase({worker, update_id});
-}
-
 absl::StatusOr<bool> ServerCore::AdmitPush(const v1::PushHeader& header) {
-  if (!sharded()) return absl::FailedPreconditionError("not a layer-sharded coordinator");
   v1::PushHeader whole = header;
   whole.set_slice(0);
   whole.set_slices(1);
@@ -1076,24 +876,7 @@ absl::StatusOr<bool> ServerCore::AdmitPush(const v1::PushHeader& header) {
     CountRejected(status);
     return status;
   }
-  const std::pair<uint64_t, uint64_t> key(header.worker_id(), header.update_id());
-  if (admitted_.count(key)) return true;
-  // A new update of this worker: its older one that did not reach every shard is given up.
-  if (auto parts = parts_.find(header.worker_id());
-      parts != parts_.end() && parts->second.update_id != header.update_id()) {
-    DiscardParts(header.worker_id());
-  }
-  ReleaseUnsubmitted(header.worker_id());
-  if (admitted_.size() >= config_.max_staged_updates()) return false;
-  admitted_.emplace(key, false);
-  return true;
-}
-
-void ServerCore::ReleaseUnsubmitted(uint64_t worker) {
-  for (auto it = admitted_.lower_bound({worker, 0});
-       it != admitted_.end() && it->first.first == worker;) {
-    it = it->second ? std::next(it) : admitted_.erase(it);
-  }
+  return backend_->Admit(header);
 }
 
 v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {
@@ -1104,15 +887,7 @@ v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {
   c.set_updates_applied(updates_applied_);
   c.set_next_task_id(next_task_id_);
   c.set_next_worker_id(membership_.next_id());
-  if (store_ != nullptr) {
-    // Sharded: each shard process checkpoints its own layers (aloe.v1.ShardCheckpoint).
-    const ModelSnapshot snapshot = Snapshot();
-    for (size_t l = 0; l < snapshot.layers.size(); ++l) {
-      AppendFloats(*snapshot.layers[l], c.add_layer_params());
-      store_->SaveOptimizerState(l, c.add_optimizer_state());
-    }
-  }
-  if (penalty_ != nullptr) penalty_->SaveState(c.mutable_penalty_state());
+  backend_->SaveTo(c);
   for (size_t i = 0; i < sampler_.size(); ++i) {
     c.add_shard_steps(sampler_.lr_step(i));
     c.add_shard_tokens(sampler_.tokens_learned(i));
@@ -1153,38 +928,13 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   if (c.eval_versions_size() != c.eval_losses_size()) {
     return absl::InvalidArgumentError("checkpoint evaluation history is malformed");
   }
-  std::vector<std::vector<float>> params(c.layer_params_size());
-  for (int l = 0; l < c.layer_params_size(); ++l) {
-    params[l].resize(c.layer_params(l).size() / sizeof(float));
-    absl::Status s = DecodeFloats(c.layer_params(l), absl::MakeSpan(params[l]));
-    if (!s.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("checkpoint parameters of layer %d: %s", l, s.message()));
-    }
-  }
-  std::vector<std::string> states(c.optimizer_state().begin(), c.optimizer_state().end());
   std::vector<uint64_t> steps(c.shard_steps().begin(), c.shard_steps().end());
   std::vector<uint64_t> tokens(c.shard_tokens().begin(), c.shard_tokens().end());
-  // Validate everything that can fail before changing anything.
+  // Validate everything that can fail before changing anything (the backend restores all or
+  // nothing, last).
   ShardSampler sampler = sampler_;
   ALOE_RETURN_IF_ERROR(sampler.Restore(steps, tokens, c.sampler_rng()));
-  std::string old_penalty;
-  if (penalty_ != nullptr) {
-    penalty_->SaveState(&old_penalty);
-    ALOE_RETURN_IF_ERROR(penalty_->LoadState(c.penalty_state()));
-  }
-  absl::Status restored = absl::OkStatus();
-  if (store_ != nullptr) {
-    restored = store_->Restore(c.version(), params, states);
-  } else if (!params.empty() || !states.empty()) {
-    restored = absl::FailedPreconditionError(
-        "the checkpoint holds parameters: it was written by a single-process server, and this "
-        "one is sharded across processes");
-  }
-  if (!restored.ok()) {
-    if (penalty_ != nullptr) (void)penalty_->LoadState(old_penalty);
-    return restored;
-  }
+  ALOE_RETURN_IF_ERROR(backend_->RestoreFrom(c));
   sampler_ = std::move(sampler);
   updates_applied_ = c.updates_applied();
   next_task_id_ = std::max<uint64_t>(1, c.next_task_id());
@@ -1203,12 +953,6 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   stopping_ = false;
   UpdateStopping();
   retained_.clear();
-  if (sharded()) {
-    commit_version_ = c.version();
-    orders_.clear();
-    orders_base_version_ = c.version();
-    orders_first_index_ = 0;
-  }
   metrics_.Set(kModelVersion, static_cast<double>(version()));
   PublishShards();
   return absl::OkStatus();

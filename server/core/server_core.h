@@ -1,7 +1,9 @@
 // The server's logic behind the gRPC services: membership, task assignment, validation and
-// aggregation of pushed pseudo-gradients, outer steps on the parameter store, evaluation
-// bookkeeping and the stop condition. No gRPC, threads or wall clock (STYLE.md rule 0): time
-// comes from the Clock, parallel work goes through the Executor, metrics to the MetricsSink.
+// aggregation of pushed pseudo-gradients, outer steps, evaluation bookkeeping and the stop
+// condition. Where the parameters live (this process, or the shard processes of a layer-sharded
+// server) is the ParameterBackend's business: the algorithm is the same for both. No gRPC,
+// threads or wall clock: time comes from the Clock, parallel work goes through the Executor,
+// metrics to the MetricsSink.
 //
 // Not thread-safe: the service layer serialises calls (one mutex) and hands Pull streams a
 // ModelSnapshot so that large transfers run outside the lock.
@@ -29,8 +31,10 @@
 #include "server/core/local_work.h"
 #include "server/core/membership.h"
 #include "server/core/outer_step_log.h"
+#include "server/core/parameter_backend.h"
 #include "server/core/parameter_store.h"
 #include "server/core/pseudo_gradient_penalty.h"
+#include "server/core/shard_commit_log.h"
 #include "server/core/shard_sampler.h"
 #include "server/core/update.h"
 
@@ -44,11 +48,19 @@ struct EvalPoint {
 class ServerCore {
  public:
   // config must be validated (common/config.h). train_shards: the corpus' training shards (at
-  // least one). clock, executor and metrics must outlive the core.
+  // least one). clock, executor and metrics must outlive the core. The parameters live where
+  // config says (CreateParameterBackend).
   static absl::StatusOr<std::unique_ptr<ServerCore>> Create(const v1::ServerConfig& config,
                                                             std::vector<DataShard> train_shards,
                                                             std::string heldout_file,
                                                             const Clock& clock, Executor& executor,
+                                                            MetricsSink& metrics);
+  // The same over `parameters` (which must be of `config`'s model).
+  static absl::StatusOr<std::unique_ptr<ServerCore>> Create(const v1::ServerConfig& config,
+                                                            DeployedParameters parameters,
+                                                            std::vector<DataShard> train_shards,
+                                                            std::string heldout_file,
+                                                            const Clock& clock,
                                                             MetricsSink& metrics);
 
   absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
@@ -59,9 +71,8 @@ class ServerCore {
   // Cheap checks of a push header before its chunks are read (live worker, open task, version).
   absl::Status CheckPushHeader(const v1::PushHeader& header) const;
   // Whether the updates this server applies report their layers' norms from layer_squares when
-  // they carry them (UpdateAssembler's sum_squares): a single-process server without the EDiT
-  // penalty (the penalty measures its own).
-  bool wants_layer_squares() const { return !sharded() && penalty_ == nullptr; }
+  // they carry them (UpdateAssembler's sum_squares; ParameterBackend::wants_layer_squares).
+  bool wants_layer_squares() const { return backend_->wants_layer_squares(); }
   // Takes a fully assembled update; aggregates and applies when it completes a batch. A slice of
   // a sliced update (update.slices > 1) is staged until every slice has arrived (reply staged);
   // the slice that completes it submits the merged update. With update.want_next_task (of the
@@ -77,16 +88,16 @@ class ServerCore {
   // that fail before SubmitUpdate).
   void CountRejected(const absl::Status& status);
 
-  // The current version's parameters; sharded (config.shard_processes > 0) only its version.
-  ModelSnapshot Snapshot() const;
-  // Where a single-process server's pushes take their layer buffers (null when sharded).
-  std::shared_ptr<FloatBufferPool> staging_buffers() const { return staging_buffers_; }
+  // The current version's parameters where this process holds them, else only its version.
+  ModelSnapshot Snapshot() const { return backend_->Snapshot(); }
+  // Where pushes take their layer buffers (null where updates carry no layers).
+  std::shared_ptr<FloatBufferPool> staging_buffers() const { return backend_->staging_buffers(); }
   // The snapshot a Pull streams: the requested version — the current one, or an older one that
   // an open or released task starts from (kFailedPrecondition for any other) — or the latest.
   // kNotFound for an unknown worker; kInvalidArgument for a bad slice request.
   absl::StatusOr<ModelSnapshot> SnapshotFor(const v1::PullRequest& request) const;
   const v1::ModelSpec& spec() const { return spec_; }
-  uint64_t version() const { return store_ != nullptr ? store_->version() : commit_version_; }
+  uint64_t version() const { return backend_->version(); }
   uint64_t updates_applied() const { return updates_applied_; }
   const std::vector<EvalPoint>& eval_history() const { return eval_history_; }
   // When a time-driven event (a grace window closing) is due; nullopt when none is pending.
@@ -127,47 +138,35 @@ class ServerCore {
   static constexpr uint64_t kWorkerIdGapAfterRestart = uint64_t{1} << 20;
 
   // --- Sharded across processes (config.shard_processes > 0): this core is the coordinator.
-  // It holds no parameters; each outer step becomes a COMMIT order that every shard process
-  // applies in log order (orders()), and an update counts as pushed only once every shard has
+  // Its parameters are a ShardCommitLog: each outer step becomes a COMMIT order that every shard
+  // process applies in log order, and an update counts as pushed only once every shard has
   // staged its part (SubmitShardPart).
-  bool sharded() const { return config_.shard_processes() > 0; }
+  // The order log, admissions and shard addresses; null for one process.
+  ShardCommitLog* shard_log() { return shard_log_; }
+  const ShardCommitLog* shard_log() const { return shard_log_; }
   // The bring-your-own model's fingerprint (ServerConfig.model_file), "" for the built-in one.
   const std::string& model_fingerprint() const { return model_fingerprint_; }
   // Shard process `shard` follows the coordinator and serves workers at `address` ("" = gone)
   // and takes raw pushes at `push_address` ("" = none; JoinReply.shard_push_addresses).
   // Join answers kUnavailable until every shard has an address.
-  void SetShardAddress(uint32_t shard, std::string address, std::string push_address = "");
-  bool shards_ready() const;
+  void SetShardAddress(uint32_t shard, std::string address, std::string push_address = "") {
+    backend_->SetAddress(shard, std::move(address), std::move(push_address));
+  }
   // A single-process server takes raw pushes at `address` too (aloe-server --push_listen; ""
   // = none): Join tells workers (JoinReply.push_address).
-  void SetPushAddress(std::string address) { push_address_ = std::move(address); }
+  void SetPushAddress(std::string address) { backend_->SetAddress(0, "", std::move(address)); }
   // Admits the update `header` names to be pushed to the shards (AdmitRequest): at most
   // max_staged_updates updates are admitted at once, the same on every shard. true when admitted
   // now or before (a retry, another shard's part); false while max_staged_updates others are;
   // CheckPushHeader's errors. An update stays admitted until its COMMIT or DISCARD order, or
   // until its worker leaves; admitting a new update of a worker releases (and discards the parts
-  // of) its update that did not reach every shard.
+  // of) its update that did not reach every shard. kFailedPrecondition for one process.
   absl::StatusOr<bool> AdmitPush(const v1::PushHeader& header);
-  size_t admitted_updates() const { return admitted_.size(); }
   // Shard `shard` staged its part of the update `header` describes (it must be admitted; the only
   // shard process of shard_processes 1 does not ask, and its report admits the update). Returns
   // staged = true until every shard has, then SubmitUpdate's reply for the whole update (whose
   // errors mean: drop the part; a DISCARD order tells the shards that staged it).
   absl::StatusOr<v1::PushReply> SubmitShardPart(uint32_t shard, const v1::PushHeader& header);
-  // The order log since the version the coordinator started (or was restored) at, less what
-  // TrimOrdersBefore dropped: orders()[i] is the order at absolute index first_order_index() + i
-  // (absolute indices count from the start or restore and never shift).
-  const std::vector<v1::ShardOrder>& orders() const { return orders_; }
-  uint64_t first_order_index() const { return orders_first_index_; }
-  // Where a shard at `shard_version` continues: the absolute index just after that version's
-  // COMMIT. nullopt when the log cannot bring it to the current version (outside the log).
-  std::optional<uint64_t> OrderIndexAfter(uint64_t shard_version) const;
-  // Drops the orders before absolute index `index` (every shard process has received them), so
-  // the log does not grow with the run. Drops only in batches of at least kOrderTrimBatch orders (a
-  // vector erase is linear). A shard asking to follow from a version before the trimmed part makes
-  // the processes reassemble.
-  void TrimOrdersBefore(uint64_t index);
-  static constexpr uint64_t kOrderTrimBatch = 1024;
   // Versions older than the current one that tasks still start from (ShardOrder.keep_versions).
   std::vector<uint64_t> RetainedVersions() const;
 
@@ -181,8 +180,9 @@ class ServerCore {
   // Tasks handed out and not yet pushed, reported or dropped (what a drain waits for).
   size_t open_tasks() const { return open_tasks_.size() + ahead_tasks_.size(); }
   bool stopping() const { return stopping_; }
-  // The EDiT pseudo-gradient penalty; null unless config.penalty().enabled().
-  const PseudoGradientPenalty* penalty() const { return penalty_.get(); }
+  // The EDiT pseudo-gradient penalty where this process applies it (config.penalty().enabled()
+  // with one process); null otherwise.
+  const PseudoGradientPenalty* penalty() const { return backend_->penalty(); }
 
  private:
   // The slices of one sliced update received so far (one per worker at a time).
@@ -190,14 +190,6 @@ class ServerCore {
     std::vector<bool> received;
     uint32_t count = 0;
     PendingUpdate merged;  // header fields of the first slice, layers merged slice by slice
-  };
-
-  // The shards that staged their part of one worker's update so far (sharded coordinator).
-  struct Parts {
-    uint64_t update_id = 0;
-    uint64_t task_id = 0;
-    std::vector<bool> received;
-    uint32_t count = 0;
   };
 
   struct OpenTask {
@@ -235,12 +227,6 @@ class ServerCore {
   absl::Status EndOpenTask(uint64_t worker);
   v1::Task EvaluatorTask(uint64_t worker);
   void WorkerGone(uint64_t worker);
-  // Tells the shards to drop the parts of `worker`'s update staged so far (if any).
-  void DiscardParts(uint64_t worker);
-  // Appends a DISCARD order of one update to the order log (and ends its admission).
-  void AppendDiscard(uint64_t worker, uint64_t update_id);
-  // Ends the admission of the updates of `worker` that did not reach every shard.
-  void ReleaseUnsubmitted(uint64_t worker);
   absl::Status Apply(ApplyBatch batch);
   void UpdateStopping();
   void PublishMembership();
@@ -265,28 +251,12 @@ class ServerCore {
   const Clock& clock_;
   MetricsSink& metrics_;
   v1::ModelSpec spec_;
-  std::unique_ptr<ParameterStore> store_;  // null when sharded across processes
-  // Single process: applied updates give their layer buffers back here for the next pushes
-  // (UpdateAssembler); at most max_staged_updates updates' worth idle. Null when sharded.
-  std::shared_ptr<FloatBufferPool> staging_buffers_;
-  // Sharded coordinator: the version of the last COMMIT order, the order log since
-  // orders_base_version_, the shards' addresses and the parts staged per worker.
-  uint64_t commit_version_ = 0;
-  uint64_t orders_base_version_ = 0;  // the version before orders_[0]
-  uint64_t orders_first_index_ = 0;   // the absolute index of orders_[0]
-  std::vector<v1::ShardOrder> orders_;
-  std::vector<std::string> shard_addresses_;
-  std::vector<std::string> shard_push_addresses_;  // parallel to shard_addresses_
-  std::string push_address_;                       // a single-process server's raw pushes
-  std::map<uint64_t, Parts> parts_;                // by worker
-  // Admitted updates (worker_id, update_id) -> submitted (every shard staged its part).
-  std::map<std::pair<uint64_t, uint64_t>, bool> admitted_;
+  std::unique_ptr<ParameterBackend> backend_;  // where the parameters live
+  ShardCommitLog* shard_log_ = nullptr;        // backend_ when it is one
   Membership membership_;
   std::unique_ptr<AggregationPolicy> aggregation_;
   // aggregation_ when it is a grace window behind aligned DyLU (LocalWorkPlanner); else null.
   GracePeriodAggregation* aligned_grace_ = nullptr;
-  // Replaces the batch's fixed weights when enabled (paper 000 Alg. 2, per layer).
-  std::unique_ptr<PseudoGradientPenalty> penalty_;
   ShardSampler sampler_;
   LocalWorkPlanner planner_;
   std::string heldout_file_;

@@ -62,15 +62,16 @@ class CoreHandle {
     return generation_;
   }
 
-  // Waits until the core's order log holds an order at absolute index `index` or later (or the
-  // core was replaced), or until `timeout`. Unlike WaitForChange no other change wakes the
+  // A coordinator's: waits until its order log holds an order at absolute index `index` or later
+  // (or the core was replaced), or until `timeout`. Unlike WaitForChange no other change wakes the
   // caller: whoever releases the lock evaluates the condition (absl::Mutex::Await), so a call
   // that adds no order wakes no follow stream.
   void WaitForOrder(uint64_t index, absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
     const ServerCore* current = core_.get();
     auto ready = [&] {
-      return core_.get() != current || core_->first_order_index() + core_->orders().size() > index;
+      const ShardCommitLog& log = *core_->shard_log();
+      return core_.get() != current || log.first_order_index() + log.orders().size() > index;
     };
     mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
   }
@@ -106,7 +107,7 @@ class CoreHandle {
       if (changed_.WaitWithDeadline(&mu_, deadline)) {
         return absl::ResourceExhaustedError(absl::StrFormat(
             "%d updates are being pushed to the shards (max_staged_updates): push again later",
-            core_->admitted_updates()));
+            core_->shard_log()->admitted_updates()));
       }
     }
   }

@@ -143,10 +143,11 @@ void ShardControlService::MaybeTrimLog() {
   if (slowest < 2 * kLogSlack) return;
   uint64_t first = 0;
   uint64_t generation = 0;
-  handle_.Peek(&generation, [&](const ServerCore& core) { first = core.first_order_index(); });
+  handle_.Peek(&generation,
+               [&](const ServerCore& core) { first = core.shard_log()->first_order_index(); });
   // Only when the core will drop a batch (a Run wakes every stream).
-  if (slowest - kLogSlack >= first + ServerCore::kOrderTrimBatch) {
-    handle_.Run([&](ServerCore& core) { core.TrimOrdersBefore(slowest - kLogSlack); });
+  if (slowest - kLogSlack >= first + ShardCommitLog::kOrderTrimBatch) {
+    handle_.Run([&](ServerCore& core) { core.shard_log()->TrimOrdersBefore(slowest - kLogSlack); });
   }
 }
 
@@ -183,8 +184,8 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
     me.request = *request;
     std::optional<uint64_t> next;
     if (ready_ && !request->fresh()) {
-      next =
-          handle_.Run([&](ServerCore& core) { return core.OrderIndexAfter(request->version()); });
+      next = handle_.Run(
+          [&](ServerCore& core) { return core.shard_log()->OrderIndexAfter(request->version()); });
     }
     if (next) {
       // Lost only its connection: follows on from its version.
@@ -236,8 +237,8 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
       }
       finish = finish_version_;
       handle_.Peek(&seen, [&](const ServerCore& core) {
-        const std::vector<v1::ShardOrder>& orders = core.orders();
-        const uint64_t first = core.first_order_index();
+        const std::vector<v1::ShardOrder>& orders = core.shard_log()->orders();
+        const uint64_t first = core.shard_log()->first_order_index();
         if (options_.journal != nullptr)
           options_.journal->CatchUp(orders, first);  // before sending
         if (cursor >= first + orders.size()) return;

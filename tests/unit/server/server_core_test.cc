@@ -973,7 +973,7 @@ TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart)
   EXPECT_EQ(first->slices_received(), 1u);
   EXPECT_THAT(Part(*core_, 1, HeaderOf(a, ta, 11)), IsOk());
   EXPECT_THAT(Part(*core_, 1, HeaderOf(b, tb, 21)), IsOk());
-  EXPECT_TRUE(core_->orders().empty());
+  EXPECT_TRUE(core_->shard_log()->orders().empty());
   EXPECT_EQ(core_->version(), 0u);
   // A shard index out of range, or a part of an update with no open task, is refused.
   EXPECT_THAT(Part(*core_, 2, HeaderOf(b, tb, 21)),
@@ -986,8 +986,8 @@ TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart)
   EXPECT_FALSE(last->staged());
   EXPECT_TRUE(last->applied());
   EXPECT_EQ(core_->version(), 1u);
-  ASSERT_EQ(core_->orders().size(), 1u);
-  const v1::ShardOrder& commit = core_->orders()[0];
+  ASSERT_EQ(core_->shard_log()->orders().size(), 1u);
+  const v1::ShardOrder& commit = core_->shard_log()->orders()[0];
   EXPECT_EQ(commit.kind(), v1::ShardOrder::COMMIT);
   EXPECT_EQ(commit.version(), 1u);
   ASSERT_EQ(commit.entries_size(), 2);
@@ -996,9 +996,9 @@ TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart)
   EXPECT_FLOAT_EQ(commit.entries(0).weight(), 0.5f);
   EXPECT_EQ(commit.entries(1).update_id(), 21u);
   EXPECT_FLOAT_EQ(commit.entries(1).weight(), 0.5f);
-  EXPECT_EQ(core_->OrderIndexAfter(0), std::optional<size_t>(0));
-  EXPECT_EQ(core_->OrderIndexAfter(1), std::optional<size_t>(1));
-  EXPECT_EQ(core_->OrderIndexAfter(2), std::nullopt);
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(0), std::optional<size_t>(0));
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(1), std::optional<size_t>(1));
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(2), std::nullopt);
 
   // A worker that leaves with a part staged on one shard: the shards are told to drop it.
   const v1::Task ta2 = Request(a);
@@ -1007,10 +1007,10 @@ TEST_F(ServerCoreTest, ShardedCoordinatorCommitsOnlyWhenEveryShardStagedItsPart)
   v1::LeaveRequest leave;
   leave.set_worker_id(a);
   ASSERT_THAT(core_->Leave(leave), IsOk());
-  ASSERT_EQ(core_->orders().size(), 2u);
-  EXPECT_EQ(core_->orders()[1].kind(), v1::ShardOrder::DISCARD);
-  EXPECT_EQ(core_->orders()[1].entries(0).worker_id(), a);
-  EXPECT_EQ(core_->orders()[1].entries(0).update_id(), 12u);
+  ASSERT_EQ(core_->shard_log()->orders().size(), 2u);
+  EXPECT_EQ(core_->shard_log()->orders()[1].kind(), v1::ShardOrder::DISCARD);
+  EXPECT_EQ(core_->shard_log()->orders()[1].entries(0).worker_id(), a);
+  EXPECT_EQ(core_->shard_log()->orders()[1].entries(0).update_id(), 12u);
   EXPECT_EQ(core_->version(), 1u);
 }
 
@@ -1041,8 +1041,8 @@ TEST_F(ServerCoreTest, ShardedCoordinatorAnswersTheLastPartWithTheNextTask) {
   EXPECT_EQ(last->next_task().base_version(), 1u);
   EXPECT_EQ(Request(a).task_id(), last->next_task().task_id());
   // The COMMIT of version 1 went out before the task from it.
-  ASSERT_EQ(core_->orders().size(), 1u);
-  EXPECT_EQ(core_->orders()[0].version(), 1u);
+  ASSERT_EQ(core_->shard_log()->orders().size(), 1u);
+  EXPECT_EQ(core_->shard_log()->orders()[0].version(), 1u);
 }
 
 TEST_F(ServerCoreTest, ShardedStalenessDiscountTravelsInTheCommitWeight) {
@@ -1059,9 +1059,9 @@ TEST_F(ServerCoreTest, ShardedStalenessDiscountTravelsInTheCommitWeight) {
   const v1::Task tb = Request(b);
   ASSERT_THAT(Part(*core_, 0, HeaderOf(a, ta, 1)), IsOk());  // staleness 0
   ASSERT_THAT(Part(*core_, 0, HeaderOf(b, tb, 1)), IsOk());  // staleness 1
-  ASSERT_EQ(core_->orders().size(), 2u);
-  EXPECT_FLOAT_EQ(core_->orders()[0].entries(0).weight(), 1.0f);
-  EXPECT_FLOAT_EQ(core_->orders()[1].entries(0).weight(), 0.5f);  // (1 + 1)^-1
+  ASSERT_EQ(core_->shard_log()->orders().size(), 2u);
+  EXPECT_FLOAT_EQ(core_->shard_log()->orders()[0].entries(0).weight(), 1.0f);
+  EXPECT_FLOAT_EQ(core_->shard_log()->orders()[1].entries(0).weight(), 0.5f);  // (1 + 1)^-1
 }
 
 // The order log drops what every shard received, in batches, keeping absolute indices: a shard
@@ -1074,26 +1074,27 @@ TEST_F(ServerCoreTest, ShardedOrderLogTrimsInBatchesWithStableIndices) {
   Make(config);
   core_->SetShardAddress(0, "s0");
   const uint64_t a = Join();
-  const uint64_t n = ServerCore::kOrderTrimBatch + 100;
+  const uint64_t n = ShardCommitLog::kOrderTrimBatch + 100;
   for (uint64_t round = 0; round < n; ++round) {
     ASSERT_THAT(Part(*core_, 0, HeaderOf(a, Request(a), round + 1)), IsOk());
   }
-  ASSERT_EQ(core_->orders().size(), n);  // one COMMIT per version
-  EXPECT_EQ(core_->OrderIndexAfter(0), std::optional<uint64_t>(0));
-  EXPECT_EQ(core_->OrderIndexAfter(10), std::optional<uint64_t>(10));
+  ASSERT_EQ(core_->shard_log()->orders().size(), n);  // one COMMIT per version
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(0), std::optional<uint64_t>(0));
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(10), std::optional<uint64_t>(10));
 
-  core_->TrimOrdersBefore(ServerCore::kOrderTrimBatch - 1);  // less than a batch: kept
-  EXPECT_EQ(core_->first_order_index(), 0u);
-  core_->TrimOrdersBefore(ServerCore::kOrderTrimBatch + 50);
-  EXPECT_EQ(core_->first_order_index(), ServerCore::kOrderTrimBatch + 50);
-  EXPECT_EQ(core_->orders().size(), 50u);
-  EXPECT_EQ(core_->orders().front().version(), ServerCore::kOrderTrimBatch + 51);
+  core_->shard_log()->TrimOrdersBefore(ShardCommitLog::kOrderTrimBatch -
+                                       1);  // less than a batch: kept
+  EXPECT_EQ(core_->shard_log()->first_order_index(), 0u);
+  core_->shard_log()->TrimOrdersBefore(ShardCommitLog::kOrderTrimBatch + 50);
+  EXPECT_EQ(core_->shard_log()->first_order_index(), ShardCommitLog::kOrderTrimBatch + 50);
+  EXPECT_EQ(core_->shard_log()->orders().size(), 50u);
+  EXPECT_EQ(core_->shard_log()->orders().front().version(), ShardCommitLog::kOrderTrimBatch + 51);
   // Version kOrderTrimBatch + 50's COMMIT is gone, but a shard there continues at the front.
-  EXPECT_EQ(core_->OrderIndexAfter(ServerCore::kOrderTrimBatch + 50),
-            std::optional<uint64_t>(ServerCore::kOrderTrimBatch + 50));
-  EXPECT_EQ(core_->OrderIndexAfter(ServerCore::kOrderTrimBatch + 60),
-            std::optional<uint64_t>(ServerCore::kOrderTrimBatch + 60));
-  EXPECT_EQ(core_->OrderIndexAfter(10), std::nullopt);
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(ShardCommitLog::kOrderTrimBatch + 50),
+            std::optional<uint64_t>(ShardCommitLog::kOrderTrimBatch + 50));
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(ShardCommitLog::kOrderTrimBatch + 60),
+            std::optional<uint64_t>(ShardCommitLog::kOrderTrimBatch + 60));
+  EXPECT_EQ(core_->shard_log()->OrderIndexAfter(10), std::nullopt);
 }
 
 v1::HeartbeatRequest PulledBeat(uint64_t worker, uint64_t task_id, uint32_t slice = 0,
@@ -1427,21 +1428,21 @@ TEST_F(ServerCoreTest, ShardedAdmissionIsBoundedAndEndsWithTheUpdate) {
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not admitted")));
   // a's update reaches both shards and commits: its admission ends, c gets one.
   ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(a, ta, 1)), IsOk());
-  EXPECT_EQ(core_->admitted_updates(), 2u);  // on one shard only: still admitted
+  EXPECT_EQ(core_->shard_log()->admitted_updates(), 2u);  // on one shard only: still admitted
   ASSERT_THAT(core_->SubmitShardPart(1, HeaderOf(a, ta, 1)), IsOk());
   EXPECT_EQ(core_->version(), 1u);
   EXPECT_TRUE(admit(HeaderOf(c, tc, 1)));
   // b gives up its update for a newer one: the old one's part is discarded, the new admitted.
   ASSERT_THAT(core_->SubmitShardPart(0, HeaderOf(b, tb, 1)), IsOk());
   EXPECT_TRUE(admit(HeaderOf(b, tb, 2)));
-  EXPECT_EQ(core_->orders().back().kind(), v1::ShardOrder::DISCARD);
-  EXPECT_EQ(core_->orders().back().entries(0).update_id(), 1u);
-  EXPECT_EQ(core_->admitted_updates(), 2u);  // c's and b's second
+  EXPECT_EQ(core_->shard_log()->orders().back().kind(), v1::ShardOrder::DISCARD);
+  EXPECT_EQ(core_->shard_log()->orders().back().entries(0).update_id(), 1u);
+  EXPECT_EQ(core_->shard_log()->admitted_updates(), 2u);  // c's and b's second
   // c leaves: its admission ends.
   v1::LeaveRequest leave;
   leave.set_worker_id(c);
   ASSERT_THAT(core_->Leave(leave), IsOk());
-  EXPECT_EQ(core_->admitted_updates(), 1u);
+  EXPECT_EQ(core_->shard_log()->admitted_updates(), 1u);
   // A stale push (no open task) is refused at admission.
   EXPECT_FALSE(core_->AdmitPush(HeaderOf(a, ta, 7)).ok());
 }
@@ -1463,14 +1464,14 @@ TEST_F(ServerCoreTest, TheOnlyShardProcessIsAdmittedByItsReport) {
   ASSERT_THAT(core_->AdmitPush(HeaderOf(a, ta, 1)), IsOk());
   EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(b, tb, 1)),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("max_staged_updates")));
-  EXPECT_EQ(core_->admitted_updates(), 1u);
-  EXPECT_TRUE(core_->orders().empty());
+  EXPECT_EQ(core_->shard_log()->admitted_updates(), 1u);
+  EXPECT_TRUE(core_->shard_log()->orders().empty());
   EXPECT_EQ(Request(b).task_id(), tb.task_id());  // b's task is still open
   auto ra = core_->SubmitShardPart(0, HeaderOf(a, ta, 1));
   ASSERT_THAT(ra, IsOk());
   EXPECT_FALSE(ra->staged());  // the only part: the whole update
   EXPECT_TRUE(ra->applied());
-  EXPECT_EQ(core_->admitted_updates(), 0u);  // ended by the COMMIT
+  EXPECT_EQ(core_->shard_log()->admitted_updates(), 0u);  // ended by the COMMIT
   // b's report now admits b's update itself.
   auto rb = core_->SubmitShardPart(0, HeaderOf(b, tb, 1));
   ASSERT_THAT(rb, IsOk());
@@ -1489,13 +1490,13 @@ TEST_F(ServerCoreTest, TheOnlyShardProcessIsAdmittedByItsReport) {
   ASSERT_THAT(rd, IsOk());
   EXPECT_TRUE(rd->applied());
   EXPECT_EQ(core_->version(), 1u);
-  EXPECT_EQ(core_->admitted_updates(), 0u);  // ended by the COMMIT
-  ASSERT_EQ(core_->orders().size(), 1u);
-  EXPECT_EQ(core_->orders()[0].entries_size(), 2);
+  EXPECT_EQ(core_->shard_log()->admitted_updates(), 0u);  // ended by the COMMIT
+  ASSERT_EQ(core_->shard_log()->orders().size(), 1u);
+  EXPECT_EQ(core_->shard_log()->orders()[0].entries_size(), 2);
   // A retry of a committed update finds no open task: refused, nothing admitted.
   EXPECT_THAT(core_->SubmitShardPart(0, HeaderOf(c, tc, 1)),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no open training task")));
-  EXPECT_EQ(core_->admitted_updates(), 0u);
+  EXPECT_EQ(core_->shard_log()->admitted_updates(), 0u);
 }
 
 // A sync round of a layer-sharded server commits only once every trainer's update is staged on
