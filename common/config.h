@@ -20,7 +20,7 @@ absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
 // Reads, parses, fills defaults, validates. kNotFound when the file is missing.
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 
-// Fills every zero/empty field that has a documented default (see proto/aloe.proto).
+// Fills every zero/empty field that has a documented default (docs/configuration.md).
 void FillServerDefaults(v1::ServerConfig* config);
 
 // Checks every field after defaults were filled. kInvalidArgument naming the first bad field.
