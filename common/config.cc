@@ -51,10 +51,51 @@ absl::Status CheckAddress(const std::string& field, const std::string& address) 
 }
 
 absl::Status Positive(const char* field, double v) {
-  if (!(v > 0) || !std::isfinite(v)) {
+  if (!(v > 0)) {
     return absl::InvalidArgumentError(absl::StrFormat("%s must be > 0, got %g", field, v));
   }
+  if (!std::isfinite(v)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s must be > 0 and finite, got %g", field, v));
+  }
   return absl::OkStatus();
+}
+
+// [0, 1): momentum and Adam's betas.
+absl::Status InUnitInterval(const char* field, float v) {
+  if (!(v >= 0 && v < 1)) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s must be in [0, 1), got %g", field, v));
+  }
+  return absl::OkStatus();
+}
+
+constexpr uint32_t kMaxDnBufferSize = 1000000;
+
+absl::Status CheckOuterMomentum(const v1::OuterOptimizerConfig& c) {
+  return InUnitInterval("outer_optimizer.momentum", c.momentum());
+}
+
+absl::Status CheckDelayedNesterov(const v1::OuterOptimizerConfig& c) {
+  const uint32_t n = c.dn_buffer_size();
+  if (n < 1 || n > kMaxDnBufferSize) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "outer_optimizer.dn_buffer_size must be in [1, %d], got %d", kMaxDnBufferSize, n));
+  }
+  // Compared as floats: c is a float, and its upper end is 1/N as the nearest float.
+  const float activation = c.dn_momentum_activation();
+  if (!(activation >= 0.0f && activation <= MaxDnMomentumActivation(n))) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer_optimizer.dn_momentum_activation must be in [0, 1/N] with N = "
+                        "dn_buffer_size = %d, got %.9g",
+                        n, activation));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAdam(const v1::OuterOptimizerConfig& c) {
+  ALOE_RETURN_IF_ERROR(InUnitInterval("outer_optimizer.adam_beta1", c.adam_beta1()));
+  ALOE_RETURN_IF_ERROR(InUnitInterval("outer_optimizer.adam_beta2", c.adam_beta2()));
+  return Positive("outer_optimizer.adam_eps", c.adam_eps());
 }
 
 // True when `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
@@ -230,37 +271,12 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   }
   ALOE_RETURN_IF_ERROR(ValidateInnerOptimizerConfig(c.inner_optimizer()));
   const auto& outer = c.outer_optimizer();
-  if (!v1::OuterOptimizerType_IsValid(outer.type())) {
-    return absl::InvalidArgumentError("outer_optimizer.type is not a known optimizer");
-  }
-  ALOE_RETURN_IF_ERROR(Positive("outer_optimizer.lr", outer.lr()));
-  if (!(outer.momentum() >= 0 && outer.momentum() < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("outer_optimizer.momentum must be in [0, 1), got %g", outer.momentum()));
-  }
-  if (outer.dn_buffer_size() < 1 || outer.dn_buffer_size() > 1000000) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "outer_optimizer.dn_buffer_size must be in [1, 1000000], got %d", outer.dn_buffer_size()));
-  }
-  const double c_max = 1.0 / outer.dn_buffer_size();
-  if (!(outer.dn_momentum_activation() >= 0 && outer.dn_momentum_activation() <= c_max + 1e-9)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("outer_optimizer.dn_momentum_activation must be in [0, 1/N = %g], got %g",
-                        c_max, outer.dn_momentum_activation()));
-  }
-  for (auto [name, beta] :
-       {std::pair<const char*, float>{"outer_optimizer.adam_beta1", outer.adam_beta1()},
-        {"outer_optimizer.adam_beta2", outer.adam_beta2()}}) {
-    if (!(beta >= 0 && beta < 1)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s must be in [0, 1), got %g", name, beta));
-    }
-  }
-  ALOE_RETURN_IF_ERROR(Positive("outer_optimizer.adam_eps", outer.adam_eps()));
-  if (!(outer.staleness_exponent() >= 0) || !std::isfinite(outer.staleness_exponent())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "outer_optimizer.staleness_exponent must be >= 0, got %g", outer.staleness_exponent()));
-  }
+  ALOE_RETURN_IF_ERROR(ValidateOuterOptimizerConfig(outer));
+  // The fields this type ignores too, so that a config changed to another type later never
+  // meets an out-of-range value there.
+  ALOE_RETURN_IF_ERROR(CheckOuterMomentum(outer));
+  ALOE_RETURN_IF_ERROR(CheckDelayedNesterov(outer));
+  ALOE_RETURN_IF_ERROR(CheckAdam(outer));
   const auto& transport = c.transport();
   if (!v1::Codec_IsValid(transport.codec())) {
     return absl::InvalidArgumentError("transport.codec is not a known codec");
@@ -275,14 +291,7 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
           absl::StrFormat("transport.layer_codecs: layer \"%s\" needs a codec", layer.layer()));
     }
   }
-  const auto& penalty = c.penalty();
-  if (!(penalty.ema_alpha() > 0 && penalty.ema_alpha() <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("penalty.ema_alpha must be in (0, 1], got %g", penalty.ema_alpha()));
-  }
-  ALOE_RETURN_IF_ERROR(Positive("penalty.z_threshold", penalty.z_threshold()));
-  ALOE_RETURN_IF_ERROR(Positive("penalty.temperature", penalty.temperature()));
-  ALOE_RETURN_IF_ERROR(Positive("penalty.clip_norm", penalty.clip_norm()));
+  ALOE_RETURN_IF_ERROR(ValidatePenaltyConfig(c.penalty()));
   if (!v1::AggregationMode_IsValid(c.aggregation().mode())) {
     return absl::InvalidArgumentError("aggregation.mode is not a known mode");
   }
@@ -356,6 +365,47 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
         absl::StrFormat("max_seconds must be >= 0, got %g", c.max_seconds()));
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateOuterOptimizerConfig(const v1::OuterOptimizerConfig& c) {
+  if (!v1::OuterOptimizerType_IsValid(c.type())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer_optimizer.type %d is not a known outer optimizer", c.type()));
+  }
+  ALOE_RETURN_IF_ERROR(Positive("outer_optimizer.lr", c.lr()));
+  ALOE_RETURN_IF_ERROR(ValidateStalenessExponent(c));
+  switch (c.type()) {
+    case v1::OUTER_SGD:
+      return absl::OkStatus();
+    case v1::OUTER_DELAYED_NESTEROV:
+      ALOE_RETURN_IF_ERROR(CheckOuterMomentum(c));
+      return CheckDelayedNesterov(c);
+    case v1::OUTER_ADAM:
+      return CheckAdam(c);
+    default:  // OUTER_NESTEROV and OUTER_OPTIMIZER_UNSPECIFIED
+      return CheckOuterMomentum(c);
+  }
+}
+
+absl::Status ValidateStalenessExponent(const v1::OuterOptimizerConfig& c) {
+  const float a = c.staleness_exponent();
+  if (!(a >= 0) || !std::isfinite(a)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outer_optimizer.staleness_exponent must be >= 0 and finite, got %g", a));
+  }
+  return absl::OkStatus();
+}
+
+float MaxDnMomentumActivation(uint32_t n) { return n == 0 ? 0.0f : static_cast<float>(1.0 / n); }
+
+absl::Status ValidatePenaltyConfig(const v1::PenaltyConfig& c) {
+  if (!(c.ema_alpha() > 0 && c.ema_alpha() <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("penalty.ema_alpha must be in (0, 1], got %g", c.ema_alpha()));
+  }
+  ALOE_RETURN_IF_ERROR(Positive("penalty.z_threshold", c.z_threshold()));
+  ALOE_RETURN_IF_ERROR(Positive("penalty.temperature", c.temperature()));
+  return Positive("penalty.clip_norm", c.clip_norm());
 }
 
 }  // namespace aloe

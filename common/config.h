@@ -3,8 +3,10 @@
 // validated. Errors name the field ("outer_optimizer.lr must be > 0, got -1").
 #pragma once
 
+#include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "proto/aloe.pb.h"
 
@@ -18,10 +20,35 @@ absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
 // Reads, parses, fills defaults, validates. kNotFound when the file is missing.
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 
-// Fills every zero/empty field that has a documented default (see proto/aloe.proto).
+// Fills every zero/empty field that has a documented default (docs/configuration.md).
 void FillServerDefaults(v1::ServerConfig* config);
 
 // Checks every field after defaults were filled. kInvalidArgument naming the first bad field.
+// The single source of the valid ranges: components that re-check their part of a config built
+// in code call the functions below, which this one calls too.
 absl::Status ValidateServerConfig(const v1::ServerConfig& config);
+
+// The fields the outer optimizer of config.type() reads: a known type, lr > 0 and finite,
+// staleness_exponent as ValidateStalenessExponent, and by type:
+//   OUTER_SGD: nothing more (momentum is ignored);
+//   OUTER_NESTEROV and OUTER_OPTIMIZER_UNSPECIFIED (= Nesterov): momentum in [0, 1);
+//   OUTER_DELAYED_NESTEROV: momentum in [0, 1), dn_buffer_size N in [1, 1000000],
+//     dn_momentum_activation in [0, MaxDnMomentumActivation(N)];
+//   OUTER_ADAM: adam_beta1 and adam_beta2 in [0, 1), adam_eps > 0 and finite.
+// ValidateServerConfig also checks the fields the type ignores, with the same ranges.
+// kInvalidArgument naming the field ("outer_optimizer.lr must be > 0, got -1").
+absl::Status ValidateOuterOptimizerConfig(const v1::OuterOptimizerConfig& config);
+
+// outer_optimizer.staleness_exponent is >= 0 and finite (0 = no staleness discount).
+absl::Status ValidateStalenessExponent(const v1::OuterOptimizerConfig& config);
+
+// The largest dn_momentum_activation c accepted with buffer size n >= 1: 1/n rounded to the
+// nearest float. A config that writes c = 1/N (0.2 for N = 5) parses to that same float, which
+// may lie above 1/N in real numbers; the next float up is refused.
+float MaxDnMomentumActivation(uint32_t n);
+
+// penalty.ema_alpha in (0, 1]; z_threshold, temperature and clip_norm > 0 and finite. Checked
+// whether or not the penalty is enabled. kInvalidArgument naming the field.
+absl::Status ValidatePenaltyConfig(const v1::PenaltyConfig& config);
 
 }  // namespace aloe

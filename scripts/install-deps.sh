@@ -15,7 +15,7 @@ PACKAGES=(
   # scripts/fuzz.sh: clang, libFuzzer and the sanitizer runtimes, llvm-symbolizer
   clang libclang-rt-dev llvm
   # scripts/lint.sh; tests/integration/deploy_flags_test.py reads the manifests with python3-yaml
-  shellcheck yamllint python3-yaml clang-format
+  shellcheck yamllint flake8 python3-yaml clang-format
 )
 
 missing=()

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Static checks: the layout of the C++ and CUDA sources (clang-format 14, Debian 12's, with the
 # repository's .clang-format; another version formats differently, so it is skipped), shell
-# scripts (shellcheck), YAML under deploy/ and .github/ (yamllint, settings in .yamllint), the
-# Prometheus configs, recording rules and rule tests (promtool), the Grafana dashboard (JSON) and
-# the Kubernetes manifests (kubectl kustomize). Prints one line per check, then
-# `lint: N passed, M failed`, and exits 1 when a check failed. A tool that is not installed is
-# skipped with a message (scripts/install-deps.sh installs all but the optional kubectl).
-# scripts/test.sh runs this before building.
+# scripts (shellcheck), Python (flake8, settings in .flake8), YAML under deploy/ and .github/
+# (yamllint, settings in .yamllint), the Prometheus configs, recording rules and rule tests
+# (promtool), the Grafana dashboard (JSON) and the Kubernetes manifests (kubectl kustomize).
+# Prints one line per check, then `lint: N passed, M failed`, and exits 1 when a check failed.
+# A tool that is not installed is skipped with a message (scripts/install-deps.sh installs all
+# but the optional kubectl). scripts/test.sh runs this before building.
 # Usage: scripts/lint.sh [--help]
 set -euo pipefail
 
@@ -89,6 +89,20 @@ if have promtool "Prometheus configuration"; then
       *) check "promtool check rules $f" promtool check rules "$f" ;;
     esac
   done
+fi
+
+# Python: *.py under scripts/, tests/ and deploy/, and extensionless scripts with a python
+# shebang; flake8 (pyflakes and pycodestyle) with the settings in .flake8, in one run.
+mapfile -t python_files < <(
+  { git ls-files 'scripts/*.py' 'tests/*.py' 'deploy/*.py' 2>/dev/null
+    git ls-files scripts 2>/dev/null | while read -r f; do
+      case "${f##*/}" in
+        *.*) ;;
+        *) if head -n 1 "$f" | grep -qE '^#!.*python'; then echo "$f"; fi ;;
+      esac
+    done; } | sort -u)
+if have flake8 "Python"; then
+  check "flake8 (${#python_files[@]} Python files)" flake8 "${python_files[@]}"
 fi
 
 if have python3 "JSON files"; then

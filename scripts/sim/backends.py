@@ -48,7 +48,6 @@ def _write(path, text):
         f.write(text)
 
 
-
 def _reap(procs, timeout):
     """Waits for every process, killing one that has not exited within `timeout` seconds."""
     for p in procs:
@@ -57,6 +56,7 @@ def _reap(procs, timeout):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
 
 class SimBackend:
     name = "sim"

@@ -299,8 +299,8 @@ def findings(results, backend="sim"):
         return _mean(x[key] for x in _cell(results, "heterogeneity", policy, level=level))
 
     def ttt(policy, level):
-        return _mean(x["time_to_target"] for x in _cell(results, "heterogeneity", policy,
-                                                         level=level))
+        return _mean(x["time_to_target"]
+                     for x in _cell(results, "heterogeneity", policy, level=level))
 
     if levels and _cell(results, "heterogeneity", "async-nesterov"):
         parts, ok = [], True
@@ -369,8 +369,8 @@ def findings(results, backend="sim"):
                     # policy loses the straggler's own compute: (k-1+1/(1+lag))/k.
                     ideal = (k - 1 + 1 / (1 + lag)) / k
                     ok = ok and v >= 0.98 * ideal and (lag > 1 or v >= 0.9)
-            parts.append(f"{policy}: " + ", ".join(f"lag {lag:g}: {_f(v, 3)}"
-                                                  for lag, v in zip(lags, vals)))
+            parts.append(f"{policy}: " + ", ".join(
+                f"lag {lag:g}: {_f(v, 3)}" for lag, v in zip(lags, vals)))
         parts.append("ideal async: " + ", ".join(
             f"lag {lag:g}: {(k - 1 + 1 / (1 + lag)) / k:.3f}" for lag in lags))
         out.append((f"paper 000 Table 6: with one consistent straggler ({k} workers) sync "
@@ -408,6 +408,7 @@ def write_summary(out_dir, results, meta, plots, backend="sim"):
                   "Target perplexity: the worse of sync's and "
                   "DN+DyLU's (grace inf) final values at that level. Utilization: steps/s "
                   "applied over the sum of the speeds.", ""]
+
         def table(title, metric, digits, with_rel=False):
             sync_ref = {lv: _mean(x[metric] for x in _cell(results, "heterogeneity", "sync",
                                                            level=lv)) for lv in levels}

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/byte_io.h"
+#include "common/config.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -123,28 +124,6 @@ bool PartiallyOverlap(const float* a, size_t na, const float* b, size_t nb) {
   return a0 < b0 + nb * sizeof(float) && b0 < a0 + na * sizeof(float);
 }
 
-// The checks of ValidateServerConfig that MakeOuterOptimizer and StalenessScale repeat, so a
-// config built in code (tests, tools) gets the same field-named errors.
-absl::Status CheckUnitInterval(const char* field, float value) {
-  if (!(value >= 0 && value < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("outer_optimizer.%s must be in [0, 1), got %g", field, value));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckStalenessExponent(const aloe::v1::OuterOptimizerConfig& config) {
-  const float a = config.staleness_exponent();
-  if (!(a >= 0) || !std::isfinite(a)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("outer_optimizer.staleness_exponent must be >= 0 and finite, got %g", a));
-  }
-  return absl::OkStatus();
-}
-
-// Largest buffer size accepted, as in ValidateServerConfig.
-constexpr uint32_t kMaxDnBufferSize = 1000000;
-
 absl::Status CheckApplyArgs(std::string_view name, size_t num_elements, absl::Span<const float> g,
                             absl::Span<const float> theta_in, absl::Span<float> theta_out) {
   if (g.size() != num_elements || theta_in.size() != num_elements ||
@@ -165,55 +144,27 @@ absl::Status CheckApplyArgs(std::string_view name, size_t num_elements, absl::Sp
 
 absl::StatusOr<std::unique_ptr<OuterOptimizer>> MakeOuterOptimizer(
     const aloe::v1::OuterOptimizerConfig& config, size_t num_elements) {
+  // The loader's own check (common/config.h), so a config built in code meets the same ranges.
+  ALOE_RETURN_IF_ERROR(ValidateOuterOptimizerConfig(config));
   const float lr = config.lr();
-  if (!(lr > 0) || !std::isfinite(lr)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("outer_optimizer.lr must be > 0 and finite, got %g", lr));
-  }
-  ALOE_RETURN_IF_ERROR(CheckStalenessExponent(config));
   switch (config.type()) {
     case aloe::v1::OUTER_SGD:
       return std::make_unique<OuterSgd>(num_elements, lr);
-    case aloe::v1::OUTER_OPTIMIZER_UNSPECIFIED:
-    case aloe::v1::OUTER_NESTEROV:
-      ALOE_RETURN_IF_ERROR(CheckUnitInterval("momentum", config.momentum()));
-      return std::make_unique<OuterNesterov>(num_elements, lr, config.momentum());
-    case aloe::v1::OUTER_DELAYED_NESTEROV: {
-      ALOE_RETURN_IF_ERROR(CheckUnitInterval("momentum", config.momentum()));
-      const uint32_t n = config.dn_buffer_size();
-      if (n < 1 || n > kMaxDnBufferSize) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "outer_optimizer.dn_buffer_size must be in [1, %d], got %d", kMaxDnBufferSize, n));
-      }
-      // c <= 1/N, with a relative slack so that c = float(1/N) (which may round up) passes.
-      const float c = config.dn_momentum_activation();
-      const double c_max = 1.0 / n;
-      if (!(c >= 0) || !(c <= c_max * (1 + 1e-6))) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "outer_optimizer.dn_momentum_activation must be in [0, 1/N = %g], got %g", c_max, c));
-      }
-      return std::make_unique<OuterDelayedNesterov>(num_elements, lr, config.momentum(), n, c);
-    }
-    case aloe::v1::OUTER_ADAM: {
-      ALOE_RETURN_IF_ERROR(CheckUnitInterval("adam_beta1", config.adam_beta1()));
-      ALOE_RETURN_IF_ERROR(CheckUnitInterval("adam_beta2", config.adam_beta2()));
-      const float eps = config.adam_eps();
-      if (!(eps > 0) || !std::isfinite(eps)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("outer_optimizer.adam_eps must be > 0 and finite, got %g", eps));
-      }
+    case aloe::v1::OUTER_DELAYED_NESTEROV:
+      return std::make_unique<OuterDelayedNesterov>(num_elements, lr, config.momentum(),
+                                                    config.dn_buffer_size(),
+                                                    config.dn_momentum_activation());
+    case aloe::v1::OUTER_ADAM:
       return std::make_unique<OuterAdam>(num_elements, lr, config.adam_beta1(), config.adam_beta2(),
-                                         eps);
-    }
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrFormat("outer_optimizer.type %d is not a known outer optimizer", config.type()));
+                                         config.adam_eps());
+    default:  // OUTER_NESTEROV and OUTER_OPTIMIZER_UNSPECIFIED (the validation refused the rest)
+      return std::make_unique<OuterNesterov>(num_elements, lr, config.momentum());
   }
 }
 
 absl::StatusOr<float> StalenessScale(const aloe::v1::OuterOptimizerConfig& config,
                                      uint64_t staleness) {
-  ALOE_RETURN_IF_ERROR(CheckStalenessExponent(config));
+  ALOE_RETURN_IF_ERROR(ValidateStalenessExponent(config));
   const uint32_t max_staleness = config.max_staleness();
   if (max_staleness > 0 && staleness > max_staleness) {
     return absl::FailedPreconditionError(

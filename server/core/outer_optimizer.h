@@ -48,17 +48,12 @@ class OuterOptimizer {
   virtual absl::Status LoadState(std::string_view blob) = 0;
 };
 
-// Validates `config` and builds the optimizer for one layer of num_elements floats:
-//   every type: lr > 0 and finite; staleness_exponent >= 0 and finite (see StalenessScale);
-//   OUTER_SGD: momentum is ignored;
-//   OUTER_NESTEROV and OUTER_OPTIMIZER_UNSPECIFIED (= Nesterov): momentum in [0, 1);
-//   OUTER_DELAYED_NESTEROV: momentum in [0, 1), dn_buffer_size N in [1, 1000000],
-//     dn_momentum_activation c in [0, 1/N] (up to float rounding of 1/N) and finite;
-//   OUTER_ADAM: adam_beta1 and adam_beta2 in [0, 1), adam_eps > 0 and finite (momentum ignored).
-// Defaults (lr 0.7, momentum 0.9, N 1, Adam 0.9/0.999/1e-8) are filled by the config loader
-// before this is called, so a zero lr, N or eps here is an error. kInvalidArgument naming the
-// field ("outer_optimizer.lr ...", "outer_optimizer.dn_buffer_size ...") for a bad value or an
-// unknown type.
+// Validates `config` with ValidateOuterOptimizerConfig (common/config.h: the ranges the config
+// loader enforces, for the fields config.type() reads) and builds the optimizer for one layer of
+// num_elements floats; OUTER_OPTIMIZER_UNSPECIFIED builds Nesterov. Defaults (lr 0.7, momentum
+// 0.9, N 1, Adam 0.9/0.999/1e-8) are filled by the config loader before this is called, so a
+// zero lr, N or eps here is an error. kInvalidArgument naming the field ("outer_optimizer.lr
+// ...", "outer_optimizer.dn_buffer_size ...") for a bad value or an unknown type.
 absl::StatusOr<std::unique_ptr<OuterOptimizer>> MakeOuterOptimizer(
     const aloe::v1::OuterOptimizerConfig& config, size_t num_elements);
 
@@ -70,7 +65,8 @@ absl::StatusOr<std::unique_ptr<OuterOptimizer>> MakeOuterOptimizer(
 //   - otherwise the factor the update's pseudo-gradient is multiplied by:
 //     (1 + staleness)^(-a) with a = staleness_exponent, exactly 1 when a == 0 (off, the default)
 //     or staleness == 0; computed in double, rounded to float once.
-// kInvalidArgument "outer_optimizer.staleness_exponent ..." when a is negative or not finite.
+// kInvalidArgument "outer_optimizer.staleness_exponent ..." when a is negative or not finite
+// (ValidateStalenessExponent).
 absl::StatusOr<float> StalenessScale(const aloe::v1::OuterOptimizerConfig& config,
                                      uint64_t staleness);
 

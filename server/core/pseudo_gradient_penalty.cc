@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/byte_io.h"
+#include "common/config.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -25,14 +26,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "state blobs are little
 constexpr char kStateMagic[4] = {'A', 'P', 'G', 'P'};
 constexpr uint32_t kStateFormatVersion = 1;
 constexpr size_t kEntryBytes = 2 * sizeof(uint64_t) + 2 * sizeof(double);
-
-absl::Status CheckPositive(const char* field, float value) {
-  if (!(value > 0) || !std::isfinite(value)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("penalty.%s must be > 0 and finite, got %g", field, value));
-  }
-  return absl::OkStatus();
-}
 
 // Folds a non-anomalous norm into the statistics, paper 000 Eq. 1. The paper does not say how
 // mu and sigma start. atorch (OnlineDynamicEWMA) starts from mu = sigma = 0, so mu approaches a
@@ -58,13 +51,8 @@ void Fold(double g, double alpha, PenaltyEmaStats* s) {
 
 absl::StatusOr<std::unique_ptr<PseudoGradientPenalty>> PseudoGradientPenalty::Create(
     const v1::PenaltyConfig& config, size_t num_modules) {
-  if (!(config.ema_alpha() > 0 && config.ema_alpha() <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("penalty.ema_alpha must be in (0, 1], got %g", config.ema_alpha()));
-  }
-  ALOE_RETURN_IF_ERROR(CheckPositive("z_threshold", config.z_threshold()));
-  ALOE_RETURN_IF_ERROR(CheckPositive("temperature", config.temperature()));
-  ALOE_RETURN_IF_ERROR(CheckPositive("clip_norm", config.clip_norm()));
+  // The loader's own check (common/config.h), so a config built in code meets the same ranges.
+  ALOE_RETURN_IF_ERROR(ValidatePenaltyConfig(config));
   return std::unique_ptr<PseudoGradientPenalty>(new PseudoGradientPenalty(config, num_modules));
 }
 

@@ -83,8 +83,9 @@ class PseudoGradientPenalty {
   static constexpr double kClipEpsilon = 1e-6;
 
   // For a model of num_modules modules. config as filled by FillServerDefaults; kInvalidArgument
-  // (naming the field) unless ema_alpha is in (0, 1] and z_threshold, temperature and clip_norm
-  // are > 0 and finite. `enabled` is not looked at (the caller decides whether to build one).
+  // (naming the field) unless it passes ValidatePenaltyConfig (common/config.h): ema_alpha in
+  // (0, 1], z_threshold, temperature and clip_norm > 0 and finite. `enabled` is not looked at
+  // (the caller decides whether to build one).
   static absl::StatusOr<std::unique_ptr<PseudoGradientPenalty>> Create(
       const v1::PenaltyConfig& config, size_t num_modules);
 

@@ -47,8 +47,11 @@ def bf16(values):
     return b"".join(struct.pack("<f", v)[2:] for v in values)
 
 
+def ramp(n):
+    return [0.01 * i - 0.2 for i in range(n)]
+
+
 def seeds():
-    ramp = lambda n: [0.01 * i - 0.2 for i in range(n)]
     yield "valid_fp32_fill", head(0) + b"".join(fill(i, n, 0.25) for i, n in enumerate(SIZES))
     yield "valid_fp32_raw", head(FP32) + b"".join(
         raw(i, struct.pack("<%df" % n, *ramp(n))) for i, n in enumerate(SIZES))
@@ -64,7 +67,8 @@ def seeds():
     # Malformed: each of these is rejected somewhere.
     yield "unknown_layer", head(0) + op(3) + struct.pack("<I", 4242) + struct.pack("<H", 4) + \
         b"\0\0\0\0"
-    yield "offset_past_end", head(0) + raw(1, b"\0" * 8, offset=39) + raw(1, b"\0" * 8, offset=1 << 63)
+    yield "offset_past_end", head(0) + raw(1, b"\0" * 8, offset=39) + \
+        raw(1, b"\0" * 8, offset=1 << 63)
     yield "nan_inf_fp32", head(0) + raw(0, struct.pack("<3f", 1.0, float("nan"), float("inf")))
     yield "nan_bf16", head(BF16) + raw(0, b"\x80\x3f\xc0\x7f\x80\x7f")
     yield "nan_scale_int8", head(0) + int8(0, 3, 2, [float("nan"), 1.0], [1, 2, 3]) + \

@@ -30,7 +30,7 @@ def field(number, wire, payload):
 
 def header(worker=7, task=11, update=13, base=3, steps=20, codec=0, slices=0, slice_=0):
     # PushHeader: worker_id 1, task_id 2, update_id 3, base_version 4, steps_done 5, codec 9,
-    # slice 10, slices 11 (proto/aloe.proto).
+    # slice 10, slices 11 (proto/parameter_service.proto).
     out = field(1, 0, worker) + field(2, 0, task) + field(3, 0, update) + field(4, 0, base)
     out += field(5, 0, steps)
     if codec:

@@ -66,7 +66,7 @@ def parse_env_file(path):
 def systemd_command(unit_text, env, instance):
     """The ExecStart of a unit as systemd would run it: ${VAR} one word, $VAR split at spaces,
     %i the instance, %H the host name."""
-    lines = [l for l in unit_text.splitlines() if l.startswith("ExecStart=")]
+    lines = [line for line in unit_text.splitlines() if line.startswith("ExecStart=")]
     assert len(lines) == 1, "one ExecStart per unit"
     words = []
     for word in lines[0][len("ExecStart="):].split():

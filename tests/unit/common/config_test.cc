@@ -3,8 +3,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
+#include <limits>
+#include <string>
 
+#include "absl/strings/str_format.h"
 #include "common/status_matchers.h"
 
 namespace aloe {
@@ -90,6 +94,138 @@ TEST(ConfigTest, ErrorsNameTheField) {
     EXPECT_THAT(config, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.expected)))
         << c.text;
   }
+}
+
+// c = 1/N as a config writes it parses to the float nearest 1/N, which lies above 1/N for N = 3,
+// 5 and 10: it is the upper end of the range, and the next float up is refused.
+TEST(ConfigTest, DnMomentumActivationAcceptsOneOverNAsWritten) {
+  struct Case {
+    uint32_t n;
+    std::string one_over_n;  // as written in a config
+    std::string next_up;     // the next float above float(1/N), shortest decimal
+  };
+  const Case cases[] = {
+      {3, "0.33333334", "0.33333337"},
+      {5, "0.2", "0.20000002"},
+      {10, "0.1", "0.10000001"},
+  };
+  for (const Case& c : cases) {
+    const std::string dn = absl::StrFormat(
+        "corpus_dir: 'c' outer_optimizer { type: OUTER_DELAYED_NESTEROV dn_buffer_size: %d "
+        "dn_momentum_activation: ",
+        c.n);
+    auto ok = LoadServerConfig(WriteFile("dn-ok.textproto", dn + c.one_over_n + " }"));
+    ASSERT_THAT(ok, IsOk()) << c.n;
+    EXPECT_EQ(ok->outer_optimizer().dn_momentum_activation(), 1.0f / c.n);
+    EXPECT_GT(static_cast<double>(ok->outer_optimizer().dn_momentum_activation()), 1.0 / c.n);
+    EXPECT_EQ(MaxDnMomentumActivation(c.n), 1.0f / c.n);
+    // The case's next_up is indeed the neighbouring float.
+    EXPECT_EQ(std::stof(c.next_up), std::nextafter(1.0f / c.n, 2.0f)) << c.n;
+    EXPECT_THAT(LoadServerConfig(WriteFile("dn-bad.textproto", dn + c.next_up + " }")),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(absl::StrFormat(
+                             "outer_optimizer.dn_momentum_activation must be in [0, 1/N] with "
+                             "N = dn_buffer_size = %d, got %.9g",
+                             c.n, std::nextafter(1.0f / c.n, 2.0f)))));
+  }
+}
+
+// Every N in 1..16, 1/N written with 17 digits (parsed through double) or as the float itself,
+// and the neighbours of float(1/N).
+TEST(ConfigTest, DnMomentumActivationBoundaryForEveryBufferSizeUpTo16) {
+  for (uint32_t n = 1; n <= 16; ++n) {
+    const float top = 1.0f / n;
+    auto validate = [n](const std::string& c) {
+      auto config = ParseServerConfig(
+          absl::StrFormat("corpus_dir: 'c' outer_optimizer { type: OUTER_DELAYED_NESTEROV "
+                          "dn_buffer_size: %d dn_momentum_activation: %s }",
+                          n, c),
+          "dn.textproto");
+      if (!config.ok()) return config.status();
+      FillServerDefaults(&*config);
+      return ValidateServerConfig(*config);
+    };
+    EXPECT_THAT(validate(absl::StrFormat("%.17g", 1.0 / n)), IsOk()) << n;
+    EXPECT_THAT(validate(absl::StrFormat("%.9g", top)), IsOk()) << n;
+    EXPECT_THAT(validate(absl::StrFormat("%.9g", std::nextafter(top, 0.0f))), IsOk()) << n;
+    EXPECT_THAT(validate(absl::StrFormat("%.9g", std::nextafter(top, 2.0f))),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("outer_optimizer.dn_momentum_activation")))
+        << n;
+    EXPECT_THAT(validate("-1e-30"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr("outer_optimizer.dn_momentum_activation")))
+        << n;
+  }
+}
+
+// ValidateOuterOptimizerConfig reads only the fields of the chosen type (the optimizer factory
+// calls it on configs built in code); the loader refuses a bad value in any field.
+TEST(ConfigTest, OuterOptimizerCheckIsPerTypeAndTheLoaderChecksEveryField) {
+  v1::OuterOptimizerConfig sgd;
+  sgd.set_type(v1::OUTER_SGD);
+  sgd.set_lr(0.5f);
+  sgd.set_momentum(1.5f);
+  EXPECT_THAT(ValidateOuterOptimizerConfig(sgd), IsOk());
+  EXPECT_THAT(LoadServerConfig(WriteFile("sgd.textproto",
+                                         "corpus_dir: 'c' outer_optimizer { type: OUTER_SGD "
+                                         "momentum: 1.5 }")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outer_optimizer.momentum must be in [0, 1), got 1.5")));
+
+  v1::OuterOptimizerConfig nesterov = sgd;
+  nesterov.set_type(v1::OUTER_NESTEROV);
+  EXPECT_THAT(ValidateOuterOptimizerConfig(nesterov),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outer_optimizer.momentum")));
+  nesterov.set_momentum(0.9f);
+  EXPECT_THAT(ValidateOuterOptimizerConfig(nesterov), IsOk());  // Adam's eps 0 is not read
+
+  v1::OuterOptimizerConfig adam = nesterov;
+  adam.set_type(v1::OUTER_ADAM);
+  adam.set_adam_beta1(0.9f);
+  adam.set_adam_beta2(0.999f);
+  EXPECT_THAT(ValidateOuterOptimizerConfig(adam),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outer_optimizer.adam_eps must be > 0, got 0")));
+  adam.set_adam_eps(std::numeric_limits<float>::infinity());
+  EXPECT_THAT(ValidateOuterOptimizerConfig(adam),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outer_optimizer.adam_eps must be > 0 and finite, got inf")));
+
+  v1::OuterOptimizerConfig unknown = nesterov;
+  unknown.set_type(static_cast<v1::OuterOptimizerType>(7));
+  EXPECT_THAT(ValidateOuterOptimizerConfig(unknown),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outer_optimizer.type 7 is not a known outer optimizer")));
+  v1::OuterOptimizerConfig stale = nesterov;
+  stale.set_staleness_exponent(-0.5f);
+  EXPECT_THAT(ValidateStalenessExponent(stale),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outer_optimizer.staleness_exponent must be >= 0")));
+  EXPECT_THAT(ValidateOuterOptimizerConfig(stale),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("outer_optimizer.staleness_exponent")));
+}
+
+TEST(ConfigTest, PenaltyRangesAreCheckedEvenWhenOff) {
+  v1::PenaltyConfig penalty;
+  penalty.set_ema_alpha(1.0f);
+  penalty.set_z_threshold(3.0f);
+  penalty.set_temperature(1.0f);
+  penalty.set_clip_norm(10.0f);
+  EXPECT_THAT(ValidatePenaltyConfig(penalty), IsOk());
+  v1::PenaltyConfig alpha = penalty;
+  alpha.set_ema_alpha(1.01f);
+  EXPECT_THAT(ValidatePenaltyConfig(alpha),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("penalty.ema_alpha must be in (0, 1], got 1.01")));
+  v1::PenaltyConfig clip = penalty;
+  clip.set_clip_norm(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_THAT(ValidatePenaltyConfig(clip),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("penalty.clip_norm")));
+  EXPECT_THAT(LoadServerConfig(
+                  WriteFile("penalty.textproto", "corpus_dir: 'c' penalty { temperature: -1 }")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("penalty.temperature must be > 0, got -1")));
 }
 
 TEST(ConfigTest, SyntaxErrorsAndUnknownFieldsGiveLineNumbers) {

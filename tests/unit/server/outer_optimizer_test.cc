@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/config.h"
 #include "common/status_matchers.h"
 #include "proto/aloe.pb.h"
 
@@ -676,6 +677,24 @@ TEST(MakeOuterOptimizerTest, ValidatesDelayedNesterovActivationInZeroToOneOverN)
   // float(1/3) is slightly above 1/3 in double: still the upper end of the range.
   EXPECT_THAT(MakeOuterOptimizer(DnConfig(0.7f, 0.9f, 3, 1.0f / 3), 4), IsOk());
   EXPECT_THAT(MakeOuterOptimizer(DnConfig(0.7f, 0.9f, 1, 1.0f), 4), IsOk());
+}
+
+// The factory and the config loader share one check (common/config.h): c = float(1/N) is the
+// upper end for every N, the next float up is refused, with the loader's message.
+TEST(MakeOuterOptimizerTest, ActivationBoundaryIsTheLoaders) {
+  for (uint32_t n = 1; n <= 16; ++n) {
+    const float top = 1.0f / n;
+    EXPECT_THAT(MakeOuterOptimizer(DnConfig(0.7f, 0.9f, n, top), 4), IsOk()) << n;
+    v1::ServerConfig server;
+    server.set_corpus_dir("c");
+    *server.mutable_outer_optimizer() = DnConfig(0.7f, 0.9f, n, std::nextafter(top, 2.0f));
+    FillServerDefaults(&server);
+    const absl::Status loader = ValidateServerConfig(server);
+    EXPECT_THAT(loader, StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("outer_optimizer.dn_momentum_activation")))
+        << n;
+    EXPECT_EQ(MakeOuterOptimizer(server.outer_optimizer(), 4).status(), loader) << n;
+  }
 }
 
 TEST(MakeOuterOptimizerTest, ValidatesAdamFields) {
