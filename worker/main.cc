@@ -206,16 +206,16 @@ class Worker {
   absl::Status TrainOverlapped(v1::Task task);
   // Local work of one round from `start` (the task's base, or for an eager round the base minus
   // the previous round's fresh pseudo-gradient); leaves start - end in delta_.
-  absl::StatusOr<LocalTrainer::RoundStats> TrainRound(const v1::Task& task,
-                                                      const std::vector<std::vector<float>>& start);
-  v1::PushHeader HeaderFor(const v1::Task& task, const LocalTrainer::RoundStats& stats);
+  absl::StatusOr<TrainStats> TrainRound(const v1::Task& task,
+                                        const std::vector<std::vector<float>>& start);
+  v1::PushHeader HeaderFor(const v1::Task& task, const TrainStats& stats);
   // Pushes `delta` under `header` (error feedback: adds and refreshes residual_).
   absl::StatusOr<v1::PushReply> PushDelta(const v1::PushHeader& header,
                                           std::vector<std::vector<float>>& delta, uint64_t* pushed);
   // Totals, metrics and the log line of a round whose push was answered.
-  void ReportRound(const v1::Task& task, const LocalTrainer::RoundStats& stats,
-                   const v1::PushReply& reply, uint64_t pulled, uint64_t pushed, double train_s,
-                   double round_s, double network_s);
+  void ReportRound(const v1::Task& task, const TrainStats& stats, const v1::PushReply& reply,
+                   uint64_t pulled, uint64_t pushed, double train_s, double round_s,
+                   double network_s);
   absl::Status Evaluate(const v1::Task& task);
   template <typename T>
   absl::StatusOr<T> Retry(const std::function<absl::StatusOr<T>()>& call);
@@ -234,8 +234,7 @@ class Worker {
   MetricsSink& metrics_;
   Collectives* const node_;
   Collectives* const control_;
-  std::unique_ptr<FsdpTrainer> fsdp_;  // instead of trainer_ in a multi-rank node
-  double flops_per_token_ = 0;         // the joined model's training FLOPs per token
+  double flops_per_token_ = 0;  // the joined model's training FLOPs per token
   bool need_join_ = true;
   bool evaluator_ = false;
   bool server_draining_ = false;
@@ -246,7 +245,8 @@ class Worker {
   // RequestNextTask hands it out; cleared at every join.
   std::optional<v1::Task> next_task_;
   v1::JoinReply joined_;
-  std::unique_ptr<LocalTrainer> trainer_;
+  // LocalTrainer, or FsdpTrainer (this rank's slices) in a multi-rank node.
+  std::unique_ptr<TrainerInterface> trainer_;
   ScriptModelPtr script_;           // --torchscript, until the trainer takes it over
   std::string script_fingerprint_;  // its architecture fingerprint ("" = built-in transformer)
   std::unique_ptr<Heartbeater> heartbeat_;
@@ -340,17 +340,15 @@ absl::Status Worker::Joined(const v1::JoinReply& joined) {
         "the server trains model \"%s\", --torchscript %s is \"%s\"", joined_.model_fingerprint(),
         absl::GetFlag(FLAGS_torchscript), script_fingerprint_));
   }
-  if (node_ != nullptr) {
-    if (fsdp_ == nullptr && script_ != nullptr) {
-      ALOE_ASSIGN_OR_RETURN(
-          fsdp_, FsdpTrainer::CreateForScript(std::move(script_), joined_.model().vocab_size(),
-                                              joined_.model().seq_len(), joined_.inner_optimizer(),
-                                              joined_.model_spec(), *node_));
-    } else if (fsdp_ == nullptr) {
-      ALOE_ASSIGN_OR_RETURN(fsdp_,
-                            FsdpTrainer::Create(joined_.model(), joined_.inner_optimizer(),
-                                                joined_.model_spec(), joined_.seed(), *node_));
-    }
+  if (trainer_ == nullptr && node_ != nullptr && script_ != nullptr) {
+    ALOE_ASSIGN_OR_RETURN(
+        trainer_, FsdpTrainer::CreateForScript(std::move(script_), joined_.model().vocab_size(),
+                                               joined_.model().seq_len(), joined_.inner_optimizer(),
+                                               joined_.model_spec(), *node_));
+  } else if (trainer_ == nullptr && node_ != nullptr) {
+    ALOE_ASSIGN_OR_RETURN(trainer_,
+                          FsdpTrainer::Create(joined_.model(), joined_.inner_optimizer(),
+                                              joined_.model_spec(), joined_.seed(), *node_));
   } else if (trainer_ == nullptr && script_ != nullptr) {
     ALOE_ASSIGN_OR_RETURN(
         trainer_, LocalTrainer::CreateForScript(std::move(script_), joined_.model().vocab_size(),
@@ -612,7 +610,7 @@ absl::Status Worker::Train(const v1::Task& task) {
                            .status()));
   ReportPulled(task, slice, slices);
   const auto t1 = std::chrono::steady_clock::now();
-  ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats, TrainRound(task, base_));
+  ALOE_ASSIGN_OR_RETURN(TrainStats stats, TrainRound(task, base_));
   const auto t2 = std::chrono::steady_clock::now();
   if (stats.steps == 0) return absl::OkStatus();
   uint64_t pushed = 0;
@@ -643,21 +641,20 @@ void Worker::ReportPulled(const v1::Task& task, uint32_t slice, uint32_t slices)
   }
 }
 
-absl::StatusOr<LocalTrainer::RoundStats> Worker::TrainRound(
-    const v1::Task& task, const std::vector<std::vector<float>>& start) {
+absl::StatusOr<TrainStats> Worker::TrainRound(const v1::Task& task,
+                                              const std::vector<std::vector<float>>& start) {
   ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
-  LocalTrainer::RoundStats stats;
-  if (fsdp_ != nullptr) {
-    ALOE_RETURN_IF_ERROR(fsdp_->SetParameterShards(start));
-    ALOE_ASSIGN_OR_RETURN(stats,
-                          fsdp_->Train(*data, task.local_steps(), task.lr_step(), task.seed(),
-                                       task.time_budget_seconds(), &g_interrupt));
-  } else {
-    ALOE_RETURN_IF_ERROR(trainer_->SetParameters(start));
-    ALOE_ASSIGN_OR_RETURN(stats, trainer_->Train(*data, task.local_steps(), task.lr_step(),
-                                                 task.seed(), absl::GetFlag(FLAGS_slowdown),
-                                                 task.time_budget_seconds(), &g_interrupt));
-  }
+  TrainRequest request;
+  request.data = data;
+  request.shard_name = task.shard_name();
+  request.steps = task.local_steps();
+  request.lr_step = task.lr_step();
+  request.seed = task.seed();
+  request.slowdown = absl::GetFlag(FLAGS_slowdown);
+  request.time_budget_seconds = task.time_budget_seconds();
+  request.interrupt = &g_interrupt;
+  ALOE_RETURN_IF_ERROR(trainer_->SetParameters(start));
+  ALOE_ASSIGN_OR_RETURN(TrainStats stats, trainer_->Train(request));
   if (stats.steps == 0) {
     // Stopped before the first step: nothing to push; leaving hands the task back.
     if (leader()) {
@@ -669,15 +666,11 @@ absl::StatusOr<LocalTrainer::RoundStats> Worker::TrainRound(
     ALOE_LOG_INFO("worker", "stopping: pushing the %d of %d steps done", stats.steps,
                   task.local_steps());
   }
-  if (fsdp_ != nullptr) {
-    ALOE_RETURN_IF_ERROR(fsdp_->PseudoGradientShards(start, &delta_));
-  } else {
-    ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(start, &delta_));
-  }
+  ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(start, &delta_));
   return stats;
 }
 
-v1::PushHeader Worker::HeaderFor(const v1::Task& task, const LocalTrainer::RoundStats& stats) {
+v1::PushHeader Worker::HeaderFor(const v1::Task& task, const TrainStats& stats) {
   v1::PushHeader header;
   header.set_worker_id(joined_.worker_id());
   header.set_task_id(task.task_id());
@@ -710,9 +703,9 @@ absl::StatusOr<v1::PushReply> Worker::PushDelta(const v1::PushHeader& header,
                       transport.error_feedback() ? &residual_ : nullptr, pushed);
 }
 
-void Worker::ReportRound(const v1::Task& task, const LocalTrainer::RoundStats& stats,
-                         const v1::PushReply& reply, uint64_t pulled, uint64_t pushed,
-                         double train_s, double round_s, double network_s) {
+void Worker::ReportRound(const v1::Task& task, const TrainStats& stats, const v1::PushReply& reply,
+                         uint64_t pulled, uint64_t pushed, double train_s, double round_s,
+                         double network_s) {
   ++rounds_;
   steps_ += stats.steps;
   tokens_ += stats.tokens;
@@ -850,7 +843,7 @@ absl::Status Worker::TrainOverlapped(v1::Task task) {
     v1::Task task;
     v1::PushHeader header;
     std::vector<std::vector<float>> delta;
-    LocalTrainer::RoundStats stats;
+    TrainStats stats;
     uint64_t pulled = 0;
     double train = 0;    // its training time
     double seconds = 0;  // its training time plus the waits for the network
@@ -867,7 +860,7 @@ absl::Status Worker::TrainOverlapped(v1::Task task) {
                              : Communicate(nullptr, nullptr);
     });
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<LocalTrainer::RoundStats> stats = TrainRound(task, start);
+    absl::StatusOr<TrainStats> stats = TrainRound(task, start);
     const auto t1 = std::chrono::steady_clock::now();
     Communicated c = background.get();
     const double blocked = Seconds(t1, std::chrono::steady_clock::now());
@@ -946,8 +939,10 @@ absl::Status Worker::Evaluate(const v1::Task& task) {
                                      joined_.model_spec(), &base_, &pulled));
   ALOE_RETURN_IF_ERROR(trainer_->SetParameters(base_));
   ALOE_ASSIGN_OR_RETURN(const TokenSource* heldout, Shard(joined_.heldout_file()));
-  ALOE_ASSIGN_OR_RETURN(double loss,
-                        trainer_->Evaluate(*heldout, absl::GetFlag(FLAGS_eval_sequences)));
+  EvalRequest eval;
+  eval.heldout = heldout;
+  eval.max_sequences = absl::GetFlag(FLAGS_eval_sequences);
+  ALOE_ASSIGN_OR_RETURN(double loss, trainer_->Evaluate(eval));
   const uint64_t seq = joined_.model().seq_len();
   const uint64_t windows =
       std::min<uint64_t>(absl::GetFlag(FLAGS_eval_sequences), heldout->num_tokens() / (seq + 1));

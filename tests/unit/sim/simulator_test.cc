@@ -68,7 +68,7 @@ absl::StatusOr<SimResult> RunSynthetic(const v1::ServerConfig& config, Simulator
   o.seed = config.seed();
   auto objective = SyntheticObjective::Create(spec, Shards(), o);
   if (!objective.ok()) return objective.status();
-  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
+  std::vector<std::unique_ptr<TrainerInterface>> trainers;
   for (size_t i = 0; i < options.workers.size(); ++i) {
     trainers.push_back(std::make_unique<SyntheticTrainer>(**objective));
   }
@@ -358,7 +358,7 @@ TEST(SimulatorTest, RunTwiceIsAnError) {
   const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
   auto objective = SyntheticObjective::Create(spec, Shards(), {});
   ASSERT_THAT(objective, IsOk());
-  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
+  std::vector<std::unique_ptr<TrainerInterface>> trainers;
   trainers.push_back(std::make_unique<SyntheticTrainer>(**objective));
   SimulatorOptions options = Options({1});
   v1::ServerConfig one = config;
