@@ -749,4 +749,23 @@ absl::StatusOr<TrainStats> FsdpTrainer::Train(const TokenSource& data, uint32_t 
   return stats;
 }
 
+absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(const v1::JoinReply& joined,
+                                                             ScriptModelPtr script,
+                                                             Collectives* node) {
+  const v1::TransformerConfig& model = joined.model();
+  if (node != nullptr && script != nullptr) {
+    return FsdpTrainer::CreateForScript(std::move(script), model.vocab_size(), model.seq_len(),
+                                        joined.inner_optimizer(), joined.model_spec(), *node);
+  }
+  if (node != nullptr) {
+    return FsdpTrainer::Create(model, joined.inner_optimizer(), joined.model_spec(), joined.seed(),
+                               *node);
+  }
+  if (script != nullptr) {
+    return LocalTrainer::CreateForScript(std::move(script), model.vocab_size(), model.seq_len(),
+                                         joined.inner_optimizer(), joined.model_spec());
+  }
+  return LocalTrainer::Create(model, joined.inner_optimizer(), joined.model_spec(), joined.seed());
+}
+
 }  // namespace aloe::worker

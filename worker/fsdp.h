@@ -175,4 +175,11 @@ class FsdpTrainer final : public TrainerInterface {
   std::unique_ptr<Impl> impl_;
 };
 
+// The trainer a join reply asks for: an FsdpTrainer over `node` (a rank of a multi-rank node),
+// else a LocalTrainer; of `script` when it is not null (a bring-your-own model), else of the
+// built-in transformer. Errors as the Create functions.
+absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(const v1::JoinReply& joined,
+                                                             ScriptModelPtr script,
+                                                             Collectives* node);
+
 }  // namespace aloe::worker

@@ -124,6 +124,8 @@ void ConfigureAllocatorForTraining() {
 void ScriptModelDeleter::operator()(ScriptModel* model) const { delete model; }
 
 absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::string* fingerprint) {
+  fingerprint->clear();
+  if (path.empty()) return nullptr;
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ScriptModel> model, LoadScriptModel(path));
   *fingerprint = model->architecture.fingerprint();
   return ScriptModelPtr(model.release());

@@ -30,7 +30,8 @@ struct ScriptModelDeleter {
 using ScriptModelPtr = std::unique_ptr<ScriptModel, ScriptModelDeleter>;
 
 // LoadScriptModel (worker/script_model.h, same errors) for code without LibTorch's headers;
-// sets *fingerprint to the module's architecture fingerprint (common/imported_model.h).
+// sets *fingerprint to the module's architecture fingerprint (common/imported_model.h). An
+// empty path is no model: null, and "" as the fingerprint (the built-in transformer).
 absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::string* fingerprint);
 
 // Sets the number of intra-op threads LibTorch (and an OpenMP BLAS) uses for training and
