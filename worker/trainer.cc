@@ -102,6 +102,12 @@ torch::Device TrainingDevice() {
 void ApplyTrainerThreads() {
   const int want = g_trainer_threads.load(std::memory_order_relaxed);
   if (torch::get_num_threads() != want) torch::set_num_threads(want);
+  // Once per thread and pool size: a pool that grew has threads without the setting.
+  thread_local int flushed_for = 0;
+  if (flushed_for != want) {
+    FlushDenormals();
+    flushed_for = want;
+  }
 }
 
 void SetTrainerThreads(int num_threads) {
