@@ -1,7 +1,7 @@
 // The straggler simulator end to end on the real ServerCore with the synthetic objective and a
 // tiny model: determinism, learning, sync fairness, membership events, virtual-time arithmetic
 // of speed and trace profiles, A-EDiT budgets, async mode, and input parsing errors.
-#include "server/sim/simulator.h"
+#include "sim/simulator.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
-#include "server/sim/synthetic_trainer.h"
+#include "sim/synthetic_trainer.h"
 
 namespace aloe::sim {
 namespace {

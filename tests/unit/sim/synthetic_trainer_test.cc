@@ -1,6 +1,6 @@
 // The synthetic objective: targets, loss, noisy SGD steps and the pseudo-gradient, checked
 // against values computed independently in double precision.
-#include "server/sim/synthetic_trainer.h"
+#include "sim/synthetic_trainer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "server/sim/simulator.h"
+#include "sim/simulator.h"
 
 #include <algorithm>
 #include <cmath>

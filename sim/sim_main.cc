@@ -1,7 +1,7 @@
-// aloe-sim: the deterministic straggler simulator (server/sim/simulator.h). Runs the real server
+// aloe-sim: the deterministic straggler simulator (sim/simulator.h). Runs the real server
 // core against k simulated workers in virtual time, with either the real LibTorch trainer
 // (worker::LocalTrainer: real gradients, one trainer with its own AdamW state per simulated
-// worker) or the cheap synthetic objective (server/sim/synthetic_trainer.h).
+// worker) or the cheap synthetic objective (sim/synthetic_trainer.h).
 //
 // This file is the one place where server code and worker code meet (DESIGN.md): the adapter
 // from worker::LocalTrainer to TrainerInterface lives here and nowhere else.
@@ -27,8 +27,8 @@
 #include "common/token_shard.h"
 #include "common/trainer_interface.h"
 #include "server/core/shard_sampler.h"
-#include "server/sim/simulator.h"
-#include "server/sim/synthetic_trainer.h"
+#include "sim/simulator.h"
+#include "sim/synthetic_trainer.h"
 #include "worker/trainer.h"
 
 ABSL_FLAG(std::string, config, "",

@@ -1,4 +1,4 @@
-#include "server/sim/synthetic_trainer.h"
+#include "sim/synthetic_trainer.h"
 
 #include <cmath>
 #include <random>
