@@ -3,8 +3,8 @@
 // (worker::LocalTrainer: real gradients, one trainer with its own AdamW state per simulated
 // worker) or the cheap synthetic objective (sim/synthetic_trainer.h).
 //
-// This file is the one place where server code and worker code meet (DESIGN.md): the adapter
-// from worker::LocalTrainer to TrainerInterface lives here and nowhere else.
+// This file is the one place where server code and worker code meet (docs/architecture.md):
+// worker::LocalTrainer, a TrainerInterface, is wired into the simulator here and nowhere else.
 #include <cstdio>
 #include <fstream>
 #include <map>

@@ -38,7 +38,7 @@
 // (exact integer ticks); the core draws from its seeded generators; trainers must be
 // deterministic. Same inputs and seed -> the same rows, hence a bit-identical CSV.
 //
-// Not thread-safe. Reads no wall clock and no real randomness (STYLE.md).
+// Not thread-safe. Reads no wall clock and no real randomness.
 #pragma once
 
 #include <cstdint>

@@ -101,7 +101,8 @@ absl::StatusOr<std::unique_ptr<MetricsSink>> StartWorkerMetrics(const std::strin
 using TrainerFactory =
     std::function<absl::StatusOr<std::unique_ptr<TrainerInterface>>(const v1::JoinReply& joined)>;
 
-// The agent's dependencies. Every pointer must outlive the agent.
+// The agent's dependencies. Every pointer must outlive the agent. Only the heartbeat thread,
+// which keeps the server's lease alive, waits on real time instead of `clock`.
 struct AgentEnv {
   ServerApi* server = nullptr;
   MetricsSink* metrics = nullptr;

@@ -36,7 +36,8 @@ absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::str
 
 // Sets the number of intra-op threads LibTorch (and an OpenMP BLAS) uses for training and
 // evaluation in this process; LocalTrainer applies it on the thread that calls Train/Evaluate.
-// Default 1: one single-threaded worker process per core is fastest on CPU (DESIGN.md).
+// Default 1: one single-threaded worker process per core is fastest on CPU
+// (docs/architecture.md).
 // Values < 1 are treated as 1. Thread-safe.
 void SetTrainerThreads(int num_threads);
 int TrainerThreads();
