@@ -12,7 +12,9 @@
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 
 // The body is read by memcpy into native integers; the header is decoded byte by byte anyway.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -220,6 +222,16 @@ void TokenShard::Read(uint64_t offset, uint64_t count, int64_t* out) const {
       out[i] = t;
     }
   }
+}
+
+absl::StatusOr<const TokenShard*> TokenShardCache::Get(const std::string& file) {
+  auto it = shards_.find(file);
+  if (it != shards_.end()) return it->second.get();
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard,
+                        TokenShard::Open(absl::StrCat(dir_, "/", file)));
+  const TokenShard* raw = shard.get();
+  shards_.emplace(file, std::move(shard));
+  return raw;
 }
 
 }  // namespace aloe

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -85,6 +86,20 @@ class TokenShard final : public TokenSource {
   const uint32_t dtype_bytes_;
   const uint64_t num_tokens_;
   const uint32_t vocab_size_;
+};
+
+// The token shards of one corpus directory, each opened (TokenShard::Open of dir/file, same
+// errors) on first use and kept open. Not thread-safe; the shards it returns are, and live as
+// long as the cache.
+class TokenShardCache {
+ public:
+  explicit TokenShardCache(std::string dir) : dir_(std::move(dir)) {}
+  absl::StatusOr<const TokenShard*> Get(const std::string& file);
+  const std::string& dir() const { return dir_; }
+
+ private:
+  const std::string dir_;
+  std::map<std::string, std::unique_ptr<TokenShard>> shards_;
 };
 
 }  // namespace aloe

@@ -4,12 +4,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/logging.h"
 #include "common/model_spec.h"
 #include "common/push_wire.h"
@@ -34,6 +37,24 @@ constexpr absl::Duration kRawPushRetry = absl::Minutes(5);
 constexpr int kTransferDeadlineSeconds = 600;
 
 }  // namespace
+
+absl::Status LoadClientFiles(const ClientFiles& files, ClientOptions* options) {
+  auto read = [](const char* what, const std::string& path, std::string* out) -> absl::Status {
+    if (path.empty()) return absl::OkStatus();
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError(absl::StrCat(what, " ", path, ": cannot open"));
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    *out = buffer.str();
+    return absl::OkStatus();
+  };
+  ALOE_RETURN_IF_ERROR(read("--token_file", files.token_file, &options->token));
+  options->token =
+      std::string(absl::StripAsciiWhitespace(options->token.substr(0, options->token.find('\n'))));
+  ALOE_RETURN_IF_ERROR(read("--tls_ca_file", files.tls_ca_file, &options->tls_ca_pem));
+  ALOE_RETURN_IF_ERROR(read("--tls_cert_file", files.tls_cert_file, &options->tls_cert_pem));
+  return read("--tls_key_file", files.tls_key_file, &options->tls_key_pem);
+}
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/aloe.grpc.pb.h"
+#include "worker/server_api.h"
 
 namespace aloe::worker {
 
@@ -37,7 +38,19 @@ struct ClientOptions {
   bool raw_push = true;
 };
 
-class ServerClient {
+// Files that hold a client's secrets; "" = none.
+struct ClientFiles {
+  std::string token_file;  // its first line is the access token
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+};
+
+// Reads `files` into options' token (first line, trimmed), tls_ca_pem, tls_cert_pem and
+// tls_key_pem. kNotFound naming the flag and path of a file that cannot be opened.
+absl::Status LoadClientFiles(const ClientFiles& files, ClientOptions* options);
+
+class ServerClient final : public ServerApi {
  public:
   explicit ServerClient(const ClientOptions& options);
   ServerClient(const ServerClient&) = delete;
@@ -46,14 +59,14 @@ class ServerClient {
   // Sets a call's deadline and token.
   void PrepareContext(grpc::ClientContext* context, int seconds) const;
 
-  absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request);
-  absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
+  absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request) override;
+  absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request) override;
   // ahead: a look-ahead task while the open one is still to be pushed (TaskRequest.ahead);
   // dropped_task_id: the open task given up (TaskRequest.dropped_task_id), 0 for none.
   absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id, bool ahead = false,
-                                       uint64_t dropped_task_id = 0);
-  absl::Status ReportEval(const v1::EvalReport& report);
-  absl::Status Leave(uint64_t worker_id);
+                                       uint64_t dropped_task_id = 0) override;
+  absl::Status ReportEval(const v1::EvalReport& report) override;
+  absl::Status Leave(uint64_t worker_id) override;
 
   // Where Pull and Push go: empty (the default) = the server at options.address; else
   // addresses[i] is shard process i, which serves the layers l with spec.layers(l).shard() == i
@@ -66,7 +79,7 @@ class ServerClient {
   // single-process server (no shards) takes raw pushes, "" = none.
   absl::Status SetShards(const std::vector<std::string>& addresses,
                          const std::vector<std::string>& push_addresses = {},
-                         const std::string& server_push_address = "");
+                         const std::string& server_push_address = "") override;
 
   // Pulls `version` (or the latest when latest is true) into layers, resized per spec. With
   // slices > 1 only slice `slice` of every layer is pulled (SliceRange, common/model_spec.h) and
@@ -79,7 +92,7 @@ class ServerClient {
   // is its status, the message naming the shard.
   absl::StatusOr<uint64_t> Pull(uint64_t worker_id, uint64_t version, bool latest,
                                 const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
-                                uint64_t* bytes, uint32_t slice = 0, uint32_t slices = 1);
+                                uint64_t* bytes, uint32_t slice = 0, uint32_t slices = 1) override;
 
   // Pushes a pseudo-gradient (one buffer per spec layer) under `header`, layer l encoded with
   // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB. With header.slices() > 1, layers[l]
@@ -104,7 +117,8 @@ class ServerClient {
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header, const v1::ModelSpec& spec,
                                      const std::vector<std::vector<float>>& layers,
                                      const std::vector<v1::Codec>& codecs, size_t int8_block_size,
-                                     std::vector<std::vector<float>>* residuals, uint64_t* bytes);
+                                     std::vector<std::vector<float>>* residuals,
+                                     uint64_t* bytes) override;
 
  private:
   // One shard process of a layer-sharded server.

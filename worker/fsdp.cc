@@ -646,10 +646,32 @@ absl::Status FsdpTrainer::GatherParameters(std::vector<std::vector<float>>* laye
   return absl::OkStatus();
 }
 
-absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& data, uint32_t steps,
-                                                            uint64_t lr_step, uint64_t seed,
-                                                            double time_budget_seconds,
-                                                            const std::atomic<bool>* interrupt) {
+absl::Status FsdpTrainer::SetParameters(const std::vector<std::vector<float>>& shards) {
+  return SetParameterShards(shards);
+}
+
+absl::Status FsdpTrainer::PseudoGradient(const std::vector<std::vector<float>>& base,
+                                         std::vector<std::vector<float>>* out) const {
+  return PseudoGradientShards(base, out);
+}
+
+absl::StatusOr<TrainStats> FsdpTrainer::Train(const TrainRequest& request) {
+  if (request.data == nullptr) return absl::InvalidArgumentError("no training data");
+  if (request.slowdown != 1.0) {
+    return absl::InvalidArgumentError("a multi-rank node does not emulate a slowdown");
+  }
+  return Train(*request.data, request.steps, request.lr_step, request.seed,
+               request.time_budget_seconds, request.interrupt);
+}
+
+absl::StatusOr<double> FsdpTrainer::Evaluate(const EvalRequest& request) {
+  return absl::FailedPreconditionError("a multi-rank node does not evaluate");
+}
+
+absl::StatusOr<TrainStats> FsdpTrainer::Train(const TokenSource& data, uint32_t steps,
+                                              uint64_t lr_step, uint64_t seed,
+                                              double time_budget_seconds,
+                                              const std::atomic<bool>* interrupt) {
   Impl& s = *impl_;
   if (!(time_budget_seconds >= 0) || !std::isfinite(time_budget_seconds)) {
     return absl::InvalidArgumentError(
@@ -669,7 +691,7 @@ absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& d
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start_dist(0, n - window);
   std::vector<uint64_t> starts(batch);
-  LocalTrainer::RoundStats stats;
+  TrainStats stats;
   double loss_sum = 0;
   const bool may_stop_early = time_budget_seconds > 0 || interrupt != nullptr;
   const auto round_start = std::chrono::steady_clock::now();
@@ -725,6 +747,25 @@ absl::StatusOr<LocalTrainer::RoundStats> FsdpTrainer::Train(const TokenSource& d
   stats.tokens = static_cast<uint64_t>(stats.steps) * batch * seq_len;
   stats.mean_loss = stats.steps > 0 ? loss_sum / stats.steps : 0.0;
   return stats;
+}
+
+absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(const v1::JoinReply& joined,
+                                                             ScriptModelPtr script,
+                                                             Collectives* node) {
+  const v1::TransformerConfig& model = joined.model();
+  if (node != nullptr && script != nullptr) {
+    return FsdpTrainer::CreateForScript(std::move(script), model.vocab_size(), model.seq_len(),
+                                        joined.inner_optimizer(), joined.model_spec(), *node);
+  }
+  if (node != nullptr) {
+    return FsdpTrainer::Create(model, joined.inner_optimizer(), joined.model_spec(), joined.seed(),
+                               *node);
+  }
+  if (script != nullptr) {
+    return LocalTrainer::CreateForScript(std::move(script), model.vocab_size(), model.seq_len(),
+                                         joined.inner_optimizer(), joined.model_spec());
+  }
+  return LocalTrainer::Create(model, joined.inner_optimizer(), joined.model_spec(), joined.seed());
 }
 
 }  // namespace aloe::worker

@@ -110,7 +110,9 @@ struct ShardLayout {
   std::vector<size_t> elements_;
 };
 
-class FsdpTrainer {
+// A TrainerInterface over this rank's slices: SetParameters, PseudoGradient and Train are the
+// *Shards forms below and collectives (every rank calls them together).
+class FsdpTrainer final : public TrainerInterface {
  public:
   // As LocalTrainer::Create, over `collectives` (which must outlive the trainer); every rank
   // calls it with the same arguments. inner.batch_size is the node's batch per step and must be
@@ -128,7 +130,7 @@ class FsdpTrainer {
   static absl::StatusOr<std::unique_ptr<FsdpTrainer>> CreateForScript(
       ScriptModelPtr model, uint32_t vocab_size, uint32_t seq_len,
       const v1::InnerOptimizerConfig& inner, const v1::ModelSpec& spec, Collectives& collectives);
-  ~FsdpTrainer();
+  ~FsdpTrainer() override;
   FsdpTrainer(const FsdpTrainer&) = delete;
   FsdpTrainer& operator=(const FsdpTrainer&) = delete;
 
@@ -141,6 +143,15 @@ class FsdpTrainer {
   // out[l] = base[l] - current slice of layer l (base: this rank's slices of theta_base).
   absl::Status PseudoGradientShards(const std::vector<std::vector<float>>& base,
                                     std::vector<std::vector<float>>* out) const;
+  // TrainerInterface: SetParameterShards, PseudoGradientShards and Train on *request.data
+  // (kInvalidArgument when it is null or request.slowdown is not 1). A node does not evaluate:
+  // Evaluate is kFailedPrecondition.
+  absl::Status SetParameters(const std::vector<std::vector<float>>& shards) override;
+  absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
+                              std::vector<std::vector<float>>* out) const override;
+  absl::StatusOr<TrainStats> Train(const TrainRequest& request) override;
+  absl::StatusOr<double> Evaluate(const EvalRequest& request) override;
+
   // The whole model, gathered from every rank (a collective: every rank must call it). For
   // evaluation and tests.
   absl::Status GatherParameters(std::vector<std::vector<float>>* layers);
@@ -149,10 +160,9 @@ class FsdpTrainer {
   // every rank: with a time budget or an interrupt the ranks agree (all-reduce) after each step
   // whether any of them wants to stop. mean_loss is the node's mean; tokens count the node's
   // whole batch.
-  absl::StatusOr<LocalTrainer::RoundStats> Train(const TokenSource& data, uint32_t steps,
-                                                 uint64_t lr_step, uint64_t seed,
-                                                 double time_budget_seconds = 0,
-                                                 const std::atomic<bool>* interrupt = nullptr);
+  absl::StatusOr<TrainStats> Train(const TokenSource& data, uint32_t steps, uint64_t lr_step,
+                                   uint64_t seed, double time_budget_seconds = 0,
+                                   const std::atomic<bool>* interrupt = nullptr);
 
   // AdamW state elements (m and v) held by this rank: 2 * layout().total_owned().
   size_t optimizer_state_elements() const;
@@ -164,5 +174,12 @@ class FsdpTrainer {
   explicit FsdpTrainer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// The trainer a join reply asks for: an FsdpTrainer over `node` (a rank of a multi-rank node),
+// else a LocalTrainer; of `script` when it is not null (a bring-your-own model), else of the
+// built-in transformer. Errors as the Create functions.
+absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(const v1::JoinReply& joined,
+                                                             ScriptModelPtr script,
+                                                             Collectives* node);
 
 }  // namespace aloe::worker

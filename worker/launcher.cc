@@ -15,8 +15,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/model_spec.h"
+#include "common/status_macros.h"
+#include "worker/trainer.h"
 
 namespace aloe::worker {
 namespace {
@@ -107,6 +112,51 @@ absl::StatusOr<int> LaunchRanks(int argc, char** argv, int nproc) {
   }
   std::remove(rendezvous.c_str());
   return result;
+}
+
+absl::StatusOr<std::string> SetRankDevice(const std::string& device, int nproc, int rank,
+                                          bool has_rendezvous) {
+  if (nproc < 1 || nproc > static_cast<int>(kMaxSlices)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--nproc must be in [1, %d], got %d", kMaxSlices, nproc));
+  }
+  if (nproc > 1 && (rank >= nproc || (rank >= 0 && !has_rendezvous))) {
+    return absl::InvalidArgumentError("--rank and --rendezvous are set by --nproc, not by hand");
+  }
+  if (nproc == 1 && rank >= 0) {
+    return absl::InvalidArgumentError("--rank is set by --nproc > 1, not by hand");
+  }
+  std::string chosen = device;
+  if (nproc > 1 && (device == "cuda" || (device == "auto" && VisibleGpus() > 0))) {
+    // One GPU per rank (with none, SetTrainerDevice says why).
+    if (VisibleGpus() > 0 && VisibleGpus() < nproc) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("--nproc %d on GPUs needs a GPU per rank; LibTorch sees %d (give "
+                          "--device cpu to train on the CPU)",
+                          nproc, VisibleGpus()));
+    }
+    if (VisibleGpus() > 0) chosen = absl::StrCat("cuda:", rank);
+  } else if (nproc > 1 && absl::StartsWith(device, "cuda:")) {
+    return absl::InvalidArgumentError(
+        "--device cuda:I is for one-process workers; with --nproc N give --device cuda (rank r "
+        "trains on GPU r)");
+  }
+  absl::StatusOr<std::string> set = SetTrainerDevice(chosen);
+  if (!set.ok())
+    return absl::Status(set.status().code(), absl::StrCat("--", set.status().message()));
+  ALOE_LOG_INFO("worker", "%straining on %s",
+                nproc > 1 ? absl::StrFormat("rank %d: ", rank) : std::string(), *set);
+  return set;
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectRank(const std::string& rendezvous,
+                                                                      int rank, int nproc,
+                                                                      int groups) {
+  if (nproc == 1) return std::vector<std::unique_ptr<Collectives>>();
+  ALOE_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Collectives>> connected,
+                        ConnectNodeGroups(rendezvous, rank, nproc, groups));
+  ALOE_LOG_INFO("worker", "rank %d of %d connected", rank, nproc);
+  return connected;
 }
 
 }  // namespace aloe::worker

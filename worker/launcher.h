@@ -4,7 +4,12 @@
 // blocked in a collective).
 #pragma once
 
+#include <memory>
+#include <string>
+#include <vector>
+
 #include "absl/status/statusor.h"
+#include "worker/fsdp.h"
 
 namespace aloe::worker {
 
@@ -12,5 +17,19 @@ namespace aloe::worker {
 // 0 when every rank exited 0, else the first failing rank's code (128 + signal when a rank was
 // killed). kInternal when a rank cannot be started.
 absl::StatusOr<int> LaunchRanks(int argc, char** argv, int nproc);
+
+// Checks a process' place in its node (aloe-worker --nproc, --rank, --rendezvous: rank -1 for a
+// one-process worker) and sets the training device (SetTrainerDevice, worker/trainer.h) from
+// --device: with nproc > 1 on GPUs rank r trains on GPU r. Logs and returns the device chosen.
+// kInvalidArgument naming the flag for a bad combination; kFailedPrecondition for GPUs this
+// build or machine does not have.
+absl::StatusOr<std::string> SetRankDevice(const std::string& device, int nproc, int rank,
+                                          bool has_rendezvous);
+
+// The process groups of rank `rank` of a node of `nproc` (ConnectNodeGroups, worker/fsdp.h);
+// none for a one-process worker (nproc 1).
+absl::StatusOr<std::vector<std::unique_ptr<Collectives>>> ConnectRank(const std::string& rendezvous,
+                                                                      int rank, int nproc,
+                                                                      int groups);
 
 }  // namespace aloe::worker

@@ -1,10 +1,28 @@
 #include "worker/torch_util.h"
 
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+
+#include <atomic>
+
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "worker/trainer.h"
 
 namespace aloe::worker {
+
+bool FlushDenormals() {
+  const bool supported = at::globalContext().setFlushDenormal(true);
+  if (!supported) return false;
+  // One chunk per pool thread: with a grain of 1 over as many items as threads, every thread of
+  // the pool runs the body once (OpenMP and native backends alike).
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1 && !at::in_parallel_region()) {
+    at::parallel_for(0, threads, 1,
+                     [](int64_t, int64_t) { at::globalContext().setFlushDenormal(true); });
+  }
+  return true;
+}
 namespace {
 
 // Returns kInvalidArgument naming the first token >= vocab_size among `count` tokens.

@@ -18,7 +18,16 @@ namespace aloe::worker {
 
 // Applies SetTrainerThreads (worker/trainer.h) on the calling thread: torch::set_num_threads
 // sets the calling thread's OpenMP thread count, so it is applied on the thread that trains.
+// Also makes sure that thread and its intra-op threads flush denormals (FlushDenormals).
 void ApplyTrainerThreads();
+
+// Turns on flush-to-zero and denormals-are-zero (at::Context::setFlushDenormal, Python's
+// torch.set_flush_denormal) on the calling thread and on every intra-op thread of its LibTorch
+// pool. The setting (MXCSR on x86) is per thread: a thread created later inherits its
+// creator's, a pool thread that already exists does not. Denormal floats, which the inner loop
+// produces as AdamW moments and gradients decay, are many times slower than normal ones on x86
+// CPUs. Returns false where the CPU has no such mode.
+bool FlushDenormals();
 
 // SetTrainerDevice's choice (worker/trainer.h) as a LibTorch device.
 torch::Device TrainingDevice();

@@ -102,6 +102,12 @@ torch::Device TrainingDevice() {
 void ApplyTrainerThreads() {
   const int want = g_trainer_threads.load(std::memory_order_relaxed);
   if (torch::get_num_threads() != want) torch::set_num_threads(want);
+  // Once per thread and pool size: a pool that grew has threads without the setting.
+  thread_local int flushed_for = 0;
+  if (flushed_for != want) {
+    FlushDenormals();
+    flushed_for = want;
+  }
 }
 
 void SetTrainerThreads(int num_threads) {
@@ -124,6 +130,8 @@ void ConfigureAllocatorForTraining() {
 void ScriptModelDeleter::operator()(ScriptModel* model) const { delete model; }
 
 absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::string* fingerprint) {
+  fingerprint->clear();
+  if (path.empty()) return nullptr;
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ScriptModel> model, LoadScriptModel(path));
   *fingerprint = model->architecture.fingerprint();
   return ScriptModelPtr(model.release());
@@ -254,11 +262,21 @@ absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>&
   return absl::OkStatus();
 }
 
-absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& data,
-                                                             uint32_t steps, uint64_t lr_step,
-                                                             uint64_t seed, double slowdown,
-                                                             double time_budget_seconds,
-                                                             const std::atomic<bool>* interrupt) {
+absl::StatusOr<TrainStats> LocalTrainer::Train(const TrainRequest& request) {
+  if (request.data == nullptr) return absl::InvalidArgumentError("no training data");
+  return Train(*request.data, request.steps, request.lr_step, request.seed, request.slowdown,
+               request.time_budget_seconds, request.interrupt);
+}
+
+absl::StatusOr<double> LocalTrainer::Evaluate(const EvalRequest& request) {
+  if (request.heldout == nullptr) return absl::InvalidArgumentError("no held-out data");
+  return Evaluate(*request.heldout, request.max_sequences);
+}
+
+absl::StatusOr<TrainStats> LocalTrainer::Train(const TokenSource& data, uint32_t steps,
+                                               uint64_t lr_step, uint64_t seed, double slowdown,
+                                               double time_budget_seconds,
+                                               const std::atomic<bool>* interrupt) {
   if (!(time_budget_seconds >= 0) || !std::isfinite(time_budget_seconds)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("time budget must be a finite number >= 0, got %g", time_budget_seconds));
@@ -278,7 +296,7 @@ absl::StatusOr<LocalTrainer::RoundStats> LocalTrainer::Train(const TokenSource& 
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start_dist(0, n - window);
   std::vector<uint64_t> starts(batch_size);
-  RoundStats stats;
+  TrainStats stats;
   double loss_sum = 0;
   try {
     ApplyTrainerThreads();

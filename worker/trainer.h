@@ -1,8 +1,7 @@
-// LocalTrainer: the inner loop of a DiLoCo worker (paper 002 Alg. 1, inner part). It holds one
-// replica of the transformer LM (worker/transformer.h) and its AdamW inner optimizer. A round
-// is: SetParameters(theta_base) -> Train(H steps on a data shard) -> PseudoGradient(theta_base)
-// = theta_base - theta_end, which the worker pushes to the server. The AdamW moments stay on the
-// worker across rounds: never sent, never reset (ALGORITHMS.md "Inner optimizer state").
+// LocalTrainer: the inner loop of a single-process DiLoCo worker (paper 002 Alg. 1, inner part),
+// a TrainerInterface (common/trainer_interface.h). It holds one replica of the transformer LM
+// (worker/transformer.h) or of a TorchScript model and its AdamW inner optimizer. The AdamW
+// moments stay on the worker across rounds: never sent, never reset (docs/algorithms.md).
 //
 // LibTorch stays out of this header (pimpl): including it costs no <torch/torch.h>. Every
 // LibTorch exception is caught inside and returned as kInternal.
@@ -17,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/token_source.h"
+#include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe::worker {
@@ -30,12 +30,14 @@ struct ScriptModelDeleter {
 using ScriptModelPtr = std::unique_ptr<ScriptModel, ScriptModelDeleter>;
 
 // LoadScriptModel (worker/script_model.h, same errors) for code without LibTorch's headers;
-// sets *fingerprint to the module's architecture fingerprint (common/imported_model.h).
+// sets *fingerprint to the module's architecture fingerprint (common/imported_model.h). An
+// empty path is no model: null, and "" as the fingerprint (the built-in transformer).
 absl::StatusOr<ScriptModelPtr> OpenScriptModel(const std::string& path, std::string* fingerprint);
 
 // Sets the number of intra-op threads LibTorch (and an OpenMP BLAS) uses for training and
 // evaluation in this process; LocalTrainer applies it on the thread that calls Train/Evaluate.
-// Default 1: one single-threaded worker process per core is fastest on CPU (DESIGN.md).
+// Default 1: one single-threaded worker process per core is fastest on CPU
+// (docs/architecture.md).
 // Values < 1 are treated as 1. Thread-safe.
 void SetTrainerThreads(int num_threads);
 int TrainerThreads();
@@ -70,15 +72,8 @@ int VisibleGpus();
 void ConfigureAllocatorForTraining();
 
 // Not thread-safe: one caller at a time (the worker's round loop).
-class LocalTrainer {
+class LocalTrainer final : public TrainerInterface {
  public:
-  struct RoundStats {
-    uint32_t steps = 0;          // optimizer steps taken
-    uint64_t tokens = 0;         // predicted tokens: steps * batch_size * seq_len
-    double mean_loss = 0;        // mean training loss over the steps (0 when steps == 0)
-    double compute_seconds = 0;  // wall time of the steps, excluding --slowdown sleeps
-  };
-
   // Builds the model for `model` (which must pass ValidateTransformerConfig) and checks that
   // its parameters are exactly the tensors of `spec` (kFailedPrecondition naming the first
   // mismatch otherwise). Initialises the parameters with InitializeParameters(spec, seed).
@@ -99,14 +94,14 @@ class LocalTrainer {
       ScriptModelPtr model, uint32_t vocab_size, uint32_t seq_len,
       const v1::InnerOptimizerConfig& inner, const v1::ModelSpec& spec);
 
-  ~LocalTrainer();
+  ~LocalTrainer() override;
   LocalTrainer(const LocalTrainer&) = delete;
   LocalTrainer& operator=(const LocalTrainer&) = delete;
 
   // Copies the global parameters (one flat float32 buffer per spec layer) into the model.
   // The AdamW state is left untouched. kInvalidArgument on a wrong layer count or layer size
   // (the model is then unchanged).
-  absl::Status SetParameters(const std::vector<std::vector<float>>& layers);
+  absl::Status SetParameters(const std::vector<std::vector<float>>& layers) override;
 
   // Copies the model's parameters out, one flat buffer per spec layer (resizes `layers`).
   absl::Status GetParameters(std::vector<std::vector<float>>* layers) const;
@@ -114,7 +109,13 @@ class LocalTrainer {
   // out[l][i] = base[l][i] - current[l][i] in float32 (the DiLoCo pseudo-gradient sign: the
   // outer optimizer descends along it). kInvalidArgument when `base` does not fit the spec.
   absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
-                              std::vector<std::vector<float>>* out) const;
+                              std::vector<std::vector<float>>* out) const override;
+
+  // Train below on *request.data (kInvalidArgument when it is null). Tokens learned are
+  // steps * batch_size * seq_len.
+  absl::StatusOr<TrainStats> Train(const TrainRequest& request) override;
+  // Evaluate below on *request.heldout (kInvalidArgument when it is null).
+  absl::StatusOr<double> Evaluate(const EvalRequest& request) override;
 
   // Runs `steps` AdamW steps on `data`. Step i (0-based):
   //   - samples batch_size windows of seq_len + 1 tokens, starts uniform in
@@ -133,7 +134,7 @@ class LocalTrainer {
   // Errors: kInvalidArgument when data has fewer than seq_len + 1 tokens, a sampled token is
   // >= vocab_size (steps before it have already been applied), or slowdown is not finite >= 1;
   // kInternal on a LibTorch error.
-  absl::StatusOr<RoundStats> Train(const TokenSource& data, uint32_t steps, uint64_t lr_step,
+  absl::StatusOr<TrainStats> Train(const TokenSource& data, uint32_t steps, uint64_t lr_step,
                                    uint64_t seed, double slowdown = 1.0,
                                    double time_budget_seconds = 0,
                                    const std::atomic<bool>* interrupt = nullptr);

@@ -1,5 +1,5 @@
 """The two back ends of scripts/simulate-stragglers. Both turn a grid.Run into a directory with
-config.textproto, a log and sim.csv in aloe-sim's CSV format (server/sim/simulator.h):
+config.textproto, a log and sim.csv in aloe-sim's CSV format (sim/simulator.h):
 
   virtual_time,version,worker,staleness,shard,steps,eval_loss,outcome
 

@@ -1,7 +1,8 @@
 // aloe-bench-worker: the bare-LibTorch baseline for the worker benchmark. Builds the same
 // TransformerLM module the worker trains (worker/transformer.h), initialised from the spec, and
 // runs a plain loop: random-window batch, forward, loss, backward, grad-norm clip, AdamW step.
-// No LocalTrainer, no schedule, no status plumbing: what LibTorch alone achieves on this machine.
+// No LocalTrainer, no schedule, no status plumbing: what LibTorch alone achieves on this machine
+// (with denormals flushed to zero, as the trainers run).
 //
 // Output (one line):
 //   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count> device=<d>
@@ -125,6 +126,9 @@ absl::Status Run() {
   const v1::ModelSpec spec = BuildTransformerSpec(config, 1);
 
   torch::set_num_threads(threads);
+  // Flush-to-zero and denormals-are-zero on this thread and its intra-op threads, as every
+  // trainer sets them: like with like.
+  FlushDenormals();
   TransformerLM model(config);
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *model));
   model->to(device);
@@ -177,7 +181,7 @@ absl::Status Run() {
     if (warmup > 0) {
       ALOE_RETURN_IF_ERROR(trainer->Train(*data, warmup, inner.warmup_steps(), seed).status());
     }
-    ALOE_ASSIGN_OR_RETURN(LocalTrainer::RoundStats stats,
+    ALOE_ASSIGN_OR_RETURN(TrainStats stats,
                           trainer->Train(*data, steps, inner.warmup_steps(), seed + 1));
     const double tps = stats.tokens / stats.compute_seconds;
     std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f%s\n", tps,

@@ -1,7 +1,7 @@
 // The straggler simulator end to end on the real ServerCore with the synthetic objective and a
 // tiny model: determinism, learning, sync fairness, membership events, virtual-time arithmetic
 // of speed and trace profiles, A-EDiT budgets, async mode, and input parsing errors.
-#include "server/sim/simulator.h"
+#include "sim/simulator.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
-#include "server/sim/synthetic_trainer.h"
+#include "sim/synthetic_trainer.h"
 
 namespace aloe::sim {
 namespace {
@@ -68,7 +68,7 @@ absl::StatusOr<SimResult> RunSynthetic(const v1::ServerConfig& config, Simulator
   o.seed = config.seed();
   auto objective = SyntheticObjective::Create(spec, Shards(), o);
   if (!objective.ok()) return objective.status();
-  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
+  std::vector<std::unique_ptr<TrainerInterface>> trainers;
   for (size_t i = 0; i < options.workers.size(); ++i) {
     trainers.push_back(std::make_unique<SyntheticTrainer>(**objective));
   }
@@ -358,7 +358,7 @@ TEST(SimulatorTest, RunTwiceIsAnError) {
   const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
   auto objective = SyntheticObjective::Create(spec, Shards(), {});
   ASSERT_THAT(objective, IsOk());
-  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
+  std::vector<std::unique_ptr<TrainerInterface>> trainers;
   trainers.push_back(std::make_unique<SyntheticTrainer>(**objective));
   SimulatorOptions options = Options({1});
   v1::ServerConfig one = config;

@@ -1,6 +1,6 @@
 // The synthetic objective: targets, loss, noisy SGD steps and the pseudo-gradient, checked
 // against values computed independently in double precision.
-#include "server/sim/synthetic_trainer.h"
+#include "sim/synthetic_trainer.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -98,7 +98,7 @@ TEST(SyntheticTrainerTest, NoiselessStepsContractTowardTheShardTarget) {
   SyntheticTrainer trainer(**o);
   const std::vector<std::vector<float>> base = {{0.1f, -0.2f, 0.3f}, {1.0f, 0.0f}};
   ASSERT_THAT(trainer.SetParameters(base), IsOk());
-  LocalTrainRequest request;
+  TrainRequest request;
   request.shard_name = "b";
   request.steps = 3;
   request.seed = 9;
@@ -120,7 +120,7 @@ TEST(SyntheticTrainerTest, NoiselessStepsContractTowardTheShardTarget) {
       EXPECT_NEAR(g[l][i], base[l][i] - end, 1e-5);
     }
   }
-  EXPECT_NEAR(*trainer.Evaluate(), (*o)->EvalLoss(trainer.parameters()), 1e-12);
+  EXPECT_NEAR(*trainer.Evaluate({}), (*o)->EvalLoss(trainer.parameters()), 1e-12);
 }
 
 TEST(SyntheticTrainerTest, NoiseDependsOnlyOnTheSeed) {
@@ -130,7 +130,7 @@ TEST(SyntheticTrainerTest, NoiseDependsOnlyOnTheSeed) {
   auto run = [&](uint64_t seed) {
     SyntheticTrainer trainer(**o);
     EXPECT_THAT(trainer.SetParameters(base), IsOk());
-    LocalTrainRequest request;
+    TrainRequest request;
     request.shard_name = "a";
     request.steps = 4;
     request.seed = seed;
@@ -145,7 +145,7 @@ TEST(SyntheticTrainerTest, RejectsUnknownShardsAndWrongShapes) {
   auto o = SyntheticObjective::Create(TinySpec(), TwoShards(), {});
   ASSERT_THAT(o, IsOk());
   SyntheticTrainer trainer(**o);
-  LocalTrainRequest request;
+  TrainRequest request;
   request.shard_name = "zzz";
   request.steps = 1;
   EXPECT_THAT(trainer.Train(request),

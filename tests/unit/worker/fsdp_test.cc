@@ -1,4 +1,4 @@
-// FSDP over Gloo with ranks as threads of this process (STYLE.md: multi-rank tests spawn ranks
+// FSDP over Gloo with ranks as threads of this process (multi-rank tests spawn ranks
 // as threads): the collectives' exact results, and the sharded trainer against LocalTrainer
 // (LibTorch's own AdamW) and against itself on fewer ranks.
 #include "worker/fsdp.h"

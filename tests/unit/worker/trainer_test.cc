@@ -1,12 +1,19 @@
 #include "worker/trainer.h"
 
+#include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define ALOE_TEST_HAS_MXCSR 1
+#endif
 
 #include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/lr_schedule.h"
@@ -479,6 +486,50 @@ TEST(LocalTrainerTest, TimeBudgetEndsTheRoundAtTheFirstStepEndAfterIt) {
   EXPECT_LT(stats->steps, 1000000u);  // the budget, not the cap, ended the round
   EXPECT_GE(elapsed, 0.2);
   EXPECT_FALSE(trainer->Train(data, 1, 0, 3, 1.0, -1.0).ok());
+}
+
+#ifdef ALOE_TEST_HAS_MXCSR
+constexpr unsigned kFlushToZero = 0x8000;       // MXCSR bit 15
+constexpr unsigned kDenormalsAreZero = 0x0040;  // MXCSR bit 6
+#endif
+
+// Flush-to-zero and denormals-are-zero are per-thread CPU state: a thread that trains sets them
+// on itself and on the intra-op threads it computes with, including pool threads that existed
+// before without them. Read back from the MXCSR of every such thread.
+TEST(LocalTrainerTest, TrainingThreadAndItsIntraOpThreadsFlushDenormals) {
+#ifndef ALOE_TEST_HAS_MXCSR
+  GTEST_SKIP() << "the MXCSR is x86 state";
+#else
+  constexpr int kThreads = 2;
+  unsigned trainer_csr = 0;
+  std::vector<unsigned> pool_csr(kThreads, 0);
+  int pool_size = 0;
+  std::thread thread([&] {
+    // A fresh thread with both modes off, and a pool that already runs without them.
+    _mm_setcsr(_mm_getcsr() & ~(kFlushToZero | kDenormalsAreZero));
+    torch::set_num_threads(kThreads);
+    at::parallel_for(0, kThreads, 1, [](int64_t, int64_t) {
+      _mm_setcsr(_mm_getcsr() & ~(kFlushToZero | kDenormalsAreZero));
+    });
+    SetTrainerThreads(kThreads);
+    std::unique_ptr<LocalTrainer> trainer = MakeTrainer();
+    const InMemoryTokenSource data = PeriodicTokens(500);
+    ASSERT_THAT(trainer->Train(data, 1, 0, 3), IsOk());
+    trainer_csr = _mm_getcsr();
+    pool_size = at::get_num_threads();
+    at::parallel_for(0, kThreads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) pool_csr[i] = _mm_getcsr();
+    });
+  });
+  thread.join();
+  SetTrainerThreads(1);
+  EXPECT_EQ(pool_size, kThreads);
+  EXPECT_EQ(trainer_csr & kFlushToZero, kFlushToZero);
+  EXPECT_EQ(trainer_csr & kDenormalsAreZero, kDenormalsAreZero);
+  for (unsigned csr : pool_csr) {
+    EXPECT_EQ(csr & (kFlushToZero | kDenormalsAreZero), kFlushToZero | kDenormalsAreZero);
+  }
+#endif
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "server/sim/simulator.h"
+#include "sim/simulator.h"
 
 #include <algorithm>
 #include <cmath>
@@ -242,8 +242,8 @@ std::string FormatSummary(const SimResult& result) {
 class Simulator::Engine {
  public:
   Engine(v1::ServerConfig config, SimulatorOptions options,
-         std::vector<std::unique_ptr<LocalTrainerInterface>> trainers,
-         std::unique_ptr<LocalTrainerInterface> eval_trainer)
+         std::vector<std::unique_ptr<TrainerInterface>> trainers,
+         std::unique_ptr<TrainerInterface> eval_trainer)
       : config_(std::move(config)),
         options_(std::move(options)),
         trainers_(std::move(trainers)),
@@ -272,7 +272,7 @@ class Simulator::Engine {
     int index = 0;
     std::vector<absl::Duration> cycle;
     size_t cursor = 0;  // next step time in `cycle`
-    LocalTrainerInterface* trainer = nullptr;
+    TrainerInterface* trainer = nullptr;
     bool present_at_start = true;
     State state = State::kAbsent;
     uint64_t id = 0;     // server worker id while a member
@@ -311,8 +311,9 @@ class Simulator::Engine {
 
   const v1::ServerConfig config_;
   const SimulatorOptions options_;
-  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers_;
-  std::unique_ptr<LocalTrainerInterface> eval_trainer_;
+  std::vector<std::unique_ptr<TrainerInterface>> trainers_;
+  std::unique_ptr<TrainerInterface> eval_trainer_;
+  std::string heldout_file_;  // the held-out shard's file, for EvalRequest.heldout
   FakeClock clock_;
   const absl::Time start_;
   InlineExecutor executor_;
@@ -336,6 +337,7 @@ class Simulator::Engine {
 absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards,
                                      std::string heldout_file) {
   ALOE_RETURN_IF_ERROR(ValidateServerConfig(config_));
+  heldout_file_ = heldout_file;
   if (options_.workers.empty()) {
     return absl::InvalidArgumentError("the simulation needs at least one worker profile");
   }
@@ -618,13 +620,20 @@ absl::Status Simulator::Engine::StartTraining(Worker& w, const v1::Task& task) {
   }
 
   ALOE_RETURN_IF_ERROR(w.trainer->SetParameters(base));
-  LocalTrainRequest train;
+  TrainRequest train;
   train.shard_name = task.shard_name();
-  train.shard_file = task.shard_file();
+  if (options_.open_shard) {
+    absl::StatusOr<const TokenSource*> data = options_.open_shard(task.shard_file());
+    if (!data.ok()) {
+      return absl::Status(data.status().code(),
+                          absl::StrCat(Where(w), ": training data: ", data.status().message()));
+    }
+    train.data = *data;
+  }
   train.steps = steps;
   train.lr_step = task.lr_step();
   train.seed = task.seed();
-  absl::StatusOr<LocalTrainStats> stats = w.trainer->Train(train);
+  absl::StatusOr<TrainStats> stats = w.trainer->Train(train);
   if (!stats.ok()) {
     return absl::Status(stats.status().code(),
                         absl::StrCat(Where(w), ": training failed: ", stats.status().message()));
@@ -752,7 +761,17 @@ absl::Status Simulator::Engine::EvaluateNow() {
   params.reserve(snapshot.layers.size());
   for (const auto& layer : snapshot.layers) params.push_back(*layer);
   ALOE_RETURN_IF_ERROR(eval_trainer_->SetParameters(params));
-  absl::StatusOr<double> loss = eval_trainer_->Evaluate();
+  EvalRequest request;
+  request.max_sequences = options_.eval_sequences;
+  absl::StatusOr<double> loss = absl::UnknownError("not evaluated");
+  absl::StatusOr<const TokenSource*> heldout =
+      options_.open_shard ? options_.open_shard(heldout_file_) : nullptr;
+  if (!heldout.ok()) {
+    loss = heldout.status();
+  } else {
+    request.heldout = *heldout;
+    loss = eval_trainer_->Evaluate(request);
+  }
   if (!loss.ok()) {
     return absl::Status(
         loss.status().code(),
@@ -782,8 +801,8 @@ Simulator::~Simulator() = default;
 
 absl::StatusOr<std::unique_ptr<Simulator>> Simulator::Create(
     v1::ServerConfig config, std::vector<server::DataShard> train_shards, std::string heldout_file,
-    SimulatorOptions options, std::vector<std::unique_ptr<LocalTrainerInterface>> worker_trainers,
-    std::unique_ptr<LocalTrainerInterface> eval_trainer) {
+    SimulatorOptions options, std::vector<std::unique_ptr<TrainerInterface>> worker_trainers,
+    std::unique_ptr<TrainerInterface> eval_trainer) {
   auto engine = std::make_unique<Engine>(std::move(config), std::move(options),
                                          std::move(worker_trainers), std::move(eval_trainer));
   ALOE_RETURN_IF_ERROR(engine->Init(std::move(train_shards), std::move(heldout_file)));

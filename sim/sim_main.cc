@@ -1,10 +1,10 @@
-// aloe-sim: the deterministic straggler simulator (server/sim/simulator.h). Runs the real server
+// aloe-sim: the deterministic straggler simulator (sim/simulator.h). Runs the real server
 // core against k simulated workers in virtual time, with either the real LibTorch trainer
 // (worker::LocalTrainer: real gradients, one trainer with its own AdamW state per simulated
-// worker) or the cheap synthetic objective (server/sim/synthetic_trainer.h).
+// worker) or the cheap synthetic objective (sim/synthetic_trainer.h).
 //
-// This file is the one place where server code and worker code meet (DESIGN.md): the adapter
-// from worker::LocalTrainer to LocalTrainerInterface lives here and nowhere else.
+// This file is the one place where server code and worker code meet (docs/architecture.md):
+// worker::LocalTrainer, a TrainerInterface, is wired into the simulator here and nowhere else.
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -21,14 +21,14 @@
 #include "common/corpus_manifest.h"
 #include "common/flags_usage.h"
 #include "common/imported_model.h"
-#include "common/local_trainer_interface.h"
 #include "common/logging.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "common/token_shard.h"
+#include "common/trainer_interface.h"
 #include "server/core/shard_sampler.h"
-#include "server/sim/simulator.h"
-#include "server/sim/synthetic_trainer.h"
+#include "sim/simulator.h"
+#include "sim/synthetic_trainer.h"
 #include "worker/trainer.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -80,65 +80,6 @@ ABSL_FLAG(int32_t, synthetic_shards, 8,
 
 namespace aloe::sim {
 namespace {
-
-// Memory-mapped token shards opened on first use, shared by all simulated trainers
-// (TokenShard is read-only and thread-safe).
-class ShardCache {
- public:
-  explicit ShardCache(std::string dir) : dir_(std::move(dir)) {}
-  absl::StatusOr<const TokenShard*> Get(const std::string& file) {
-    auto it = shards_.find(file);
-    if (it != shards_.end()) return it->second.get();
-    ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard,
-                          TokenShard::Open(absl::StrCat(dir_, "/", file)));
-    const TokenShard* raw = shard.get();
-    shards_.emplace(file, std::move(shard));
-    return raw;
-  }
-
- private:
-  const std::string dir_;
-  std::map<std::string, std::unique_ptr<TokenShard>> shards_;
-};
-
-// The real worker trainer behind the simulator's interface.
-class TorchTrainer final : public LocalTrainerInterface {
- public:
-  // `cache` and `heldout` must outlive this.
-  TorchTrainer(std::unique_ptr<worker::LocalTrainer> trainer, ShardCache& cache,
-               const TokenSource& heldout, uint32_t eval_sequences)
-      : trainer_(std::move(trainer)),
-        cache_(cache),
-        heldout_(heldout),
-        eval_sequences_(eval_sequences) {}
-
-  absl::Status SetParameters(const std::vector<std::vector<float>>& layers) override {
-    return trainer_->SetParameters(layers);
-  }
-  absl::StatusOr<LocalTrainStats> Train(const LocalTrainRequest& request) override {
-    ALOE_ASSIGN_OR_RETURN(const TokenShard* data, cache_.Get(request.shard_file));
-    ALOE_ASSIGN_OR_RETURN(worker::LocalTrainer::RoundStats stats,
-                          trainer_->Train(*data, request.steps, request.lr_step, request.seed));
-    LocalTrainStats out;
-    out.steps = stats.steps;
-    out.tokens = stats.tokens;
-    out.mean_loss = stats.mean_loss;
-    return out;
-  }
-  absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
-                              std::vector<std::vector<float>>* out) const override {
-    return trainer_->PseudoGradient(base, out);
-  }
-  absl::StatusOr<double> Evaluate() override {
-    return trainer_->Evaluate(heldout_, eval_sequences_);
-  }
-
- private:
-  std::unique_ptr<worker::LocalTrainer> trainer_;
-  ShardCache& cache_;
-  const TokenSource& heldout_;
-  const uint32_t eval_sequences_;
-};
 
 absl::Status Main() {
   const absl::Time wall_start = absl::Now();  // reported only; the simulation never reads it
@@ -193,12 +134,11 @@ absl::Status Main() {
         "--torchscript is for a config with model_file (an imported model); this config trains "
         "the built-in transformer");
   }
-  std::vector<std::unique_ptr<LocalTrainerInterface>> trainers;
-  std::unique_ptr<LocalTrainerInterface> eval_trainer;
+  std::vector<std::unique_ptr<TrainerInterface>> trainers;
+  std::unique_ptr<TrainerInterface> eval_trainer;
   // Objects the trainers borrow; declared before the simulator so they outlive it.
   std::unique_ptr<SyntheticObjective> objective;
-  std::unique_ptr<ShardCache> cache;
-  std::unique_ptr<TokenShard> heldout;
+  std::unique_ptr<TokenShardCache> cache;
 
   const std::string kind = absl::GetFlag(FLAGS_trainer);
   if (kind == "synthetic") {
@@ -234,10 +174,12 @@ absl::Status Main() {
     }
     worker::ConfigureAllocatorForTraining();
     worker::SetTrainerThreads(absl::GetFlag(FLAGS_torch_threads));
-    cache = std::make_unique<ShardCache>(config.corpus_dir());
-    ALOE_ASSIGN_OR_RETURN(heldout,
-                          TokenShard::Open(absl::StrCat(config.corpus_dir(), "/", heldout_file)));
-    const uint32_t eval_sequences = static_cast<uint32_t>(absl::GetFlag(FLAGS_eval_sequences));
+    cache = std::make_unique<TokenShardCache>(config.corpus_dir());
+    ALOE_RETURN_IF_ERROR(cache->Get(heldout_file).status());
+    options.open_shard = [&cache](const std::string& file) -> absl::StatusOr<const TokenSource*> {
+      return cache->Get(file);
+    };
+    options.eval_sequences = static_cast<uint32_t>(absl::GetFlag(FLAGS_eval_sequences));
     if (!config.model_file().empty() && torchscript.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "model_file ", config.model_file(),
@@ -265,11 +207,10 @@ absl::Status Main() {
                                      std::move(script), model.vocab_size, model.seq_len,
                                      config.inner_optimizer(), spec));
       }
-      auto adapter = std::make_unique<TorchTrainer>(std::move(t), *cache, *heldout, eval_sequences);
       if (i < k) {
-        trainers.push_back(std::move(adapter));
+        trainers.push_back(std::move(t));
       } else {
-        eval_trainer = std::move(adapter);
+        eval_trainer = std::move(t);
       }
     }
   } else {

@@ -1,4 +1,4 @@
-#include "server/sim/synthetic_trainer.h"
+#include "sim/synthetic_trainer.h"
 
 #include <cmath>
 #include <random>
@@ -136,7 +136,7 @@ absl::Status SyntheticTrainer::SetParameters(const std::vector<std::vector<float
   return absl::OkStatus();
 }
 
-absl::StatusOr<LocalTrainStats> SyntheticTrainer::Train(const LocalTrainRequest& request) {
+absl::StatusOr<TrainStats> SyntheticTrainer::Train(const TrainRequest& request) {
   absl::StatusOr<size_t> shard = objective_.FindShard(request.shard_name);
   if (!shard.ok()) return shard.status();
   const auto& target = objective_.target(*shard);
@@ -160,7 +160,7 @@ absl::StatusOr<LocalTrainStats> SyntheticTrainer::Train(const LocalTrainRequest&
     }
     loss_sum += 0.5 * sq / static_cast<double>(objective_.num_parameters());
   }
-  LocalTrainStats stats;
+  TrainStats stats;
   stats.steps = request.steps;
   stats.tokens = static_cast<uint64_t>(request.steps) * o.tokens_per_step;
   stats.mean_loss = request.steps > 0 ? loss_sum / request.steps : 0;
@@ -179,6 +179,8 @@ absl::Status SyntheticTrainer::PseudoGradient(const std::vector<std::vector<floa
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> SyntheticTrainer::Evaluate() { return objective_.EvalLoss(params_); }
+absl::StatusOr<double> SyntheticTrainer::Evaluate(const EvalRequest& request) {
+  return objective_.EvalLoss(params_);
+}
 
 }  // namespace aloe::sim

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/local_trainer_interface.h"
+#include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
 #include "server/core/shard_sampler.h"
 
@@ -73,18 +73,18 @@ class SyntheticObjective {
 
 // One simulated worker's (or the evaluator's) trainer on a SyntheticObjective. Deterministic:
 // the noise of a round comes only from its seed. Not thread-safe.
-class SyntheticTrainer final : public LocalTrainerInterface {
+class SyntheticTrainer final : public TrainerInterface {
  public:
   // `objective` must outlive the trainer. The parameters start at zero.
   explicit SyntheticTrainer(const SyntheticObjective& objective);
 
   absl::Status SetParameters(const std::vector<std::vector<float>>& layers) override;
   // Loss reported per step is f_s before the step; tokens = steps * tokens_per_step.
-  absl::StatusOr<LocalTrainStats> Train(const LocalTrainRequest& request) override;
+  absl::StatusOr<TrainStats> Train(const TrainRequest& request) override;
   absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
                               std::vector<std::vector<float>>* out) const override;
-  // objective.EvalLoss(current parameters).
-  absl::StatusOr<double> Evaluate() override;
+  // objective.EvalLoss(current parameters); the request is not used.
+  absl::StatusOr<double> Evaluate(const EvalRequest& request) override;
 
   const std::vector<std::vector<float>>& parameters() const { return params_; }
 

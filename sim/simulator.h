@@ -2,7 +2,7 @@
 // training against the real ServerCore (scheduler, aggregation, outer optimizers, penalty),
 // driven by a FakeClock and an InlineExecutor. This is how the papers' straggler experiments
 // (paper 002 Sec. 5, paper 000 Table 6) are reproduced on a small CPU box: the local work is real
-// (a LocalTrainerInterface computes true pseudo-gradients), only its duration is virtual.
+// (a TrainerInterface computes true pseudo-gradients), only its duration is virtual.
 //
 // Simulated worker i follows the daemon's loop (worker/main.cc) in virtual time:
 //   Join -> RequestTask ->
@@ -38,10 +38,11 @@
 // (exact integer ticks); the core draws from its seeded generators; trainers must be
 // deterministic. Same inputs and seed -> the same rows, hence a bit-identical CSV.
 //
-// Not thread-safe. Reads no wall clock and no real randomness (STYLE.md).
+// Not thread-safe. Reads no wall clock and no real randomness.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,8 +50,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/local_trainer_interface.h"
 #include "common/metrics.h"
+#include "common/token_source.h"
+#include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
 #include "server/core/shard_sampler.h"
 
@@ -114,6 +116,11 @@ struct SimulatorOptions {
   std::string model_fingerprint;
   // Receives the core's metrics; null = discarded. Must outlive Run().
   MetricsSink* metrics = nullptr;
+  // The corpus' token shards by file (Task.shard_file, the held-out file) for trainers that
+  // read tokens (TrainRequest.data, EvalRequest.heldout); null for trainers that need none.
+  // What it returns must outlive Run().
+  std::function<absl::StatusOr<const TokenSource*>(const std::string& file)> open_shard;
+  uint32_t eval_sequences = 64;  // EvalRequest.max_sequences
 };
 
 // One CSV row: a push (applied, accepted into a batch that is not complete yet, or rejected), or
@@ -165,8 +172,8 @@ class Simulator {
   static absl::StatusOr<std::unique_ptr<Simulator>> Create(
       v1::ServerConfig config, std::vector<server::DataShard> train_shards,
       std::string heldout_file, SimulatorOptions options,
-      std::vector<std::unique_ptr<LocalTrainerInterface>> worker_trainers,
-      std::unique_ptr<LocalTrainerInterface> eval_trainer);
+      std::vector<std::unique_ptr<TrainerInterface>> worker_trainers,
+      std::unique_ptr<TrainerInterface> eval_trainer);
 
   ~Simulator();
   Simulator(const Simulator&) = delete;

@@ -1,0 +1,89 @@
+// The one trainer interface: the inner loop of a DiLoCo worker (paper 002 Alg. 1, inner part) as
+// the worker agent (worker/agent.h) and the straggler simulator (sim/simulator.h) drive it. Its
+// implementations: worker::LocalTrainer (LibTorch, one process), worker::FsdpTrainer (one rank
+// of a multi-rank node) and sim::SyntheticTrainer (a cheap objective without LibTorch). This
+// header includes neither LibTorch nor worker code, so the simulator stays free of both.
+//
+// A round is:
+//   SetParameters(theta_base) -> Train(request) -> PseudoGradient(theta_base, &g)
+// with g = theta_base - theta_end (the DiLoCo sign, docs/algorithms.md). Inner optimizer state
+// (e.g. AdamW moments) belongs to the implementation and persists across rounds; SetParameters
+// never resets it.
+//
+// Layers are the ModelSpec's layers (common/model_spec.h): one flat float32 buffer each, in spec
+// order. A trainer that holds a slice of every layer (a rank of a multi-rank node) takes and
+// gives its slices instead. Implementations are not thread-safe: one caller at a time.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/token_source.h"
+
+namespace aloe {
+
+// One round of local work, taken from an aloe.v1.Task of kind TRAIN.
+struct TrainRequest {
+  // The data shard's tokens (Task.shard_file), borrowed for the call. Null only for a trainer
+  // that draws no tokens (the synthetic one, which goes by shard_name).
+  const TokenSource* data = nullptr;
+  std::string shard_name;  // Task.shard_name: identifies the data shard
+  uint32_t steps = 0;      // local steps, or the cap when a budget or interrupt ends the round
+  uint64_t lr_step = 0;    // Task.lr_step: the shard's LR schedule position at the first step
+  uint64_t seed = 0;       // Task.seed: data sampling / noise seed of this round
+  // >= 1: emulates slower hardware by sleeping (slowdown - 1) x each step's compute time after
+  // it. Only the single-process trainer takes a value other than 1.
+  double slowdown = 1.0;
+  // > 0 (A-EDiT, paper 000 Sec. 3.3): the round ends at the first step end at or after this
+  // much wall time; `steps` is then the cap.
+  double time_budget_seconds = 0;
+  // May be null. Ends the round at the first step end after it becomes true, so a stopping
+  // worker can push the steps it has done; no step is taken when it is already true.
+  const std::atomic<bool>* interrupt = nullptr;
+};
+
+struct TrainStats {
+  uint32_t steps = 0;          // local steps taken
+  uint64_t tokens = 0;         // data points learned, as counted by the shard sampler
+  double mean_loss = 0;        // mean training loss over the steps; 0 when steps == 0
+  double compute_seconds = 0;  // wall time of the steps, excluding slowdown sleeps
+};
+
+// An evaluation of the current parameters on held-out data.
+struct EvalRequest {
+  // The held-out tokens, borrowed for the call; null only for a trainer that needs none.
+  const TokenSource* heldout = nullptr;
+  uint32_t max_sequences = 0;  // evaluate at most this many windows of seq_len + 1 tokens
+};
+
+class TrainerInterface {
+ public:
+  virtual ~TrainerInterface() = default;
+
+  // Replaces the current parameters by `layers`. Inner optimizer state is kept.
+  // kInvalidArgument on a wrong layer count or size (parameters then unchanged).
+  virtual absl::Status SetParameters(const std::vector<std::vector<float>>& layers) = 0;
+
+  // Runs up to request.steps local steps from the current parameters. Deterministic for
+  // (current parameters, inner state, request) without a budget or interrupt.
+  // kInvalidArgument for unusable data or request fields; kInternal for a failure of the
+  // implementation.
+  virtual absl::StatusOr<TrainStats> Train(const TrainRequest& request) = 0;
+
+  // out[l][i] = base[l][i] - current[l][i] (resizes `out`). kInvalidArgument when `base` does
+  // not fit the parameters.
+  virtual absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
+                                      std::vector<std::vector<float>>* out) const = 0;
+
+  // Held-out loss of the current parameters (lower is better; for an LM the mean per-token
+  // cross-entropy in nats). Deterministic; changes neither parameters nor inner state.
+  // kInvalidArgument when the request cannot be evaluated; kFailedPrecondition for a trainer
+  // that does not evaluate.
+  virtual absl::StatusOr<double> Evaluate(const EvalRequest& request) = 0;
+};
+
+}  // namespace aloe

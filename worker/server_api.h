@@ -1,0 +1,40 @@
+// The calls a worker makes to aloe-server, as an interface: worker::ServerClient
+// (worker/client.h) implements it over gRPC, tests implement it with fakes. Every method has the
+// contract of ServerClient's method of the same name. Implementations are thread-safe: the
+// agent's heartbeat and overlap threads call them beside the round loop.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "proto/aloe.pb.h"
+
+namespace aloe::worker {
+
+class ServerApi {
+ public:
+  virtual ~ServerApi() = default;
+
+  virtual absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request) = 0;
+  virtual absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request) = 0;
+  virtual absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id, bool ahead,
+                                               uint64_t dropped_task_id) = 0;
+  virtual absl::Status ReportEval(const v1::EvalReport& report) = 0;
+  virtual absl::Status Leave(uint64_t worker_id) = 0;
+  virtual absl::Status SetShards(const std::vector<std::string>& addresses,
+                                 const std::vector<std::string>& push_addresses,
+                                 const std::string& server_push_address) = 0;
+  virtual absl::StatusOr<uint64_t> Pull(uint64_t worker_id, uint64_t version, bool latest,
+                                        const v1::ModelSpec& spec,
+                                        std::vector<std::vector<float>>* layers, uint64_t* bytes,
+                                        uint32_t slice, uint32_t slices) = 0;
+  virtual absl::StatusOr<v1::PushReply> Push(
+      const v1::PushHeader& header, const v1::ModelSpec& spec,
+      const std::vector<std::vector<float>>& layers, const std::vector<v1::Codec>& codecs,
+      size_t int8_block_size, std::vector<std::vector<float>>* residuals, uint64_t* bytes) = 0;
+};
+
+}  // namespace aloe::worker
