@@ -12,6 +12,7 @@
 #include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "server/core/server_metrics.h"
+#include "server/core/shard_assembly.h"
 #include "server/core/update_assembler.h"
 #include "server/service/grpc_services.h"
 
@@ -407,19 +408,10 @@ absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
     if (stop.load() || failed) context.TryCancel();
     const grpc::Status status = reader->Finish();
     if (stop.load()) break;
-    switch (status.error_code()) {
-      case grpc::StatusCode::INVALID_ARGUMENT:
-      case grpc::StatusCode::FAILED_PRECONDITION:
-      case grpc::StatusCode::UNAUTHENTICATED:
-      case grpc::StatusCode::PERMISSION_DENIED:
-        if (!failed) {
-          return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                              absl::StrCat("the coordinator refuses shard ", options_.shard_index,
-                                           ": ", status.error_message()));
-        }
-        break;
-      default:
-        break;
+    const auto code = static_cast<absl::StatusCode>(status.error_code());
+    if (!failed && RefusedForGood(code)) {
+      return absl::Status(code, absl::StrCat("the coordinator refuses shard ", options_.shard_index,
+                                             ": ", status.error_message()));
     }
     if (status.error_code() != grpc::StatusCode::ABORTED && !failed) {
       ALOE_LOG_WARNING("shard", "shard %d: follow stream ended: %s; reconnecting",
