@@ -171,49 +171,15 @@ grpc::Status ParameterServiceImpl::ServePull(grpc::ServerContext* context,
                         metrics_);
 }
 
-grpc::Status ParameterServiceImpl::ServePush(grpc::ServerContext* context, PushStreamReader* reader,
-                                             v1::PushReply* reply) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> identity = Authorize(auth_, *context, std::nullopt);
-  if (!identity.ok()) return ToGrpcStatus(Rejected(identity.status()));
-  absl::StatusOr<v1::PushHeader> first = reader->ReadHeader();
-  if (!first.ok()) return ToGrpcStatus(Rejected(first.status()));
-  return Reply(
-      Accept(
-          *first, *identity, [context] { return context->IsCancelled(); },
-          [&](UpdateAssembler& assembler) { return reader->ReadChunks(assembler); }, start),
-      reply);
-}
-
-absl::StatusOr<v1::PushReply> ParameterServiceImpl::ServeRawPush(
-    const RawPushRequest& request, ByteReader& in, const std::function<bool()>& cancelled) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> identity = auth_.IdentifyToken(request.token);
-  if (!identity.ok()) return Rejected(identity.status());
-  absl::StatusOr<std::vector<RawPushRange>> ranges =
-      CheckRawPush(handle_.spec(), std::nullopt, request);
-  if (!ranges.ok()) return Rejected(ranges.status());
-  const uint64_t expected = request.payload_bytes;
-  absl::Status received = absl::UnknownError("not read");  // OK: the payload came whole
-  auto read = [&](UpdateAssembler& a) { return received = ReadRawPayload(*ranges, in, a); };
-  absl::StatusOr<v1::PushReply> result = Accept(request.header, *identity, cancelled, read, start);
-  // Counted after Accept counted them in aloe_received_bytes_total: a scrape in between never
-  // sees more raw bytes than received ones.
-  if (received.ok()) {
-    metrics_.Add(kRawPushBytes, static_cast<double>(expected));
-    raw_push_bytes_ += expected;
-  }
-  return result;
-}
-
 absl::Status ParameterServiceImpl::Rejected(const absl::Status& status) {
   handle_.Run([&](ServerCore& core) { core.CountRejected(status); });
   return status;
 }
 
-absl::StatusOr<v1::PushReply> ParameterServiceImpl::Accept(
-    const v1::PushHeader& header, const std::string& identity, absl::FunctionRef<bool()> cancelled,
-    absl::FunctionRef<absl::Status(UpdateAssembler&)> read, absl::Time start) {
+absl::StatusOr<v1::PushReply> ParameterServiceImpl::AcceptPush(
+    const v1::PushHeader& header, const std::string& identity,
+    const std::function<bool()>& cancelled, absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
+    absl::Time start) {
   if (absl::Status owner = auth_.CheckOwner(header.worker_id(), identity); !owner.ok()) {
     return Rejected(owner);
   }

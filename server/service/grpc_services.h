@@ -24,6 +24,7 @@
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 #include "server/service/parameter_wire.h"
+#include "server/service/push_ingest.h"
 
 namespace aloe::server {
 
@@ -76,7 +77,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   const std::string shard_identity_;
 };
 
-class ParameterServiceImpl final : public WireParameterService {
+class ParameterServiceImpl final : public PushIngestService {
  public:
   // handle, auth, metrics and clock must outlive the service. max_receiving: at most this many
   // pushes are received at once (ServerConfig.max_staged_updates); a push beyond them waits
@@ -85,39 +86,29 @@ class ParameterServiceImpl final : public WireParameterService {
   ParameterServiceImpl(CoreHandle& handle, Authenticator& auth, MetricsSink& metrics,
                        const Clock& clock, uint32_t max_receiving,
                        absl::Duration pull_delay = absl::ZeroDuration())
-      : handle_(handle),
+      : PushIngestService(auth, metrics, handle.spec(), std::nullopt),
+        handle_(handle),
         auth_(auth),
         metrics_(metrics),
         receiving_(max_receiving, clock),
         pull_delay_(pull_delay) {}
 
   grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;
-  grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
-  // A raw push (common/raw_push.h: the float32 values of every layer, or of one slice of every
-  // layer, over a plain TCP connection; RawPushListener's handler): the same checks, receive
-  // slots, screening and submission as a gRPC push, each value screened as it is streamed into
-  // the update's staging buffers. kInvalidArgument for another codec or a payload size that is
-  // not the layers'.
-  absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in,
-                                             const std::function<bool()>& cancelled);
-  // Payload bytes of the raw pushes received whole so far.
-  uint64_t raw_push_bytes() const { return raw_push_bytes_.load(); }
 
  private:
-  // Counts a refused push (aloe_updates_rejected_total) and returns its status.
-  absl::Status Rejected(const absl::Status& status);
-  // The part of a push after its header arrived: the owner and header checks, a receive slot,
-  // `read` (the chunks or the raw payload into the assembler), then the whole update submitted.
-  absl::StatusOr<v1::PushReply> Accept(const v1::PushHeader& header, const std::string& identity,
-                                       absl::FunctionRef<bool()> cancelled,
-                                       absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
-                                       absl::Time start);
+  // Counts a refused push in the core (aloe_updates_rejected_total) and returns its status.
+  absl::Status Rejected(const absl::Status& status) override;
+  // The owner and header checks, a receive slot, `read`, then the whole update submitted.
+  absl::StatusOr<v1::PushReply> AcceptPush(const v1::PushHeader& header,
+                                           const std::string& identity,
+                                           const std::function<bool()>& cancelled,
+                                           absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
+                                           absl::Time start) override;
 
   CoreHandle& handle_;
   Authenticator& auth_;
   MetricsSink& metrics_;
   ReceiveSlots receiving_;
-  std::atomic<uint64_t> raw_push_bytes_{0};
   const absl::Duration pull_delay_;
 };
 

@@ -14,23 +14,19 @@
 namespace aloe::server {
 
 ShardControlService::ShardControlService(CoreHandle& handle, Authenticator& auth, Options options)
-    : handle_(handle), auth_(auth), options_(std::move(options)) {
-  absl::MutexLock lock(&mu_);
-  followers_.resize(options_.shard_processes);
-  finish_sent_.assign(options_.shard_processes, false);
-}
+    : handle_(handle),
+      auth_(auth),
+      options_(std::move(options)),
+      assembly_(options_.shard_processes) {}
 
 uint32_t ShardControlService::Finish(uint64_t version, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
-  finish_version_ = version;
+  assembly_.Finish(version);
   const absl::Time deadline = absl::Now() + timeout;
-  auto all_sent = [&] {
-    return std::all_of(finish_sent_.begin(), finish_sent_.end(), [](bool b) { return b; });
-  };
-  while (!all_sent()) {
+  while (assembly_.finished_shards() < options_.shard_processes) {
     if (assembled_.WaitWithDeadline(&mu_, deadline)) break;
   }
-  return static_cast<uint32_t>(std::count(finish_sent_.begin(), finish_sent_.end(), true));
+  return assembly_.finished_shards();
 }
 
 grpc::Status ShardControlService::CheckShardCaller(const grpc::ServerContext& context,
@@ -56,7 +52,7 @@ grpc::Status ShardControlService::CheckPartCall(const grpc::ServerContext& conte
     return ToGrpcStatus(owner);
   }
   absl::MutexLock lock(&mu_);
-  if (!ready_) {
+  if (!assembly_.ready()) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         "the shard processes are (re)assembling; push again");
   }
@@ -89,28 +85,22 @@ grpc::Status ShardControlService::ReportStaged(grpc::ServerContext* context,
 }
 
 void ShardControlService::BeginAssembly() {
-  ready_ = false;
-  ++epoch_;
+  assembly_.Begin();
   handle_.Run([&](ServerCore& core) {
     for (uint32_t i = 0; i < options_.shard_processes; ++i) core.SetShardAddress(i, "");
   });
   ALOE_LOG_INFO("coordinator", "assembling the %d shard processes (epoch %d)",
-                options_.shard_processes, epoch_);
+                options_.shard_processes, assembly_.current_epoch());
   assembled_.SignalAll();
 }
 
 void ShardControlService::MaybeCompleteAssembly() {
-  std::vector<ShardStart> starts;
-  for (const Follower& f : followers_) {
-    if (f.epoch != epoch_) return;
-    starts.push_back(ShardStart{
-        f.request.version(),
-        {f.request.checkpoint_versions().begin(), f.request.checkpoint_versions().end()}});
-  }
+  const std::optional<std::vector<ShardStart>> starts = assembly_.Starts();
+  if (!starts) return;
   std::vector<uint64_t> mine = options_.coordinator_versions();
   const uint64_t current = handle_.Run([](ServerCore& core) { return core.version(); });
-  const uint64_t version = ChooseCommonVersion(mine, starts);
-  if (!first_assembly_ || version != current) {
+  const uint64_t version = ChooseCommonVersion(mine, *starts);
+  if (assembly_.NeedsRestore(version, current)) {
     absl::Status s = options_.restore(version);
     if (!s.ok()) {
       ALOE_LOG_ERROR("coordinator", "cannot restore version %d: %s; starting over", version,
@@ -119,35 +109,26 @@ void ShardControlService::MaybeCompleteAssembly() {
       return;
     }
   }
-  first_assembly_ = false;
-  start_version_ = version;
+  assembly_.Complete(version);
   if (options_.journal != nullptr) options_.journal->Assembled(version);
   handle_.Run([&](ServerCore& core) {
     for (uint32_t i = 0; i < options_.shard_processes; ++i) {
-      core.SetShardAddress(i, followers_[i].request.address(),
-                           followers_[i].request.push_address());
+      core.SetShardAddress(i, assembly_.request(i).address(), assembly_.request(i).push_address());
     }
   });
-  ready_ = true;
   ALOE_LOG_INFO("coordinator", "the %d shard processes are assembled at version %d",
                 options_.shard_processes, version);
   assembled_.SignalAll();
 }
 
-void ShardControlService::MaybeTrimLog() {
-  uint64_t slowest = std::numeric_limits<uint64_t>::max();
-  for (const Follower& f : followers_) {
-    if (f.epoch != epoch_) return;
-    slowest = std::min(slowest, f.sent);
-  }
-  if (slowest < 2 * kLogSlack) return;
+void ShardControlService::TrimLog(uint64_t index) {
   uint64_t first = 0;
   uint64_t generation = 0;
   handle_.Peek(&generation,
                [&](const ServerCore& core) { first = core.shard_log()->first_order_index(); });
   // Only when the core will drop a batch (a Run wakes every stream).
-  if (slowest - kLogSlack >= first + ShardCommitLog::kOrderTrimBatch) {
-    handle_.Run([&](ServerCore& core) { core.shard_log()->TrimOrdersBefore(slowest - kLogSlack); });
+  if (index >= first + ShardCommitLog::kOrderTrimBatch) {
+    handle_.Run([&](ServerCore& core) { core.shard_log()->TrimOrdersBefore(index); });
   }
 }
 
@@ -179,17 +160,15 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
   uint64_t restore_version = 0;
   {
     absl::MutexLock lock(&mu_);
-    Follower& me = followers_[shard];
-    connection = ++me.connection;
-    me.request = *request;
+    connection = assembly_.Connect(shard, *request);
     std::optional<uint64_t> next;
-    if (ready_ && !request->fresh()) {
+    if (assembly_.MayFollowOn(shard)) {
       next = handle_.Run(
           [&](ServerCore& core) { return core.shard_log()->OrderIndexAfter(request->version()); });
     }
     if (next) {
       // Lost only its connection: follows on from its version.
-      me.epoch = epoch_;
+      assembly_.FollowOn(shard, *next);
       cursor = *next;
       handle_.Run([&](ServerCore& core) {
         core.SetShardAddress(shard, request->address(), request->push_address());
@@ -197,7 +176,7 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
       ALOE_LOG_INFO("coordinator", "shard %d follows again from version %d", shard,
                     request->version());
     } else {
-      if (ready_) {
+      if (assembly_.ready()) {
         ALOE_LOG_WARNING("coordinator",
                          "shard %d %s at version %d: its staged updates are lost, so every "
                          "process goes back to a common checkpoint",
@@ -205,20 +184,19 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
                          request->version());
         BeginAssembly();
       }
-      me.epoch = epoch_;
+      assembly_.Join(shard);
       MaybeCompleteAssembly();
-      while (!(ready_ && epoch_ == me.epoch) && epoch_ == me.epoch && me.connection == connection &&
+      while (assembly_.StreamState(shard, connection) == ShardAssembly::Stream::kWaiting &&
              !context->IsCancelled()) {
         assembled_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
       }
-      if (!(ready_ && epoch_ == me.epoch) || me.connection != connection) {
+      if (assembly_.StreamState(shard, connection) != ShardAssembly::Stream::kFollowing) {
         return grpc::Status(grpc::StatusCode::ABORTED, "the shards are reassembling; follow again");
       }
       send_restore = true;
-      restore_version = start_version_;
+      restore_version = assembly_.start_version();
     }
-    epoch = me.epoch;
-    me.sent = cursor;
+    epoch = assembly_.epoch_of(shard);
   }
   if (send_restore) {
     v1::ShardOrder restore;
@@ -232,10 +210,10 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
     std::optional<uint64_t> finish;
     {
       absl::MutexLock lock(&mu_);
-      if (epoch_ != epoch || followers_[shard].connection != connection) {
+      if (!assembly_.Current(shard, connection, epoch)) {
         return grpc::Status(grpc::StatusCode::ABORTED, "the shards are reassembling; follow again");
       }
-      finish = finish_version_;
+      finish = assembly_.finish_version();
       handle_.Peek(&seen, [&](const ServerCore& core) {
         const std::vector<v1::ShardOrder>& orders = core.shard_log()->orders();
         const uint64_t first = core.shard_log()->first_order_index();
@@ -256,9 +234,8 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
     }
     if (!batch.empty()) {
       absl::MutexLock lock(&mu_);
-      if (epoch_ == epoch && followers_[shard].connection == connection) {
-        followers_[shard].sent = cursor;
-        MaybeTrimLog();
+      if (const std::optional<uint64_t> trim = assembly_.Sent(shard, connection, epoch, cursor)) {
+        TrimLog(*trim);
       }
     }
     if (finish.has_value() && batch.empty()) {
@@ -268,7 +245,7 @@ grpc::Status ShardControlService::Follow(grpc::ServerContext* context,
       order.set_version(*finish);
       if (!writer->Write(order)) return grpc::Status(grpc::StatusCode::CANCELLED, "shard gone");
       absl::MutexLock lock(&mu_);
-      finish_sent_[shard] = true;
+      assembly_.FinishSent(shard);
       assembled_.SignalAll();
       return grpc::Status::OK;
     }

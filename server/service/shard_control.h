@@ -1,14 +1,8 @@
 // The coordinator's side of a layer-sharded server (aloe-server --role coordinator): shard
-// processes report staged update parts (ReportStaged) and follow the order log (Follow).
-//
-// Assembly: the coordinator serves workers only while every shard process follows it from the
-// same state. At start, and whenever a shard process starts again (a restart loses its staged
-// updates, so the commits after its checkpoint cannot be replayed on it), the shards
-// (re)assemble: every Follow stream ends (ABORTED) and the shards follow again; once all of them
-// have, the newest version that the coordinator and every shard can all be at is chosen
-// (ChooseCommonVersion: a current state or a checkpoint), the coordinator's core is restored to
-// it (its workers are forgotten and join again), and every shard gets RESTORE of that version
-// before the new log. A shard that only lost its connection follows on from its version.
+// processes report staged update parts (ReportStaged) and follow the order log (Follow). The
+// gRPC adapter of ShardAssembly (server/core/shard_assembly.h), which decides when the shards
+// (re)assemble and which stream may go on; this file runs the restore, streams the orders and
+// tells the core the shards' addresses.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -22,6 +16,7 @@
 #include "common/metrics.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/core/order_journal.h"
+#include "server/core/shard_assembly.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 
@@ -69,12 +64,6 @@ class ShardControlService final : public v1::ShardControl::Service {
   uint32_t Finish(uint64_t version, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Follower {
-    uint64_t connection = 0;  // bumped by every Follow call of this shard
-    uint64_t epoch = 0;       // the assembly it joined
-    uint64_t sent = 0;        // absolute index of the next order to send it
-    v1::FollowRequest request;
-  };
   // The caller is a shard process: with token auth, a token of options_.shard_identity
   // (UNAUTHENTICATED for a missing or unknown token, PERMISSION_DENIED for another identity's).
   grpc::Status CheckShardCaller(const grpc::ServerContext& context, const char* rpc) const;
@@ -86,10 +75,9 @@ class ShardControlService final : public v1::ShardControl::Service {
   void BeginAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the assembly when every shard joined it. Requires mu_.
   void MaybeCompleteAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Trims the coordinator's order log up to kLogSlack orders before the order the slowest shard
-  // process was sent last (a shard that reconnects may not have applied all it was sent).
-  void MaybeTrimLog() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static constexpr uint64_t kLogSlack = 1024;
+  // Trims the coordinator's order log before absolute index `index` (ShardAssembly::Sent) when
+  // that drops a batch.
+  void TrimLog(uint64_t index);
 
   // The store of shard `shard`'s copies (options_.replica_dir must be set).
   std::string CopiesDir(uint32_t shard) const;
@@ -100,13 +88,7 @@ class ShardControlService final : public v1::ShardControl::Service {
   absl::Mutex copies_mu_;  // one copy written or read at a time
   absl::Mutex mu_;
   absl::CondVar assembled_;
-  std::vector<Follower> followers_ ABSL_GUARDED_BY(mu_);
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 1;
-  bool ready_ ABSL_GUARDED_BY(mu_) = false;
-  bool first_assembly_ ABSL_GUARDED_BY(mu_) = true;
-  uint64_t start_version_ ABSL_GUARDED_BY(mu_) = 0;
-  std::optional<uint64_t> finish_version_ ABSL_GUARDED_BY(mu_);  // set by Finish
-  std::vector<bool> finish_sent_ ABSL_GUARDED_BY(mu_);           // per shard process
+  ShardAssembly assembly_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace aloe::server

@@ -12,6 +12,7 @@
 #include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "server/core/server_metrics.h"
+#include "server/core/shard_assembly.h"
 #include "server/core/update_assembler.h"
 #include "server/service/grpc_services.h"
 
@@ -31,7 +32,8 @@ absl::Status AbslStatusOf(const grpc::Status& status) {
 
 ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, Options options,
                          Authenticator& auth, MetricsSink& metrics)
-    : spec_(std::move(spec)),
+    : PushIngestService(auth, metrics, spec, options.shard_index),
+      spec_(std::move(spec)),
       options_(std::move(options)),
       auth_(auth),
       metrics_(metrics),
@@ -82,56 +84,18 @@ grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::Pull
                         metrics_);
 }
 
-grpc::Status ShardServer::ServePush(grpc::ServerContext* context, PushStreamReader* reader,
-                                    v1::PushReply* reply) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> identity = auth_.Identify(*context);
-  if (!identity.ok()) return Reject(identity.status());
-  absl::StatusOr<v1::PushHeader> header = reader->ReadHeader();
-  if (!header.ok()) return Reject(header.status());
-  return AcceptPush(
-      *header, *identity, [context] { return context->IsCancelled(); },
-      [reader](UpdateAssembler& assembler) { return reader->ReadChunks(assembler); }, reply, start);
-}
-
-absl::StatusOr<v1::PushReply> ShardServer::ServeRawPush(const RawPushRequest& request,
-                                                        ByteReader& in,
-                                                        const std::function<bool()>& cancelled) {
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> identity = auth_.IdentifyToken(request.token);
-  if (!identity.ok()) return AbslStatusOf(Reject(identity.status()));
-  const v1::PushHeader& header = request.header;
-  absl::StatusOr<std::vector<RawPushRange>> ranges =
-      CheckRawPush(spec_, options_.shard_index, request);
-  if (!ranges.ok()) return AbslStatusOf(Reject(ranges.status()));
-  const uint64_t expected = request.payload_bytes;
-  // Read once its staging slot is taken (AcceptPush calls `read` then).
-  absl::Status received = absl::UnknownError("not read");  // OK: the payload came whole
-  auto read = [&](UpdateAssembler& a) { return received = ReadRawPayload(*ranges, in, a); };
-  v1::PushReply reply;
-  const grpc::Status status = AcceptPush(header, *identity, cancelled, read, &reply, start);
-  if (received.ok()) {
-    // Counted after AcceptPush counted them in aloe_received_bytes_total: a scrape in between
-    // never sees more raw bytes than received ones (a raw share above 1).
-    metrics_.Add(kRawPushBytes, static_cast<double>(expected));
-    raw_push_bytes_ += expected;
-  }
-  if (!status.ok()) return AbslStatusOf(status);
-  return reply;
-}
-
-grpc::Status ShardServer::Reject(const absl::Status& status) {
+absl::Status ShardServer::Rejected(const absl::Status& status) {
   metrics_.Add(kUpdatesRejected, 1, {RejectReason(status)});
-  return ToGrpcStatus(status);
+  return status;
 }
 
-grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::string& identity,
-                                     const std::function<bool()>& cancelled,
-                                     absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
-                                     v1::PushReply* reply, absl::Time start) {
-  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return Reject(s);
+absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
+    const v1::PushHeader& header, const std::string& identity,
+    const std::function<bool()>& cancelled, absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
+    absl::Time start) {
+  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return Rejected(s);
   if (!v1::Codec_IsValid(header.codec())) {
-    return Reject(
+    return Rejected(
         absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec())));
   }
   // The coordinator admits at most max_staged_updates updates at once, the same on every shard
@@ -141,7 +105,7 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
   // the round trip is saved (the coordinator admits the update when it is reported).
   if (!options_.admit_locally) {
     if (absl::Status admitted = AwaitAdmission(cancelled, header, identity); !admitted.ok()) {
-      return Reject(admitted);
+      return Rejected(admitted);
     }
   }
   std::shared_ptr<FloatBufferPool> buffers;
@@ -158,7 +122,7 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
     };
     while (!room()) {
       if (cancelled() || changed_.WaitWithDeadline(&mu_, deadline)) {
-        return Reject(absl::ResourceExhaustedError(absl::StrFormat(
+        return Rejected(absl::ResourceExhaustedError(absl::StrFormat(
             "shard %d: staging full (%d updates staged or being received) for %.0f s; push again "
             "later",
             options_.shard_index, options_.max_staged, absl::ToDoubleSeconds(kSlotWait))));
@@ -177,24 +141,25 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
   } release{this};
 
   UpdateAssembler assembler(spec_, header, options_.shard_index, std::move(buffers));
-  if (absl::Status s = read(assembler); !s.ok()) return Reject(s);
+  if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();
   received_bytes_ += bytes;
   absl::StatusOr<PendingUpdate> part = std::move(assembler).Finish();
-  if (!part.ok()) return Reject(part.status());
+  if (!part.ok()) return Rejected(part.status());
   absl::StatusOr<StageResult> staged;
   {
     absl::MutexLock lock(&mu_);
     staged = state_->Stage(*std::move(part));
     Publish();
   }
-  if (!staged.ok()) return Reject(staged.status());
+  if (!staged.ok()) return Rejected(staged.status());
+  v1::PushReply reply;
   if (!staged->complete) {
-    reply->set_staged(true);
-    reply->set_slices_received(staged->slices_received);
-    reply->set_version(version());
-    return grpc::Status::OK;
+    reply.set_staged(true);
+    reply.set_slices_received(staged->slices_received);
+    reply.set_version(version());
+    return reply;
   }
   v1::StagedReport report;
   report.set_shard_index(options_.shard_index);
@@ -204,20 +169,17 @@ grpc::Status ShardServer::AcceptPush(const v1::PushHeader& header, const std::st
   grpc::ClientContext call;
   call.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   if (!options_.token.empty()) call.AddMetadata(kTokenMetadata, options_.token);
-  grpc::Status reported = control_->ReportStaged(&call, report, reply);
+  grpc::Status reported = control_->ReportStaged(&call, report, &reply);
   if (!reported.ok()) {
     // Refused (or the coordinator is unreachable): nothing of this update may stay here.
     absl::MutexLock lock(&mu_);
     state_->Discard(header.worker_id(), header.update_id());
     Publish();
     changed_.SignalAll();
-    metrics_.Add(kUpdatesRejected, 1,
-                 {RejectReason(absl::Status(static_cast<absl::StatusCode>(reported.error_code()),
-                                            reported.error_message()))});
-    return reported;
+    return Rejected(AbslStatusOf(reported));
   }
   metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));
-  return grpc::Status::OK;
+  return reply;
 }
 
 absl::Status ShardServer::Restore(uint64_t version) {
@@ -407,19 +369,10 @@ absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
     if (stop.load() || failed) context.TryCancel();
     const grpc::Status status = reader->Finish();
     if (stop.load()) break;
-    switch (status.error_code()) {
-      case grpc::StatusCode::INVALID_ARGUMENT:
-      case grpc::StatusCode::FAILED_PRECONDITION:
-      case grpc::StatusCode::UNAUTHENTICATED:
-      case grpc::StatusCode::PERMISSION_DENIED:
-        if (!failed) {
-          return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                              absl::StrCat("the coordinator refuses shard ", options_.shard_index,
-                                           ": ", status.error_message()));
-        }
-        break;
-      default:
-        break;
+    const auto code = static_cast<absl::StatusCode>(status.error_code());
+    if (!failed && RefusedForGood(code)) {
+      return absl::Status(code, absl::StrCat("the coordinator refuses shard ", options_.shard_index,
+                                             ": ", status.error_message()));
     }
     if (status.error_code() != grpc::StatusCode::ABORTED && !failed) {
       ALOE_LOG_WARNING("shard", "shard %d: follow stream ended: %s; reconnecting",

@@ -33,10 +33,11 @@
 #include "server/service/auth.h"
 #include "server/service/checkpoint_copies.h"
 #include "server/service/parameter_wire.h"
+#include "server/service/push_ingest.h"
 
 namespace aloe::server {
 
-class ShardServer final : public WireParameterService {
+class ShardServer final : public PushIngestService {
  public:
   struct Options {
     uint32_t shard_index = 0;
@@ -62,14 +63,7 @@ class ShardServer final : public WireParameterService {
               Authenticator& auth, MetricsSink& metrics);
 
   grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;
-  grpc::Status ServePush(grpc::ServerContext*, PushStreamReader*, v1::PushReply*) override;
-  // A raw push (common/raw_push.h; RawPushListener's handler): the float32 payload of this
-  // shard's layers read from `in` straight into staging, then the same admission, staging and
-  // report as ServePush. kInvalidArgument for another codec than float32 or a payload size
-  // other than this shard's layers (or slice) take; otherwise ServePush's errors.
-  // `cancelled` as RawPushListener::Handler's.
-  absl::StatusOr<v1::PushReply> ServeRawPush(const RawPushRequest& request, ByteReader& in,
-                                             const std::function<bool()>& cancelled);
+  // Pushes (ServePush, ServeRawPush: PushIngestService) carry this shard's layers only.
 
   // Follows the coordinator until `stop` is set or the coordinator says the job is over (FINISH,
   // once every order was applied) (OK), reconnecting whenever the stream ends. The
@@ -85,9 +79,8 @@ class ShardServer final : public WireParameterService {
   void WriteFinalCheckpoint();
 
   uint64_t version();
-  // Payload bytes of the pushes received whole so far, and the part of them that came raw.
+  // Payload bytes of the pushes received whole so far (raw_push_bytes(): the part that came raw).
   uint64_t received_bytes() const { return received_bytes_.load(); }
-  uint64_t raw_push_bytes() const { return raw_push_bytes_.load(); }
   // Layer updates of the outer steps applied so far, and those that wrote a fresh buffer
   // (ParameterStore::copied_layer_steps: an older version held for tasks, or a pull under way).
   uint64_t layer_steps() const { return layer_steps_.load(); }
@@ -95,7 +88,6 @@ class ShardServer final : public WireParameterService {
 
  private:
   std::atomic<uint64_t> received_bytes_{0};
-  std::atomic<uint64_t> raw_push_bytes_{0};
   std::atomic<uint64_t> layer_steps_{0};
   std::atomic<uint64_t> copied_layer_steps_{0};
   // Applies one order; an error means this state cannot follow the log any more.
@@ -105,15 +97,15 @@ class ShardServer final : public WireParameterService {
   // refuses, the push is cancelled or kSlotWait passes.
   absl::Status AwaitAdmission(const std::function<bool()>& cancelled, const v1::PushHeader& header,
                               const std::string& identity);
-  // Counts a refused push and converts its status.
-  grpc::Status Reject(const absl::Status& status);
-  // A push of either transport once its header is read and its sender identified: admission,
-  // a staging slot, `read` (the transport's reader into the assembler), staging and the report
-  // to the coordinator. `cancelled` tells whether the pusher gave up while it waits.
-  grpc::Status AcceptPush(const v1::PushHeader& header, const std::string& identity,
-                          const std::function<bool()>& cancelled,
-                          absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
-                          v1::PushReply* reply, absl::Time start);
+  // Counts a refused push and returns its status.
+  absl::Status Rejected(const absl::Status& status) override;
+  // Admission, a staging slot, `read` (the transport's reader into the assembler), staging and
+  // the report to the coordinator (PushIngestService::AcceptPush).
+  absl::StatusOr<v1::PushReply> AcceptPush(const v1::PushHeader& header,
+                                           const std::string& identity,
+                                           const std::function<bool()>& cancelled,
+                                           absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
+                                           absl::Time start) override;
   // Writes `checkpoint` (options_.checkpoints must be set) and hands it to the uploader; logs a
   // failure and carries on.
   void WriteCheckpoint(v1::ShardCheckpoint checkpoint);
