@@ -684,14 +684,16 @@ TEST_F(PrometheusTest, ShardPanelsAndRulesReturnDataForALayerShardedServer) {
   EXPECT_EQ(up["aloe-server"], 1);
   EXPECT_EQ(up["aloe-shard"], 2);
   EXPECT_EQ(up["aloe-trainer"], 1);
-  // The trainer's pushes went raw (its shards offer it and every layer is float32).
+  // The trainer's pushes went raw (its shards offer it and every layer is float32). The share
+  // may pass 1 by a little: a push counts its received bytes a moment before its raw bytes, and
+  // rate() extrapolates each counter over the window on its own.
   const std::vector<Struct> share = Instant("job:aloe_shard_raw_push_share:ratio1m");
   EXPECT_TRUE(HasFiniteSample(share));
   for (const Struct& s : share) {
     double x = 0;
     ASSERT_TRUE(absl::SimpleAtod(Field(s, "value")->list_value().values(1).string_value(), &x));
     EXPECT_GT(x, 0.9) << "raw share of shard ingest";
-    EXPECT_LE(x, 1.0) << "raw share of shard ingest";
+    EXPECT_LE(x, 1.05) << "raw share of shard ingest";
   }
   ExpectRulesHealthy();
   if (HasFailure()) ADD_FAILURE() << Logs();
