@@ -22,8 +22,8 @@ inline constexpr char kMallocTunables[] =
 // mallopt. No-op on non-glibc platforms.
 // arena_max > 0 also caps the malloc arenas (glibc.malloc.arena_max). A server whose gRPC
 // threads come and go gets a new arena per thread otherwise, each keeping freed push buffers of
-// its own: a shard of 17 MB of parameters peaked at 595 MiB with glibc's default of 8 arenas per
-// core, and stayed within (3 + S) x its parameters with one arena.
+// its own: a shard process of 17 MB of parameters peaked at 595 MiB with glibc's default of 8
+// arenas per core, and stayed within (3 + S) x its parameters with one arena.
 void KeepLargeBuffersInHeap(char** argv, int arena_max = 0);
 
 }  // namespace aloe

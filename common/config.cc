@@ -248,8 +248,10 @@ void FillServerDefaults(v1::ServerConfig* c) {
   }
   if (c->local_steps() == 0) c->set_local_steps(50);
   if (c->seed() == 0) c->set_seed(1);
-  if (c->num_shards() == 0) c->set_num_shards(2);
-  if (c->apply_threads() == 0) c->set_apply_threads(c->num_shards());
+  // num_shards is the deprecated name of apply_groups; a conflict between the two is left for
+  // ValidateServerConfig to refuse.
+  if (c->apply_groups() == 0) c->set_apply_groups(c->num_shards() != 0 ? c->num_shards() : 2);
+  if (c->apply_threads() == 0) c->set_apply_threads(c->apply_groups());
   if (c->lease_seconds() == 0) c->set_lease_seconds(10);
   if (c->eval_every() == 0) c->set_eval_every(1);
   if (c->max_staged_updates() == 0) c->set_max_staged_updates(8);
@@ -321,9 +323,17 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (c.corpus_dir().empty()) {
     return absl::InvalidArgumentError("corpus_dir must name the prepared corpus directory");
   }
-  if (c.num_shards() < 1 || c.num_shards() > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("num_shards must be in [1, 1024], got %d", c.num_shards()));
+  if (c.num_shards() != 0 && c.num_shards() != c.apply_groups()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "num_shards (%d) and apply_groups (%d) differ: num_shards is the deprecated name of "
+        "apply_groups, set only apply_groups",
+        c.num_shards(), c.apply_groups()));
+  }
+  if (c.apply_groups() < 1 || c.apply_groups() > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s must be in [1, 1024], got %d",
+        c.num_shards() != 0 ? "num_shards (deprecated name of apply_groups)" : "apply_groups",
+        c.apply_groups()));
   }
   if (c.apply_threads() < 1 || c.apply_threads() > 1024) {
     return absl::InvalidArgumentError(
@@ -344,7 +354,7 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   }
   if (c.shard_processes() > 0 && c.aggregation().mode() == v1::AGGREGATION_SYNC &&
       c.aggregation().min_workers() > c.max_staged_updates()) {
-    // Every update of a sync round stays staged on every shard until the round commits.
+    // Every update of a sync round stays staged on every shard process until the round commits.
     return absl::InvalidArgumentError(absl::StrFormat(
         "aggregation.min_workers (%d) exceeds max_staged_updates (%d): a sync round of a "
         "layer-sharded server commits only once all of its updates are staged at once, so it "

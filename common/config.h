@@ -20,10 +20,12 @@ absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
 // Reads, parses, fills defaults, validates. kNotFound when the file is missing.
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 
-// Fills every zero/empty field that has a documented default (docs/configuration.md).
+// Fills every zero/empty field that has a documented default (docs/configuration.md). The
+// deprecated alias num_shards is copied into an unset apply_groups: code reads apply_groups only.
 void FillServerDefaults(v1::ServerConfig* config);
 
-// Checks every field after defaults were filled. kInvalidArgument naming the first bad field.
+// Checks every field after defaults were filled. kInvalidArgument naming the first bad field
+// (naming both num_shards and apply_groups when the alias and the field are set and differ).
 // The single source of the valid ranges: components that re-check their part of a config built
 // in code call the functions below, which this one calls too.
 absl::Status ValidateServerConfig(const v1::ServerConfig& config);

@@ -1,19 +1,20 @@
 // The corpus manifest: the index of a prepared corpus directory, read by workers to find their
-// token shards and by the evaluator to find the held-out split.
+// data shards and by the evaluator to find the held-out split.
 //
-// A corpus directory holds token shards (common/token_shard.h) and `manifest.tsv`:
+// A corpus directory holds one token shard file per data shard (common/token_shard.h) and
+// `manifest.tsv`:
 //
 //   # name<TAB>file<TAB>tokens<TAB>split
 //   abraham_lincoln<TAB>shards/abraham_lincoln.tok<TAB>123456<TAB>train
 //   heldout<TAB>shards/heldout.tok<TAB>54321<TAB>heldout
 //
-// The first line is exactly that header. Each further non-empty line describes one shard:
+// The first line is exactly that header. Each further non-empty line describes one data shard:
 //   name   unique, non-empty identifier (for the SotU corpus: the speaker, "george_washington");
 //   file   path of the shard relative to the corpus directory (no leading '/', no "..");
 //   tokens the shard's token count, > 0 (the shard header is authoritative; see
 //          VerifyCorpusShards);
 //   split  "train" or "heldout".
-// A manifest has at least one train shard. Fields never contain tabs or newlines.
+// A manifest has at least one train data shard. Fields never contain tabs or newlines.
 #pragma once
 
 #include <cstdint>

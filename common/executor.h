@@ -1,4 +1,4 @@
-// Runs independent pieces of work, e.g. one parameter shard's update each. Algorithm code
+// Runs independent pieces of work, e.g. the outer step of one apply group each. Algorithm code
 // receives an Executor instead of creating threads (docs/architecture.md, "Dependency rule").
 #pragma once
 

@@ -203,9 +203,10 @@ absl::StatusOr<v1::ImportedModel> ReadImportedModel(const std::string& path) {
 
 absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config, int64_t params_of) {
   ServerModel out;
-  // Layer-sharded across processes: each layer's shard is the process that owns it.
+  // Layer-sharded across processes: each layer's shard is the shard process that owns it;
+  // otherwise its apply group.
   const uint32_t shards =
-      config.shard_processes() > 0 ? config.shard_processes() : config.num_shards();
+      config.shard_processes() > 0 ? config.shard_processes() : config.apply_groups();
   if (config.model_file().empty()) {
     out.spec = BuildTransformerSpec(config.model(), shards);
     if (params_of != kNoLayers)

@@ -64,8 +64,9 @@ absl::Status WriteImportedModel(const std::string& path, const v1::ImportedModel
 // or corrupt, or fails ValidateImportedModel.
 absl::StatusOr<v1::ImportedModel> ReadImportedModel(const std::string& path);
 
-// The model a server trains: the spec with layers assigned to shards, the initial parameters
-// (version 0) and, for an imported model, its fingerprint, vocab_size and seq_len.
+// The model a server trains: the spec with layers assigned to apply groups or shard processes
+// (proto/model.proto LayerSpec.shard), the initial parameters (version 0) and, for an imported
+// model, its fingerprint, vocab_size and seq_len.
 struct ServerModel {
   v1::ModelSpec spec;
   std::vector<std::vector<float>> initial;
@@ -77,7 +78,8 @@ struct ServerModel {
 // For config.model_file == "": BuildTransformerSpec(config.model(), shards) and
 // InitializeParameters(spec, seed). Otherwise reads the file (ReadImportedModel's errors,
 // prefixed with "model_file: ") and balances its layers over `shards` (AssignShards). shards =
-// shard_processes when the server is sharded across processes, else num_shards.
+// shard_processes when the server is sharded across processes (each layer's shard is the
+// process that owns it), else apply_groups (each layer's shard is its apply group).
 // params_of: whose initial parameters to build: kAllLayers (one process holds them all), a shard
 // process index (only the layers it owns; the other entries of `initial` stay empty), or
 // kNoLayers (a coordinator: the spec alone, `initial` empty).

@@ -1,6 +1,6 @@
 // The inner (AdamW) learning-rate schedule and the inner optimizer's configuration defaults.
 // Each data shard has its own step counter t (steps learned on that shard); the server hands a
-// worker the shard's t at task start (Task.lr_step) and the worker advances it per local step
+// worker the data shard's t at task start (Task.lr_step) and the worker advances it per local step
 // (docs/algorithms.md, "Data shards and the LR schedule"). Pure functions: no clock, no state.
 #pragma once
 

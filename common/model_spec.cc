@@ -138,7 +138,7 @@ v1::ModelSpec BuildTransformerSpec(const v1::TransformerConfig& c, uint32_t num_
 }
 
 void AssignShards(uint32_t num_shards, v1::ModelSpec* spec) {
-  // Greedy longest-processing-time balancing of bytes over shards.
+  // Greedy longest-processing-time balancing of bytes over the apply groups or shard processes.
   const uint32_t shards = std::max<uint32_t>(num_shards, 1);
   spec->set_num_shards(shards);
   std::vector<int> order(spec->layers_size());
@@ -178,13 +178,13 @@ double TrainingFlopsPerToken(const v1::ModelSpec& spec, const v1::TransformerCon
 }
 
 std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed,
-                                                     int64_t only_shard) {
+                                                     int64_t only_shard_process) {
   std::vector<std::vector<float>> params;
   params.reserve(spec.layers_size());
   for (int l = 0; l < spec.layers_size(); ++l) {
     const v1::LayerSpec& layer = spec.layers(l);
     std::vector<float> buffer;
-    if (only_shard != kAllLayers && layer.shard() != only_shard) {
+    if (only_shard_process != kAllLayers && layer.shard() != only_shard_process) {
       params.push_back(std::move(buffer));
       continue;
     }

@@ -42,14 +42,16 @@ absl::Status ValidateTransformerConfig(const v1::TransformerConfig& c);
 double TransformerParameters(const v1::TransformerConfig& c);
 
 // Describes the parameters of the model configured by `c` (layout in the file comment), with
-// num_elements filled and each layer assigned to one of `num_shards` parameter shards (0 is
-// treated as 1) by greedy byte balancing: layers in decreasing size (ties: lower id first) each
-// go to the currently least-loaded shard (ties: lower shard index). Deterministic.
+// num_elements filled and each layer's `shard` set to one of `num_shards` (0 is treated as 1)
+// by greedy byte balancing: layers in decreasing size (ties: lower id first) each go to the
+// currently least-loaded one (ties: lower index). Deterministic. What the values are depends on
+// the caller (proto/model.proto LayerSpec.shard): the apply groups of a single-process server,
+// or the shard processes of a layer-sharded one.
 // Precondition: ValidateTransformerConfig(c) is OK.
 v1::ModelSpec BuildTransformerSpec(const v1::TransformerConfig& c, uint32_t num_shards);
 
-// Sets spec->num_shards to max(num_shards, 1) and assigns every layer to a shard by the greedy
-// byte balancing described above. Deterministic.
+// Sets spec->num_shards to max(num_shards, 1) and every layer's `shard` (its apply group or
+// shard process) by the greedy byte balancing described above. Deterministic.
 void AssignShards(uint32_t num_shards, v1::ModelSpec* spec);
 
 // Sum of num_elements over the layers of `spec`.
@@ -67,11 +69,12 @@ double TrainingFlopsPerToken(const v1::ModelSpec& spec, const v1::TransformerCon
 // InitKind (INIT_NORMAL: N(0, init_std^2); INIT_UNSPECIFIED is treated as zeros). Deterministic
 // for a given (spec, seed) and standard library: layer l draws from its own std::mt19937_64
 // seeded with a mix of (seed, l), so a layer's values do not depend on the other layers.
-// only_shard >= 0: only the layers with shard == only_shard are drawn, the others are empty
-// (a shard process of a layer-sharded server); kAllLayers draws every layer.
+// only_shard_process >= 0: only the layers with shard == only_shard_process are drawn, the
+// others are empty (that shard process of a layer-sharded server); kAllLayers draws every
+// layer.
 inline constexpr int64_t kAllLayers = -1;
 std::vector<std::vector<float>> InitializeParameters(const v1::ModelSpec& spec, uint64_t seed,
-                                                     int64_t only_shard = kAllLayers);
+                                                     int64_t only_shard_process = kAllLayers);
 
 // The most slices a layer may be cut into (FSDP ranks of one node).
 inline constexpr uint32_t kMaxSlices = 1024;

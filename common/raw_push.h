@@ -1,18 +1,19 @@
 // Raw pushes: the float32 part of a push sent to a shard process (or a single-process server)
 // over a plain TCP connection instead of a gRPC stream. gRPC costs a push its HTTP/2 framing,
-// flow-control bookkeeping and a thread hand-off per message; on loopback that held one shard to
-// ~0.6 of what receiving, screening and applying the same bytes costs (`scripts/bench.sh ingest`
-// measures both). Here the shard receives the payload straight into its staging buffers and screens
-// each piece as it lands. Only the bulk bytes move: admission, staging reports and commits stay on
-// the coordinator's gRPC control plane, with the same all-or-nothing rules.
+// flow-control bookkeeping and a thread hand-off per message; on loopback that held one shard
+// process to ~0.6 of what receiving, screening and applying the same bytes costs
+// (`scripts/bench.sh ingest` measures both). Here the shard process receives the payload straight
+// into its staging buffers and screens each piece as it lands. Only the bulk bytes move: admission,
+// staging reports and commits stay on the coordinator's gRPC control plane, with the same
+// all-or-nothing rules.
 //
 // One connection carries any number of pushes, one after the other. Per push, little-endian:
 //
 //   request   u32 magic "ALRP" (kRawPushMagic), u32 version (1)
 //             u32 n, n bytes: the token (the x-aloe-token of gRPC calls; n <= 4096)
 //             u32 n, n bytes: a serialised PushHeader (n <= 64 KiB)
-//             u64 payload bytes, then the payload: float32 values of the shard's layers in layer
-//             order, each layer whole or, for a sliced push, its SliceRange (RawPushRanges)
+//             u64 payload bytes, then the payload: float32 values of the receiver's layers in
+//             layer order, each layer whole or, for a sliced push, its SliceRange (RawPushRanges)
 //   reply     u32 status code (absl/gRPC numbering), u32 n, n bytes of message,
 //             u32 n, n bytes: a serialised PushReply (n <= 64 KiB)
 //
@@ -53,11 +54,12 @@ struct RawPushRange {
   uint64_t count = 0;
 };
 
-// The payload layout of a push to shard process `shard` under `header`: every layer of the spec
-// owned by that shard (layers[l].shard() == shard), or every layer of the spec when shard is
-// nullopt (a single-process server), in layer order, whole or (header.slices() > 1) slice
-// header.slice() of it. The caller has checked the slice fields.
-std::vector<RawPushRange> RawPushRanges(const v1::ModelSpec& spec, std::optional<uint32_t> shard,
+// The payload layout of a push to shard process `shard_process` under `header`: every layer of
+// the spec owned by it (layers[l].shard() == shard_process), or every layer of the spec when
+// shard_process is nullopt (a single-process server), in layer order, whole or, when
+// header.slices() > 1, slice header.slice() of it. The caller has checked the slice fields.
+std::vector<RawPushRange> RawPushRanges(const v1::ModelSpec& spec,
+                                        std::optional<uint32_t> shard_process,
                                         const v1::PushHeader& header);
 // Bytes of the payload those ranges take.
 uint64_t RawPushPayloadBytes(const std::vector<RawPushRange>& ranges);

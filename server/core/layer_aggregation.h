@@ -22,8 +22,8 @@ enum class LayerStep {
   kSkip,   // leave the layer's parameters and optimizer state untouched (EDiT rollback)
 };
 
-// Thread-safety: ApplyOuterStep calls Aggregate from the thread of each layer's parameter shard,
-// so calls for different layers may run concurrently; calls for the same layer never overlap.
+// Thread-safety: ApplyOuterStep calls Aggregate from the thread of each layer's apply group, so
+// calls for different layers may run concurrently; calls for the same layer never overlap.
 // An implementation must keep whatever it mutates per layer.
 class LayerAggregation {
  public:

@@ -35,7 +35,7 @@
 //     round 1 (infinite slack): the first round is synchronous, as in sync DiLoCo and in the
 //     paper's setting where speeds are known a priori; every worker is measured when it ends.
 //     First tasks of H steps applied one by one with growing staleness cost the whole run in
-//     the simulations (the model falls behind while the per-shard LR schedule moves on). The
+//     the simulations (the model falls behind while the per-data-shard LR schedule moves on). The
 //     price is one wait for the slowest worker's first H steps. (A shorter calibration round,
 //     ceil(H / 10) steps, avoided that wait and planned the later rounds exactly as designed,
 //     but the small aloe-sim model left its bigram loss plateau later at equal and slight

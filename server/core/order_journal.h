@@ -4,10 +4,10 @@
 //
 // Format: length-delimited v1::ShardOrder messages (varint size, then the message), appended.
 // Besides the COMMIT and DISCARD orders of the coordinator's log, a RESTORE of version v is
-// written whenever the processes (re)assemble at v (at start and after a shard restart): every
-// COMMIT of a version above v written before it was undone. CommittedHistory() applies that rule,
-// so a journal replays to the exact state of the shards (tests/integration/sharded_server_test.cc
-// does, against a single-process replay).
+// written whenever the processes (re)assemble at v (at start and after a shard process restarts):
+// every COMMIT of a version above v written before it was undone. CommittedHistory() applies that
+// rule, so a journal replays to the exact state of the shard processes
+// (tests/integration/sharded_server_test.cc does, against a single-process replay).
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,9 @@
 // The server's outer optimizers (ALGORITHMS.md "Outer optimizers"): given a pseudo-gradient
 // g = theta_base - theta_end, they move the global parameters of one layer. One instance per
-// layer, holding that layer's state (e.g. Nesterov momentum), so shards can step their layers
-// independently. What one Apply call consumes is the caller's choice: the average of a sync
-// round (SGD, Nesterov, Adam) or one worker's update (Delayed Nesterov counts calls, Alg. 3).
+// layer, holding that layer's state (e.g. Nesterov momentum), so apply groups and shard
+// processes can step their layers independently. What one Apply call consumes is the caller's
+// choice: the average of a sync round (SGD, Nesterov, Adam) or one worker's update (Delayed
+// Nesterov counts calls, Alg. 3).
 //
 // The staleness discount (paper 002 'Poly') and threshold ('PolyThres') are not optimizer state:
 // StalenessScale below is a pure function of the config and an update's staleness, applied by
@@ -24,7 +25,7 @@
 namespace aloe::server {
 
 // One optimizer instance per layer (flat float buffer of num_elements); holds that layer's state.
-// Not thread-safe: the owning parameter shard serialises calls.
+// Not thread-safe: the owning apply group serialises calls.
 class OuterOptimizer {
  public:
   virtual ~OuterOptimizer() = default;

@@ -4,7 +4,7 @@
 //   - LocalParameters: the whole model in this process (ParameterStore), with the EDiT penalty;
 //   - ShardCommitLog: a layer-sharded coordinator's order log; the shard processes hold the
 //     parameters and apply each step's COMMIT order in log order, and an update counts as pushed
-//     once every shard staged its part.
+//     once every shard process staged its part.
 //
 // Not thread-safe: the core serialises calls.
 #pragma once
@@ -65,7 +65,7 @@ class ParameterBackend {
   // kFailedPrecondition). The core checks each header first.
   // Admits the update `header` names to be staged: true when admitted now or before, false while
   // max_staged_updates others are. Admitting a new update of a worker drops its older one that
-  // did not reach every shard.
+  // did not reach every shard process.
   virtual absl::StatusOr<bool> Admit(const v1::PushHeader& header) = 0;
   // Part `part` of the update `header` names is staged. Returns how many parts are now, which is
   // parts() once the update is complete (the update then stays admitted until its COMMIT or

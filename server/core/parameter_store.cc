@@ -13,9 +13,10 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
         absl::StrFormat("initial parameters have %d layers, the model spec %d", initial.size(),
                         spec.layers_size()));
   }
-  const uint32_t num_shards = std::max<uint32_t>(1, spec.num_shards());
+  // The spec's shard field names each layer's apply group here.
+  const uint32_t num_groups = std::max<uint32_t>(1, spec.num_shards());
   std::unique_ptr<ParameterStore> store(new ParameterStore(std::move(spec), executor));
-  store->shard_layers_.resize(num_shards);
+  store->group_layers_.resize(num_groups);
   for (int i = 0; i < store->spec_.layers_size(); ++i) {
     const v1::LayerSpec& layer = store->spec_.layers(i);
     if (layer.id() != static_cast<uint32_t>(i)) {
@@ -27,11 +28,11 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
           absl::StrFormat("initial parameters of layer %d (%s): %d elements, expected %d", i,
                           layer.name(), initial[i].size(), layer.num_elements()));
     }
-    if (layer.shard() >= num_shards) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("layer %d assigned to shard %d of %d", i, layer.shard(), num_shards));
+    if (layer.shard() >= num_groups) {
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d assigned to apply group %d of %d",
+                                                        i, layer.shard(), num_groups));
     }
-    store->shard_layers_[layer.shard()].push_back(i);
+    store->group_layers_[layer.shard()].push_back(i);
     ALOE_ASSIGN_OR_RETURN(auto opt, MakeOuterOptimizer(optimizer, layer.num_elements()));
     store->optimizers_.push_back(std::move(opt));
     store->layers_.push_back(std::make_shared<std::vector<float>>(std::move(initial[i])));
@@ -83,19 +84,19 @@ absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdat
   }
   for (const PendingUpdate* u : updates) ALOE_RETURN_IF_ERROR(CheckShapes(*u));
 
-  std::vector<absl::Status> shard_status(shard_layers_.size());
-  executor_.ParallelFor(static_cast<int>(shard_layers_.size()), [&](int shard) {
-    for (size_t layer : shard_layers_[shard]) {
+  std::vector<absl::Status> group_status(group_layers_.size());
+  executor_.ParallelFor(static_cast<int>(group_layers_.size()), [&](int group) {
+    for (size_t layer : group_layers_[group]) {
       absl::Status s = ApplyLayer(layer, updates, aggregation);
       if (!s.ok()) {
-        shard_status[shard] = s;
+        group_status[group] = s;
         return;
       }
     }
   });
   // Shapes were checked above, so an aggregation or optimizer error here is an invariant
   // violation.
-  for (const absl::Status& s : shard_status) ALOE_RETURN_IF_ERROR(s);
+  for (const absl::Status& s : group_status) ALOE_RETURN_IF_ERROR(s);
   ++version_;
   return absl::OkStatus();
 }

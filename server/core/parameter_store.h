@@ -1,5 +1,6 @@
-// The global model, held as one flat float32 buffer per layer, layers grouped into parameter
-// shards that are updated in parallel. Each layer has its own outer optimizer (and its state).
+// The global model, held as one flat float32 buffer per layer, layers grouped into apply groups
+// (LayerSpec.shard, ModelSpec.num_shards) whose outer steps run in parallel. Each layer has its
+// own outer optimizer (and its state).
 //
 // Readers (Pull) take a ModelSnapshot: shared pointers to immutable layer buffers of one version,
 // so a pull streams without locks while the next outer step writes fresh buffers (copy on write;
@@ -9,8 +10,8 @@
 // pseudo-gradient: fixed weights (the plain mean of sync DiLoCo) or the EDiT penalty, which may
 // also skip a layer (rollback).
 //
-// Not thread-safe: the owner serialises calls. ApplyOuterStep itself fans out over the shards
-// through the Executor.
+// Not thread-safe: the owner serialises calls. ApplyOuterStep itself fans out over the apply
+// groups through the Executor.
 #pragma once
 
 #include <atomic>
@@ -36,8 +37,9 @@ struct ModelSnapshot {
 
 class ParameterStore {
  public:
-  // initial: one buffer per spec layer with exactly its num_elements. kInvalidArgument for a
-  // size mismatch or an invalid optimizer config. `executor` must outlive the store.
+  // initial: one buffer per spec layer with exactly its num_elements; each layer's `shard` names
+  // its apply group, < max(spec.num_shards, 1). kInvalidArgument for a size mismatch, a layer
+  // outside the apply groups or an invalid optimizer config. `executor` must outlive the store.
   static absl::StatusOr<std::unique_ptr<ParameterStore>> Create(
       v1::ModelSpec spec, std::vector<std::vector<float>> initial,
       const v1::OuterOptimizerConfig& optimizer, Executor& executor);
@@ -50,7 +52,7 @@ class ParameterStore {
   // naming the layer otherwise.
   absl::Status CheckShapes(const PendingUpdate& update) const;
 
-  // One outer step: for every layer (in parallel over the shards) `aggregation` combines the
+  // One outer step: for every layer (in parallel over the apply groups) `aggregation` combines the
   // updates' pseudo-gradients of that layer into g, and the layer's optimizer applies g, unless
   // the aggregation answers LayerStep::kSkip, in which case the layer's parameters and optimizer
   // state stay as they are (EDiT rollback). Advances the version by one (also when every layer
@@ -98,7 +100,7 @@ class ParameterStore {
   std::vector<std::shared_ptr<std::vector<float>>> layers_;
   std::vector<std::unique_ptr<OuterOptimizer>> optimizers_;  // one per layer
   std::vector<std::vector<float>> scratch_;  // aggregated g per layer, reused; empty until used
-  std::vector<std::vector<size_t>> shard_layers_;  // layer ids of each shard
+  std::vector<std::vector<size_t>> group_layers_;  // layer ids of each apply group
   // Copy-on-write targets: the buffers of versions nobody reads any more, reused unzeroed (at
   // most one model's worth idle).
   std::shared_ptr<FloatBufferPool> buffers_;

@@ -30,7 +30,7 @@
 //     non-anomalous norms are then folded in in the order of S.
 //
 // Not thread-safe as a whole, but each method touches only the state of the module it is given:
-// calls for different modules may run concurrently (one parameter shard each), calls for the same
+// calls for different modules may run concurrently (one apply group each), calls for the same
 // module must be serialised. Pure: no threads, clock or I/O (STYLE.md rule 0).
 #pragma once
 
@@ -163,7 +163,7 @@ class PenaltyAggregation final : public LayerAggregation {
 
  private:
   PseudoGradientPenalty& penalty_;
-  std::vector<PenaltyModuleReport> reports_;  // one slot per layer, written by its shard only
+  std::vector<PenaltyModuleReport> reports_;  // one slot per layer, written by its apply group only
 };
 
 }  // namespace aloe::server

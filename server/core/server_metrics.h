@@ -63,8 +63,8 @@ inline constexpr char kLayerStepsCopied[] = "aloe_layer_steps_copied_total";
 // Per live trainer, labels {worker (id), name}; removed when the worker leaves or expires.
 inline constexpr char kTrainerStepsPerSecond[] = "aloe_trainer_steps_per_second";
 inline constexpr char kTrainerPlannedSteps[] = "aloe_trainer_planned_steps";
-// Per data shard of the corpus, label {shard}: learning progress (paper 002 Eq. 2) and the
-// per-shard LR schedule (Eq. 3).
+// Per data shard of the corpus, label {shard} (the data shard's name): learning progress
+// (paper 002 Eq. 2) and each data shard's LR schedule (Eq. 3).
 inline constexpr char kShardTokensLearned[] = "aloe_data_shard_tokens_learned";
 inline constexpr char kShardTokensInFlight[] = "aloe_data_shard_tokens_in_flight";
 inline constexpr char kShardSamplingProbability[] = "aloe_data_shard_sampling_probability";
@@ -90,7 +90,8 @@ std::vector<MetricDef> ServerMetricCatalogue();
 
 // Records what the EDiT penalty did in the outer step that produced `version` (one report per
 // layer stepped): norms, z-scores, weights and clip coefficients as histograms, anomalies and
-// rollbacks as counters, and one log line (`component` names the process: "server", "shard").
+// rollbacks as counters, and one log line (`component` names the process: "server", or "shard"
+// for a shard process).
 void ReportPenalty(const std::vector<PenaltyModuleReport>& reports, uint64_t version,
                    const char* component, MetricsSink& metrics);
 

@@ -21,8 +21,8 @@ struct PendingUpdate {
   uint32_t slice = 0;
   uint32_t slices = 1;
   // The staleness discount applied to this update. A single-process server scales `layers` by
-  // it on arrival; a sharded coordinator (whose updates carry no data) folds it into the
-  // update's commit weight instead.
+  // it on arrival; the coordinator of a layer-sharded server (whose updates carry no data) folds
+  // it into the update's commit weight instead.
   float weight_scale = 1.0f;
   // PushHeader.want_next_task: the reply that completes the update carries the worker's next
   // task (ServerCore::SubmitUpdate).

@@ -88,7 +88,7 @@ class UpdateAssembler {
   }
 
  private:
-  // kInvalidArgument for an unknown layer or, on a shard, another shard's layer.
+  // kInvalidArgument for an unknown layer or, on a shard process, another one's layer.
   absl::Status CheckLayer(uint32_t layer_id) const;
   // kInvalidArgument unless [offset, offset + count) continues layer_id where it stands and
   // ends within it (or within its slice).

@@ -84,15 +84,15 @@ void CheckValidConfig(const v1::ServerConfig& config) {
   const v1::TransformerConfig& m = config.model();
   const double expected = ExpectedParameters(m);
   if (m.num_layers() <= 64 && expected <= 1e15) {
-    const v1::ModelSpec spec = BuildTransformerSpec(m, config.num_shards());
+    const v1::ModelSpec spec = BuildTransformerSpec(m, config.apply_groups());
     FUZZ_CHECK(spec.layers_size() == static_cast<int>(m.num_layers()) + 2, "%d layers",
                spec.layers_size());
     FUZZ_CHECK(static_cast<double>(TotalElements(spec)) == expected,
                "spec has %llu parameters, the layout %g",
                static_cast<unsigned long long>(TotalElements(spec)), expected);
     for (const v1::LayerSpec& layer : spec.layers()) {
-      FUZZ_CHECK(layer.shard() < config.num_shards(), "layer %s on shard %u of %u",
-                 layer.name().c_str(), layer.shard(), config.num_shards());
+      FUZZ_CHECK(layer.shard() < config.apply_groups(), "layer %s in apply group %u of %u",
+                 layer.name().c_str(), layer.shard(), config.apply_groups());
     }
   }
 }

@@ -53,6 +53,66 @@ TEST(ConfigTest, JsonLoads) {
   EXPECT_EQ(config->outer_optimizer().type(), v1::OUTER_SGD);
 }
 
+TEST(ConfigTest, ApplyGroupsDefaultToTwoAndSetTheApplyThreads) {
+  auto config = LoadServerConfig(WriteFile("groups-default.textproto", "corpus_dir: 'c'"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->apply_groups(), 2u);
+  EXPECT_EQ(config->apply_threads(), 2u);
+  EXPECT_EQ(config->num_shards(), 0u);  // the deprecated alias is not filled in
+
+  config = LoadServerConfig(WriteFile("groups-new.textproto", "corpus_dir: 'c' apply_groups: 5"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->apply_groups(), 5u);
+  EXPECT_EQ(config->apply_threads(), 5u);
+
+  config = LoadServerConfig(
+      WriteFile("groups-threads.textproto", "corpus_dir: 'c' apply_groups: 5 apply_threads: 3"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->apply_groups(), 5u);
+  EXPECT_EQ(config->apply_threads(), 3u);
+
+  EXPECT_THAT(LoadServerConfig(WriteFile("groups-big.textproto",
+                                         "corpus_dir: 'c' "
+                                         "apply_groups: 1025")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("apply_groups must be in [1, 1024], got 1025")));
+}
+
+// num_shards is the deprecated name of apply_groups: still read, copied into apply_groups.
+TEST(ConfigTest, NumShardsIsAnAliasOfApplyGroups) {
+  auto config = LoadServerConfig(WriteFile("alias.textproto", "corpus_dir: 'c' num_shards: 3"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->apply_groups(), 3u);
+  EXPECT_EQ(config->apply_threads(), 3u);
+
+  config = LoadServerConfig(WriteFile("alias.json", R"({"corpusDir": "c", "numShards": 4})"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->apply_groups(), 4u);
+
+  // Both names with the same value say the same thing.
+  config = LoadServerConfig(
+      WriteFile("alias-same.textproto", "corpus_dir: 'c' num_shards: 3 apply_groups: 3"));
+  ASSERT_THAT(config, IsOk());
+  EXPECT_EQ(config->apply_groups(), 3u);
+
+  EXPECT_THAT(
+      LoadServerConfig(WriteFile("alias-big.textproto", "corpus_dir: 'c' num_shards: 2000")),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("num_shards (deprecated name of apply_groups) must be in "
+                         "[1, 1024], got 2000")));
+}
+
+TEST(ConfigTest, NumShardsAndApplyGroupsThatDifferAreRefused) {
+  for (const char* text : {"corpus_dir: 'c' num_shards: 3 apply_groups: 4",
+                           "corpus_dir: 'c' num_shards: 2 apply_groups: 1"}) {
+    SCOPED_TRACE(text);
+    EXPECT_THAT(LoadServerConfig(WriteFile("alias-conflict.textproto", text)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         ::testing::AllOf(HasSubstr("num_shards"), HasSubstr("apply_groups"),
+                                          HasSubstr("differ"))));
+  }
+}
+
 // A sync round of a layer-sharded server needs all of its updates staged at once; async rounds
 // (whose windows close on time) and single-process servers have no such limit.
 TEST(ConfigTest, ShardedSyncRoundsMustFitTheStagingSlots) {

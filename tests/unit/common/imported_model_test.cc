@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -172,7 +173,7 @@ TEST(ImportedModelTest, ServerModelFromAFileKeepsItsValuesAndBalancesShards) {
   ASSERT_THAT(WriteImportedModel(path, m), IsOk());
   v1::ServerConfig config;
   config.set_model_file(path);
-  config.set_num_shards(2);
+  config.set_apply_groups(2);
   absl::StatusOr<ServerModel> model = LoadServerModel(config);
   ASSERT_THAT(model, IsOk());
   EXPECT_EQ(model->fingerprint, "byo1-2a030c36f12f7471");
@@ -200,6 +201,30 @@ TEST(ImportedModelTest, ServerModelFromAFileKeepsItsValuesAndBalancesShards) {
   config.set_model_file(path + ".missing");
   EXPECT_THAT(LoadServerModel(config),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("model_file: ")));
+}
+
+// LayerSpec.shard names the shard process owning the layer when there are shard processes,
+// the layer's apply group otherwise; the deprecated num_shards reaches the spec through
+// apply_groups only.
+TEST(ImportedModelTest, LayersGoToShardProcessesElseToApplyGroups) {
+  v1::ServerConfig config;
+  config.set_corpus_dir("data/sotu");
+  config.set_num_shards(3);  // the deprecated name of apply_groups
+  FillServerDefaults(&config);
+  ASSERT_THAT(ValidateServerConfig(config), IsOk());
+  absl::StatusOr<ServerModel> single = LoadServerModel(config, kNoLayers);
+  ASSERT_THAT(single, IsOk());
+  EXPECT_EQ(single->spec.num_shards(), 3u);
+
+  config.set_shard_processes(5);
+  absl::StatusOr<ServerModel> sharded = LoadServerModel(config, kNoLayers);
+  ASSERT_THAT(sharded, IsOk());
+  EXPECT_EQ(sharded->spec.num_shards(), 5u);
+  uint32_t highest = 0;
+  for (const v1::LayerSpec& layer : sharded->spec.layers()) {
+    highest = std::max(highest, layer.shard());
+  }
+  EXPECT_EQ(highest, 4u);  // the default model has 6 layers: every process owns one
 }
 
 TEST(ImportedModelTest, ConfigTakesModelOrModelFileNotBoth) {

@@ -147,13 +147,13 @@ TEST(ModelSpecTest, InitializationIsDeterministicAndFollowsInitKinds) {
   EXPECT_EQ(a, b);
   EXPECT_NE(a, other);
   ASSERT_EQ(a.size(), 4u);
-  // One shard's layers alone: the same values, the other layers empty.
+  // One shard process's layers alone: the same values, the other layers empty.
   for (int64_t shard : {0, 1}) {
     const auto mine = InitializeParameters(spec, 42, shard);
     ASSERT_EQ(mine.size(), a.size());
     for (int l = 0; l < spec.layers_size(); ++l) {
       EXPECT_EQ(mine[l], spec.layers(l).shard() == shard ? a[l] : std::vector<float>())
-          << "shard " << shard << " layer " << l;
+          << "shard process " << shard << " layer " << l;
     }
   }
   for (int l = 0; l < spec.layers_size(); ++l) {

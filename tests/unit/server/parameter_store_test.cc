@@ -14,7 +14,7 @@ using ::testing::HasSubstr;
 
 v1::ModelSpec TwoLayerSpec() {
   v1::ModelSpec spec;
-  spec.set_num_shards(2);
+  spec.set_num_shards(2);  // two apply groups, one layer each
   for (uint32_t i = 0; i < 2; ++i) {
     v1::LayerSpec* layer = spec.add_layers();
     layer->set_id(i);
@@ -77,7 +77,8 @@ TEST(ParameterStoreTest, WrongShapesChangeNothing) {
 }
 
 // A lone update of weight 1 is applied from its own buffer: no layer gets an aggregation buffer
-// until a step aggregates (memory bound of a plain-async shard: one model copy fewer).
+// until a step aggregates (memory bound of a plain-async server or shard process: one model copy
+// fewer).
 TEST(ParameterStoreTest, AggregationBuffersAppearOnlyWithTheFirstAggregatedStep) {
   InlineExecutor executor;
   auto store = MakeStore(executor);
