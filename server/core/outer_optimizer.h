@@ -1,4 +1,4 @@
-// The server's outer optimizers (ALGORITHMS.md "Outer optimizers"): given a pseudo-gradient
+// The server's outer optimizers (docs/algorithms.md, "Outer optimizers"): given a pseudo-gradient
 // g = theta_base - theta_end, they move the global parameters of one layer. One instance per
 // layer, holding that layer's state (e.g. Nesterov momentum), so apply groups and shard
 // processes can step their layers independently. What one Apply call consumes is the caller's

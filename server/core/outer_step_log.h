@@ -2,8 +2,8 @@
 // `min_interval`, as in a DiLoCo job with rounds of seconds or minutes; faster (many workers,
 // short rounds) the steps in between are folded into the next line, so a job applying a hundred
 // steps a second still writes about one line a second instead of flooding its log. The first
-// step always has a line. Pure logic (STYLE.md rule 0): the caller passes the time and logs the
-// lines.
+// step always has a line. Pure logic (docs/architecture.md, "Dependency rule"): the caller passes
+// the time and logs the lines.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// EDiT pseudo-gradient penalty (paper 000 Sec. 3.2 and Alg. 2; ALGORITHMS.md "EDiT
+// EDiT pseudo-gradient penalty (paper 000 Sec. 3.2 and Alg. 2; docs/algorithms.md, "EDiT
 // pseudo-gradient penalty"): before the outer optimizer steps a module (one layer of the
 // ModelSpec), the pseudo-gradients of the updates aggregated together are screened and weighted
 // by their norms, so that a worker that trained on bad data (a loss spike) cannot drag the global
@@ -31,7 +31,8 @@
 //
 // Not thread-safe as a whole, but each method touches only the state of the module it is given:
 // calls for different modules may run concurrently (one apply group each), calls for the same
-// module must be serialised. Pure: no threads, clock or I/O (STYLE.md rule 0).
+// module must be serialised. Pure: no threads, clock or I/O (docs/architecture.md, "Dependency
+// rule").
 #pragma once
 
 #include <cstddef>

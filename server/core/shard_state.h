@@ -9,9 +9,9 @@
 // the same order, so an update reaches an outer step on every shard or on none: a COMMIT naming
 // an update this shard does not hold completely is refused and changes nothing.
 //
-// Pure logic (STYLE.md rule 0): no gRPC, no threads of its own, no clock. Not thread-safe: the
-// shard service serialises calls. Outer steps fan out over `apply_groups` groups of owned layers
-// through the Executor.
+// Pure logic (docs/architecture.md, "Dependency rule"): no gRPC, no threads of its own, no clock.
+// Not thread-safe: the shard service serialises calls. Outer steps fan out over `apply_groups`
+// groups of owned layers through the Executor.
 #pragma once
 
 #include <cstdint>

@@ -265,8 +265,8 @@ std::vector<std::vector<float>> WorkerPseudoGradients(
   return g;
 }
 
-// Paper 002 footnote 5 / ALGORITHMS.md: with N = k and c = 0, the k updates of one buffer period,
-// all computed from the same base, leave theta and m exactly where synchronous DiLoCo (one
+// Paper 002 footnote 5 (docs/algorithms.md): with N = k and c = 0, the k updates of one buffer
+// period, all computed from the same base, leave theta and m exactly where synchronous DiLoCo (one
 // Nesterov step on the average g_bar) would:
 //   updates 1..k-1:  theta -= lr * g_i / k                       (m unchanged)
 //   update k:        m' = beta*m + (sum_i g_i)/k = beta*m + g_bar

@@ -1,4 +1,4 @@
-// Golden tests of the EDiT pseudo-gradient penalty (paper 000 Sec. 3.2, Alg. 2; ALGORITHMS.md
+// Golden tests of the EDiT pseudo-gradient penalty (paper 000 Sec. 3.2, Alg. 2; docs/algorithms.md,
 // "EDiT pseudo-gradient penalty"). Expected numbers are worked out by hand in the comments or
 // recomputed here with plain double loops, never taken from the implementation.
 #include "server/core/pseudo_gradient_penalty.h"

@@ -656,8 +656,8 @@ TEST(ShardStateCheckpointTest, RefusalsLeaveTheStateUnchanged) {
   EXPECT_THAT(Layer(*shard, 0), Pointwise(FloatNear(1e-5f), {0.05f, 1.05f, 2.05f}));
 }
 
-// --- The EDiT penalty on a shard (paper 000 Alg. 2, ALGORITHMS.md): per owned layer, each update
-// scaled by its discount, weights softmax(-||g_i||), clip, SGD. Golden numbers by hand:
+// --- The EDiT penalty on a shard (paper 000 Alg. 2, docs/algorithms.md): per owned layer, each
+// update scaled by its discount, weights softmax(-||g_i||), clip, SGD. Golden numbers by hand:
 //   embed:   w7 = 0.5 * (3, 0, 4) -> norm 2.5, w8 = (0, 1, 0) -> norm 1;
 //            weights 1 / (1 + e^1.5) = 0.1824255, 0.8175745; g = (0.2736383, 0.8175745,
 //            0.3648511), norm 0.936 < clip 10; embed = (1, 2, 3) - 0.5 g.

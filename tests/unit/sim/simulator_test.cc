@@ -63,7 +63,7 @@ SimulatorOptions Options(std::vector<double> speeds = {std::begin(kSpeeds), std:
 
 // Runs the simulator with one SyntheticTrainer per worker plus an evaluation trainer.
 absl::StatusOr<SimResult> RunSynthetic(const v1::ServerConfig& config, SimulatorOptions options) {
-  const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
+  const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.apply_groups());
   SyntheticObjectiveOptions o;
   o.seed = config.seed();
   auto objective = SyntheticObjective::Create(spec, Shards(), o);
@@ -355,7 +355,7 @@ TEST(SimulatorTest, CreateRejectsBadInputs) {
 
 TEST(SimulatorTest, RunTwiceIsAnError) {
   const v1::ServerConfig config = SyncConfig();
-  const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.num_shards());
+  const v1::ModelSpec spec = BuildTransformerSpec(config.model(), config.apply_groups());
   auto objective = SyntheticObjective::Create(spec, Shards(), {});
   ASSERT_THAT(objective, IsOk());
   std::vector<std::unique_ptr<TrainerInterface>> trainers;
