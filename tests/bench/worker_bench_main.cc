@@ -8,14 +8,16 @@
 //   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count> device=<d>
 //       flops_per_token=<F> [mfu=<m>]
 // where tokens are predicted tokens (batch_size * seq_len per step) over the --steps timed steps
-// that follow --warmup untimed ones. With --trainer it then runs the same number of steps
-// through LocalTrainer::Train and prints a second line
+// that follow --warmup untimed ones. With --trainer the same number of steps also runs through
+// LocalTrainer::Train, from the same initial parameters, the two taking turns in --blocks blocks;
+// a second line follows
 //   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare> [mfu=<m>]
 // Both run on --device (worker/trainer.h SetTrainerDevice), with --autocast bf16 both run their
 // forward passes under bf16 autocast. flops_per_token is the model's training FLOPs per token,
 // 6 N + 12 L d T (N: parameters of the matrix products, i.e. all but the token and position
 // embeddings; L layers of width d over T tokens: the attention scores and their weighted sums);
 // mfu = tokens/s x flops_per_token / (--peak_tflops x 1e12), printed when --peak_tflops > 0.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -55,6 +57,9 @@ ABSL_FLAG(bool, tune_malloc, true,
           "Call ConfigureAllocatorForTraining() (worker/trainer.h) first, as aloe-worker does");
 ABSL_FLAG(bool, trainer, false,
           "Also time the same steps through LocalTrainer::Train and print the ratio");
+ABSL_FLAG(int32_t, blocks, 4,
+          "With --trainer: the timed steps run in this many blocks, bare loop and trainer "
+          "taking turns");
 ABSL_FLAG(std::string, device, "cpu", "cpu | cuda | cuda:I | auto (as aloe-worker --device)");
 ABSL_FLAG(std::string, autocast, "off", "off | bf16 (as aloe-worker --autocast)");
 ABSL_FLAG(double, peak_tflops, 0,
@@ -145,25 +150,61 @@ absl::Status Run() {
                                     .weight_decay(inner.weight_decay()));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start(0, data->num_tokens() - window);
-  double seconds = 0;
-  for (int i = 0; i < warmup + steps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    torch::Tensor batch = torch::empty({batch_size, window}, torch::kInt64);
-    for (int64_t b = 0; b < batch_size; ++b) {
-      data->Read(start(rng), window, batch.data_ptr<int64_t>() + b * window);
+  // Runs `n` bare steps; returns the seconds of those at index >= warmup (counted over all calls).
+  int bare_steps_done = 0;
+  auto bare_steps = [&](int n) {
+    double seconds = 0;
+    for (int k = 0; k < n; ++k, ++bare_steps_done) {
+      const auto t0 = std::chrono::steady_clock::now();
+      torch::Tensor batch = torch::empty({batch_size, window}, torch::kInt64);
+      for (int64_t b = 0; b < batch_size; ++b) {
+        data->Read(start(rng), window, batch.data_ptr<int64_t>() + b * window);
+      }
+      batch = batch.to(device);
+      optimizer.zero_grad();
+      torch::Tensor loss;
+      {
+        TrainingAutocast bf16;  // --autocast bf16: the forward pass, as the trainer does
+        loss = model->Loss(batch);
+      }
+      loss.backward();
+      torch::nn::utils::clip_grad_norm_(model->parameters(), inner.grad_clip());
+      optimizer.step();
+      loss.item<double>();
+      if (bare_steps_done >= warmup) seconds += Since(t0);
     }
-    batch = batch.to(device);
-    optimizer.zero_grad();
-    torch::Tensor loss;
-    {
-      TrainingAutocast bf16;  // --autocast bf16: the forward pass, as the trainer does
-      loss = model->Loss(batch);
+    return seconds;
+  };
+  // With --trainer the two loops take turns, one block each, starting from the same
+  // parameters: both see the same machine state, and neither trains a model the other has
+  // already moved into another numeric regime.
+  const bool with_trainer = absl::GetFlag(FLAGS_trainer);
+  const int blocks = with_trainer ? std::max(1, std::min(absl::GetFlag(FLAGS_blocks), steps)) : 1;
+  std::unique_ptr<LocalTrainer> trainer;
+  if (with_trainer) {
+    SetTrainerThreads(threads);
+    ALOE_ASSIGN_OR_RETURN(trainer, LocalTrainer::Create(config, inner, spec, seed));
+    if (warmup > 0) {
+      ALOE_RETURN_IF_ERROR(trainer->Train(*data, warmup, inner.warmup_steps(), seed).status());
     }
-    loss.backward();
-    torch::nn::utils::clip_grad_norm_(model->parameters(), inner.grad_clip());
-    optimizer.step();
-    loss.item<double>();
-    if (i >= warmup) seconds += Since(t0);
+  }
+  double seconds = bare_steps(warmup);
+  double trainer_seconds = 0;
+  int trainer_steps = 0;
+  for (int b = 0; b < blocks; ++b) {
+    const int n = steps / blocks + (b < steps % blocks ? 1 : 0);
+    auto run_trainer = [&]() -> absl::Status {
+      if (!with_trainer) return absl::OkStatus();
+      ALOE_ASSIGN_OR_RETURN(
+          TrainStats stats,
+          trainer->Train(*data, n, inner.warmup_steps() + trainer_steps, seed + 1 + b));
+      trainer_seconds += stats.compute_seconds;
+      trainer_steps += static_cast<int>(stats.steps);
+      return absl::OkStatus();
+    };
+    if (b % 2 == 1) ALOE_RETURN_IF_ERROR(run_trainer());  // alternate who goes first
+    seconds += bare_steps(n);
+    if (b % 2 == 0) ALOE_RETURN_IF_ERROR(run_trainer());
   }
   const double tokens = static_cast<double>(steps) * batch_size * config.seq_len();
   const double bare_tps = tokens / seconds;
@@ -174,18 +215,11 @@ absl::Status Run() {
       device_name.c_str(), flops_per_token, mfu(bare_tps).c_str());
   std::fflush(stdout);
 
-  if (absl::GetFlag(FLAGS_trainer)) {
-    SetTrainerThreads(threads);
-    ALOE_ASSIGN_OR_RETURN(std::unique_ptr<LocalTrainer> trainer,
-                          LocalTrainer::Create(config, inner, spec, seed));
-    if (warmup > 0) {
-      ALOE_RETURN_IF_ERROR(trainer->Train(*data, warmup, inner.warmup_steps(), seed).status());
-    }
-    ALOE_ASSIGN_OR_RETURN(TrainStats stats,
-                          trainer->Train(*data, steps, inner.warmup_steps(), seed + 1));
-    const double tps = stats.tokens / stats.compute_seconds;
+  if (with_trainer) {
+    const double tps =
+        static_cast<double>(trainer_steps) * batch_size * config.seq_len() / trainer_seconds;
     std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f%s\n", tps,
-                stats.steps, stats.compute_seconds, tps / bare_tps, mfu(tps).c_str());
+                trainer_steps, trainer_seconds, tps / bare_tps, mfu(tps).c_str());
   }
   return absl::OkStatus();
 }
