@@ -88,14 +88,14 @@ absl::Status CoreRunner::Listen(const std::vector<grpc::Service*>& services) {
                 config.security().tls_client_ca_file().empty() ? "no client certificates"
                                                                : "client certificates required",
                 auth_->enabled() ? "token auth" : "no token auth");
-  ALOE_LOG_INFO("server",
-                "listening on %s (grpc port %d, metrics port %d); model %d layers, %d parameters "
-                "in %d shards; %d training shards; outer %s lr %g momentum %g; H=%d",
-                config.listen_address(), grpc_port_, metrics_port_, spec.layers_size(), params,
-                spec.num_shards(), train_.size(),
-                v1::OuterOptimizerType_Name(config.outer_optimizer().type()),
-                config.outer_optimizer().lr(), config.outer_optimizer().momentum(),
-                config.local_steps());
+  ALOE_LOG_INFO(
+      "server",
+      "listening on %s (grpc port %d, metrics port %d); model %d layers, %d parameters "
+      "in %d %s; %d training data shards; outer %s lr %g momentum %g; H=%d",
+      config.listen_address(), grpc_port_, metrics_port_, spec.layers_size(), params,
+      spec.num_shards(), config.shard_processes() > 0 ? "shard processes" : "apply groups",
+      train_.size(), v1::OuterOptimizerType_Name(config.outer_optimizer().type()),
+      config.outer_optimizer().lr(), config.outer_optimizer().momentum(), config.local_steps());
   StartTicking();
   return absl::OkStatus();
 }
