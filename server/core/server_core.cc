@@ -709,11 +709,12 @@ void ServerCore::PublishShards() {
   const std::vector<double> p = sampler_.Probabilities();
   for (size_t i = 0; i < sampler_.size(); ++i) {
     const LabelValues shard = {sampler_.shard(i).name};
-    metrics_.Set(kShardTokensLearned, static_cast<double>(sampler_.tokens_learned(i)), shard);
-    metrics_.Set(kShardTokensInFlight, static_cast<double>(sampler_.tokens_in_flight(i)), shard);
-    metrics_.Set(kShardSamplingProbability, p[i], shard);
-    metrics_.Set(kShardLrStep, static_cast<double>(sampler_.lr_step(i)), shard);
-    metrics_.Set(kShardLearningRate,
+    metrics_.Set(kDataShardTokensLearned, static_cast<double>(sampler_.tokens_learned(i)), shard);
+    metrics_.Set(kDataShardTokensInFlight, static_cast<double>(sampler_.tokens_in_flight(i)),
+                 shard);
+    metrics_.Set(kDataShardSamplingProbability, p[i], shard);
+    metrics_.Set(kDataShardLrStep, static_cast<double>(sampler_.lr_step(i)), shard);
+    metrics_.Set(kDataShardLearningRate,
                  InnerLearningRate(config_.inner_optimizer(), sampler_.lr_step(i)), shard);
   }
 }

@@ -38,7 +38,7 @@ inline constexpr char kStagedUpdates[] = "aloe_staged_updates";
 inline constexpr char kStagedBytes[] = "aloe_staged_bytes";
 inline constexpr char kRawPushBytes[] = "aloe_raw_push_bytes_total";
 // Coordinator with checkpoint.replicate_shards: per shard process (label "process").
-inline constexpr char kShardCopyVersion[] = "aloe_shard_checkpoint_copy_version";
+inline constexpr char kShardProcessCopyVersion[] = "aloe_shard_checkpoint_copy_version";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
 // no per-worker labels.
 inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";
@@ -65,11 +65,11 @@ inline constexpr char kTrainerStepsPerSecond[] = "aloe_trainer_steps_per_second"
 inline constexpr char kTrainerPlannedSteps[] = "aloe_trainer_planned_steps";
 // Per data shard of the corpus, label {shard} (the data shard's name): learning progress
 // (paper 002 Eq. 2) and each data shard's LR schedule (Eq. 3).
-inline constexpr char kShardTokensLearned[] = "aloe_data_shard_tokens_learned";
-inline constexpr char kShardTokensInFlight[] = "aloe_data_shard_tokens_in_flight";
-inline constexpr char kShardSamplingProbability[] = "aloe_data_shard_sampling_probability";
-inline constexpr char kShardLrStep[] = "aloe_data_shard_lr_step";
-inline constexpr char kShardLearningRate[] = "aloe_data_shard_learning_rate";
+inline constexpr char kDataShardTokensLearned[] = "aloe_data_shard_tokens_learned";
+inline constexpr char kDataShardTokensInFlight[] = "aloe_data_shard_tokens_in_flight";
+inline constexpr char kDataShardSamplingProbability[] = "aloe_data_shard_sampling_probability";
+inline constexpr char kDataShardLrStep[] = "aloe_data_shard_lr_step";
+inline constexpr char kDataShardLearningRate[] = "aloe_data_shard_learning_rate";
 
 // Label values of aloe_updates_rejected_total{reason}.
 inline constexpr const char* kRejectReasons[] = {

@@ -349,7 +349,7 @@ grpc::Status ShardControlService::StoreCheckpoint(grpc::ServerContext* context,
   reply->set_path(*path);
   if (options_.metrics != nullptr) {
     const std::vector<uint64_t> kept = store.Versions();  // newest first
-    options_.metrics->Set(kShardCopyVersion, static_cast<double>(kept.front()),
+    options_.metrics->Set(kShardProcessCopyVersion, static_cast<double>(kept.front()),
                           {std::to_string(shard)});
   }
   return grpc::Status::OK;
