@@ -20,33 +20,11 @@
 #include "common/config.h"
 #include "common/executor.h"
 #include "common/status_macros.h"
+#include "common/step_times.h"
 #include "server/core/server_core.h"
 
 namespace aloe::sim {
 namespace {
-
-constexpr int kMaxWorkers = 4096;
-
-// A finite number > 0, or kInvalidArgument whose message starts with `what`.
-absl::StatusOr<double> PositiveNumber(absl::string_view text, absl::string_view what) {
-  double value = 0;
-  if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text), &value) || !std::isfinite(value) ||
-      !(value > 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": expected a finite number > 0, got '", text, "'"));
-  }
-  return value;
-}
-
-absl::StatusOr<int> WorkerIndex(absl::string_view text, absl::string_view what) {
-  int value = 0;
-  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &value) || value < 0 ||
-      value >= kMaxWorkers) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": expected a worker index in [0, ",
-                                                   kMaxWorkers, "), got '", text, "'"));
-  }
-  return value;
-}
 
 const char* KindName(MembershipEvent::Kind kind) {
   switch (kind) {
@@ -95,82 +73,6 @@ std::string CsvField(const std::string& s) {
 // ---------------------------------------------------------------------------------------------
 // Profiles and events.
 
-absl::StatusOr<StepTimeProfile> StepTimeProfile::Create(std::vector<double> seconds_per_step) {
-  if (seconds_per_step.empty()) {
-    return absl::InvalidArgumentError("a step-time profile needs at least one step time");
-  }
-  for (size_t i = 0; i < seconds_per_step.size(); ++i) {
-    if (!std::isfinite(seconds_per_step[i]) || !(seconds_per_step[i] > 0)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "step time %d of the profile must be finite and > 0, got %g", i, seconds_per_step[i]));
-    }
-  }
-  return StepTimeProfile(std::move(seconds_per_step));
-}
-
-absl::StatusOr<std::vector<StepTimeProfile>> ParseSpeeds(const std::string& text) {
-  std::vector<StepTimeProfile> profiles;
-  int index = 0;
-  for (absl::string_view item : absl::StrSplit(text, ',')) {
-    ALOE_ASSIGN_OR_RETURN(
-        const double speed,
-        PositiveNumber(item, absl::StrFormat("speeds item %d (steps per second)", index)));
-    ALOE_ASSIGN_OR_RETURN(StepTimeProfile profile, StepTimeProfile::Create({1.0 / speed}));
-    profiles.push_back(std::move(profile));
-    ++index;
-  }
-  if (profiles.size() > static_cast<size_t>(kMaxWorkers)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("at most %d workers, got %d speeds", kMaxWorkers, profiles.size()));
-  }
-  return profiles;
-}
-
-absl::StatusOr<std::vector<StepTimeProfile>> ParseTrace(const std::string& text,
-                                                        const std::string& source) {
-  std::map<int, std::vector<double>> cycles;
-  int line_number = 0;
-  for (absl::string_view raw : absl::StrSplit(text, '\n')) {
-    ++line_number;
-    const absl::string_view line = absl::StripAsciiWhitespace(raw);
-    if (line.empty() || line[0] == '#') continue;
-    const std::string where = absl::StrFormat("%s line %d", source, line_number);
-    std::vector<absl::string_view> fields = absl::StrSplit(line, ',');
-    if (fields.size() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": expected 'worker_index,seconds_per_step', got '", line, "'"));
-    }
-    ALOE_ASSIGN_OR_RETURN(const int worker, WorkerIndex(fields[0], where));
-    ALOE_ASSIGN_OR_RETURN(const double seconds,
-                          PositiveNumber(fields[1], absl::StrCat(where, " (seconds_per_step)")));
-    cycles[worker].push_back(seconds);
-  }
-  if (cycles.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": the trace has no step times"));
-  }
-  std::vector<StepTimeProfile> profiles;
-  const int workers = cycles.rbegin()->first + 1;
-  for (int w = 0; w < workers; ++w) {
-    auto it = cycles.find(w);
-    if (it == cycles.end()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: worker %d has no step times (workers must be numbered 0..%d without gaps)", source,
-          w, workers - 1));
-    }
-    ALOE_ASSIGN_OR_RETURN(StepTimeProfile profile, StepTimeProfile::Create(it->second));
-    profiles.push_back(std::move(profile));
-  }
-  return profiles;
-}
-
-absl::StatusOr<std::vector<StepTimeProfile>> LoadTrace(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open trace file ", path));
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return ParseTrace(buffer.str(), path);
-}
-
 absl::StatusOr<std::vector<MembershipEvent>> ParseEvents(const std::string& text) {
   std::vector<MembershipEvent> events;
   if (absl::StripAsciiWhitespace(text).empty()) return events;
@@ -201,7 +103,7 @@ absl::StatusOr<std::vector<MembershipEvent>> ParseEvents(const std::string& text
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": the time must be finite seconds >= 0, got '", time, "'"));
     }
-    ALOE_ASSIGN_OR_RETURN(event.worker, WorkerIndex(item.substr(colon + 1), what));
+    ALOE_ASSIGN_OR_RETURN(event.worker, ParseWorkerIndex(item.substr(colon + 1), what));
     events.push_back(event);
   }
   return events;

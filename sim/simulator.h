@@ -51,6 +51,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
+#include "common/step_times.h"
 #include "common/token_source.h"
 #include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
@@ -58,34 +59,10 @@
 
 namespace aloe::sim {
 
-// Per-step compute time of one simulated worker: a cycle of seconds-per-step values replayed
-// forever across its tasks (a constant speed is a cycle of one). Immutable.
-class StepTimeProfile {
- public:
-  // kInvalidArgument unless `seconds_per_step` is non-empty and every value is finite and > 0.
-  static absl::StatusOr<StepTimeProfile> Create(std::vector<double> seconds_per_step);
-
-  const std::vector<double>& cycle() const { return cycle_; }
-
- private:
-  explicit StepTimeProfile(std::vector<double> cycle) : cycle_(std::move(cycle)) {}
-  std::vector<double> cycle_;
-};
-
-// Parses --speeds: comma-separated steps per second, one per worker ("1,0.77,0.38,0.17"), into
-// constant profiles (seconds per step = 1 / speed). kInvalidArgument naming the bad item when an
-// item is not a finite number > 0 or the list is empty.
-absl::StatusOr<std::vector<StepTimeProfile>> ParseSpeeds(const std::string& text);
-
-// Parses a step-time trace: one "worker_index,seconds_per_step" per line; each worker's lines,
-// in file order, form its cycle. Blank lines and lines starting with '#' are skipped; spaces
-// around fields are ignored. Workers must be numbered 0..k-1 without gaps (k <= 4096).
-// kInvalidArgument whose message starts with "<source> line <n>:" for a malformed line, a bad
-// index or a seconds value that is not finite and > 0, or names the missing worker.
-absl::StatusOr<std::vector<StepTimeProfile>> ParseTrace(const std::string& text,
-                                                        const std::string& source);
-// Reads `path` and parses it with ParseTrace. kNotFound when it cannot be opened.
-absl::StatusOr<std::vector<StepTimeProfile>> LoadTrace(const std::string& path);
+using ::aloe::LoadTrace;
+using ::aloe::ParseSpeeds;
+using ::aloe::ParseTrace;
+using ::aloe::StepTimeProfile;
 
 struct MembershipEvent {
   enum class Kind { kJoin, kLeave, kCrash };

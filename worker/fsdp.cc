@@ -749,10 +749,13 @@ absl::StatusOr<TrainStats> FsdpTrainer::Train(const TokenSource& data, uint32_t 
   return stats;
 }
 
-absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(const v1::JoinReply& joined,
-                                                             ScriptModelPtr script,
-                                                             Collectives* node) {
+absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(
+    const v1::JoinReply& joined, ScriptModelPtr script, Collectives* node,
+    std::optional<StepSlowdowns> step_slowdowns) {
   const v1::TransformerConfig& model = joined.model();
+  if (node != nullptr && step_slowdowns.has_value()) {
+    return absl::InvalidArgumentError("a multi-rank node does not replay a step-time trace");
+  }
   if (node != nullptr && script != nullptr) {
     return FsdpTrainer::CreateForScript(std::move(script), model.vocab_size(), model.seq_len(),
                                         joined.inner_optimizer(), joined.model_spec(), *node);
@@ -761,11 +764,17 @@ absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(const v1::JoinReply
     return FsdpTrainer::Create(model, joined.inner_optimizer(), joined.model_spec(), joined.seed(),
                                *node);
   }
-  if (script != nullptr) {
-    return LocalTrainer::CreateForScript(std::move(script), model.vocab_size(), model.seq_len(),
-                                         joined.inner_optimizer(), joined.model_spec());
+  absl::StatusOr<std::unique_ptr<LocalTrainer>> local =
+      script != nullptr
+          ? LocalTrainer::CreateForScript(std::move(script), model.vocab_size(), model.seq_len(),
+                                          joined.inner_optimizer(), joined.model_spec())
+          : LocalTrainer::Create(model, joined.inner_optimizer(), joined.model_spec(),
+                                 joined.seed());
+  if (local.ok() && step_slowdowns.has_value()) {
+    (*local)->SetStepSlowdowns(*std::move(step_slowdowns));
   }
-  return LocalTrainer::Create(model, joined.inner_optimizer(), joined.model_spec(), joined.seed());
+  if (!local.ok()) return local.status();
+  return std::unique_ptr<TrainerInterface>(*std::move(local));
 }
 
 }  // namespace aloe::worker

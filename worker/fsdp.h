@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -177,9 +178,10 @@ class FsdpTrainer final : public TrainerInterface {
 
 // The trainer a join reply asks for: an FsdpTrainer over `node` (a rank of a multi-rank node),
 // else a LocalTrainer; of `script` when it is not null (a bring-your-own model), else of the
-// built-in transformer. Errors as the Create functions.
-absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(const v1::JoinReply& joined,
-                                                             ScriptModelPtr script,
-                                                             Collectives* node);
+// built-in transformer. A LocalTrainer replays `step_slowdowns` when given; a rank of a node
+// refuses them (kInvalidArgument). Otherwise errors as the Create functions.
+absl::StatusOr<std::unique_ptr<TrainerInterface>> TrainerFor(
+    const v1::JoinReply& joined, ScriptModelPtr script, Collectives* node,
+    std::optional<StepSlowdowns> step_slowdowns = std::nullopt);
 
 }  // namespace aloe::worker

@@ -1,10 +1,11 @@
-// aloe-worker: one training daemon per node. Turns its flags into the agent's options, builds
-// the gRPC client and the trainer, and runs the agent (worker/agent.h) until it is done.
+// aloe-worker: one training daemon per node. Turns flags into the agent's options, builds the
+// gRPC client and the trainer, and runs the agent (worker/agent.h) until it is done.
 #include <signal.h>
 
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
+#include "common/step_times.h"
 #include "worker/agent.h"
 #include "worker/client.h"
 #include "worker/fsdp.h"
@@ -35,46 +37,40 @@ ABSL_FLAG(std::string, name, "", "Worker name shown by the server (default host:
 ABSL_FLAG(int32_t, threads, 1, "Intra-op threads (1 = one worker per core is fastest on CPU)");
 ABSL_FLAG(double, slowdown, 1.0,
           "Emulate slower hardware: after each step sleep (slowdown-1) x its compute time");
+ABSL_FLAG(std::string, step_trace, "",
+          "Replay an aloe-sim --trace file: step k is slowed by trace[k] / its fastest step time");
+ABSL_FLAG(int32_t, trace_worker, 0, "This worker's index in --step_trace");
 ABSL_FLAG(std::string, metrics, "127.0.0.1:0", "Prometheus endpoint host:port, or 'off'");
 ABSL_FLAG(int32_t, eval_sequences, 64, "Held-out sequences per evaluation (evaluator role)");
 ABSL_FLAG(double, connect_timeout, 60, "Seconds to keep retrying while the server is unreachable");
 ABSL_FLAG(double, join_wait, 600,
-          "Seconds to keep asking to join, every 5 s, while the server refuses for want of room "
-          "(RESOURCE_EXHAUSTED: a layer-sharded sync server with as many trainers as staging "
-          "slots); 0 = exit at once");
+          "Seconds to keep asking to join, every 5 s, while the server has no room "
+          "(RESOURCE_EXHAUSTED: all staging slots taken); 0 = exit at once");
 ABSL_FLAG(std::string, token_file, "", "File whose first line is this worker's access token");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA that signed the server certificate (enables TLS)");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual TLS)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM client private key (mutual TLS)");
 ABSL_FLAG(std::string, tls_server_name, "", "Name to verify in the server certificate");
-ABSL_FLAG(
-    bool, raw_push, true,
-    "Push float32 layers to shard processes that offer raw pushes (aloe-server --push_listen) "
-    "over plain TCP instead of gRPC; never with TLS");
+ABSL_FLAG(bool, raw_push, true,
+          "Push float32 layers over TCP to shard processes that offer it (--push_listen)");
 ABSL_FLAG(int32_t, nproc, 1,
-          "Ranks of this node (trainers): N > 1 starts N processes that train one model replica "
-          "together with FSDP (over NCCL on GPUs, rank r on GPU r; over Gloo on the CPU; each rank "
-          "holds 1/N of the parameters, gradients and AdamW state, and pulls and pushes only its "
-          "slice of every layer); inner_optimizer.batch_size is the node's batch and must be a "
-          "multiple of N");
+          "Ranks of this node (trainers): N > 1 trains one replica with FSDP over N processes "
+          "(NCCL on GPUs, Gloo on the CPU), each holding, pulling and pushing 1/N of every "
+          "layer; inner_optimizer.batch_size is the node's batch, a multiple of N");
 ABSL_FLAG(std::string, device, "auto",
-          "auto | cpu | cuda | cuda:I: where the inner loop trains (model, activations, gradients, "
-          "AdamW state). auto: GPU 0 when LibTorch sees a GPU, else the CPU. With --nproc N on "
-          "GPUs give cuda or auto: rank r trains on GPU r. GPUs need a worker built against a "
-          "CUDA LibTorch (README: GPU workers)");
+          "auto | cpu | cuda | cuda:I: where the inner loop trains; auto: GPU 0 when LibTorch "
+          "sees one, else the CPU; with --nproc N rank r trains on GPU r (docs/operations.md)");
 ABSL_FLAG(std::string, overlap, "off",
           "off | delayed | eager: push round r and pull the next model in the background while "
           "round r+1 trains (one-step delay); eager also applies round r's pseudo-gradient "
           "locally at once until the global model with it arrives (paper 004). Needs a plain "
           "async server (grace_seconds 0). With --nproc N every rank does this for its slices");
 ABSL_FLAG(std::string, autocast, "off",
-          "off | bf16: run the forward pass of every training step under LibTorch's bf16 autocast "
-          "(matrix products in bfloat16); parameters, gradients, AdamW state and "
-          "pseudo-gradients stay float32. Evaluation stays float32");
+          "off | bf16: forward passes of training steps under LibTorch's bf16 autocast; "
+          "parameters, gradients, AdamW state, pseudo-gradients and evaluation stay float32");
 ABSL_FLAG(std::string, torchscript, "",
-          "Bring-your-own model: a TorchScript file (torch.jit.script(m).save(path)) whose "
-          "forward(inputs) returns logits [B,T,V] or forward(inputs, targets) the loss; the "
-          "server must train the model aloe-import-model wrote from the same file (model_file)");
+          "Bring-your-own model: a TorchScript file whose forward(inputs) returns logits or "
+          "forward(inputs, targets) the loss; the server trains aloe-import-model's import of it");
 ABSL_FLAG(int32_t, rank, -1, "Internal (set by --nproc): this process' rank in the node");
 ABSL_FLAG(std::string, rendezvous, "", "Internal (set by --nproc): the node's rendezvous file");
 
@@ -90,6 +86,7 @@ absl::StatusOr<AgentOptions> OptionsFromFlags() {
   const std::string overlap = absl::GetFlag(FLAGS_overlap);
   const std::string autocast = absl::GetFlag(FLAGS_autocast);
   const bool many = absl::GetFlag(FLAGS_nproc) > 1;
+  const bool traced = !absl::GetFlag(FLAGS_step_trace).empty();
   o.name = absl::GetFlag(FLAGS_name);
   o.evaluator = role == "evaluator";
   o.threads = absl::GetFlag(FLAGS_threads);
@@ -110,6 +107,7 @@ absl::StatusOr<AgentOptions> OptionsFromFlags() {
        absl::StrFormat("--autocast must be off or bf16, got \"%s\"", autocast)},
       {many && o.evaluator, "--nproc > 1 is for trainers only"},
       {many && o.slowdown != 1.0, "--slowdown is not supported with --nproc > 1"},
+      {traced && (many || o.evaluator), "--step_trace is for single-process trainers"},
   };
   for (const auto& [refused, message] : refusals) {
     if (refused) return absl::InvalidArgumentError(message);
@@ -150,6 +148,9 @@ absl::StatusOr<int> Main() {
                         OpenScriptModel(options.model_source, &options.model_fingerprint));
   if (script)
     ALOE_LOG_INFO("worker", "model %s: %s", options.model_source, options.model_fingerprint);
+  ALOE_ASSIGN_OR_RETURN(
+      std::optional<StepSlowdowns> slowdowns,
+      LoadStepSlowdowns(absl::GetFlag(FLAGS_step_trace), absl::GetFlag(FLAGS_trace_worker)));
   RealClock clock;
   AgentEnv env;
   env.server = &client;
@@ -159,8 +160,8 @@ absl::StatusOr<int> Main() {
   env.stop = &g_stop;
   env.node = groups.empty() ? nullptr : groups[0].get();
   env.control = groups.size() > 1 ? groups[1].get() : nullptr;
-  env.make_trainer = [&script, node = env.node](const v1::JoinReply& joined) {
-    return TrainerFor(joined, std::move(script), node);
+  env.make_trainer = [&script, &slowdowns, node = env.node](const v1::JoinReply& joined) {
+    return TrainerFor(joined, std::move(script), node, slowdowns);
   };
   Agent agent(std::move(options), std::move(env));
   ALOE_RETURN_IF_ERROR(agent.Run());
@@ -179,9 +180,8 @@ int main(int argc, char** argv) {
   aloe::SetUsage(
       "aloe-worker --server HOST:PORT [--role trainer|evaluator] [flags]\n"
       "Training daemon for ALOE: joins aloe-server, pulls the global model, trains H local AdamW\n"
-      "steps per task with LibTorch and pushes the pseudo-gradient; as an evaluator it reports\n"
-      "held-out loss of new model versions. On SIGINT/SIGTERM it ends the current round at the\n"
-      "next step end, pushes the steps done, leaves and exits.");
+      "steps per task and pushes the pseudo-gradient; an evaluator reports held-out loss. On\n"
+      "SIGINT/SIGTERM it ends the round at the next step end, pushes it, leaves and exits.");
   absl::ParseCommandLine(argc, argv);
   // The launcher of a multi-rank node starts the ranks, each a copy of this binary.
   const bool launcher = absl::GetFlag(FLAGS_nproc) > 1 && absl::GetFlag(FLAGS_rank) < 0;

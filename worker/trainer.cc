@@ -262,6 +262,10 @@ absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>&
   return absl::OkStatus();
 }
 
+void LocalTrainer::SetStepSlowdowns(StepSlowdowns slowdowns) {
+  step_slowdowns_ = std::move(slowdowns);
+}
+
 absl::StatusOr<TrainStats> LocalTrainer::Train(const TrainRequest& request) {
   if (request.data == nullptr) return absl::InvalidArgumentError("no training data");
   return Train(*request.data, request.steps, request.lr_step, request.seed, request.slowdown,
@@ -329,8 +333,10 @@ absl::StatusOr<TrainStats> LocalTrainer::Train(const TokenSource& data, uint32_t
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.compute_seconds += step_seconds;
       ++stats.steps;
-      if (slowdown > 1.0) {
-        std::this_thread::sleep_for(std::chrono::duration<double>((slowdown - 1.0) * step_seconds));
+      const double factor =
+          slowdown * (step_slowdowns_.has_value() ? step_slowdowns_->Next() : 1.0);
+      if (factor > 1.0) {
+        std::this_thread::sleep_for(std::chrono::duration<double>((factor - 1.0) * step_seconds));
       }
       // A-EDiT (paper 000 Sec. 3.3): stop at the first step end at or after the budget.
       if (time_budget_seconds > 0 &&

@@ -10,11 +10,13 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/step_times.h"
 #include "common/token_source.h"
 #include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
@@ -148,10 +150,16 @@ class LocalTrainer final : public TrainerInterface {
 
   const v1::ModelSpec& spec() const;
 
+  // Replays a step-time trace (aloe-worker --step_trace): from now on every step is slowed by
+  // the trace's next factor, on top of `slowdown` (the two multiply). The cycle continues
+  // across rounds.
+  void SetStepSlowdowns(StepSlowdowns slowdowns);
+
  private:
   struct Impl;
   explicit LocalTrainer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+  std::optional<StepSlowdowns> step_slowdowns_;
 };
 
 }  // namespace aloe::worker

@@ -9,7 +9,8 @@ config.textproto, a log and sim.csv in aloe-sim's CSV format (sim/simulator.h):
   and leaves become process starts and SIGTERMs at those wall-clock offsets, the run is bounded
   by max_seconds. Rows come from the workers' round log lines (time, base version, steps,
   resulting version) and the server's evaluation lines; time is wall seconds since the trainers
-  were started. Step-time traces (random stragglers) have no aloe-worker equivalent.
+  were started. Step-time traces (random stragglers) become aloe-worker --step_trace with the
+  same trace file, each worker replaying its own cycle (--trace_worker).
 """
 
 import json
@@ -58,6 +59,19 @@ def _reap(procs, timeout):
             p.wait()
 
 
+def write_trace(run, run_dir):
+    """Writes run.trace to run_dir/trace.csv in aloe-sim's --trace format (which aloe-worker
+    --step_trace reads too); returns its path, or None for a run without a trace."""
+    if run.trace is None:
+        return None
+    lines = ["# worker_index,seconds_per_step (a cycle per worker, replayed forever)"]
+    for w, cycle in sorted(run.trace.items()):
+        lines += [f"{w},{grid._fmt(s)}" for s in cycle]
+    path = os.path.join(run_dir, "trace.csv")
+    _write(path, "\n".join(lines) + "\n")
+    return path
+
+
 class SimBackend:
     name = "sim"
 
@@ -89,11 +103,7 @@ class SimBackend:
     def prepare(self, run, run_dir):
         os.makedirs(run_dir, exist_ok=True)
         _write(os.path.join(run_dir, "config.textproto"), run.config_text)
-        if run.trace is not None:
-            lines = ["# worker_index,seconds_per_step (a cycle per worker, replayed forever)"]
-            for w, cycle in sorted(run.trace.items()):
-                lines += [f"{w},{grid._fmt(s)}" for s in cycle]
-            _write(os.path.join(run_dir, "trace.csv"), "\n".join(lines) + "\n")
+        write_trace(run, run_dir)
         return self.command(run, run_dir)
 
     def run(self, run, run_dir, reuse=False):
@@ -171,9 +181,6 @@ class LoopbackBackend:
         self._step_seconds = {}
 
     def supports(self, run):
-        if run.trace is not None:
-            return ("aloe-worker has no per-step delay trace (only a constant --slowdown), so "
-                    "random stragglers run on the aloe-sim back end only")
         if run.trainer != "torch":
             return "the loopback back end always trains the real model (use --trainer torch)"
         return None
@@ -219,8 +226,8 @@ class LoopbackBackend:
         budget = None
         if grid.POLICIES[run.policy].time_budget:
             # A-EDiT budget = H steps of the fastest worker, in this machine's wall seconds.
-            budget = run.local_steps * self.step_seconds(run, os.path.dirname(run_dir)) / max(
-                run.speeds)
+            budget = run.local_steps * self.step_seconds(run, os.path.dirname(run_dir)) / (
+                run.fastest_speed())
         start = time.monotonic()
         seconds = self.real_seconds.get(run.family, 60)
         rows, stop = self._launch(run, run_dir, max_seconds=seconds, max_versions=None,
@@ -288,13 +295,15 @@ class LoopbackBackend:
                     raise RuntimeError("the evaluator exited:\n"
                                        + _tail(os.path.join(run_dir, "evaluator.log")))
                 time.sleep(0.1)
-            fastest = max(run.speeds)
+            trace = write_trace(run, run_dir)
             trainers = {}
 
             def start_trainer(i):
-                slowdown = fastest / run.speeds[i]
-                trainers[i] = spawn(worker + [f"--name=w{i}", f"--slowdown={slowdown:.6f}"],
-                                    f"worker{i}.log")
+                if trace is not None:
+                    pace = [f"--step_trace={trace}", f"--trace_worker={i}"]
+                else:
+                    pace = [f"--slowdown={run.fastest_speed() / run.speeds[i]:.6f}"]
+                trainers[i] = spawn(worker + [f"--name=w{i}"] + pace, f"worker{i}.log")
 
             t0_wall = time.time()
             t0 = t0_wall % 86400

@@ -64,13 +64,13 @@ Families (--families):
 Back ends (--backend):
   sim        build/bin/aloe-sim: virtual clock, deterministic, --jobs runs in parallel.
   loopback   real aloe-server + evaluator + one aloe-worker per worker on 127.0.0.1; speeds
-             become --slowdown (fastest speed / own speed), joins/leaves process starts and
-             SIGTERMs; each run lasts --real-seconds wall seconds (A-EDiT's budget is H steps
-             of a calibrated unslowed worker). Random stragglers are not available there
-             (aloe-worker has no per-step delay trace). Runs one at a time, always with the
-             torch trainer; runs are bounded by time, not local steps, so the equal-update
-             comparisons are not made, and utilization is left empty (real steps/s of an
-             unslowed worker are not known).
+             become --slowdown (fastest speed / own speed), step-time traces (random
+             stragglers) aloe-worker --step_trace with the same trace file, joins/leaves
+             process starts and SIGTERMs; each run lasts --real-seconds wall seconds (A-EDiT's
+             budget is H steps of a calibrated unslowed worker). Runs one at a time, always
+             with the torch trainer; runs are bounded by time, not local steps, so the
+             equal-update comparisons are not made, and utilization is left empty (real
+             steps/s of an unslowed worker are not known).
 
 Outputs in --out (default out/stragglers):
   heterogeneity.csv, consistent.csv, random.csv, elastic.csv   one row per run
@@ -123,6 +123,10 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=0,
                    help="heterogeneity: local steps of every run (all workers together)")
     p.add_argument("--lags", default="", help="consistent: lags, e.g. 0,1,2,4")
+    p.add_argument("--workers", type=int, default=0,
+                   help="consistent and random: workers per run (default 8)")
+    p.add_argument("--local-steps", type=int, default=0,
+                   help="consistent and random: H, local steps per round (default 100)")
     p.add_argument("--random-cells", default="",
                    help="random: p:lag pairs, e.g. 0:0,0.125:1,0.125:4 (include a p = 0 cell "
                         "as the retention baseline)")
@@ -170,6 +174,11 @@ def settings_from(args):
             p_, _, lag = item.partition(":")
             cells.append((float(p_), float(lag or 1)))
         settings["random"].random_cells = cells
+    for family in ("consistent", "random"):
+        if args.workers:
+            settings[family].workers = args.workers
+        if args.local_steps:
+            settings[family].local_steps = args.local_steps
     if args.virtual_seconds:
         settings["consistent"].virtual_seconds = args.virtual_seconds
         settings["random"].virtual_seconds = args.virtual_seconds

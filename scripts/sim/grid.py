@@ -163,6 +163,12 @@ class Run:
             total += v * presence_seconds(self.events, i, horizon) / horizon
         return total
 
+    def fastest_speed(self):
+        """Steps/s of the fastest step any worker takes (what real hardware runs unslowed)."""
+        if self.trace is not None:
+            return 1.0 / min(min(c) for c in self.trace.values())
+        return max(self.speeds)
+
     def events_flag(self):
         return ",".join(f"{k}@{_fmt(t)}:{w}" for k, t, w in self.events)
 

@@ -374,47 +374,6 @@ TEST(SimulatorTest, RunTwiceIsAnError) {
 
 // --- Parsing. ---
 
-TEST(ParseTraceTest, BuildsPerWorkerCyclesInFileOrder) {
-  auto profiles = ParseTrace("0, 0.5\n1,2\n\n# comment\n0,1.5\n", "trace.txt");
-  ASSERT_THAT(profiles, IsOk());
-  ASSERT_EQ(profiles->size(), 2u);
-  EXPECT_THAT((*profiles)[0].cycle(), ::testing::ElementsAre(0.5, 1.5));
-  EXPECT_THAT((*profiles)[1].cycle(), ::testing::ElementsAre(2.0));
-}
-
-TEST(ParseTraceTest, ErrorsNameTheLine) {
-  EXPECT_THAT(ParseTrace("0,1\n1,abc\n", "trace.txt"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 2")));
-  EXPECT_THAT(ParseTrace("0,1\n\n0,1,2\n", "trace.txt"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("trace.txt line 3: expected 'worker_index,seconds_per_step'")));
-  EXPECT_THAT(ParseTrace("0,-1\n", "trace.txt"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 1")));
-  EXPECT_THAT(ParseTrace("0,inf\n", "trace.txt"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 1")));
-  EXPECT_THAT(ParseTrace("x,1\n", "trace.txt"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trace.txt line 1")));
-  EXPECT_THAT(ParseTrace("0,1\n2,1\n", "trace.txt"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker 1 has no step")));
-  EXPECT_THAT(ParseTrace("# nothing\n", "trace.txt"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no step times")));
-  EXPECT_THAT(LoadTrace("/nonexistent/trace.txt"),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/trace.txt")));
-}
-
-TEST(ParseSpeedsTest, ConvertsStepsPerSecondToStepTimes) {
-  auto profiles = ParseSpeeds("1,0.5,4");
-  ASSERT_THAT(profiles, IsOk());
-  ASSERT_EQ(profiles->size(), 3u);
-  EXPECT_THAT((*profiles)[1].cycle(), ::testing::ElementsAre(2.0));
-  EXPECT_THAT((*profiles)[2].cycle(), ::testing::ElementsAre(0.25));
-  EXPECT_THAT(ParseSpeeds("1,0,2"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("speeds item 1")));
-  EXPECT_THAT(ParseSpeeds("1,,2"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("speeds item 1")));
-  EXPECT_THAT(ParseSpeeds(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("item 0")));
-}
-
 TEST(ParseEventsTest, ParsesKindsTimesAndWorkers) {
   auto events = ParseEvents("join@1.5:2, leave@10:0,crash@3:1");
   ASSERT_THAT(events, IsOk());

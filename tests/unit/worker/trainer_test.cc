@@ -19,6 +19,7 @@
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
+#include "common/step_times.h"
 #include "common/token_source.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
@@ -453,6 +454,33 @@ TEST(LocalTrainerTest, SlowdownKeepsComputeSecondsAndResults) {
   EXPECT_EQ(a->mean_loss, b->mean_loss);
   EXPECT_GT(b->compute_seconds, 0);
   EXPECT_EQ(Params(*normal), Params(*slowed));
+}
+
+TEST(LocalTrainerTest, StepTraceSlowsEachStepByItsFactorAcrossRounds) {
+  const InMemoryTokenSource data = PeriodicTokens(300);
+  auto normal = MakeTrainer();
+  auto traced = MakeTrainer();
+  ASSERT_NE(normal, nullptr);
+  ASSERT_NE(traced, nullptr);
+  // One worker alternating 0.1 s and 4 s steps: factors 1 and 40.
+  auto trace = ParseTrace("0,0.1\n0,4\n", "t");
+  ASSERT_THAT(trace, IsOk());
+  auto slowdowns = StepSlowdowns::ForWorker(*trace, 0);
+  ASSERT_THAT(slowdowns, IsOk());
+  traced->SetStepSlowdowns(*slowdowns);
+  for (int round = 0; round < 2; ++round) {
+    ASSERT_THAT(normal->Train(data, 1, round, 5), IsOk());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto stats = traced->Train(data, 1, round, 5);
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_THAT(stats, IsOk());
+    if (round == 1) {
+      // The second step (the cycle continues into the next round) sleeps 39 x its compute.
+      EXPECT_GE(wall, 40 * stats->compute_seconds);
+    }
+  }
+  EXPECT_EQ(Params(*normal), Params(*traced));  // pacing never changes the arithmetic
 }
 
 TEST(LocalTrainerTest, ZeroStepsIsANoOp) {
