@@ -1,22 +1,22 @@
 // The worker agent against a fake server, a fake trainer and a fake clock: no network, no
-// LibTorch, no wall clock.
+// LibTorch, no wall clock. The heartbeat thread waits on the fake clock too (FakeSleeper).
 #include "worker/agent.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/status_matchers.h"
 #include "common/token_source.h"
+#include "tests/unit/worker/fake_server.h"
+#include "worker/sleeper.h"
 
 namespace aloe::worker {
 namespace {
@@ -25,172 +25,6 @@ using ::aloe::testing::IsOk;
 using ::aloe::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-constexpr size_t kElements = 4;
-
-v1::Task TrainTask(uint64_t id, uint64_t base_version, uint32_t steps = 3) {
-  v1::Task task;
-  task.set_kind(v1::Task::TRAIN);
-  task.set_task_id(id);
-  task.set_base_version(base_version);
-  task.set_local_steps(steps);
-  task.set_shard_name("s0");
-  task.set_shard_file("s0.tok");
-  return task;
-}
-
-v1::Task Kind(v1::Task::Kind kind, bool draining = false) {
-  v1::Task task;
-  task.set_kind(kind);
-  task.set_draining(draining);
-  return task;
-}
-
-// A scripted server. RequestTask and Pull answers are taken from queues (an empty queue answers
-// STOP, or a pull of the version asked); every call is recorded. Thread-safe.
-class FakeServer final : public ServerApi {
- public:
-  struct PushCall {
-    v1::PushHeader header;
-    std::vector<std::vector<float>> layers;
-  };
-
-  void AddTask(absl::StatusOr<v1::Task> task, bool ahead = false) {
-    absl::MutexLock lock(&mu_);
-    (ahead ? ahead_tasks_ : tasks_).push_back(std::move(task));
-  }
-  // The next pulls' outcomes, in order (OK: a normal pull); then every pull succeeds.
-  void AddPullError(absl::Status error) {
-    absl::MutexLock lock(&mu_);
-    pull_errors_.push_back(std::move(error));
-  }
-  void AddPushError(absl::Status error) {
-    absl::MutexLock lock(&mu_);
-    push_errors_.push_back(std::move(error));
-  }
-  // Blocks until a push of `task_id` has arrived (a test guard, at most 30 s).
-  bool AwaitPush(uint64_t task_id) {
-    absl::MutexLock lock(&mu_);
-    auto pushed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      for (const PushCall& p : pushes_) {
-        if (p.header.task_id() == task_id) return true;
-      }
-      return false;
-    };
-    return mu_.AwaitWithTimeout(absl::Condition(&pushed), absl::Seconds(30));
-  }
-
-  absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request) override {
-    absl::MutexLock lock(&mu_);
-    ++joins_;
-    v1::JoinReply reply;
-    reply.set_worker_id(1);
-    reply.set_lease_seconds(3600);  // no heartbeat within a test
-    v1::LayerSpec* layer = reply.mutable_model_spec()->add_layers();
-    layer->set_name("w");
-    layer->set_num_elements(kElements);
-    reply.mutable_outer_optimizer()->set_lr(0.5);
-    reply.set_heldout_file("heldout.tok");
-    reply.mutable_model()->set_seq_len(3);
-    return reply;
-  }
-  absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request) override {
-    return v1::HeartbeatReply();
-  }
-  absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id, bool ahead,
-                                       uint64_t dropped_task_id) override {
-    absl::MutexLock lock(&mu_);
-    std::deque<absl::StatusOr<v1::Task>>& queue = ahead ? ahead_tasks_ : tasks_;
-    if (!ahead) dropped_.push_back(dropped_task_id);
-    if (queue.empty()) return Kind(v1::Task::STOP);
-    absl::StatusOr<v1::Task> task = queue.front();
-    queue.pop_front();
-    return task;
-  }
-  absl::Status ReportEval(const v1::EvalReport& report) override {
-    absl::MutexLock lock(&mu_);
-    evals_.push_back(report);
-    return absl::OkStatus();
-  }
-  absl::Status Leave(uint64_t worker_id) override {
-    absl::MutexLock lock(&mu_);
-    ++leaves_;
-    return absl::OkStatus();
-  }
-  absl::Status SetShards(const std::vector<std::string>&, const std::vector<std::string>&,
-                         const std::string&) override {
-    return absl::OkStatus();
-  }
-  // Fills every element with 10 x the version.
-  absl::StatusOr<uint64_t> Pull(uint64_t worker_id, uint64_t version, bool latest,
-                                const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
-                                uint64_t* bytes, uint32_t slice, uint32_t slices) override {
-    absl::MutexLock lock(&mu_);
-    pulls_.push_back(version);
-    if (!pull_errors_.empty()) {
-      absl::Status error = pull_errors_.front();
-      pull_errors_.pop_front();
-      if (!error.ok()) return error;
-    }
-    layers->assign(1, std::vector<float>(kElements, 10.0f * version));
-    return version;
-  }
-  absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header, const v1::ModelSpec& spec,
-                                     const std::vector<std::vector<float>>& layers,
-                                     const std::vector<v1::Codec>& codecs, size_t int8_block_size,
-                                     std::vector<std::vector<float>>* residuals,
-                                     uint64_t* bytes) override {
-    absl::MutexLock lock(&mu_);
-    pushes_.push_back({header, layers});
-    if (!push_errors_.empty()) {
-      absl::Status error = push_errors_.front();
-      push_errors_.pop_front();
-      return error;
-    }
-    v1::PushReply reply;
-    reply.set_applied(true);
-    reply.set_version(header.base_version() + 1);
-    return reply;
-  }
-
-  std::vector<PushCall> pushes() {
-    absl::MutexLock lock(&mu_);
-    return pushes_;
-  }
-  std::vector<uint64_t> dropped() {
-    absl::MutexLock lock(&mu_);
-    return dropped_;
-  }
-  std::vector<uint64_t> pulls() {
-    absl::MutexLock lock(&mu_);
-    return pulls_;
-  }
-  int joins() {
-    absl::MutexLock lock(&mu_);
-    return joins_;
-  }
-  int leaves() {
-    absl::MutexLock lock(&mu_);
-    return leaves_;
-  }
-  std::vector<v1::EvalReport> evals() {
-    absl::MutexLock lock(&mu_);
-    return evals_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::deque<absl::StatusOr<v1::Task>> tasks_ ABSL_GUARDED_BY(mu_);
-  std::deque<absl::StatusOr<v1::Task>> ahead_tasks_ ABSL_GUARDED_BY(mu_);
-  std::deque<absl::Status> pull_errors_ ABSL_GUARDED_BY(mu_);
-  std::deque<absl::Status> push_errors_ ABSL_GUARDED_BY(mu_);
-  std::vector<PushCall> pushes_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> dropped_ ABSL_GUARDED_BY(mu_);  // dropped_task_id of each RequestTask
-  std::vector<uint64_t> pulls_ ABSL_GUARDED_BY(mu_);
-  std::vector<v1::EvalReport> evals_ ABSL_GUARDED_BY(mu_);
-  int joins_ ABSL_GUARDED_BY(mu_) = 0;
-  int leaves_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 // Each step subtracts 1 from every parameter, so a round of n steps pushes n everywhere. Stops
 // at a step end once the interrupt is set. `during_step(i)` runs before step i of each round.
@@ -224,8 +58,8 @@ class FakeTrainer final : public TrainerInterface {
   }
   absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
                               std::vector<std::vector<float>>* out) const override {
-    out->assign(1, std::vector<float>(kElements));
-    for (size_t i = 0; i < kElements; ++i) (*out)[0][i] = base[0][i] - params_[0][i];
+    out->assign(1, std::vector<float>(kFakeElements));
+    for (size_t i = 0; i < kFakeElements; ++i) (*out)[0][i] = base[0][i] - params_[0][i];
     return absl::OkStatus();
   }
   absl::StatusOr<double> Evaluate(const EvalRequest& request) override { return shared_.eval_loss; }
@@ -250,8 +84,9 @@ class AgentTest : public ::testing::Test {
     env.clock = &clock_;
     env.sleep = [this](absl::Duration d) {
       sleeps_.push_back(d);
-      clock_.Advance(d);
+      sleeper_.Advance(d);
     };
+    env.sleeper = &sleeper_;
     env.stop = &stop_;
     env.make_trainer =
         [this](const v1::JoinReply&) -> absl::StatusOr<std::unique_ptr<TrainerInterface>> {
@@ -269,6 +104,7 @@ class AgentTest : public ::testing::Test {
   FakeTrainer::Shared trainer_;
   NullMetrics metrics_;
   FakeClock clock_;
+  FakeSleeper sleeper_{clock_};
   std::vector<absl::Duration> sleeps_;
   std::atomic<bool> stop_{false};
   InMemoryTokenSource data_;
@@ -476,6 +312,80 @@ TEST_F(AgentTest, ServerUnreachableIsRetriedUntilTheConnectTimeout) {
   // Tries at 0, 0.25, 0.5, 0.75, 1.0 and 1.25 s: the last one is past the timeout.
   EXPECT_EQ(sleeps_.size(), 5u);
   EXPECT_EQ(server_.leaves(), 0);  // the server's failure is not the worker's: no leave
+}
+
+// The heartbeat thread waits on the fake clock: a test advances it from inside a round (the
+// fake trainer's step) and counts the heartbeats that follow.
+
+TEST_F(AgentTest, HeartbeatsGoOutEveryThirdOfTheLeaseWithTheLastRoundsSpeed) {
+  server_.set_lease_seconds(6);  // a heartbeat every 2 s
+  server_.AddTask(TrainTask(1, 0, /*steps=*/2));
+  server_.AddTask(TrainTask(2, 1, /*steps=*/2));
+  int round = 0;
+  uint64_t waits = 1;  // the heartbeat's first wait begins at the join
+  trainer_.during_step = [&](const v1::Task&, uint32_t step) {
+    if (step != 0) return;
+    // Round 1 lasts 10 s (a heartbeat at 2, 4, ..., 10 s); round 2 sees one more at 12 s.
+    const int seconds = ++round == 1 ? 10 : 2;
+    for (int s = 1; s <= seconds; ++s) {
+      ASSERT_TRUE(sleeper_.AwaitWaits(waits));
+      sleeper_.Advance(absl::Seconds(1));
+      if (s % 2 == 0) ++waits;  // the heartbeat went out and the next wait began
+    }
+    ASSERT_TRUE(sleeper_.AwaitWaits(waits));
+  };
+  EXPECT_THAT(Run(), IsOk());
+  const std::vector<v1::HeartbeatRequest> heartbeats = server_.heartbeats();
+  ASSERT_EQ(heartbeats.size(), 6u);
+  for (size_t i = 0; i < heartbeats.size(); ++i) {
+    EXPECT_EQ(heartbeats[i].worker_id(), 1u);
+    // Round 1 took its 2 steps in 10 s; nothing is known before it ends.
+    EXPECT_DOUBLE_EQ(heartbeats[i].steps_per_second(), i < 5 ? 0 : 0.2) << i;
+  }
+}
+
+TEST_F(AgentTest, HeartbeatAnsweredNotFoundJoinsAgainBeforeTheNextRequest) {
+  server_.set_lease_seconds(3);  // a heartbeat every 1 s
+  server_.SetHeartbeatError(1, absl::NotFoundError("worker 1 is not a member"));
+  server_.AddTask(TrainTask(1, 0));
+  server_.AddTask(TrainTask(2, 1));
+  bool lost = false;
+  trainer_.during_step = [&](const v1::Task&, uint32_t step) {
+    if (step != 0 || lost) return;
+    lost = true;
+    ASSERT_TRUE(sleeper_.AwaitWaits(1));
+    sleeper_.Advance(absl::Seconds(1));
+    ASSERT_TRUE(sleeper_.AwaitWaits(2));  // the answer has been taken in
+  };
+  EXPECT_THAT(Run(), IsOk());
+  EXPECT_EQ(server_.joins(), 2);
+  // Worker 1 asked for task 1; the rejoined worker 2 for task 2 and then got STOP.
+  EXPECT_THAT(server_.requesters(), ElementsAre(1, 2, 2));
+  const std::vector<FakeServer::PushCall> pushes = server_.pushes();
+  ASSERT_EQ(pushes.size(), 2u);
+  EXPECT_EQ(pushes[0].header.worker_id(), 1u);
+  EXPECT_EQ(pushes[1].header.worker_id(), 2u);
+  EXPECT_EQ(pushes[1].header.task_id(), 2u);
+}
+
+TEST_F(AgentTest, HeartbeatStopsWhenAStoppingAgentLeaves) {
+  server_.set_lease_seconds(3);  // a heartbeat every 1 s
+  server_.AddTask(TrainTask(1, 0, /*steps=*/10));
+  trainer_.during_step = [&](const v1::Task&, uint32_t step) {
+    if (step != 0) return;
+    ASSERT_TRUE(sleeper_.AwaitWaits(1));
+    sleeper_.Advance(absl::Seconds(1));
+    ASSERT_TRUE(sleeper_.AwaitWaits(2));
+    stop_.store(true);  // SIGTERM while the heartbeat waits for its next turn
+  };
+  // Returns although no time passes: leaving ends the heartbeat's wait.
+  EXPECT_THAT(Run(), IsOk());
+  EXPECT_EQ(server_.leaves(), 1);
+  ASSERT_EQ(server_.pushes().size(), 1u);
+  EXPECT_EQ(server_.heartbeats().size(), 1u);
+  sleeper_.Advance(absl::Hours(1));
+  EXPECT_EQ(server_.heartbeats().size(), 1u);
+  EXPECT_EQ(sleeper_.waits(), 2u);
 }
 
 }  // namespace
