@@ -62,7 +62,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> CoordinatorCredentials
 
 ShardProcess::~ShardProcess() {
   stop_.store(true);
-  if (shard_ != nullptr) shard_->CancelFollow();
+  if (shard_ != nullptr) shard_->StopFollowing();
   if (server_ != nullptr && !stopped_) {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   }
@@ -183,7 +183,7 @@ absl::Status ShardProcess::Start() {
                                        : absl::StrCat(" as ", options.push_address)),
                 metrics_port_, owned_layers, params, coordinator);
   follow_ = std::thread([this] {
-    followed_ = shard_->RunFollowLoop(stop_);
+    followed_ = shard_->RunFollowLoop();
     if (!stop_.load()) ended_.store(true);  // over on its own: the job, or a refusal
   });
   return absl::OkStatus();
@@ -195,7 +195,7 @@ absl::Status ShardProcess::Shutdown(absl::string_view why, absl::FunctionRef<boo
   const uint32_t index = options_.shard_index;
   const bool job_over = ended_.load();
   stop_.store(true);
-  shard_->CancelFollow();
+  shard_->StopFollowing();
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (raw_pushes_ != nullptr) raw_pushes_->Shutdown();
   follow_.join();
