@@ -75,35 +75,23 @@ ShardFollower::Attempt ShardFollower::FollowOnce() {
 }
 
 ShardFollower::Attempt ShardFollower::ReadOrders(OrderStream& stream) {
-  const uint32_t shard = options_.shard_index;
   Attempt attempt;
   bool failed = false;
   v1::ShardOrder order;
   while (!stopped_.load() && stream.Read(&order)) {
     attempt.reached = true;
     if (!announced_) {
-      ALOE_LOG_INFO("shard", "shard %d follows the coordinator", shard);
+      ALOE_LOG_INFO("shard", "shard %d follows the coordinator", options_.shard_index);
       announced_ = true;
     }
     if (order.kind() == v1::ShardOrder::FINISH) {
-      // Every order before it was applied, in stream order.
-      const uint64_t at = state_.version();
-      if (at == order.version()) {
-        stream.Cancel();
-        stream.Finish().IgnoreError();
-        ALOE_LOG_INFO("shard", "shard %d: the job is over at version %d", shard, at);
-        attempt.over = true;
-        return attempt;
-      }
-      ALOE_LOG_ERROR("shard", "shard %d: the job is over at version %d, but this shard is at %d",
-                     shard, order.version(), at);
-      continue;
+      if (!JobOver(order.version())) continue;
+      stream.Cancel();
+      stream.Finish().IgnoreError();
+      attempt.over = true;
+      return attempt;
     }
-    if (absl::Status s = state_.Apply(order); !s.ok()) {
-      // This state cannot follow the log on: ask for a reassembly from a checkpoint.
-      ALOE_LOG_ERROR("shard", "shard %d: %s order for version %d failed: %s", shard,
-                     v1::ShardOrder::Kind_Name(order.kind()), order.version(), s.message());
-      state_.MarkFresh();
+    if (!Applied(order)) {
       failed = true;
       break;
     }
@@ -111,17 +99,44 @@ ShardFollower::Attempt ShardFollower::ReadOrders(OrderStream& stream) {
   if (stopped_.load() || failed) stream.Cancel();
   const absl::Status status = stream.Finish();
   if (stopped_.load() || failed) return attempt;
+  return Ended(status, attempt.reached);
+}
+
+bool ShardFollower::JobOver(uint64_t version) {
+  // Every order before FINISH was applied, in stream order.
+  const uint64_t at = state_.version();
+  if (at == version) {
+    ALOE_LOG_INFO("shard", "shard %d: the job is over at version %d", options_.shard_index, at);
+    return true;
+  }
+  ALOE_LOG_ERROR("shard", "shard %d: the job is over at version %d, but this shard is at %d",
+                 options_.shard_index, version, at);
+  return false;
+}
+
+bool ShardFollower::Applied(const v1::ShardOrder& order) {
+  const absl::Status s = state_.Apply(order);
+  if (s.ok()) return true;
+  // This state cannot follow the log on: ask for a reassembly from a checkpoint.
+  ALOE_LOG_ERROR("shard", "shard %d: %s order for version %d failed: %s", options_.shard_index,
+                 v1::ShardOrder::Kind_Name(order.kind()), order.version(), s.message());
+  state_.MarkFresh();
+  return false;
+}
+
+ShardFollower::Attempt ShardFollower::Ended(const absl::Status& status, bool reached) {
+  Attempt attempt;
+  attempt.reached = reached;
   if (RefusedForGood(status.code())) {
     attempt.over = true;
-    attempt.status = absl::Status(status.code(), absl::StrCat("the coordinator refuses shard ",
-                                                              shard, ": ", status.message()));
-    return attempt;
-  }
-  if (status.code() == absl::StatusCode::kAborted) {
+    attempt.status =
+        absl::Status(status.code(), absl::StrCat("the coordinator refuses shard ",
+                                                 options_.shard_index, ": ", status.message()));
+  } else if (status.code() == absl::StatusCode::kAborted) {
     attempt.reached = true;  // the coordinator (re)assembles: follow again
   } else {
-    ALOE_LOG_WARNING("shard", "shard %d: follow stream ended: %s; reconnecting", shard,
-                     status.message());
+    ALOE_LOG_WARNING("shard", "shard %d: follow stream ended: %s; reconnecting",
+                     options_.shard_index, status.message());
   }
   return attempt;
 }

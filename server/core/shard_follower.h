@@ -127,8 +127,15 @@ class ShardFollower {
   v1::FollowRequest Request();
   // Opens one stream and applies its orders until it ends.
   Attempt FollowOnce() ABSL_LOCKS_EXCLUDED(mu_);
-  // Reads and applies the orders of `stream`; sets *reached on the first order.
+  // Reads and applies the orders of `stream` until it ends.
   Attempt ReadOrders(OrderStream& stream);
+  // A FINISH of `version` ends the job when the state is at it (every order before it was
+  // applied); another version is refused and logged.
+  bool JobOver(uint64_t version);
+  // Applies `order`; false (logged, the state marked fresh) when the state cannot.
+  bool Applied(const v1::ShardOrder& order);
+  // How a stream that ended with `status` (not stopped, every order applied) ends the attempt.
+  Attempt Ended(const absl::Status& status, bool reached);
 
   const Options options_;
   FollowTransport& transport_;

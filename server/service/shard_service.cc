@@ -102,20 +102,8 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
     const v1::PushHeader& header, const std::string& identity,
     const std::function<bool()>& cancelled, absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
     absl::Time start) {
-  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return Rejected(s);
-  if (!v1::Codec_IsValid(header.codec())) {
-    return Rejected(
-        absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec())));
-  }
-  // The coordinator admits at most max_staged_updates updates at once, the same on every shard
-  // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
-  // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
-  // The only shard process needs no such agreement: its local slot below is the same bound, and
-  // the round trip is saved (the coordinator admits the update when it is reported).
-  if (!options_.admit_locally) {
-    if (absl::Status admitted = AwaitAdmission(cancelled, header, identity); !admitted.ok()) {
-      return Rejected(admitted);
-    }
+  if (absl::Status admitted = Admit(header, identity, cancelled); !admitted.ok()) {
+    return Rejected(admitted);
   }
   absl::StatusOr<std::shared_ptr<FloatBufferPool>> buffers = TakeSlot(header, cancelled);
   if (!buffers.ok()) return Rejected(buffers.status());
@@ -153,6 +141,21 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
   if (!reported.ok()) return Rejected(reported.status());
   metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));
   return reported;
+}
+
+absl::Status ShardServer::Admit(const v1::PushHeader& header, const std::string& identity,
+                                const std::function<bool()>& cancelled) {
+  ALOE_RETURN_IF_ERROR(CheckSlice(header.slice(), header.slices()));
+  if (!v1::Codec_IsValid(header.codec())) {
+    return absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec()));
+  }
+  // The coordinator admits at most max_staged_updates updates at once, the same on every shard
+  // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
+  // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
+  // The only shard process needs no such agreement: its local slot (TakeSlot) is the same bound,
+  // and the round trip is saved (the coordinator admits the update when it is reported).
+  if (options_.admit_locally) return absl::OkStatus();
+  return AwaitAdmission(cancelled, header, identity);
 }
 
 absl::StatusOr<std::shared_ptr<FloatBufferPool>> ShardServer::TakeSlot(

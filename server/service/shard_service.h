@@ -130,6 +130,10 @@ class ShardServer final : public PushIngestService, private FollowedState {
   // refuses, the push is cancelled or kSlotWait passes.
   absl::Status AwaitAdmission(const std::function<bool()>& cancelled, const v1::PushHeader& header,
                               const std::string& identity);
+  // The checks of a push before it is read: its slice and codec (kInvalidArgument), then the
+  // coordinator's admission (AwaitAdmission) unless options_.admit_locally.
+  absl::Status Admit(const v1::PushHeader& header, const std::string& identity,
+                     const std::function<bool()>& cancelled);
   // Waits (up to kSlotWait, or until `cancelled`) for a local staging slot for the update
   // `header` names and takes it; returns the buffers to assemble it in. kResourceExhausted when
   // none came free. The caller gives the slot back (receiving_).
