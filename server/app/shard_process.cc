@@ -62,7 +62,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> CoordinatorCredentials
 
 ShardProcess::~ShardProcess() {
   stop_.store(true);
-  if (shard_ != nullptr) shard_->CancelFollow();
+  if (shard_ != nullptr) shard_->StopFollowing();
   if (server_ != nullptr && !stopped_) {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   }
@@ -118,33 +118,7 @@ absl::Status ShardProcess::Start() {
     copies_stub_ = v1::ShardControl::NewStub(options.coordinator);
     uploader_ = std::make_unique<CheckpointUploader>(*copies_stub_, options.token);
   }
-  if (options_.resume) {
-    if (checkpoints_ == nullptr) {
-      return absl::InvalidArgumentError("--resume needs checkpoint.dir (or --checkpoint_dir)");
-    }
-    auto loaded = checkpoints_->LoadLatest<v1::ShardCheckpoint>();
-    if (loaded.status().code() == absl::StatusCode::kNotFound && copies_stub_ != nullptr) {
-      // None of its own (a new host or disk): the coordinator's newest copy, if it has one.
-      ALOE_ASSIGN_OR_RETURN(std::optional<v1::ShardCheckpoint> copy,
-                            FetchCopyAtStart(*copies_stub_, options.token, index));
-      if (copy.has_value()) {
-        ALOE_ASSIGN_OR_RETURN(std::string path, checkpoints_->Write(*copy));
-        ALOE_LOG_INFO("shard",
-                      "shard %d has no checkpoint of its own: fetched the coordinator's copy of "
-                      "version %d into %s",
-                      index, copy->version(), path);
-        loaded = checkpoints_->LoadLatest<v1::ShardCheckpoint>();
-      }
-    }
-    if (loaded.status().code() == absl::StatusCode::kNotFound) {
-      ALOE_LOG_WARNING("shard", "--resume: %s; starting from the initial model",
-                       loaded.status().message());
-    } else {
-      ALOE_RETURN_IF_ERROR(loaded.status());
-      ALOE_RETURN_IF_ERROR(state->Restore(loaded->checkpoint, fingerprint));
-      ALOE_LOG_INFO("shard", "resumed from %s (version %d)", loaded->path, state->version());
-    }
-  }
+  if (options_.resume) ALOE_RETURN_IF_ERROR(Resume(*state, fingerprint, options.token));
   options.checkpoints = checkpoints_.get();
   options.every_versions = config.checkpoint().every_versions();
   options.uploader = uploader_.get();
@@ -183,9 +157,40 @@ absl::Status ShardProcess::Start() {
                                        : absl::StrCat(" as ", options.push_address)),
                 metrics_port_, owned_layers, params, coordinator);
   follow_ = std::thread([this] {
-    followed_ = shard_->RunFollowLoop(stop_);
+    followed_ = shard_->RunFollowLoop();
     if (!stop_.load()) ended_.store(true);  // over on its own: the job, or a refusal
   });
+  return absl::OkStatus();
+}
+
+absl::Status ShardProcess::Resume(ShardState& state, const std::string& fingerprint,
+                                  const std::string& token) {
+  const uint32_t index = options_.shard_index;
+  if (checkpoints_ == nullptr) {
+    return absl::InvalidArgumentError("--resume needs checkpoint.dir (or --checkpoint_dir)");
+  }
+  auto loaded = checkpoints_->LoadLatest<v1::ShardCheckpoint>();
+  if (loaded.status().code() == absl::StatusCode::kNotFound && copies_stub_ != nullptr) {
+    // None of its own (a new host or disk): the coordinator's newest copy, if it has one.
+    ALOE_ASSIGN_OR_RETURN(std::optional<v1::ShardCheckpoint> copy,
+                          FetchCopyAtStart(*copies_stub_, token, index));
+    if (copy.has_value()) {
+      ALOE_ASSIGN_OR_RETURN(std::string path, checkpoints_->Write(*copy));
+      ALOE_LOG_INFO("shard",
+                    "shard %d has no checkpoint of its own: fetched the coordinator's copy of "
+                    "version %d into %s",
+                    index, copy->version(), path);
+      loaded = checkpoints_->LoadLatest<v1::ShardCheckpoint>();
+    }
+  }
+  if (loaded.status().code() == absl::StatusCode::kNotFound) {
+    ALOE_LOG_WARNING("shard", "--resume: %s; starting from the initial model",
+                     loaded.status().message());
+  } else {
+    ALOE_RETURN_IF_ERROR(loaded.status());
+    ALOE_RETURN_IF_ERROR(state.Restore(loaded->checkpoint, fingerprint));
+    ALOE_LOG_INFO("shard", "resumed from %s (version %d)", loaded->path, state.version());
+  }
   return absl::OkStatus();
 }
 
@@ -195,7 +200,7 @@ absl::Status ShardProcess::Shutdown(absl::string_view why, absl::FunctionRef<boo
   const uint32_t index = options_.shard_index;
   const bool job_over = ended_.load();
   stop_.store(true);
-  shard_->CancelFollow();
+  shard_->StopFollowing();
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (raw_pushes_ != nullptr) raw_pushes_->Shutdown();
   follow_.join();

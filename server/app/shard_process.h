@@ -19,6 +19,7 @@
 #include "proto/aloe.grpc.pb.h"
 #include "server/app/server_role.h"
 #include "server/core/checkpoint_store.h"
+#include "server/core/shard_state.h"
 #include "server/service/auth.h"
 #include "server/service/checkpoint_copies.h"
 #include "server/service/raw_push_listener.h"
@@ -68,6 +69,12 @@ class ShardProcess final : public ServerRole {
   using ServerRole::Shutdown;
 
  private:
+  // --resume: restores `state` from the newest checkpoint of checkpoint.dir/shard-<index>, or,
+  // with none and checkpoint.replicate_shards, from the coordinator's newest copy (fetched with
+  // `token` and written there first); with neither, the initial model stays (a warning).
+  // kInvalidArgument without checkpoint.dir; the store's, the fetch's and Restore's errors.
+  absl::Status Resume(ShardState& state, const std::string& fingerprint, const std::string& token);
+
   const Options options_;
   std::unique_ptr<ThreadPoolExecutor> executor_;
   std::unique_ptr<MetricsSink> metrics_;

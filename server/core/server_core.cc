@@ -117,10 +117,10 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
   } else {
     core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
   }
-  core->sampler_ = ShardSampler(std::move(train_shards), config.seed(),
-                                config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL
-                                    ? ShardSampler::Mode::kProportional
-                                    : ShardSampler::Mode::kLearningProgress);
+  core->sampler_ = DataShardSampler(std::move(train_shards), config.seed(),
+                                    config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL
+                                        ? DataShardSampler::Mode::kProportional
+                                        : DataShardSampler::Mode::kLearningProgress);
   core->planner_ = LocalWorkPlanner(PlannerOptions(config));
   core->heldout_file_ = std::move(heldout_file);
   metrics.Set(kModelVersion, 0);
@@ -933,7 +933,7 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   std::vector<uint64_t> tokens(c.shard_tokens().begin(), c.shard_tokens().end());
   // Validate everything that can fail before changing anything (the backend restores all or
   // nothing, last).
-  ShardSampler sampler = sampler_;
+  DataShardSampler sampler = sampler_;
   ALOE_RETURN_IF_ERROR(sampler.Restore(steps, tokens, c.sampler_rng()));
   ALOE_RETURN_IF_ERROR(backend_->RestoreFrom(c));
   sampler_ = std::move(sampler);

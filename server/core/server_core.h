@@ -104,7 +104,7 @@ class ServerCore {
   // The service wakes waiting task requests then; the simulator schedules a Tick.
   std::optional<absl::Time> NextDeadline() const { return aggregation_->Deadline(); }
   const LocalWorkPlanner& local_work() const { return planner_; }
-  const ShardSampler& sampler() const { return sampler_; }
+  const DataShardSampler& sampler() const { return sampler_; }
   // --- Checkpoints (exact resume). The state right after the last outer step; tasks handed out
   // since then are not part of it.
   v1::ServerCheckpoint CaptureCheckpoint() const;
@@ -257,7 +257,7 @@ class ServerCore {
   std::unique_ptr<AggregationPolicy> aggregation_;
   // aggregation_ when it is a grace window behind aligned DyLU (LocalWorkPlanner); else null.
   GracePeriodAggregation* aligned_grace_ = nullptr;
-  ShardSampler sampler_;
+  DataShardSampler sampler_;
   LocalWorkPlanner planner_;
   std::string heldout_file_;
   // Older versions that open tasks (or released workers) start from, kept for their pulls.

@@ -7,7 +7,7 @@
 
 namespace aloe::server {
 
-ShardSampler::ShardSampler(std::vector<DataShard> shards, uint64_t seed, Mode mode)
+DataShardSampler::DataShardSampler(std::vector<DataShard> shards, uint64_t seed, Mode mode)
     : shards_(std::move(shards)),
       mode_(mode),
       steps_(shards_.size(), 0),
@@ -17,7 +17,7 @@ ShardSampler::ShardSampler(std::vector<DataShard> shards, uint64_t seed, Mode mo
   for (const DataShard& s : shards_) total_size_ += static_cast<double>(s.tokens);
 }
 
-std::vector<double> ShardSampler::Probabilities() const {
+std::vector<double> DataShardSampler::Probabilities() const {
   const size_t k = shards_.size();
   std::vector<double> p(k, 0.0);
   if (k == 0 || total_size_ <= 0) return p;
@@ -41,7 +41,7 @@ std::vector<double> ShardSampler::Probabilities() const {
   return p;
 }
 
-size_t ShardSampler::Next() {
+size_t DataShardSampler::Next() {
   const std::vector<double> p = Probabilities();
   // Inverse CDF with a 53-bit uniform: deterministic across standard libraries.
   const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53;
@@ -56,27 +56,27 @@ size_t ShardSampler::Next() {
   return last_positive;  // u landed in the rounding gap at the top
 }
 
-void ShardSampler::Assign(size_t i, uint64_t tokens) { in_flight_[i] += tokens; }
+void DataShardSampler::Assign(size_t i, uint64_t tokens) { in_flight_[i] += tokens; }
 
-void ShardSampler::Release(size_t i, uint64_t tokens) {
+void DataShardSampler::Release(size_t i, uint64_t tokens) {
   in_flight_[i] -= std::min(in_flight_[i], tokens);
 }
 
-void ShardSampler::RecordLearned(size_t i, uint64_t assigned, uint64_t steps, uint64_t tokens) {
+void DataShardSampler::RecordLearned(size_t i, uint64_t assigned, uint64_t steps, uint64_t tokens) {
   Release(i, assigned);
   steps_[i] += steps;
   learned_[i] += tokens;
 }
 
-std::string ShardSampler::RngState() const {
+std::string DataShardSampler::RngState() const {
   std::ostringstream out;
   out << rng_;
   return out.str();
 }
 
-absl::Status ShardSampler::Restore(const std::vector<uint64_t>& steps,
-                                   const std::vector<uint64_t>& tokens,
-                                   const std::string& rng_state) {
+absl::Status DataShardSampler::Restore(const std::vector<uint64_t>& steps,
+                                       const std::vector<uint64_t>& tokens,
+                                       const std::string& rng_state) {
   if (steps.size() != shards_.size() || tokens.size() != shards_.size()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("checkpoint has progress for %d/%d data shards, the corpus has %d",

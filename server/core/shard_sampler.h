@@ -1,13 +1,13 @@
 // Chooses the data shard of each training task by learning progress (paper 002 Eq. 2):
 //   p_i ∝ max(|D_i| / sum_j |D_j| - n_i / sum_j n_j, 0)
-// where |D_i| is shard i's size in tokens and n_i the tokens of shard i learned so far PLUS the
+// where |D_i| is data shard i's size in tokens and n_i the tokens of it learned so far PLUS the
 // tokens already assigned to open tasks but not yet returned ("in flight"). Counting in-flight
-// work means that many workers asking at once do not all get the same under-sampled shard
+// work means that many workers asking at once do not all get the same under-sampled data shard
 // (herding); a dropped task releases its tokens. When sum n = 0 (start) or every p_i = 0
-// (exact balance) the draw is proportional to |D_i|. An over-sampled shard (p_i = 0) is never
+// (exact balance) the draw is proportional to |D_i|. An over-sampled data shard (p_i = 0) is never
 // drawn. kProportional ignores progress and always draws ∝ |D_i|.
 //
-// Also keeps each shard's LR schedule position (paper 002 Eq. 3): the local steps learned on
+// Also keeps each data shard's LR schedule position (paper 002 Eq. 3): the local steps learned on
 // it, advanced when an update is applied. Deterministic for a seed. Not thread-safe.
 #pragma once
 
@@ -26,29 +26,30 @@ struct DataShard {
   uint64_t tokens = 0;
 };
 
-class ShardSampler {
+class DataShardSampler {
  public:
   enum class Mode { kLearningProgress, kProportional };
 
-  // Precondition: at least one shard with tokens > 0 (ServerCore::Create checks).
-  ShardSampler(std::vector<DataShard> shards, uint64_t seed, Mode mode = Mode::kLearningProgress);
+  // Precondition: at least one data shard with tokens > 0 (ServerCore::Create checks).
+  DataShardSampler(std::vector<DataShard> shards, uint64_t seed,
+                   Mode mode = Mode::kLearningProgress);
 
-  // Index of the shard for the next task (draws; does not record anything).
+  // Index of the data shard for the next task (draws; does not record anything).
   size_t Next();
   // The distribution Next() draws from now (sums to 1).
   std::vector<double> Probabilities() const;
 
-  // A task on shard i is expected to learn `tokens`: counted as in flight until it returns.
+  // A task on data shard i is expected to learn `tokens`: counted as in flight until it returns.
   void Assign(size_t i, uint64_t tokens);
   // The task was dropped (its worker left or expired): its in-flight tokens are released.
   void Release(size_t i, uint64_t tokens);
-  // An applied update of a task that had `assigned` tokens in flight on shard i learned
+  // An applied update of a task that had `assigned` tokens in flight on data shard i learned
   // `tokens` in `steps` local steps.
   void RecordLearned(size_t i, uint64_t assigned, uint64_t steps, uint64_t tokens);
 
   // Checkpoint support: the generator state, and a restore of the learned counters and the
   // generator (in-flight counts restart at zero: tasks do not survive a restart).
-  // kInvalidArgument when the sizes do not match the shards or the generator state is bad.
+  // kInvalidArgument when the sizes do not match the data shards or the generator state is bad.
   std::string RngState() const;
   absl::Status Restore(const std::vector<uint64_t>& steps, const std::vector<uint64_t>& tokens,
                        const std::string& rng_state);

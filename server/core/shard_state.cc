@@ -67,7 +67,8 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(
         absl::StrFormat("shard %d of %d owns no layer: more shard processes than layers (%d)",
                         shard_index, processes, spec.layers_size()));
   }
-  // More groups than layers would only add idle work items to every step.
+  // More groups than layers would only add idle work items to every step. In the local spec,
+  // LayerSpec.shard names a layer's apply group, not a shard process.
   const uint32_t groups =
       std::clamp<uint32_t>(apply_groups, 1, static_cast<uint32_t>(owned.size()));
   AssignShards(groups, &local_spec);

@@ -1,8 +1,8 @@
 // The coordinator's side of a layer-sharded server (aloe-server --role coordinator): shard
-// processes report staged update parts (ReportStaged) and follow the order log (Follow). The
-// gRPC adapter of ShardAssembly (server/core/shard_assembly.h), which decides when the shards
-// (re)assemble and which stream may go on; this file runs the restore, streams the orders and
-// tells the core the shards' addresses.
+// processes report staged update parts (ReportStaged) and follow the order log (Follow). Follow
+// is the gRPC adapter of OrderFeed (server/core/order_feed.h), which assembles the shard
+// processes and streams the orders; this file gives it the core's order log, the restore and the
+// shard processes' addresses (FeedHost) and keeps the copies of their checkpoints.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -13,16 +13,29 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "common/metrics.h"
 #include "proto/aloe.grpc.pb.h"
+#include "server/core/order_feed.h"
 #include "server/core/order_journal.h"
-#include "server/core/shard_assembly.h"
 #include "server/service/auth.h"
 #include "server/service/core_handle.h"
 
 namespace aloe::server {
 
-class ShardControlService final : public v1::ShardControl::Service {
+// FeedWaits on a condition variable (real time). Thread-safe.
+class CondVarWaits final : public FeedWaits {
+ public:
+  void Wait(absl::Mutex& mu, absl::Duration timeout) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    changed_.WaitWithTimeout(&mu, timeout);
+  }
+  void WakeAll() override { changed_.SignalAll(); }
+
+ private:
+  absl::CondVar changed_;
+};
+
+class ShardControlService final : public v1::ShardControl::Service, private FeedHost {
  public:
   struct Options {
     uint32_t shard_processes = 0;
@@ -61,23 +74,32 @@ class ShardControlService final : public v1::ShardControl::Service {
   // The job is over at `version`: every Follow stream sends its remaining orders, then FINISH,
   // and ends. Waits until each shard process was sent FINISH, or `timeout` (a shard away now
   // keeps asking to follow until it is stopped); returns how many were.
-  uint32_t Finish(uint64_t version, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  uint32_t Finish(uint64_t version, absl::Duration timeout) {
+    return feed_.Finish(version, timeout);
+  }
 
  private:
   // The caller is a shard process: with token auth, a token of options_.shard_identity
   // (UNAUTHENTICATED for a missing or unknown token, PERMISSION_DENIED for another identity's).
   grpc::Status CheckShardCaller(const grpc::ServerContext& context, const char* rpc) const;
-  // What Admit and ReportStaged check first: the shard's token, that `identity` owns the worker,
-  // and that the shards are assembled (UNAVAILABLE while they reassemble).
+  // What Admit and ReportStaged check first: the shard process's token, that `identity` owns
+  // the worker, and that the shard processes are assembled (UNAVAILABLE while they reassemble).
   grpc::Status CheckPartCall(const grpc::ServerContext& context, uint64_t worker_id,
-                             const std::string& identity) ABSL_LOCKS_EXCLUDED(mu_);
-  // Starts a new assembly (ends every stream). Requires mu_.
-  void BeginAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Completes the assembly when every shard joined it. Requires mu_.
-  void MaybeCompleteAssembly() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Trims the coordinator's order log before absolute index `index` (ShardAssembly::Sent) when
-  // that drops a batch.
-  void TrimLog(uint64_t index);
+                             const std::string& identity);
+
+  // FeedHost over the handle's core and the journal.
+  uint64_t version() override;
+  std::vector<uint64_t> RestartVersions() override { return options_.coordinator_versions(); }
+  absl::Status Restore(uint64_t version) override { return options_.restore(version); }
+  void SetAddresses(const std::vector<ShardAddress>& addresses) override;
+  void Assembled(uint64_t version) override;
+  std::optional<uint64_t> OrderIndexAfter(uint64_t version) override;
+  std::vector<v1::ShardOrder> OrdersFrom(uint64_t cursor) override;
+  // Only when that drops a batch (a Run wakes every stream).
+  void TrimOrdersBefore(uint64_t index) override;
+  void WaitForOrder(uint64_t cursor, absl::Duration timeout) override {
+    handle_.WaitForOrder(cursor, timeout);
+  }
 
   // The store of shard `shard`'s copies (options_.replica_dir must be set).
   std::string CopiesDir(uint32_t shard) const;
@@ -86,9 +108,9 @@ class ShardControlService final : public v1::ShardControl::Service {
   Authenticator& auth_;
   const Options options_;
   absl::Mutex copies_mu_;  // one copy written or read at a time
-  absl::Mutex mu_;
-  absl::CondVar assembled_;
-  ShardAssembly assembly_ ABSL_GUARDED_BY(mu_);
+  RealClock clock_;
+  CondVarWaits waits_;
+  OrderFeed feed_;
 };
 
 }  // namespace aloe::server

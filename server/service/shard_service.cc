@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -12,7 +11,6 @@
 #include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "server/core/server_metrics.h"
-#include "server/core/shard_assembly.h"
 #include "server/core/update_assembler.h"
 #include "server/service/grpc_services.h"
 
@@ -28,6 +26,15 @@ absl::Status AbslStatusOf(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+ShardFollower::Options FollowerOptions(const ShardServer::Options& options) {
+  ShardFollower::Options follow;
+  follow.shard_index = options.shard_index;
+  follow.address = options.address;
+  follow.push_address = options.push_address;
+  follow.fingerprint = options.fingerprint;
+  return follow;
+}
+
 }  // namespace
 
 ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, Options options,
@@ -38,6 +45,8 @@ ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, 
       auth_(auth),
       metrics_(metrics),
       control_(v1::ShardControl::NewStub(options_.coordinator)),
+      follow_transport_(*control_, options_.token),
+      follower_(FollowerOptions(options_), follow_transport_, *this, follow_wait_),
       state_(std::move(state)) {}
 
 uint64_t ShardServer::version() {
@@ -93,44 +102,11 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
     const v1::PushHeader& header, const std::string& identity,
     const std::function<bool()>& cancelled, absl::FunctionRef<absl::Status(UpdateAssembler&)> read,
     absl::Time start) {
-  if (absl::Status s = CheckSlice(header.slice(), header.slices()); !s.ok()) return Rejected(s);
-  if (!v1::Codec_IsValid(header.codec())) {
-    return Rejected(
-        absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec())));
+  if (absl::Status admitted = Admit(header, identity, cancelled); !admitted.ok()) {
+    return Rejected(admitted);
   }
-  // The coordinator admits at most max_staged_updates updates at once, the same on every shard
-  // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
-  // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
-  // The only shard process needs no such agreement: its local slot below is the same bound, and
-  // the round trip is saved (the coordinator admits the update when it is reported).
-  if (!options_.admit_locally) {
-    if (absl::Status admitted = AwaitAdmission(cancelled, header, identity); !admitted.ok()) {
-      return Rejected(admitted);
-    }
-  }
-  std::shared_ptr<FloatBufferPool> buffers;
-  {
-    // A local slot as well: admissions the coordinator ended may still be staged here until
-    // their COMMIT or DISCARD order arrives.
-    absl::MutexLock lock(&mu_);
-    const absl::Time deadline = absl::Now() + kSlotWait;
-    // A retry of an update staged already needs no new slot.
-    auto room = [&] {
-      return state_->staged_count() + receiving_ < options_.max_staged ||
-             (state_->staged_count() >= options_.max_staged &&
-              state_->HasRoom(header.worker_id(), header.update_id()));
-    };
-    while (!room()) {
-      if (cancelled() || changed_.WaitWithDeadline(&mu_, deadline)) {
-        return Rejected(absl::ResourceExhaustedError(absl::StrFormat(
-            "shard %d: staging full (%d updates staged or being received) for %.0f s; push again "
-            "later",
-            options_.shard_index, options_.max_staged, absl::ToDoubleSeconds(kSlotWait))));
-      }
-    }
-    ++receiving_;
-    buffers = state_->staging_buffers();
-  }
+  absl::StatusOr<std::shared_ptr<FloatBufferPool>> buffers = TakeSlot(header, cancelled);
+  if (!buffers.ok()) return Rejected(buffers.status());
   struct Release {
     ShardServer* server;
     ~Release() {
@@ -140,7 +116,7 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
     }
   } release{this};
 
-  UpdateAssembler assembler(spec_, header, options_.shard_index, std::move(buffers));
+  UpdateAssembler assembler(spec_, header, options_.shard_index, *std::move(buffers));
   if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();
@@ -161,6 +137,53 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
     reply.set_version(version());
     return reply;
   }
+  absl::StatusOr<v1::PushReply> reported = ReportPart(header, identity, bytes);
+  if (!reported.ok()) return Rejected(reported.status());
+  metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));
+  return reported;
+}
+
+absl::Status ShardServer::Admit(const v1::PushHeader& header, const std::string& identity,
+                                const std::function<bool()>& cancelled) {
+  ALOE_RETURN_IF_ERROR(CheckSlice(header.slice(), header.slices()));
+  if (!v1::Codec_IsValid(header.codec())) {
+    return absl::InvalidArgumentError(absl::StrFormat("unsupported codec %d", header.codec()));
+  }
+  // The coordinator admits at most max_staged_updates updates at once, the same on every shard
+  // (admitting here alone, simultaneous pushes could fill each shard with updates another shard
+  // never admits, and none would complete). Unread meanwhile: gRPC flow control holds the pusher.
+  // The only shard process needs no such agreement: its local slot (TakeSlot) is the same bound,
+  // and the round trip is saved (the coordinator admits the update when it is reported).
+  if (options_.admit_locally) return absl::OkStatus();
+  return AwaitAdmission(cancelled, header, identity);
+}
+
+absl::StatusOr<std::shared_ptr<FloatBufferPool>> ShardServer::TakeSlot(
+    const v1::PushHeader& header, const std::function<bool()>& cancelled) {
+  // A local slot as well: admissions the coordinator ended may still be staged here until their
+  // COMMIT or DISCARD order arrives.
+  absl::MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + kSlotWait;
+  // A retry of an update staged already needs no new slot.
+  auto room = [&] {
+    return state_->staged_count() + receiving_ < options_.max_staged ||
+           (state_->staged_count() >= options_.max_staged &&
+            state_->HasRoom(header.worker_id(), header.update_id()));
+  };
+  while (!room()) {
+    if (cancelled() || changed_.WaitWithDeadline(&mu_, deadline)) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "shard %d: staging full (%d updates staged or being received) for %.0f s; push again "
+          "later",
+          options_.shard_index, options_.max_staged, absl::ToDoubleSeconds(kSlotWait)));
+    }
+  }
+  ++receiving_;
+  return state_->staging_buffers();
+}
+
+absl::StatusOr<v1::PushReply> ShardServer::ReportPart(const v1::PushHeader& header,
+                                                      const std::string& identity, uint64_t bytes) {
   v1::StagedReport report;
   report.set_shard_index(options_.shard_index);
   *report.mutable_header() = header;
@@ -169,21 +192,20 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
   grpc::ClientContext call;
   call.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   if (!options_.token.empty()) call.AddMetadata(kTokenMetadata, options_.token);
-  grpc::Status reported = control_->ReportStaged(&call, report, &reply);
+  v1::PushReply reply;
+  const grpc::Status reported = control_->ReportStaged(&call, report, &reply);
   if (!reported.ok()) {
     // Refused (or the coordinator is unreachable): nothing of this update may stay here.
     absl::MutexLock lock(&mu_);
     state_->Discard(header.worker_id(), header.update_id());
     Publish();
     changed_.SignalAll();
-    return Rejected(AbslStatusOf(reported));
+    return AbslStatusOf(reported);
   }
-  metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));
   return reply;
 }
 
 absl::Status ShardServer::Restore(uint64_t version) {
-  // Called with mu_ held by ApplyOrder.
   if (version == state_->version()) {
     // Same version: only the staged updates go (they belong to the previous assembly).
     return state_->Restore(state_->Capture(options_.fingerprint), options_.fingerprint);
@@ -205,7 +227,7 @@ absl::Status ShardServer::Restore(uint64_t version) {
   return c.status();
 }
 
-absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
+absl::Status ShardServer::Apply(const v1::ShardOrder& order) {
   std::optional<v1::ShardCheckpoint> due;
   absl::Status status;
   {
@@ -219,31 +241,34 @@ absl::Status ShardServer::ApplyOrder(const v1::ShardOrder& order) {
                       order.version());
       }
     } else {
-      const absl::Time start = absl::Now();
-      const uint64_t steps = state_->layer_steps(), copied = state_->copied_layer_steps();
-      status = state_->Apply(order);
-      layer_steps_ += state_->layer_steps() - steps;
-      const uint64_t copies = state_->copied_layer_steps() - copied;
-      copied_layer_steps_ += copies;
-      if (copies > 0) metrics_.Add(kLayerStepsCopied, static_cast<double>(copies));
-      const uint64_t v = state_->version();
-      if (status.ok() && order.kind() == v1::ShardOrder::COMMIT) {
-        metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(absl::Now() - start));
-      }
-      if (status.ok() && order.kind() == v1::ShardOrder::COMMIT &&
-          !state_->last_penalty_reports().empty()) {
-        ReportPenalty(state_->last_penalty_reports(), v, "shard", metrics_);
-      }
-      if (status.ok() && order.kind() == v1::ShardOrder::COMMIT &&
-          options_.checkpoints != nullptr && options_.every_versions > 0 &&
-          v % options_.every_versions == 0) {
-        due = state_->Capture(options_.fingerprint);
-      }
+      status = ApplyLogOrder(order, &due);
     }
     Publish();
     changed_.SignalAll();
   }
   if (due) WriteCheckpoint(*std::move(due));  // outside the lock: pushes and pulls go on meanwhile
+  return status;
+}
+
+absl::Status ShardServer::ApplyLogOrder(const v1::ShardOrder& order,
+                                        std::optional<v1::ShardCheckpoint>* due) {
+  const absl::Time start = absl::Now();
+  const uint64_t steps = state_->layer_steps(), copied = state_->copied_layer_steps();
+  const absl::Status status = state_->Apply(order);
+  layer_steps_ += state_->layer_steps() - steps;
+  const uint64_t copies = state_->copied_layer_steps() - copied;
+  copied_layer_steps_ += copies;
+  if (copies > 0) metrics_.Add(kLayerStepsCopied, static_cast<double>(copies));
+  if (!status.ok() || order.kind() != v1::ShardOrder::COMMIT) return status;
+  const uint64_t v = state_->version();
+  metrics_.Observe(kApplyLatency, absl::ToDoubleSeconds(absl::Now() - start));
+  if (!state_->last_penalty_reports().empty()) {
+    ReportPenalty(state_->last_penalty_reports(), v, "shard", metrics_);
+  }
+  if (options_.checkpoints != nullptr && options_.every_versions > 0 &&
+      v % options_.every_versions == 0) {
+    *due = state_->Capture(options_.fingerprint);
+  }
   return status;
 }
 
@@ -293,94 +318,60 @@ void ShardServer::WriteFinalCheckpoint() {
   if (last) WriteCheckpoint(*std::move(last));
 }
 
-void ShardServer::CancelFollow() {
-  absl::MutexLock lock(&follow_mu_);
-  if (follow_context_ != nullptr) follow_context_->TryCancel();
+void ShardServer::Describe(v1::FollowRequest* request) {
+  absl::MutexLock lock(&mu_);
+  request->set_version(state_->version());
+  request->set_fresh(fresh_);
+  if (options_.checkpoints == nullptr) return;
+  for (uint64_t v : options_.checkpoints->Versions()) {
+    if (!unreadable_checkpoints_.count(v)) request->add_checkpoint_versions(v);
+  }
 }
 
-absl::Status ShardServer::RunFollowLoop(const std::atomic<bool>& stop) {
-  bool announced = false;
-  while (!stop.load()) {
-    v1::FollowRequest request;
-    request.set_shard_index(options_.shard_index);
-    request.set_address(options_.address);
-    request.set_push_address(options_.push_address);
-    request.set_fingerprint(options_.fingerprint);
-    {
-      absl::MutexLock lock(&mu_);
-      request.set_version(state_->version());
-      request.set_fresh(fresh_);
-      if (options_.checkpoints != nullptr) {
-        for (uint64_t v : options_.checkpoints->Versions()) {
-          if (!unreadable_checkpoints_.count(v)) request.add_checkpoint_versions(v);
-        }
-      }
-    }
-    grpc::ClientContext context;
-    if (!options_.token.empty()) context.AddMetadata(kTokenMetadata, options_.token);
-    {
-      absl::MutexLock lock(&follow_mu_);
-      follow_context_ = &context;
-    }
-    // Cleared on every way out of this iteration.
-    struct Unregister {
-      ShardServer* server;
-      ~Unregister() {
-        absl::MutexLock lock(&server->follow_mu_);
-        server->follow_context_ = nullptr;
-      }
-    } unregister{this};
-    if (stop.load()) break;  // CancelFollow may have run before the context was registered
-    std::unique_ptr<grpc::ClientReader<v1::ShardOrder>> reader =
-        control_->Follow(&context, request);
-    v1::ShardOrder order;
-    bool failed = false;
-    while (!stop.load() && reader->Read(&order)) {
-      if (!announced) {
-        ALOE_LOG_INFO("shard", "shard %d follows the coordinator", options_.shard_index);
-        announced = true;
-      }
-      if (order.kind() == v1::ShardOrder::FINISH) {
-        // Every order before it was applied, in stream order.
-        const uint64_t at = version();
-        if (at == order.version()) {
-          context.TryCancel();
-          reader->Finish();
-          ALOE_LOG_INFO("shard", "shard %d: the job is over at version %d", options_.shard_index,
-                        at);
-          return absl::OkStatus();
-        }
-        ALOE_LOG_ERROR("shard", "shard %d: the job is over at version %d, but this shard is at %d",
-                       options_.shard_index, order.version(), at);
-        continue;
-      }
-      absl::Status s = ApplyOrder(order);
-      if (!s.ok()) {
-        // This state cannot follow the log any more: ask for a reassembly from a checkpoint.
-        ALOE_LOG_ERROR("shard", "shard %d: %s order for version %d failed: %s",
-                       options_.shard_index, v1::ShardOrder::Kind_Name(order.kind()),
-                       order.version(), s.message());
-        absl::MutexLock lock(&mu_);
-        fresh_ = true;
-        failed = true;
-        break;
-      }
-    }
-    if (stop.load() || failed) context.TryCancel();
-    const grpc::Status status = reader->Finish();
-    if (stop.load()) break;
-    const auto code = static_cast<absl::StatusCode>(status.error_code());
-    if (!failed && RefusedForGood(code)) {
-      return absl::Status(code, absl::StrCat("the coordinator refuses shard ", options_.shard_index,
-                                             ": ", status.error_message()));
-    }
-    if (status.error_code() != grpc::StatusCode::ABORTED && !failed) {
-      ALOE_LOG_WARNING("shard", "shard %d: follow stream ended: %s; reconnecting",
-                       options_.shard_index, status.error_message());
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+void ShardServer::MarkFresh() {
+  absl::MutexLock lock(&mu_);
+  fresh_ = true;
+}
+
+namespace {
+
+// A Follow call, started at the first Read or Finish so that Cancel may come before it.
+class GrpcOrderStream final : public OrderStream {
+ public:
+  GrpcOrderStream(v1::ShardControl::Stub& stub, v1::FollowRequest request, const std::string& token)
+      : stub_(stub), request_(std::move(request)) {
+    if (!token.empty()) context_.AddMetadata(kTokenMetadata, token);
   }
-  return absl::OkStatus();
+  bool Read(v1::ShardOrder* order) override { return Started().Read(order); }
+  void Cancel() override { context_.TryCancel(); }
+  absl::Status Finish() override { return AbslStatusOf(Started().Finish()); }
+
+ private:
+  grpc::ClientReader<v1::ShardOrder>& Started() {
+    if (reader_ == nullptr) reader_ = stub_.Follow(&context_, request_);
+    return *reader_;
+  }
+
+  v1::ShardControl::Stub& stub_;
+  const v1::FollowRequest request_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<v1::ShardOrder>> reader_;
+};
+
+}  // namespace
+
+std::unique_ptr<OrderStream> GrpcFollowTransport::Open(const v1::FollowRequest& request) {
+  return std::make_unique<GrpcOrderStream>(stub_, request, token_);
+}
+
+void InterruptibleWait::Wait(absl::Duration delay) {
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(&interrupted_), delay);
+}
+
+void InterruptibleWait::Interrupt() {
+  absl::MutexLock lock(&mu_);
+  interrupted_ = true;
 }
 
 }  // namespace aloe::server

@@ -9,9 +9,10 @@
 // meanwhile (the processes reassembled at an older version) ends the wait with
 // FAILED_PRECONDITION at once.
 //
-// The follow loop (RunFollowLoop) keeps a Follow stream to the coordinator open, reconnecting
-// after any failure, and applies COMMIT (writing a checkpoint every checkpoint.every_versions),
-// DISCARD and RESTORE orders in order. Thread-safe.
+// Following the coordinator (RunFollowLoop) is ShardFollower's (server/core/shard_follower.h):
+// this process is the state it applies the orders to (COMMIT, writing a checkpoint every
+// checkpoint.every_versions; DISCARD; FORGET; RESTORE), over a Follow stream of gRPC.
+// Thread-safe.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -19,6 +20,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -28,6 +30,7 @@
 #include "common/raw_push.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/core/checkpoint_store.h"
+#include "server/core/shard_follower.h"
 #include "server/core/shard_state.h"
 #include "server/core/update_assembler.h"
 #include "server/service/auth.h"
@@ -37,7 +40,31 @@
 
 namespace aloe::server {
 
-class ShardServer final : public PushIngestService {
+// Follow streams over gRPC: ShardControl.Follow with the token, started at the first Read.
+class GrpcFollowTransport final : public FollowTransport {
+ public:
+  // stub must outlive the transport and its streams.
+  GrpcFollowTransport(v1::ShardControl::Stub& stub, std::string token)
+      : stub_(stub), token_(std::move(token)) {}
+  std::unique_ptr<OrderStream> Open(const v1::FollowRequest& request) override;
+
+ private:
+  v1::ShardControl::Stub& stub_;
+  const std::string token_;
+};
+
+// The wait between Follow streams on the real clock. Thread-safe.
+class InterruptibleWait final : public ReconnectWait {
+ public:
+  void Wait(absl::Duration delay) override ABSL_LOCKS_EXCLUDED(mu_);
+  void Interrupt() override ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  absl::Mutex mu_;
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class ShardServer final : public PushIngestService, private FollowedState {
  public:
   struct Options {
     uint32_t shard_index = 0;
@@ -65,20 +92,19 @@ class ShardServer final : public PushIngestService {
   grpc::Status ServePull(grpc::ServerContext*, const v1::PullRequest*, PullStreamWriter*) override;
   // Pushes (ServePush, ServeRawPush: PushIngestService) carry this shard's layers only.
 
-  // Follows the coordinator until `stop` is set or the coordinator says the job is over (FINISH,
-  // once every order was applied) (OK), reconnecting whenever the stream ends. The
+  // Follows the coordinator until StopFollowing or the coordinator says the job is over (FINISH,
+  // once every order was applied) (OK), following again whenever the stream ends. The
   // coordinator refusing this process for good (another config: kInvalidArgument or
   // kFailedPrecondition; a missing or unknown token: kUnauthenticated or kPermissionDenied)
-  // ends it with that refusal instead, since following again would be refused again.
-  absl::Status RunFollowLoop(const std::atomic<bool>& stop) ABSL_LOCKS_EXCLUDED(follow_mu_);
-  // Ends the follow stream open now, for a RunFollowLoop whose `stop` was just set (it returns
-  // without waiting for the coordinator's next order).
-  void CancelFollow() ABSL_LOCKS_EXCLUDED(follow_mu_);
+  // ends it with that refusal instead (ShardFollower::Run).
+  absl::Status RunFollowLoop() { return follower_.Run(); }
+  // Ends RunFollowLoop at once (the stream open now and any wait), or before it starts.
+  void StopFollowing() { follower_.Stop(); }
   // At exit: checkpoints the current version unless it is on disk already (or the state is
   // still fresh, i.e. never assembled), so that a restart loses nothing that was applied.
   void WriteFinalCheckpoint();
 
-  uint64_t version();
+  uint64_t version() override;
   // Payload bytes of the pushes received whole so far (raw_push_bytes(): the part that came raw).
   uint64_t received_bytes() const { return received_bytes_.load(); }
   // Layer updates of the outer steps applied so far, and those that wrote a fresh buffer
@@ -90,13 +116,35 @@ class ShardServer final : public PushIngestService {
   std::atomic<uint64_t> received_bytes_{0};
   std::atomic<uint64_t> layer_steps_{0};
   std::atomic<uint64_t> copied_layer_steps_{0};
-  // Applies one order; an error means this state cannot follow the log any more.
-  absl::Status ApplyOrder(const v1::ShardOrder& order);
-  absl::Status Restore(uint64_t version);
+  // FollowedState: what this process's state says in a Follow request, the orders applied to
+  // it, and its loss (an order it cannot apply).
+  void Describe(v1::FollowRequest* request) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Apply(const v1::ShardOrder& order) override ABSL_LOCKS_EXCLUDED(mu_);
+  void MarkFresh() override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Restore(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies a COMMIT, DISCARD or FORGET to the state and counts it; sets *due to the checkpoint
+  // a COMMIT makes due (checkpoint.every_versions), to be written outside the lock.
+  absl::Status ApplyLogOrder(const v1::ShardOrder& order, std::optional<v1::ShardCheckpoint>* due)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Asks the coordinator to admit the update `header` names (ShardControl.Admit) until it does,
   // refuses, the push is cancelled or kSlotWait passes.
   absl::Status AwaitAdmission(const std::function<bool()>& cancelled, const v1::PushHeader& header,
                               const std::string& identity);
+  // The checks of a push before it is read: its slice and codec (kInvalidArgument), then the
+  // coordinator's admission (AwaitAdmission) unless options_.admit_locally.
+  absl::Status Admit(const v1::PushHeader& header, const std::string& identity,
+                     const std::function<bool()>& cancelled);
+  // Waits (up to kSlotWait, or until `cancelled`) for a local staging slot for the update
+  // `header` names and takes it; returns the buffers to assemble it in. kResourceExhausted when
+  // none came free. The caller gives the slot back (receiving_).
+  absl::StatusOr<std::shared_ptr<FloatBufferPool>> TakeSlot(const v1::PushHeader& header,
+                                                            const std::function<bool()>& cancelled)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Reports the whole part staged here to the coordinator (ShardControl.ReportStaged) and
+  // returns its answer; a refusal (or no answer) drops the part from staging again.
+  absl::StatusOr<v1::PushReply> ReportPart(const v1::PushHeader& header,
+                                           const std::string& identity, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Counts a refused push and returns its status.
   absl::Status Rejected(const absl::Status& status) override;
   // Admission, a staging slot, `read` (the transport's reader into the assembler), staging and
@@ -116,8 +164,9 @@ class ShardServer final : public PushIngestService {
   Authenticator& auth_;
   MetricsSink& metrics_;
   std::unique_ptr<v1::ShardControl::Stub> control_;
-  absl::Mutex follow_mu_;
-  grpc::ClientContext* follow_context_ ABSL_GUARDED_BY(follow_mu_) = nullptr;  // the open stream
+  GrpcFollowTransport follow_transport_;
+  InterruptibleWait follow_wait_;
+  ShardFollower follower_;
   absl::Mutex mu_;
   absl::CondVar changed_;  // a commit, discard or restore happened, or a slot came free
   std::unique_ptr<ShardState> state_ ABSL_GUARDED_BY(mu_);

@@ -9,16 +9,16 @@ namespace {
 
 std::vector<DataShard> Shards() { return {{"a", "a", 100}, {"b", "b", 300}, {"c", "c", 600}}; }
 
-TEST(ShardSamplerTest, StartIsProportionalToSize) {
-  ShardSampler sampler(Shards(), 1);
+TEST(DataShardSamplerTest, StartIsProportionalToSize) {
+  DataShardSampler sampler(Shards(), 1);
   const auto p = sampler.Probabilities();
   EXPECT_DOUBLE_EQ(p[0], 0.1);
   EXPECT_DOUBLE_EQ(p[1], 0.3);
   EXPECT_DOUBLE_EQ(p[2], 0.6);
 }
 
-TEST(ShardSamplerTest, ProbabilitiesFollowEquation2) {
-  ShardSampler sampler(Shards(), 1);
+TEST(DataShardSamplerTest, ProbabilitiesFollowEquation2) {
+  DataShardSampler sampler(Shards(), 1);
   // n = (50, 30, 20): shares (0.1, 0.3, 0.6), progress (0.5, 0.3, 0.2)
   // -> max(., 0) = (0, 0, 0.4) -> only c.
   sampler.RecordLearned(0, 0, 5, 50);
@@ -29,7 +29,7 @@ TEST(ShardSamplerTest, ProbabilitiesFollowEquation2) {
   EXPECT_DOUBLE_EQ(p[1], 0.0);
   EXPECT_DOUBLE_EQ(p[2], 1.0);
   // n = (0, 10, 10): progress (0, 0.5, 0.5) -> (0.1, 0, 0.1) -> (0.5, 0, 0.5).
-  ShardSampler second(Shards(), 1);
+  DataShardSampler second(Shards(), 1);
   second.RecordLearned(1, 0, 1, 10);
   second.RecordLearned(2, 0, 1, 10);
   p = second.Probabilities();
@@ -39,8 +39,9 @@ TEST(ShardSamplerTest, ProbabilitiesFollowEquation2) {
   EXPECT_EQ(second.lr_step(1), 1u);
 }
 
-TEST(ShardSamplerTest, EmpiricalFrequenciesMatchWithinOnePercentAndOverSampledNeverDrawn) {
-  ShardSampler sampler({{"a", "a", 100}, {"b", "b", 300}, {"c", "c", 600}, {"d", "d", 1000}}, 7);
+TEST(DataShardSamplerTest, EmpiricalFrequenciesMatchWithinOnePercentAndOverSampledNeverDrawn) {
+  DataShardSampler sampler({{"a", "a", 100}, {"b", "b", 300}, {"c", "c", 600}, {"d", "d", 1000}},
+                           7);
   // n = (40, 10, 30, 20): shares (.05, .15, .3, .5), progress (.4, .1, .3, .2)
   // -> (0, .05, 0, .3) -> (0, 1/7, 0, 6/7).
   sampler.RecordLearned(0, 0, 1, 40);
@@ -56,8 +57,8 @@ TEST(ShardSamplerTest, EmpiricalFrequenciesMatchWithinOnePercentAndOverSampledNe
   EXPECT_NEAR(counts[3] / double(draws), 6.0 / 7, 0.01);
 }
 
-TEST(ShardSamplerTest, InFlightWorkPreventsHerding) {
-  ShardSampler sampler({{"a", "a", 500}, {"b", "b", 500}}, 3);
+TEST(DataShardSamplerTest, InFlightWorkPreventsHerding) {
+  DataShardSampler sampler({{"a", "a", 500}, {"b", "b", 500}}, 3);
   sampler.RecordLearned(0, 0, 1, 100);  // a is ahead: b is the only choice
   EXPECT_EQ(sampler.Next(), 1u);
   sampler.Assign(1, 100);  // one worker already on b: balanced now -> proportional
@@ -73,8 +74,8 @@ TEST(ShardSamplerTest, InFlightWorkPreventsHerding) {
   EXPECT_EQ(sampler.lr_step(1), 4u);
 }
 
-TEST(ShardSamplerTest, SameSeedSameDraws) {
-  ShardSampler a(Shards(), 11), b(Shards(), 11);
+TEST(DataShardSamplerTest, SameSeedSameDraws) {
+  DataShardSampler a(Shards(), 11), b(Shards(), 11);
   for (int i = 0; i < 100; ++i) ASSERT_EQ(a.Next(), b.Next());
 }
 
