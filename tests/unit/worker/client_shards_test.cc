@@ -500,7 +500,7 @@ class FakeRawShard {
     }
   }
   void Serve(int c) {
-    SocketReader in(c, absl::Seconds(10));
+    SocketStream in(c, absl::Seconds(10));
     while (true) {
       absl::StatusOr<RawPushRequest> request = ReadRawPushPrelude(in);
       if (!request.ok()) return;
@@ -701,7 +701,7 @@ TEST_F(ClientRawPushTest, ASingleServersListenerGetsEveryLayerAndEncodedPushesUs
   EXPECT_EQ(main_.service.Pushes().size(), 3u);
 }
 
-TEST_F(ClientRawPushTest, RawPushesOffOrTlsUseGrpcAndAddressListsMustMatch) {
+TEST_F(ClientRawPushTest, RawPushesOffUseGrpcAndAddressListsMustMatch) {
   ClientOptions options = Plaintext(main_.address);
   options.raw_push = false;
   ServerClient grpc_only(options);
