@@ -127,6 +127,10 @@ ABSL_FLAG(std::string, tls, "",
           "ca.pem and presenting client.pem (mutual TLS). The server must have TLS configured "
           "with DIR's server.pem and server.key (and ca.pem as tls_client_ca_file). The raw TCP "
           "baseline stays plaintext. Empty = plaintext");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "With --tls: the name to verify in the server's certificates instead of the host "
+          "dialled. make-test-ca.sh's certificates name only localhost and 127.0.0.1: give "
+          "localhost when the workers dial another address, e.g. a link emulator's");
 ABSL_FLAG(std::string, watch, "",
           "NAME:PID,... server processes on this machine (e.g. coordinator:123,shard0:124) whose "
           "CPU use while pushing and peak RSS (VmHWM, /proc/PID/status) are reported");
@@ -507,6 +511,7 @@ worker::ClientOptions WorkerOptions() {
       std::fprintf(stderr, "--tls: %s\n", std::string(loaded.message()).c_str());
       std::exit(2);
     }
+    options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   }
   return options;
 }
