@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -40,9 +41,10 @@ struct TlsClientOptions {
   std::string server_name;  // the name checked in the server's certificate; "" = the host dialled
 };
 
-// One connection's TLS session over a connected socket it does not own. Not thread-safe.
+// One connection's TLS session over a connected socket. Not thread-safe.
 class TlsStream final : public ByteStream {
  public:
+  // Takes `ssl`, a session TlsContext set up on `fd`; the socket stays the caller's to close.
   TlsStream(ssl_st* ssl, int fd, absl::Duration timeout) : ssl_(ssl), fd_(fd), timeout_(timeout) {}
   TlsStream(const TlsStream&) = delete;
   TlsStream& operator=(const TlsStream&) = delete;
