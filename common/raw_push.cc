@@ -55,8 +55,9 @@ absl::StatusOr<std::string> ReadField(ByteReader& in, uint32_t limit, const char
   return field;
 }
 
-// Waits until fd is readable (events POLLIN) or writable (POLLOUT), at most `timeout`.
-absl::Status Wait(int fd, short events, absl::Duration timeout) {
+}  // namespace
+
+absl::Status WaitForSocket(int fd, short events, absl::Duration timeout) {
   pollfd p{fd, events, 0};
   const int ms = static_cast<int>(absl::ToInt64Milliseconds(timeout));
   while (true) {
@@ -72,7 +73,6 @@ absl::Status Wait(int fd, short events, absl::Duration timeout) {
   }
 }
 
-// "host:port" or "[v6]:port" -> (host, port).
 absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::string& address) {
   std::string host, port;
   if (!address.empty() && address[0] == '[') {
@@ -98,6 +98,8 @@ absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::str
   }
   return std::make_pair(host, port);
 }
+
+namespace {
 
 struct FreeAddrInfo {
   void operator()(addrinfo* a) const { freeaddrinfo(a); }
@@ -225,7 +227,7 @@ absl::Status ReadRawPushReply(ByteReader& in, absl::Status* carried, v1::PushRep
   return absl::OkStatus();
 }
 
-absl::Status SocketReader::ReadExactly(char* out, size_t n) {
+absl::Status SocketStream::ReadExactly(char* out, size_t n) {
   size_t got = 0;
   while (got < n) {
     const ssize_t r = recv(fd_, out + got, n - got, MSG_DONTWAIT);
@@ -238,7 +240,7 @@ absl::Status SocketReader::ReadExactly(char* out, size_t n) {
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       return absl::UnavailableError(absl::StrFormat("raw push: recv: %s", std::strerror(errno)));
     }
-    if (absl::Status s = Wait(fd_, POLLIN, timeout_); !s.ok()) return s;
+    if (absl::Status s = WaitForSocket(fd_, POLLIN, timeout_); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -255,9 +257,13 @@ absl::Status WriteAll(int fd, const char* data, size_t n, absl::Duration timeout
     if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
       return absl::UnavailableError(absl::StrFormat("raw push: send: %s", std::strerror(errno)));
     }
-    if (absl::Status s = Wait(fd, POLLOUT, timeout); !s.ok()) return s;
+    if (absl::Status s = WaitForSocket(fd, POLLOUT, timeout); !s.ok()) return s;
   }
   return absl::OkStatus();
+}
+
+absl::Status SocketStream::WriteAll(const char* data, size_t n) {
+  return ::aloe::WriteAll(fd_, data, n, timeout_);
 }
 
 absl::StatusOr<int> ConnectTcp(const std::string& address, absl::Duration timeout) {
@@ -269,7 +275,7 @@ absl::StatusOr<int> ConnectTcp(const std::string& address, absl::Duration timeou
     if (fd < 0) continue;
     int r = connect(fd, a->ai_addr, a->ai_addrlen);
     if (r != 0 && errno == EINPROGRESS) {
-      absl::Status waited = Wait(fd, POLLOUT, timeout);
+      absl::Status waited = WaitForSocket(fd, POLLOUT, timeout);
       int error = 0;
       socklen_t len = sizeof(error);
       if (waited.ok() && getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0) {

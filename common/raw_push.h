@@ -1,11 +1,11 @@
 // Raw pushes: the float32 part of a push sent to a shard process (or a single-process server)
-// over a plain TCP connection instead of a gRPC stream. gRPC costs a push its HTTP/2 framing,
-// flow-control bookkeeping and a thread hand-off per message; on loopback that held one shard
-// process to ~0.6 of what receiving, screening and applying the same bytes costs
-// (`scripts/bench.sh ingest` measures both). Here the shard process receives the payload straight
-// into its staging buffers and screens each piece as it lands. Only the bulk bytes move: admission,
-// staging reports and commits stay on the coordinator's gRPC control plane, with the same
-// all-or-nothing rules.
+// over a TCP connection of its own (TLS when the server has it configured) instead of a gRPC
+// stream. gRPC costs a push its HTTP/2 framing, flow-control bookkeeping and a thread hand-off per
+// message; on loopback that held one shard process to ~0.6 of what receiving, screening and
+// applying the same bytes costs (`scripts/bench.sh ingest` measures both). Here the shard process
+// receives the payload straight into its staging buffers and screens each piece as it lands. Only
+// the bulk bytes move: admission, staging reports and commits stay on the coordinator's gRPC
+// control plane, with the same all-or-nothing rules.
 //
 // One connection carries any number of pushes, one after the other. Per push, little-endian:
 //
@@ -18,7 +18,8 @@
 //             u32 n, n bytes: a serialised PushReply (n <= 64 KiB)
 //
 // A refused push ends the connection after its reply (the rest of its payload is not read); the
-// client opens a new one for its next push. No TLS: a server with TLS configured offers none.
+// client opens a new one for its next push. A server with TLS configured speaks TLS 1.3 on the
+// connection first (common/tls_stream.h), and the same bytes flow inside it.
 #pragma once
 
 #include <cstddef>
@@ -26,6 +27,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -89,22 +91,39 @@ absl::StatusOr<RawPushRequest> ReadRawPushPrelude(ByteReader& in, bool* nothing_
 // malformed reply.
 absl::Status ReadRawPushReply(ByteReader& in, absl::Status* carried, v1::PushReply* reply);
 
+// Both directions of a raw push connection: plaintext (SocketStream) or TLS (TlsStream,
+// common/tls_stream.h).
+class ByteStream : public ByteReader {
+ public:
+  // Writes every byte or fails: kUnavailable when the connection broke, kDeadlineExceeded when
+  // the peer took nothing for too long.
+  virtual absl::Status WriteAll(const char* data, size_t n) = 0;
+  // Whether received bytes wait inside the stream, where poll() on its socket does not see them.
+  virtual bool HasBuffered() const { return false; }
+};
+
 // --- Sockets (POSIX; blocking with timeouts).
 
-// Reads from a connected socket; each read waits at most `timeout` for data.
-class SocketReader final : public ByteReader {
+// A connected socket as it is; each read or write waits at most `timeout` for progress.
+class SocketStream final : public ByteStream {
  public:
-  SocketReader(int fd, absl::Duration timeout) : fd_(fd), timeout_(timeout) {}
+  SocketStream(int fd, absl::Duration timeout) : fd_(fd), timeout_(timeout) {}
   absl::Status ReadExactly(char* out, size_t n) override;
+  absl::Status WriteAll(const char* data, size_t n) override;
 
  private:
   int fd_;
   absl::Duration timeout_;
 };
 
+// Waits until socket `fd` is readable (events POLLIN) or writable (POLLOUT): kDeadlineExceeded
+// after `timeout`, kUnavailable when poll() fails.
+absl::Status WaitForSocket(int fd, short events, absl::Duration timeout);
 // Writes every byte; each write waits at most `timeout` for room. kUnavailable when the
 // connection broke, kDeadlineExceeded on timeout.
 absl::Status WriteAll(int fd, const char* data, size_t n, absl::Duration timeout);
+// "host:port" or "[v6]:port" as (host, port); kInvalidArgument for anything else.
+absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::string& address);
 // A connected TCP socket to "host:port" (IPv4 or IPv6 literal or name; "[v6]:port" too), with
 // TCP_NODELAY. kInvalidArgument for a malformed address, kUnavailable when it cannot connect.
 absl::StatusOr<int> ConnectTcp(const std::string& address, absl::Duration timeout);

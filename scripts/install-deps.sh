@@ -10,6 +10,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest
   libtorch-dev libgloo-dev libopenblas0-openmp
   prometheus curl openssl python3-matplotlib
+  # TLS of raw pushes (common/tls_stream.h)
+  libssl-dev
   # tests/integration/byo_model_test.cc scripts TorchScript modules with Debian's PyTorch
   python3-torch
   # scripts/fuzz.sh: clang, libFuzzer and the sanitizer runtimes, llvm-symbolizer

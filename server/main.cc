@@ -63,9 +63,10 @@ ABSL_FLAG(int32_t, shard_index, -1, "--role shard: which shard process this is, 
 ABSL_FLAG(std::string, coordinator, "",
           "--role shard: the coordinator's address (default: the config's listen_address)");
 ABSL_FLAG(std::string, push_listen, "",
-          "--role shard or single: also take raw pushes (the float32 payload over plain TCP, "
-          "without gRPC's framing; 1.2-1.5x the ingest of gRPC pushes here) on this HOST:PORT (a "
-          "fixed port: workers are told it). Refused with TLS: raw pushes are not encrypted");
+          "--role shard or single: also take raw pushes (the float32 payload over its own TCP "
+          "connections, without gRPC's framing; 1.2-1.5x the ingest of gRPC pushes here) on this "
+          "HOST:PORT (a fixed port: workers are told it). With TLS configured they use TLS 1.3 "
+          "with the certificates and client certificate rule of gRPC");
 ABSL_FLAG(std::string, advertise, "",
           "--role shard: the HOST:PORT workers are told to reach this shard at (default: "
           "--listen). Needed when --listen is a wildcard such as 0.0.0.0:7071 (a container, a "

@@ -63,7 +63,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 ServerClient::ServerClient(const ClientOptions& options)
     : token_(options.token),
-      raw_push_(options.raw_push && options.tls_ca_pem.empty()),
+      raw_push_(options.raw_push),
       credentials_(grpc::InsecureChannelCredentials()),
       shards_(std::make_shared<const ShardSet>()) {
   channel_args_.SetMaxReceiveMessageSize(2 << 20);
@@ -76,6 +76,17 @@ ServerClient::ServerClient(const ClientOptions& options)
     if (!options.tls_server_name.empty()) {
       channel_args_.SetSslTargetNameOverride(options.tls_server_name);
     }
+    if (raw_push_) {
+      absl::StatusOr<std::shared_ptr<const TlsContext>> tls = TlsContext::ForClient(
+          {options.tls_ca_pem, options.tls_cert_pem, options.tls_key_pem, options.tls_server_name});
+      if (tls.ok()) {
+        raw_tls_ = *std::move(tls);
+      } else {
+        // Pushes stay on gRPC (over TLS), which reports certificates it cannot use itself.
+        raw_push_ = false;
+        ALOE_LOG_WARNING("worker", "raw pushes off: %s", tls.status().message());
+      }
+    }
   }
   channel_ = MakeChannel(options.address);
   coordinator_ = v1::Coordinator::NewStub(channel_);
@@ -85,9 +96,15 @@ std::shared_ptr<grpc::Channel> ServerClient::MakeChannel(const std::string& addr
   return grpc::CreateCustomChannel(address, credentials_, channel_args_);
 }
 
+void ServerClient::RawConnection::Close() {
+  tls.reset();
+  if (fd >= 0) close(fd);
+  fd = -1;
+}
+
 ServerClient::RawConnection::~RawConnection() {
   absl::MutexLock lock(&mu);
-  if (fd >= 0) close(fd);
+  Close();
 }
 
 absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses,
@@ -675,24 +692,39 @@ absl::StatusOr<v1::PushReply> ServerClient::SendRawPush(
         return fd.status();
       }
       connection.fd = *fd;
+      if (raw_tls_ != nullptr) {
+        absl::StatusOr<std::pair<std::string, std::string>> host =
+            SplitHostPort(shard.push_address);
+        absl::StatusOr<std::unique_ptr<TlsStream>> tls =
+            host.ok() ? raw_tls_->Connect(*fd, host->first, kRawConnectTimeout) : host.status();
+        if (!tls.ok()) {
+          connection.Close();
+          return absl::Status(tls.status().code(), absl::StrCat("raw push to ", shard.push_address,
+                                                                ": ", tls.status().message()));
+        }
+        connection.tls = *std::move(tls);
+        connection.tls->set_timeout(timeout);
+      }
     }
-    absl::Status sent = WriteAll(connection.fd, prelude.data(), prelude.size(), timeout);
+    SocketStream plain(connection.fd, timeout);
+    ByteStream& stream =
+        connection.tls != nullptr ? static_cast<ByteStream&>(*connection.tls) : plain;
+    absl::Status sent = stream.WriteAll(prelude.data(), prelude.size());
     for (size_t r = 0; sent.ok() && r < ranges.size(); ++r) {
       const std::vector<float>& values = layers[ranges[r].layer_id];
-      sent = WriteAll(connection.fd, reinterpret_cast<const char*>(values.data()),
-                      values.size() * sizeof(float), timeout);
+      sent = stream.WriteAll(reinterpret_cast<const char*>(values.data()),
+                             values.size() * sizeof(float));
     }
     absl::Status outcome;
     v1::PushReply reply;
-    SocketReader in(connection.fd, timeout);
-    const absl::Status received = sent.ok() ? ReadRawPushReply(in, &outcome, &reply) : sent;
+    // A server that refuses this client's certificate after the handshake (TLS 1.3) says so here.
+    const absl::Status received = sent.ok() ? ReadRawPushReply(stream, &outcome, &reply) : sent;
     if (received.ok() && outcome.ok()) {
       *bytes += payload;
       return reply;
     }
     // A refused push ends its connection on the server too; a broken one is useless.
-    close(connection.fd);
-    connection.fd = -1;
+    connection.Close();
     if (!received.ok()) {
       // A kept-open connection the shard has closed meanwhile (idle, or restarted): once more
       // on a new one. Pushes are idempotent by update id.

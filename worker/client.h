@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/tls_stream.h"
 #include "proto/aloe.grpc.pb.h"
 #include "worker/server_api.h"
 
@@ -34,7 +35,8 @@ struct ClientOptions {
   std::string tls_key_pem;
   std::string tls_server_name;  // overrides the name checked in the server certificate
   // Push float32 layers to shards that offer raw pushes (JoinReply.shard_push_addresses,
-  // common/raw_push.h) over plain TCP instead of gRPC. Never with TLS (tls_ca_pem set).
+  // common/raw_push.h) over their own TCP connections instead of gRPC. With tls_ca_pem set they
+  // use TLS with the certificates above (common/tls_stream.h), never plaintext.
   bool raw_push = true;
 };
 
@@ -126,8 +128,11 @@ class ServerClient final : public ServerApi {
   struct RawConnection {
     absl::Mutex mu;
     int fd ABSL_GUARDED_BY(mu) = -1;
+    std::unique_ptr<TlsStream> tls ABSL_GUARDED_BY(mu);  // set on fd under TLS
     // After a failed connect, pushes to this shard go over gRPC until then.
     absl::Time grpc_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+    // Ends the connection (the next push opens another).
+    void Close() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
     ~RawConnection();
   };
   struct Shard {
@@ -149,7 +154,8 @@ class ServerClient final : public ServerApi {
   // One raw push of `layers`' ranges to shard `index` (nullopt: every layer, to a single-process
   // server). *unreachable = true (and nothing sent)
   // when its listener cannot be connected, now or within kRawPushRetry of the last failure: the
-  // caller pushes over gRPC instead.
+  // caller pushes over gRPC instead. Under TLS a failed handshake is the push's error (as a
+  // gRPC push's would be), naming the reason; so is a refusal of this client's certificate.
   absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, std::optional<uint32_t> index,
                                             const v1::PushHeader& header, const v1::ModelSpec& spec,
                                             const std::vector<std::vector<float>>& layers,
@@ -157,6 +163,7 @@ class ServerClient final : public ServerApi {
 
   std::string token_;
   bool raw_push_ = true;
+  std::shared_ptr<const TlsContext> raw_tls_;  // null: raw pushes in plaintext
   std::shared_ptr<grpc::ChannelCredentials> credentials_;
   grpc::ChannelArguments channel_args_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -17,7 +17,10 @@
 # coordinator is on another host than its shards); ALOE_BENCH_MAX_STAGED = S (default 8, the server's
 # default); ALOE_BENCH_TRANSPORT = raw (default: the shard processes, or the single-process
 # server, also take raw pushes, aloe-server --push_listen, which the benchmark's workers then use
-# for their float32 layers) or grpc (every push over gRPC);
+# for their float32 layers) or grpc (every push over gRPC); ALOE_BENCH_TLS = 1: mutual TLS 1.3
+# between the benchmark's workers and every server process, raw pushes included (certificates
+# of scripts/make-test-ca.sh in out/bench-push/ca; aloe-bench-push --tls), the raw TCP baseline
+# staying plaintext; 0 or unset: plaintext;
 # ALOE_BENCH_RSS_OVERHEAD_MIB = the fixed overhead of the bound (default 32: a shard process of
 # this binary with a model of a few thousand parameters peaks at ~22 MiB under 4 pushers).
 # shellcheck shell=bash
@@ -127,6 +130,11 @@ bench_push_run() {
     echo "ALOE_BENCH_TRANSPORT: raw or grpc, got '$transport'" >&2
     return 2
   fi
+  local tls="${ALOE_BENCH_TLS:-0}"
+  if [ "$tls" != 0 ] && [ "$tls" != 1 ]; then
+    echo "ALOE_BENCH_TLS: 0 or 1, got '$tls'" >&2
+    return 2
+  fi
   case "$shards$max_staged$overhead_mib" in
     *[!0-9]*)
       echo "ALOE_BENCH_SHARDS, ALOE_BENCH_MAX_STAGED, ALOE_BENCH_RSS_OVERHEAD_MIB: integers" >&2
@@ -163,7 +171,15 @@ bench_push_run() {
   local config="$BENCH_PUSH_DIR/server.textproto"
   cp "$ALOE_ROOT/deploy/configs/bench-push.textproto" "$config"
   # No drain on SIGTERM: the benchmark's workers have left; nothing is owed to them.
-  local common=(--config="$config" --drain_seconds=0)
+  local common=(--config="$config" --drain_seconds=0) tls_flags=()
+  if [ "$tls" = 1 ]; then
+    local ca="$BENCH_PUSH_DIR/ca"
+    "$ALOE_ROOT/scripts/make-test-ca.sh" "$ca" >/dev/null
+    printf 'security { tls_cert_file: "%s" tls_key_file: "%s" tls_client_ca_file: "%s" }\n' \
+      "$ca/server.pem" "$ca/server.key" "$ca/ca.pem" >>"$config"
+    tls_flags=(--tls="$ca")
+    echo "TLS: mutual TLS 1.3 between the workers and the server processes (ALOE_BENCH_TLS=1)"
+  fi
   local port watch
   if [ "$shards" -eq 0 ]; then
     printf 'max_staged_updates: %d\n' "$max_staged" >>"$config"
@@ -199,7 +215,7 @@ bench_push_run() {
   # The last line waits until the memory report is out: it stays the benchmark's last line.
   local rc=0
   "$ALOE_BIN_DIR/aloe-bench-push" --server="127.0.0.1:$port" --watch="$watch" \
-    ${pin_flags[@]+"${pin_flags[@]}"} "$@" |
+    ${pin_flags[@]+"${pin_flags[@]}"} ${tls_flags[@]+"${tls_flags[@]}"} "$@" |
     tee "$BENCH_PUSH_DIR/bench.out" | sed -E '/^(ingest|egress|scale): /d' || rc=$?
   bench_push_report_memory "$max_staged" "$overhead_mib"
   bench_push_stop

@@ -10,7 +10,8 @@
 # aloe-bench-push --repeats); ALOE_BENCH_SHARDS (shard processes, default 1; 0 = the
 # single-process server); ALOE_BENCH_MAX_STAGED (default 8);
 # ALOE_BENCH_PIN=0,1: the servers and TCP readers on CPU 0, pushers and TCP writers on CPU 1;
-# ALOE_BENCH_PIN=0,1,2: the coordinator on CPU 2 (scripts/bench/_push.sh).
+# ALOE_BENCH_PIN=0,1,2: the coordinator on CPU 2; ALOE_BENCH_TLS=1: mutual TLS 1.3 from the
+# pushers to the server processes, raw pushes included (scripts/bench/_push.sh).
 # shellcheck shell=bash
 # shellcheck source=scripts/bench/_push.sh
 . "$ALOE_ROOT/scripts/bench/_push.sh"

@@ -66,11 +66,6 @@ absl::Status CheckRoleFlags(const LaunchFlags& flags, const v1::ServerConfig& co
       return absl::InvalidArgumentError(
           "--push_listen needs HOST:PORT with a fixed port (workers are told it)");
     }
-    if (!config.security().tls_cert_file().empty()) {
-      return absl::InvalidArgumentError(
-          "--push_listen with TLS configured (security.tls_cert_file): raw pushes are not "
-          "encrypted; leave --push_listen off to keep every push on TLS");
-    }
   }
   if (role == "shard") {
     if (flags.shard_index < 0 ||

@@ -11,6 +11,7 @@
 #include "common/corpus_manifest.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/tls_stream.h"
 #include "server/core/server_metrics.h"
 
 namespace aloe::server {
@@ -145,13 +146,31 @@ absl::StatusOr<std::unique_ptr<RawPushListener>> StartRawPushes(const v1::Server
                                                                 const std::string& push_listen,
                                                                 RawPushListener::Handler handler) {
   if (push_listen.empty()) return nullptr;
-  if (!IsLoopback(push_listen) && !config.security().insecure()) {
+  const v1::SecurityConfig& security = config.security();
+  const bool tls = !security.tls_cert_file().empty();
+  if (!IsLoopback(push_listen) && !security.insecure() && (!tls || security.token_file().empty())) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "refusing raw pushes on non-loopback address %s: they are not encrypted; pass "
-        "--insecure (security.insecure) on a trusted network",
+        "refusing raw pushes on non-loopback address %s without TLS (security.tls_cert_file) "
+        "and a token file (security.token_file); pass --insecure (security.insecure) on a "
+        "trusted network",
         push_listen));
   }
-  return RawPushListener::Start(push_listen, std::move(handler), RawPushListener::Options());
+  RawPushListener::Options options;
+  if (tls) {
+    if (security.tls_key_file().empty()) {
+      return absl::InvalidArgumentError("security.tls_key_file is required with tls_cert_file");
+    }
+    TlsServerOptions files;
+    ALOE_ASSIGN_OR_RETURN(files.cert_pem,
+                          ReadWholeFile("TLS certificate", security.tls_cert_file()));
+    ALOE_ASSIGN_OR_RETURN(files.key_pem, ReadWholeFile("TLS key", security.tls_key_file()));
+    if (!security.tls_client_ca_file().empty()) {
+      ALOE_ASSIGN_OR_RETURN(files.client_ca_pem,
+                            ReadWholeFile("TLS client CA", security.tls_client_ca_file()));
+    }
+    ALOE_ASSIGN_OR_RETURN(options.tls, TlsContext::ForServer(files));
+  }
+  return RawPushListener::Start(push_listen, std::move(handler), options);
 }
 
 absl::Status WritePortFile(const std::string& path, int grpc_port, int metrics_port) {

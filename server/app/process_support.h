@@ -58,8 +58,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
 absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig& config,
                                                           int* port);
 
-// The raw push listener on `push_listen` serving `handler`, or null for "". Plaintext, as gRPC
-// without TLS: the same rule for non-loopback addresses (kFailedPrecondition).
+// The raw push listener on `push_listen` serving `handler`, or null for "". TLS when configured,
+// with gRPC's certificates and client certificate rule; else plaintext. The same rule for
+// non-loopback addresses as ServerCredentials' (kFailedPrecondition); kNotFound or
+// kInvalidArgument for certificate files that cannot be read or used.
 absl::StatusOr<std::unique_ptr<RawPushListener>> StartRawPushes(const v1::ServerConfig& config,
                                                                 const std::string& push_listen,
                                                                 RawPushListener::Handler handler);

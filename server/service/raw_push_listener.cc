@@ -1,5 +1,6 @@
 #include "server/service/raw_push_listener.h"
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -10,9 +11,29 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/str_format.h"
 #include "common/logging.h"
 
 namespace aloe::server {
+namespace {
+
+// "host:port" of the peer of socket `fd`, for warnings.
+std::string PeerOf(int fd) {
+  sockaddr_storage peer{};
+  socklen_t len = sizeof(peer);
+  char host[INET6_ADDRSTRLEN] = "";
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0) return "an unknown peer";
+  if (peer.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&peer);
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+    return absl::StrFormat("[%s]:%d", host, ntohs(a->sin6_port));
+  }
+  const auto* a = reinterpret_cast<const sockaddr_in*>(&peer);
+  inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+  return absl::StrFormat("%s:%d", host, ntohs(a->sin_port));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<RawPushListener>> RawPushListener::Start(const std::string& address,
                                                                         Handler handler,
@@ -93,23 +114,28 @@ void RawPushListener::AcceptLoop() {
 
 void RawPushListener::Serve(Connection* connection) {
   const int fd = connection->fd;
-  while (!stopping_.load()) {
+  std::unique_ptr<TlsStream> tls = options_.tls != nullptr ? Secure(fd) : nullptr;
+  const bool refused = options_.tls != nullptr && tls == nullptr;
+  SocketStream plain(fd, options_.io_timeout);
+  ByteStream& stream = tls != nullptr ? static_cast<ByteStream&>(*tls) : plain;
+  while (!refused && !stopping_.load()) {
     // Between pushes a connection may idle for a whole training round.
-    pollfd p{fd, POLLIN, 0};
-    const int ready =
-        poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(options_.idle_timeout)));
-    if (ready <= 0 && !(ready < 0 && errno == EINTR)) break;
-    if (ready < 0) continue;
-    SocketReader in(fd, options_.io_timeout);
+    if (!stream.HasBuffered()) {
+      pollfd p{fd, POLLIN, 0};
+      const int ready =
+          poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(options_.idle_timeout)));
+      if (ready <= 0 && !(ready < 0 && errno == EINTR)) break;
+      if (ready < 0) continue;
+    }
     bool nothing_read = true;
-    absl::StatusOr<RawPushRequest> request = ReadRawPushPrelude(in, &nothing_read);
+    absl::StatusOr<RawPushRequest> request = ReadRawPushPrelude(stream, &nothing_read);
     const std::function<bool()> cancelled = [this, fd] {
       if (stopping_.load()) return true;
       pollfd hung{fd, POLLRDHUP, 0};
       return poll(&hung, 1, 0) > 0 && (hung.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
     };
     absl::StatusOr<v1::PushReply> reply = request.ok()
-                                              ? handler_(*request, in, cancelled)
+                                              ? handler_(*request, stream, cancelled)
                                               : absl::StatusOr<v1::PushReply>(request.status());
     if (!request.ok() &&
         (nothing_read || request.status().code() != absl::StatusCode::kInvalidArgument)) {
@@ -117,26 +143,61 @@ void RawPushListener::Serve(Connection* connection) {
     }
     const std::string bytes =
         EncodeRawPushReply(reply.status(), reply.ok() ? *reply : v1::PushReply());
-    if (!WriteAll(fd, bytes.data(), bytes.size(), options_.io_timeout).ok()) break;
+    if (!stream.WriteAll(bytes.data(), bytes.size()).ok()) break;
     if (!reply.ok()) {
-      // The client reads the reply once it has sent the whole payload: take in what it still
-      // sends (closing with unread data would reset the connection and lose the reply), until
-      // it closes or stalls.
-      shutdown(fd, SHUT_WR);
-      char scratch[64 << 10];
-      const int wait_ms = static_cast<int>(absl::ToInt64Milliseconds(options_.io_timeout));
-      while (!stopping_.load()) {
-        pollfd more{fd, POLLIN, 0};
-        if (poll(&more, 1, wait_ms) == 0) break;
-        const ssize_t r = recv(fd, scratch, sizeof(scratch), MSG_DONTWAIT);
-        if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) break;
-      }
+      // The client reads the reply once it has sent the whole payload.
+      if (tls != nullptr) tls->Close();
+      Drain(fd);
       break;
     }
   }
+  tls.reset();
   shutdown(fd, SHUT_RDWR);
   absl::MutexLock lock(&mu_);
   connection->done = true;
+}
+
+std::unique_ptr<TlsStream> RawPushListener::Secure(int fd) {
+  // A TLS client opens with a handshake record (content type 22); the first byte of a raw push's
+  // magic is a client that speaks no TLS here. One that sends nothing, or hangs up, gets no
+  // answer.
+  if (!WaitForSocket(fd, POLLIN, options_.io_timeout).ok()) return nullptr;
+  char first = 0;
+  const ssize_t peeked = recv(fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (peeked <= 0) return nullptr;
+  if (first == static_cast<char>(kRawPushMagic & 0xff)) {
+    ALOE_LOG_WARNING("raw-push", "refused a plaintext raw push from %s: this listener takes TLS",
+                     PeerOf(fd));
+    const std::string reply = EncodeRawPushReply(
+        absl::UnauthenticatedError(
+            "raw push: this listener takes TLS only (the server has TLS configured): connect "
+            "with TLS, as aloe-worker does given --tls_ca_file"),
+        v1::PushReply());
+    if (WriteAll(fd, reply.data(), reply.size(), options_.io_timeout).ok()) Drain(fd);
+    return nullptr;
+  }
+  absl::StatusOr<std::unique_ptr<TlsStream>> tls = options_.tls->Accept(fd, options_.io_timeout);
+  if (!tls.ok()) {
+    if (stopping_.load()) return nullptr;
+    ALOE_LOG_WARNING("raw-push", "refused a raw push connection from %s: %s", PeerOf(fd),
+                     tls.status().message());
+    // The client may be sending its first push already, and reads why (an alert) after it.
+    Drain(fd);
+    return nullptr;
+  }
+  return *std::move(tls);
+}
+
+void RawPushListener::Drain(int fd) {
+  shutdown(fd, SHUT_WR);
+  char scratch[64 << 10];
+  const int wait_ms = static_cast<int>(absl::ToInt64Milliseconds(options_.io_timeout));
+  while (!stopping_.load()) {
+    pollfd more{fd, POLLIN, 0};
+    if (poll(&more, 1, wait_ms) == 0) break;
+    const ssize_t r = recv(fd, scratch, sizeof(scratch), MSG_DONTWAIT);
+    if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) break;
+  }
 }
 
 }  // namespace aloe::server

@@ -3,6 +3,9 @@
 // reply, and waits for the connection's next push. A refused push ends its connection (its
 // payload is left unread); so do a malformed prelude (after a reply naming the problem), a peer
 // that stalls for `io_timeout` inside a push, and an idle connection after `idle_timeout`.
+// With TLS (Options.tls) every connection starts with a TLS handshake (common/tls_stream.h);
+// one that fails it, or that opens with a plaintext push (answered with kUnauthenticated in
+// plaintext), ends before anything is read, with a warning naming the peer and the reason.
 // Thread-safe. Shutdown (also run by the destructor) closes the listener and every connection
 // and joins every thread.
 #pragma once
@@ -19,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/raw_push.h"
+#include "common/tls_stream.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe::server {
@@ -36,6 +40,7 @@ class RawPushListener {
     absl::Duration io_timeout = absl::Seconds(60);    // no progress inside a push
     absl::Duration idle_timeout = absl::Minutes(30);  // no push on a connection
     int max_connections = 1024;                       // more are closed at once
+    std::shared_ptr<const TlsContext> tls;            // null: plaintext
   };
 
   // Listens on `address` (host:port; port 0 = any, see port()). kInvalidArgument for a malformed
@@ -59,6 +64,11 @@ class RawPushListener {
   RawPushListener(int fd, int port, Handler handler, Options options);
   void AcceptLoop();
   void Serve(Connection* connection);
+  // The connection's TLS session; null, having answered or warned, when it is refused.
+  std::unique_ptr<TlsStream> Secure(int fd);
+  // Takes in what the client still sends after its refusal, until it closes or stalls: closing
+  // with unread data would reset the connection and lose the reply.
+  void Drain(int fd);
   // Joins and forgets the connections whose thread has ended.
   void Reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -30,6 +30,10 @@
 //     them and take longer in proportion). Last line:
 //     "scale: p99_at_<max>=<ms> ms ratio=<p99 at max / p50 at 16> (p50 at 16 workers: <ms> ms)".
 //
+// With --tls DIR the workers reach the server over TLS (gRPC and raw pushes alike) with the
+// certificates of scripts/make-test-ca.sh DIR; the raw TCP baseline stays plaintext, so the ratio
+// then includes what TLS costs.
+//
 // Before measuring it prints the model and, for a layer-sharded server, one line per shard
 // process "shard I holds L layers, N parameters = B bytes" (scripts/bench/_push.sh reads these
 // for the memory bound). With --watch it also reports the CPU (cores used while pushing) and the
@@ -117,6 +121,16 @@ ABSL_FLAG(std::string, pin, "",
 ABSL_FLAG(double, join_seconds, 30,
           "How long to retry Join while the server answers UNAVAILABLE (a layer-sharded server "
           "until all its shard processes follow the coordinator)");
+ABSL_FLAG(std::string, tls, "",
+          "DIR with ca.pem, client.pem and client.key (scripts/make-test-ca.sh DIR): the workers "
+          "reach the server over TLS, raw pushes included, verifying its certificate against "
+          "ca.pem and presenting client.pem (mutual TLS). The server must have TLS configured "
+          "with DIR's server.pem and server.key (and ca.pem as tls_client_ca_file). The raw TCP "
+          "baseline stays plaintext. Empty = plaintext");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "With --tls: the name to verify in the server's certificates instead of the host "
+          "dialled. make-test-ca.sh's certificates name only localhost and 127.0.0.1: give "
+          "localhost when the workers dial another address, e.g. a link emulator's");
 ABSL_FLAG(std::string, watch, "",
           "NAME:PID,... server processes on this machine (e.g. coordinator:123,shard0:124) whose "
           "CPU use while pushing and peak RSS (VmHWM, /proc/PID/status) are reported");
@@ -485,14 +499,30 @@ struct Result {
   double receiver_busy = -1;          // BusyShare of the receiving CPU (--pin), -1 unknown
 };
 
+// How the simulated workers reach --server: plaintext, or TLS with the certificates of --tls.
+// Exits 2 naming a file that cannot be read.
+worker::ClientOptions WorkerOptions() {
+  worker::ClientOptions options;
+  options.address = absl::GetFlag(FLAGS_server);
+  if (const std::string dir = absl::GetFlag(FLAGS_tls); !dir.empty()) {
+    const absl::Status loaded = worker::LoadClientFiles(
+        {"", dir + "/ca.pem", dir + "/client.pem", dir + "/client.key"}, &options);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "--tls: %s\n", std::string(loaded.message()).c_str());
+      std::exit(2);
+    }
+    options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  }
+  return options;
+}
+
 // `workers` concurrent simulated workers pushing full updates, each pausing `round` seconds after
 // every push (its first push at a random phase in [0, round), not measured), measured for
 // `seconds` from when every worker has pushed once and at least one round has passed.
 // pull: each worker pulls the latest version back to back instead (egress; round ignored).
 Result RunWorkers(int workers, double seconds, double round, const std::vector<Watched>& watched,
                   bool pull = false, int receiver_cpu = -1) {
-  worker::ClientOptions options;
-  options.address = absl::GetFlag(FLAGS_server);
+  const worker::ClientOptions options = WorkerOptions();
   std::vector<std::unique_ptr<worker::ServerClient>> clients;
   std::vector<v1::JoinReply> joined(workers);
   for (int w = 0; w < workers; ++w) {
@@ -727,9 +757,7 @@ std::array<std::vector<double>, 3> LatenciesByOverlap(const Result& r) {
 // server is layer-sharded, what every shard process holds; returns the bytes of one fp32 update,
 // or 0 when the server cannot be joined.
 uint64_t DescribeServer() {
-  worker::ClientOptions options;
-  options.address = absl::GetFlag(FLAGS_server);
-  worker::ServerClient client(options);
+  worker::ServerClient client(WorkerOptions());
   absl::StatusOr<v1::JoinReply> reply = JoinWithRetry(client, "bench-probe");
   if (!reply.ok()) {
     std::fprintf(stderr, "join: %s\n", reply.status().ToString().c_str());
@@ -755,6 +783,12 @@ uint64_t DescribeServer() {
     }
     std::printf("shard %d holds %d layers, %llu parameters = %llu bytes\n", s, layers,
                 static_cast<unsigned long long>(owned), 4 * static_cast<unsigned long long>(owned));
+  }
+  if (const std::string tls = absl::GetFlag(FLAGS_tls); tls.empty()) {
+    std::printf("workers: plaintext\n");
+  } else {
+    std::printf("workers: mutual TLS 1.3 with the certificates of %s, raw pushes included\n",
+                tls.c_str());
   }
   std::fflush(stdout);  // a pipe (scripts/bench/_push.sh) would hold it until the end
   return 4 * elements;

@@ -85,7 +85,7 @@ inline absl::Status RawExchange(const std::string& address, const std::string& b
   absl::StatusOr<int> fd = ConnectTcp(address, absl::Seconds(10));
   if (!fd.ok()) return fd.status();
   absl::Status s = WriteAll(*fd, bytes.data(), bytes.size(), absl::Seconds(30));
-  SocketReader in(*fd, absl::Seconds(30));
+  SocketStream in(*fd, absl::Seconds(30));
   if (s.ok()) s = ReadRawPushReply(in, carried, reply);
   close(*fd);
   return s;

@@ -1,29 +1,55 @@
 // Security on real processes: shared-token auth with per-worker identities, TLS and mutual TLS
 // (certificates from scripts/make-test-ca.sh), and the refusal to listen on a non-loopback
-// address without TLS and a token. Raw pushes (--push_listen) only in plaintext. A layer-sharded
-// server under mutual TLS and tokens, and shard addresses workers could not dial refused.
+// address without TLS and a token. Raw pushes (--push_listen) under mutual TLS: the job's
+// certificates only, nothing staged from anybody else. A layer-sharded server under mutual TLS
+// and tokens, and shard addresses workers could not dial refused.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <memory>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/corpus_manifest.h"
+#include "common/raw_push.h"
 #include "common/token_shard.h"
 #include "proto/aloe.grpc.pb.h"
+#include "tests/integration/loopback_cluster.h"
 #include "tests/testing/subprocess.h"
+#include "worker/client.h"
 
 namespace aloe {
 namespace {
 
 using ::aloe::testing::FreePort;
+using ::aloe::testing::HttpGet;
+using ::aloe::testing::RawExchange;
 using ::aloe::testing::ReadFile;
 using ::aloe::testing::Subprocess;
 using ::aloe::testing::WaitForFile;
+
+// The largest |now - (before - lr g)| over every element: 0 when `now` is `before` after one
+// outer SGD step of learning rate lr on g.
+double SgdStepError(const std::vector<std::vector<float>>& before,
+                    const std::vector<std::vector<float>>& g, double lr,
+                    const std::vector<std::vector<float>>& now) {
+  double worst = now.size() == before.size() ? 0 : INFINITY;
+  for (size_t l = 0; l < now.size() && l < before.size(); ++l) {
+    if (now[l].size() != before[l].size()) return INFINITY;
+    for (size_t i = 0; i < now[l].size(); ++i) {
+      const double expected = static_cast<double>(before[l][i]) - lr * g[l][i];
+      worst = std::max(worst, std::abs(now[l][i] - expected));
+    }
+  }
+  return worst;
+}
 
 constexpr char kTokenA[] = "alpha-0123456789abcdef";
 constexpr char kTokenB[] = "bravo-0123456789abcdef";
@@ -95,6 +121,16 @@ class SecurityTest : public ::testing::Test {
   }
 
   std::string Pem(const std::string& name) { return ReadFile(dir_ + "/ca/" + name); }
+
+  // The port `key` ("grpc", "metrics") of port file `file` in dir_; 0 when absent.
+  int PortIn(const std::string& file, const std::string& key) {
+    for (absl::string_view kv :
+         absl::StrSplit(ReadFile(dir_ + "/" + file), absl::ByAnyChar(" \n"), absl::SkipEmpty())) {
+      int port = 0;
+      if (absl::ConsumePrefix(&kv, key + "=") && absl::SimpleAtoi(kv, &port)) return port;
+    }
+    return 0;
+  }
 
   std::unique_ptr<v1::Coordinator::Stub> Stub(int port, bool tls, bool client_cert) {
     std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
@@ -189,7 +225,7 @@ TEST_F(SecurityTest, NonLoopbackWithoutTlsAndTokenIsRefusedUnlessInsecure) {
   EXPECT_EQ(server_->Wait(absl::Seconds(20)), std::optional<int>(0));
 }
 
-TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
+TEST_F(SecurityTest, RawPushesOnANonLoopbackAddressNeedTlsAndATokenOrInsecure) {
   const std::string tls = absl::StrCat(
       "tls_cert_file: \"", dir_, "/ca/server.pem\" tls_key_file: \"", dir_, "/ca/server.key\"");
   const std::vector<std::string> shard = {"--role=shard", "--shard_index=0",
@@ -200,10 +236,14 @@ TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
     const char* message;
   };
   const Case cases[] = {
-      {tls, {"--push_listen=127.0.0.1:17072"}, "--push_listen with TLS configured"},
       {"",
        {"--push_listen=10.1.2.3:17072"},
-       "refusing raw pushes on non-loopback address 10.1.2.3:17072"},
+       "refusing raw pushes on non-loopback address 10.1.2.3:17072 without TLS"},
+      // TLS without a token file: as a gRPC address.
+      {tls,
+       {"--push_listen=10.1.2.3:17072"},
+       "refusing raw pushes on non-loopback address 10.1.2.3:17072 without TLS "
+       "(security.tls_cert_file) and a token file (security.token_file)"},
       {"", {"--push_listen=127.0.0.1:0"}, "--push_listen needs HOST:PORT with a fixed port"},
   };
   for (const Case& c : cases) {
@@ -219,10 +259,165 @@ TEST_F(SecurityTest, RawPushesNeedPlaintextAndOnANonLoopbackAddressInsecure) {
                 "--advertise_push needs --push_listen");
 }
 
+// A layer-sharded server (one shard process, raw pushes on) under mutual TLS and tokens. A push
+// over TLS with the job's certificates and a worker's token is applied; clients that trust
+// another CA, present another CA's certificate or none, speak plaintext, or carry an unknown
+// token are refused naming why, and nothing of theirs is received or staged.
+TEST_F(SecurityTest, TlsRawPushesTakeOnlyTheJobsCertificatesAndTokens) {
+  ASSERT_EQ(std::system((std::string(ALOE_SOURCE_DIR) + "/scripts/make-test-ca.sh " + dir_ +
+                         "/other > /dev/null")
+                            .c_str()),
+            0);
+  std::ofstream(dir_ + "/token_b") << kTokenB << "\n";
+  const std::string security = absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"",
+                                            dir_, "/ca/server.pem\" tls_key_file: \"", dir_,
+                                            "/ca/server.key\" tls_client_ca_file: \"", dir_,
+                                            "/ca/ca.pem\" shard_identity: \"bravo\"");
+  const int port = Start(security, "127.0.0.1:0",
+                         {"--role=coordinator", "--shard_processes=1", "--metrics=127.0.0.1:0"},
+                         "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n"
+                         "outer_optimizer { type: OUTER_SGD lr: 0.5 }");
+  ASSERT_GT(port, 0) << ReadFile(dir_ + "/server.log");
+  const int coordinator_metrics = PortIn("ports", "metrics");
+  const std::string push = absl::StrCat("127.0.0.1:", FreePort());
+  Subprocess shard(
+      {std::string(ALOE_BIN_DIR) + "/aloe-server", "--config=" + dir_ + "/server.textproto",
+       "--role=shard", "--shard_processes=1", "--shard_index=0",
+       absl::StrCat("--coordinator=localhost:", port), "--token_file=" + dir_ + "/token_b",
+       absl::StrCat("--listen=127.0.0.1:", FreePort()), "--push_listen=" + push,
+       "--metrics=127.0.0.1:0", "--port_file=" + dir_ + "/shard.ports"},
+      dir_ + "/shard.log");
+  auto logs = [&] {
+    return absl::StrCat(ReadFile(dir_ + "/server.log"), ReadFile(dir_ + "/shard.log"));
+  };
+  ASSERT_TRUE(WaitForFile(dir_ + "/shard.ports", absl::Seconds(30))) << logs();
+  const int shard_metrics = PortIn("shard.ports", "metrics");
+  auto scraped = [](int metrics_port, const std::string& series) {
+    for (absl::string_view line : absl::StrSplit(HttpGet(metrics_port, "/metrics"), '\n')) {
+      double value = 0;
+      if (absl::ConsumePrefix(&line, series + " ") && absl::SimpleAtod(line, &value)) return value;
+    }
+    return -1.0;
+  };
+  // A worker's client: the CA of `ca_dir`, the client certificate of `cert_dir` ("" = none).
+  auto options = [&](const std::string& ca_dir, const std::string& cert_dir,
+                     const std::string& token) {
+    worker::ClientOptions o;
+    o.address = absl::StrCat("localhost:", port);
+    o.token = token;
+    o.tls_ca_pem = ReadFile(dir_ + "/" + ca_dir + "/ca.pem");
+    if (!cert_dir.empty()) {
+      o.tls_cert_pem = ReadFile(dir_ + "/" + cert_dir + "/client.pem");
+      o.tls_key_pem = ReadFile(dir_ + "/" + cert_dir + "/client.key");
+    }
+    return o;
+  };
+  worker::ServerClient client(options("ca", "ca", kTokenA));
+  v1::JoinRequest join;
+  join.set_name("raw");
+  join.set_role(v1::ROLE_TRAINER);
+  absl::StatusOr<v1::JoinReply> joined;
+  for (int i = 0; i < 300 && !joined.ok(); ++i) {
+    joined = client.Join(join);  // UNAVAILABLE until the shard process follows
+    if (!joined.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(joined.ok()) << joined.status() << logs();
+  const std::vector<std::string> shards(joined->shard_addresses().begin(),
+                                        joined->shard_addresses().end());
+  ASSERT_EQ(joined->shard_push_addresses_size(), 1);
+  ASSERT_EQ(joined->shard_push_addresses(0), push);
+  ASSERT_TRUE(client.SetShards(shards, {push}).ok());
+  absl::StatusOr<v1::Task> task = client.RequestTask(joined->worker_id());
+  ASSERT_TRUE(task.ok() && task->kind() == v1::Task::TRAIN) << task.status();
+  const v1::ModelSpec& spec = joined->model_spec();
+  std::vector<std::vector<float>> before;
+  uint64_t bytes = 0;
+  ASSERT_TRUE(client.Pull(joined->worker_id(), 0, false, spec, &before, &bytes).ok());
+  v1::PushHeader header;
+  header.set_worker_id(joined->worker_id());
+  header.set_task_id(task->task_id());
+  header.set_update_id(1);
+  header.set_base_version(task->base_version());
+  header.set_steps_done(task->local_steps());
+  header.set_codec(v1::CODEC_FP32);
+  std::vector<std::vector<float>> g(spec.layers_size());
+  std::string payload;
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    g[l].resize(spec.layers(l).num_elements());
+    for (size_t i = 0; i < g[l].size(); ++i) g[l][i] = 0.001f * (i % 7) - 0.002f * l;
+    payload.append(reinterpret_cast<const char*>(g[l].data()), g[l].size() * sizeof(float));
+  }
+
+  struct Refused {
+    const char* what;
+    worker::ClientOptions options;
+    absl::StatusCode code;
+    const char* message;
+  };
+  const Refused refused[] = {
+      {"a client trusting another CA", options("other", "ca", kTokenA),
+       absl::StatusCode::kUnauthenticated, "certificate verify failed"},
+      {"a client certificate of another CA", options("ca", "other", kTokenA),
+       absl::StatusCode::kUnavailable, "alert unknown ca"},
+      {"no client certificate", options("ca", "", kTokenA), absl::StatusCode::kUnavailable,
+       "alert certificate required"},
+      {"an unknown token", options("ca", "ca", "not-a-token-the-server-knows"),
+       absl::StatusCode::kUnauthenticated, "unknown token"},
+  };
+  for (const Refused& r : refused) {
+    worker::ServerClient stranger(r.options);
+    ASSERT_TRUE(stranger.SetShards(shards, {push}).ok());
+    const absl::StatusOr<v1::PushReply> pushed =
+        stranger.Push(header, spec, g, {}, 256, nullptr, &bytes);
+    EXPECT_EQ(pushed.status().code(), r.code) << r.what << ": " << pushed.status();
+    EXPECT_TRUE(absl::StrContains(pushed.status().message(), r.message))
+        << r.what << ": " << pushed.status();
+  }
+  // A plaintext raw push to the TLS listener is answered in plaintext.
+  absl::Status carried;
+  v1::PushReply reply;
+  ASSERT_TRUE(RawExchange(push, EncodeRawPushPrelude(kTokenA, header, payload.size()) + payload,
+                          &carried, &reply)
+                  .ok());
+  EXPECT_EQ(carried.code(), absl::StatusCode::kUnauthenticated) << carried;
+  EXPECT_TRUE(absl::StrContains(carried.message(), "this listener takes TLS only")) << carried;
+  // The shard process names every refused connection.
+  const std::string shard_log = ReadFile(dir_ + "/shard.log");
+  for (const char* reason : {"alert unknown ca", "certificate verify failed",
+                             "peer did not return a certificate", "refused a plaintext raw push"}) {
+    EXPECT_TRUE(absl::StrContains(shard_log, reason)) << reason << "\n" << shard_log;
+  }
+  // Nothing was received, staged or applied.
+  EXPECT_EQ(scraped(shard_metrics, "aloe_raw_push_bytes_total"), 0) << logs();
+  EXPECT_EQ(scraped(shard_metrics, "aloe_staged_updates"), 0);
+  EXPECT_EQ(scraped(shard_metrics, "aloe_staged_bytes"), 0);
+  EXPECT_EQ(scraped(coordinator_metrics, "aloe_model_version"), 0);
+  std::vector<std::vector<float>> now;
+  absl::StatusOr<uint64_t> version = client.Pull(joined->worker_id(), 0, true, spec, &now, &bytes);
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(*version, 0u);
+  EXPECT_EQ(now, before);
+
+  // The worker's push, raw over TLS, is the one outer step: theta_1 = theta_0 - 0.5 g.
+  absl::StatusOr<v1::PushReply> pushed = client.Push(header, spec, g, {}, 256, nullptr, &bytes);
+  ASSERT_TRUE(pushed.ok()) << pushed.status() << logs();
+  EXPECT_TRUE(pushed->applied());
+  EXPECT_EQ(scraped(shard_metrics, "aloe_raw_push_bytes_total"),
+            static_cast<double>(payload.size()));
+  EXPECT_EQ(client.Pull(joined->worker_id(), 1, false, spec, &now, &bytes).value_or(0), 1u);
+  EXPECT_LT(SgdStepError(before, g, 0.5, now), 1e-6);
+  (void)client.Leave(joined->worker_id());
+  shard.Signal(SIGTERM);
+  EXPECT_EQ(shard.Wait(absl::Seconds(30)), std::optional<int>(0)) << logs();
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0)) << logs();
+}
+
 TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
   // Shards present kTokenB (identity bravo, security.shard_identity) to the coordinator and their
   // own certificate (issued by the client CA); shard 1 listens on every interface and tells
-  // workers "localhost", the name in the certificate they verify.
+  // workers "localhost", the name in the certificate they verify. Shard 0 takes raw pushes too
+  // (over TLS), shard 1 gRPC pushes only.
   const std::string security = absl::StrCat("token_file: \"", dir_, "/tokens\" tls_cert_file: \"",
                                             dir_, "/ca/server.pem\" tls_key_file: \"", dir_,
                                             "/ca/server.key\" tls_client_ca_file: \"", dir_,
@@ -244,6 +439,7 @@ TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
                                      "--token_file=" + dir_ + "/token_b"};
     if (i == 0) {
       argv.push_back(absl::StrCat("--listen=127.0.0.1:", shard_ports[i]));
+      argv.push_back(absl::StrCat("--push_listen=127.0.0.1:", FreePort()));
     } else {
       argv.push_back(absl::StrCat("--listen=0.0.0.0:", shard_ports[i]));
       argv.push_back(absl::StrCat("--advertise=localhost:", shard_ports[i]));
@@ -284,6 +480,9 @@ TEST_F(SecurityTest, LayerShardedServerTrainsUnderMutualTlsAndTokens) {
               std::string::npos)
         << logs();
   }
+  // The worker pushed shard 0's layers raw, over TLS.
+  EXPECT_EQ(ReadFile(dir_ + "/shard0.log").find("(0.0 MB raw)"), std::string::npos) << logs();
+  EXPECT_EQ(ReadFile(dir_ + "/worker.log").find("raw push"), std::string::npos) << logs();
 }
 
 TEST_F(SecurityTest, ShardAddressesWorkersCannotDialAreRefused) {

@@ -208,12 +208,12 @@ TEST(RawPushTest, SocketsConnectCarryBytesTimeOutAndReportClosing) {
   std::thread writer(
       [&] { EXPECT_THAT(WriteAll(*client, sent.data(), sent.size(), absl::Seconds(10)), IsOk()); });
   std::string got(sent.size(), '\0');
-  SocketReader in(server, absl::Seconds(10));
+  SocketStream in(server, absl::Seconds(10));
   ASSERT_THAT(in.ReadExactly(got.data(), got.size()), IsOk());
   writer.join();
   EXPECT_TRUE(got == sent);
   // Nothing more comes: the read times out, naming the wait.
-  SocketReader impatient(server, absl::Milliseconds(50));
+  SocketStream impatient(server, absl::Milliseconds(50));
   char byte;
   EXPECT_THAT(impatient.ReadExactly(&byte, 1),
               StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("no progress")));

@@ -500,7 +500,7 @@ class FakeRawShard {
     }
   }
   void Serve(int c) {
-    SocketReader in(c, absl::Seconds(10));
+    SocketStream in(c, absl::Seconds(10));
     while (true) {
       absl::StatusOr<RawPushRequest> request = ReadRawPushPrelude(in);
       if (!request.ok()) return;
@@ -701,7 +701,40 @@ TEST_F(ClientRawPushTest, ASingleServersListenerGetsEveryLayerAndEncodedPushesUs
   EXPECT_EQ(main_.service.Pushes().size(), 3u);
 }
 
-TEST_F(ClientRawPushTest, RawPushesOffOrTlsUseGrpcAndAddressListsMustMatch) {
+// A CA certificate whose key is gone: the client can load it, nobody can present a certificate
+// it issued.
+constexpr char kUnusedCaPem[] = R"(-----BEGIN CERTIFICATE-----
+MIIBjjCCATWgAwIBAgIUbyRruw+l+kKCEzG2SKHHsbqXD+0wCgYIKoZIzj0EAwIw
+HDEaMBgGA1UEAwwRYWxvZS11bml0LXRlc3QtY2EwIBcNMjYxMTI3MTcyNzAzWhgP
+MjEyNjExMDMxNzI3MDNaMBwxGjAYBgNVBAMMEWFsb2UtdW5pdC10ZXN0LWNhMFkw
+EwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEgwNAcHYQMJWV3J0U1j85Qh9GFQcXQ+Cs
+/1rGIq0nBDHXkK2jWnAYEi407g1YlvjuwVBWsMaSKKj/lpqoqajVyKNTMFEwHQYD
+VR0OBBYEFPenfa2g0S+3HXdXrjFTeyBHxppGMB8GA1UdIwQYMBaAFPenfa2g0S+3
+HXdXrjFTeyBHxppGMA8GA1UdEwEB/wQFMAMBAf8wCgYIKoZIzj0EAwIDRwAwRAIg
+NiHY+MoIbJTR5WaEU5CEvAsOWfVkjFdP5rTGbGYlXQYCIF3p2FznK9bHtBoKiM8k
+yyer1jip6EqoG5Ve0KWyB4i8
+-----END CERTIFICATE-----
+)";
+
+// With a CA a raw push opens with a TLS handshake. A listener that does not speak TLS fails it,
+// and the push fails: nothing goes out in plaintext, raw or over gRPC.
+TEST_F(ClientRawPushTest, WithACaRawPushesSpeakTlsAndNeverFallBackToPlaintext) {
+  ClientOptions options = WithToken(main_.address, "tok");
+  options.tls_ca_pem = kUnusedCaPem;
+  ServerClient client(options);
+  ASSERT_THAT(client.SetShards({shards_[0].address, shards_[1].address}, {raw_.address(), ""}),
+              IsOk());
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 6));
+  uint64_t bytes = 0;
+  EXPECT_THAT(client.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes),
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr(raw_.address()), HasSubstr("TLS handshake"))));
+  EXPECT_EQ(raw_.connections(), 1);
+  EXPECT_TRUE(raw_.Pushes().empty());
+  EXPECT_TRUE(shards_[0].service.Pushes().empty());
+}
+
+TEST_F(ClientRawPushTest, RawPushesOffUseGrpcAndAddressListsMustMatch) {
   ClientOptions options = Plaintext(main_.address);
   options.raw_push = false;
   ServerClient grpc_only(options);
