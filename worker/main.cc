@@ -52,8 +52,7 @@ ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual 
 ABSL_FLAG(std::string, tls_key_file, "", "PEM client private key (mutual TLS)");
 ABSL_FLAG(std::string, tls_server_name, "", "Name to verify in the server certificate");
 ABSL_FLAG(bool, raw_push, true,
-          "Push float32 layers over TCP to shard processes that offer it (--push_listen); over "
-          "TLS with --tls_ca_file");
+          "Push float32 layers over TCP (TLS with a CA) to shard processes offering it");
 ABSL_FLAG(int32_t, nproc, 1,
           "Ranks of this node (trainers): N > 1 trains one replica with FSDP over N processes "
           "(NCCL on GPUs, Gloo on the CPU), each holding, pulling and pushing 1/N of every "
