@@ -78,8 +78,8 @@ auto CoreRunner::TickAnd(F&& done) {
 
 absl::Status CoreRunner::Listen(const std::vector<grpc::Service*>& services) {
   const v1::ServerConfig& config = options_.config;
-  ALOE_ASSIGN_OR_RETURN(server_, StartGrpc(config.listen_address(), credentials_, services,
-                                           config.receive_window_kib(), &grpc_port_));
+  ALOE_ASSIGN_OR_RETURN(
+      server_, StartGrpc(config.listen_address(), credentials_, services, config, &grpc_port_));
   const v1::ModelSpec& spec = handle_->spec();
   uint64_t params = 0;
   for (const auto& layer : spec.layers()) params += layer.num_elements();

@@ -108,15 +108,17 @@ absl::StatusOr<std::unique_ptr<Authenticator>> LoadAuthenticator(const v1::Serve
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
     const std::string& address, std::shared_ptr<grpc::ServerCredentials> credentials,
-    const std::vector<grpc::Service*>& services, uint32_t receive_window_kib, int* port) {
+    const std::vector<grpc::Service*>& services, const v1::ServerConfig& config, int* port) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, credentials, port);
   // Chunks are <= 1 MiB; anything much larger is hostile or broken.
   builder.SetMaxReceiveMessageSize(2 << 20);
-  // Fixed receive windows instead of gRPC's BDP-probed ones (see receive_window_kib).
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  // Fixed receive windows unless probed (see receive_window_kib and receive_window_probe): the
+  // probe sizes the connection's window and every stream's from the measured bandwidth-delay
+  // product, starting from receive_window_kib.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, config.receive_window_probe() ? 1 : 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
-                             static_cast<int>(receive_window_kib << 10));
+                             static_cast<int>(config.receive_window_kib() << 10));
   for (grpc::Service* service : services) builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || *port == 0) {

@@ -48,10 +48,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
 absl::StatusOr<std::unique_ptr<Authenticator>> LoadAuthenticator(const v1::ServerConfig& config);
 
 // Builds, registers and starts the gRPC server on `address` (receive windows of
-// receive_window_kib); *port is the port bound. kUnavailable when it cannot listen.
+// config.receive_window_kib, probed with config.receive_window_probe); *port is the port bound.
+// kUnavailable when it cannot listen.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
     const std::string& address, std::shared_ptr<grpc::ServerCredentials> credentials,
-    const std::vector<grpc::Service*>& services, uint32_t receive_window_kib, int* port);
+    const std::vector<grpc::Service*>& services, const v1::ServerConfig& config, int* port);
 
 // The Prometheus endpoint of config.metrics_address (a sink that drops everything for "off");
 // *port its port (0 for "off").

@@ -136,8 +136,8 @@ absl::Status ShardProcess::Start() {
   const std::string& push_listen = options_.push_listen;
   const size_t owned_layers = state->owned_layers().size();
   shard_ = std::make_unique<ShardServer>(spec, std::move(state), options, *auth_, *metrics_);
-  ALOE_ASSIGN_OR_RETURN(server_, StartGrpc(listen, credentials, {shard_.get()},
-                                           config.receive_window_kib(), &grpc_port_));
+  ALOE_ASSIGN_OR_RETURN(server_,
+                        StartGrpc(listen, credentials, {shard_.get()}, config, &grpc_port_));
   ALOE_ASSIGN_OR_RETURN(raw_pushes_,
                         StartRawPushes(config, push_listen,
                                        [this](const RawPushRequest& request, ByteReader& in,

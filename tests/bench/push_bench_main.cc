@@ -79,6 +79,7 @@
 #include "common/logging.h"
 #include "common/model_spec.h"
 #include "kernels/cpu/outer_kernels.h"
+#include "tests/bench/join_with_retry.h"
 #include "worker/client.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:7070",
@@ -467,22 +468,6 @@ double StagedTcpGbps(int streams, double seconds, uint64_t update_bytes, int slo
   return static_cast<double>(bytes) / elapsed / 1e9;
 }
 
-// Join as a trainer, retried while the server answers UNAVAILABLE for up to --join_seconds.
-absl::StatusOr<v1::JoinReply> JoinWithRetry(worker::ServerClient& client, const std::string& name) {
-  v1::JoinRequest request;
-  request.set_name(name);
-  request.set_role(v1::ROLE_TRAINER);
-  const auto t0 = Clock::now();
-  while (true) {
-    absl::StatusOr<v1::JoinReply> reply = client.Join(request);
-    if (reply.ok() || reply.status().code() != absl::StatusCode::kUnavailable ||
-        Since(t0) > absl::GetFlag(FLAGS_join_seconds)) {
-      return reply;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-}
-
 struct Result {
   uint64_t updates = 0;
   uint64_t bytes = 0;
@@ -527,7 +512,8 @@ Result RunWorkers(int workers, double seconds, double round, const std::vector<W
   std::vector<v1::JoinReply> joined(workers);
   for (int w = 0; w < workers; ++w) {
     clients.push_back(std::make_unique<worker::ServerClient>(options));
-    absl::StatusOr<v1::JoinReply> reply = JoinWithRetry(*clients[w], "bench-" + std::to_string(w));
+    absl::StatusOr<v1::JoinReply> reply =
+        JoinWithRetry(*clients[w], "bench-" + std::to_string(w), absl::GetFlag(FLAGS_join_seconds));
     if (!reply.ok()) {
       std::fprintf(stderr, "join: %s\n", reply.status().ToString().c_str());
       std::exit(1);
@@ -758,7 +744,8 @@ std::array<std::vector<double>, 3> LatenciesByOverlap(const Result& r) {
 // or 0 when the server cannot be joined.
 uint64_t DescribeServer() {
   worker::ServerClient client(WorkerOptions());
-  absl::StatusOr<v1::JoinReply> reply = JoinWithRetry(client, "bench-probe");
+  absl::StatusOr<v1::JoinReply> reply =
+      JoinWithRetry(client, "bench-probe", absl::GetFlag(FLAGS_join_seconds));
   if (!reply.ok()) {
     std::fprintf(stderr, "join: %s\n", reply.status().ToString().c_str());
     return 0;

@@ -203,7 +203,7 @@ absl::Duration PingPong(int fd) {
   std::memset(out, 'p', sizeof(out));
   const absl::Time t0 = absl::Now();
   if (!WriteAllBytes(fd, out, sizeof(out)) ||
-      !SocketReader(fd, absl::Seconds(5)).ReadExactly(back, sizeof(back)).ok()) {
+      !SocketStream(fd, absl::Seconds(5)).ReadExactly(back, sizeof(back)).ok()) {
     return absl::InfiniteDuration();
   }
   return absl::Now() - t0;
@@ -349,7 +349,7 @@ TEST(LinkEmulatorTest, StallHoldsBytesUntilResumeAndLosesNone) {
   EXPECT_EQ(poll(&p, 1, 300), 0) << "bytes crossed a stalled link";
   t.link->Resume();
   char back[sizeof(message)];
-  ASSERT_THAT(SocketReader(t.fd, absl::Seconds(2)).ReadExactly(back, sizeof(back)), IsOk());
+  ASSERT_THAT(SocketStream(t.fd, absl::Seconds(2)).ReadExactly(back, sizeof(back)), IsOk());
   EXPECT_EQ(std::string(back, sizeof(back)), std::string(message, sizeof(message)));
 }
 

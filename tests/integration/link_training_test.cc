@@ -1,7 +1,8 @@
 // A short real training job across an emulated long link (tools/link_emulator.h): aloe-server
 // and an aloe-worker process whose every connection to the server crosses 50 ms of one-way delay
-// at 100 Mbit/s. The job must end at the version its stop condition names, with every push and
-// pull having crossed the link.
+// at 100 Mbit/s, the server's receive windows probed as operations.md advises for long links.
+// The job must end at the version its stop condition names, with every push and pull having
+// crossed the link.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -25,7 +26,8 @@ using ::aloe::testing::ReadFile;
 TEST_F(LoopbackTest, TrainsAShortJobThroughA50MsLinkToTheLastVersion) {
   constexpr int kVersions = 3;
   const int port = StartServer(absl::StrCat("local_steps: 4\nmax_versions: ", kVersions,
-                                            "\naggregation { min_workers: 1 }\n"));
+                                            "\naggregation { min_workers: 1 }\n",
+                                            "receive_window_probe: true\n"));
   ASSERT_GT(port, 0);
   tools::LinkEmulatorOptions options;
   options.routes.push_back({"127.0.0.1:0", absl::StrCat("127.0.0.1:", port)});
