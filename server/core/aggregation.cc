@@ -46,6 +46,8 @@ std::optional<uint64_t> SyncRoundAggregation::StartAhead(
     uint64_t worker, uint64_t current_version, const std::vector<uint64_t>& live_trainers) {
   if (!open_ || round_version_ != current_version) return std::nullopt;
   if (started_.count(worker) == 0 || ahead_.count(worker) > 0) return std::nullopt;
+  // The next round makes version round_version_ + 2.
+  if (last_version_ > 0 && round_version_ + 2 > last_version_) return std::nullopt;
   ahead_[worker] = round_version_;
   return round_version_;
 }

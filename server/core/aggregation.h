@@ -112,10 +112,12 @@ class AggregationPolicy {
 // the others); its push joins round r+1 even when it arrives before round r closed (it is held
 // until round r+1 opens), and it may start its round-(r+2) work from round r+1's version once it
 // has pushed into round r+1. A round whose participants started ahead opens as soon as the round
-// before it closes (BeginAhead).
+// before it closes (BeginAhead). No work is started ahead for a round that would make a version
+// past last_version (0 = no limit).
 class SyncRoundAggregation final : public AggregationPolicy {
  public:
-  explicit SyncRoundAggregation(uint32_t min_workers) : min_workers_(min_workers) {}
+  explicit SyncRoundAggregation(uint32_t min_workers, uint64_t last_version = 0)
+      : min_workers_(min_workers), last_version_(last_version) {}
 
   std::optional<uint64_t> StartVersion(uint64_t worker, uint64_t current_version,
                                        const std::vector<uint64_t>& live_trainers) override;
@@ -140,6 +142,7 @@ class SyncRoundAggregation final : public AggregationPolicy {
   ApplyBatch CompleteIfDone();
 
   const uint32_t min_workers_;
+  const uint64_t last_version_;
   bool open_ = false;
   bool first_round_ = true;
   uint64_t round_version_ = 0;

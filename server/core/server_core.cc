@@ -115,7 +115,8 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
     if (PlannerOptions(config).align_rounds) core->aligned_grace_ = grace_aggregation.get();
     core->aggregation_ = std::move(grace_aggregation);
   } else {
-    core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
+    core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers(),
+                                                                config.max_versions());
   }
   core->sampler_ = DataShardSampler(std::move(train_shards), config.seed(),
                                     config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL

@@ -172,5 +172,27 @@ TEST_F(OverlapTest, ATwoRankNodeOverlapsEveryRanksSlices) {
   }
 }
 
+// Two overlapping trainers of different speeds in sync rounds: the fast one's look-ahead request
+// waits for the slow one's push to close the round. Every round aggregates exactly one update of
+// each (none counted twice, none left out) and none is past the last version.
+TEST_F(OverlapTest, TwoOverlappingTrainersOfDifferentSpeedsShareEverySyncRound) {
+  const int port = StartServer(
+      "local_steps: 30\nmax_versions: 6\naggregation { mode: AGGREGATION_SYNC min_workers: 2 }\n",
+      "outer_optimizer { type: OUTER_SGD lr: 0.5 }\n");
+  ASSERT_NE(port, 0);
+  auto fast = StartWorker(port, "trainer", 0, 1.0, {"--overlap=eager"});
+  auto slow = StartWorker(port, "trainer", 1, 3.0, {"--overlap=delayed"});
+  EXPECT_EQ(server_->Wait(absl::Seconds(240)), std::optional<int>(0)) << Logs();
+  EXPECT_EQ(fast->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
+  EXPECT_EQ(slow->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
+  EXPECT_TRUE(absl::StrContains(ReadFile(dir_ + "/summary"), "version=6\nupdates_applied=12\n"))
+      << Logs();
+  for (const char* name : {"/trainer0.log", "/trainer1.log"}) {
+    const std::string log = ReadFile(dir_ + name);
+    EXPECT_TRUE(absl::StrContains(log, "round 2: version 0 ")) << log;
+    EXPECT_FALSE(absl::StrContains(log, "dropped")) << log;
+  }
+}
+
 }  // namespace
 }  // namespace aloe

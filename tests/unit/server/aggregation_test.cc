@@ -126,5 +126,25 @@ TEST(SyncRoundAggregationTest, AheadWorkReplacesEndedWorkAndDepartedWorkersAreNo
   EXPECT_EQ(sync.Submit(U(1, 1), 1)->updates.size(), 1u);
 }
 
+// No work starts ahead for a round past the last version: with last_version 2, round 0 may
+// start round 1's work (it makes v2), round 1 may not start round 2's, whether asked ahead or
+// by a worker one step behind.
+TEST(SyncRoundAggregationTest, NoWorkStartsAheadPastTheLastVersion) {
+  SyncRoundAggregation sync(1, /*last_version=*/2);
+  const std::vector<uint64_t> live = {1, 2};
+  ASSERT_TRUE(sync.StartVersion(1, 0, live).has_value());
+  ASSERT_TRUE(sync.StartVersion(2, 0, live).has_value());
+  ASSERT_EQ(sync.StartAhead(1, 0, live), std::optional<uint64_t>(0));  // round 1 makes v2
+  ASSERT_THAT(sync.Submit(U(1, 0), 0), IsOk());
+  ASSERT_THAT(sync.Submit(U(1, 0), 0), IsOk());            // held for round 1
+  ASSERT_EQ(sync.Submit(U(2, 0), 0)->updates.size(), 2u);  // v1
+  ASSERT_TRUE(sync.BeginAhead(1, live).updates.empty());
+  EXPECT_FALSE(sync.StartVersion(1, 1, live).has_value());  // one step behind: round 2 is past
+  ASSERT_EQ(sync.StartVersion(2, 1, live), std::optional<uint64_t>(1));
+  EXPECT_FALSE(sync.StartAhead(2, 1, live).has_value());
+  ASSERT_EQ(sync.Submit(U(2, 1), 1)->updates.size(), 2u);  // v2
+  EXPECT_FALSE(sync.InProgress());
+}
+
 }  // namespace
 }  // namespace aloe::server
