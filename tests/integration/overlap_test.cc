@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <string>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -91,10 +92,11 @@ class OverlapTest : public LoopbackTest {
     const Job delayed = Run("delayed", 1, aggregation);
     const Job eager = Run("eager", 1, aggregation);
     std::printf(
-        "%sblocked on network: off %.1f%%, delayed %.1f%%, eager %.1f%%; final held-out loss: "
-        "off %.4f, delayed %.4f, eager %.4f\n",
-        aggregation.c_str(), 100 * off.blocked, 100 * delayed.blocked, 100 * eager.blocked,
-        off.final_loss, delayed.final_loss, eager.final_loss);
+        "%s: blocked on network: off %.1f%%, delayed %.1f%%, eager %.1f%%; final held-out "
+        "loss: off %.4f, delayed %.4f, eager %.4f\n",
+        std::string(absl::StripTrailingAsciiWhitespace(aggregation)).c_str(), 100 * off.blocked,
+        100 * delayed.blocked, 100 * eager.blocked, off.final_loss, delayed.final_loss,
+        eager.final_loss);
     // >= 200 ms of every round without overlap, however loaded the machine (as a share of wall
     // time ~18% of an unloaded ~1.2 s round, but 4.85% was seen beside a parallel test: a loaded
     // machine computes slower), and several times the overlapped share.
