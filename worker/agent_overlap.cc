@@ -107,14 +107,13 @@ absl::StatusOr<bool> Agent::TrainAhead(const v1::Task& task, const Communicated&
     ALOE_ASSIGN_OR_RETURN(const double against, env_.node->AllReduceSum(next_train ? 0 : 1));
     next_train = against == 0;
   }
+  // A WAIT: the sync round or grace window of the last push is still open. This round is pushed
+  // now, the caller asks for work as usual and the next round overlaps again.
   if (!next_train && c.next.ok() && c.next->kind() == v1::Task::WAIT && !c.next->draining() &&
-      !overlap_refused_) {
-    overlap_refused_ = true;
-    if (leader()) {
-      ALOE_LOG_WARNING("worker",
-                       "the server hands out no look-ahead tasks (sync rounds or a grace "
-                       "window): --overlap is off from now on");
-    }
+      leader()) {
+    ALOE_LOG_INFO("worker",
+                  "no look-ahead task yet (the sync round or grace window of the last push is "
+                  "still open): this round is pushed without overlap");
   }
   return next_train;
 }

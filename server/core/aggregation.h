@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <set>
 #include <utility>
@@ -42,6 +43,37 @@ class AggregationPolicy {
   // `worker` left or was dropped. Returns a batch when its absence completes one.
   virtual ApplyBatch OnWorkerGone(uint64_t worker) = 0;
 
+  // One-step-delay overlap (docs/algorithms.md, "Overlapped communication"). Trainer `worker`
+  // has work in progress and asks for the work after it, to train while its current work is
+  // pushed. Returns the version that work starts from: the version its next task would start
+  // from once the aggregation of its last push released it (the current version when there is
+  // none to wait for). nullopt while that aggregation is still open. An answer commits the
+  // worker to push that work after its current one.
+  virtual std::optional<uint64_t> StartAhead(uint64_t worker, uint64_t current_version,
+                                             const std::vector<uint64_t>& live_trainers) = 0;
+
+  // The work `worker` started ahead became its work in progress, its previous work having been
+  // submitted or ended (OnWorkEnded).
+  virtual void PromoteAhead(uint64_t worker) = 0;
+
+  // The work in progress of `worker` ended without an update (too stale, given up); the worker
+  // stays. Returns a batch when its absence completes one.
+  virtual ApplyBatch OnWorkEnded(uint64_t worker) = 0;
+
+  // Begins what work started ahead waits for once the aggregation before it is complete (a sync
+  // round over current_version). Returns a batch when everything it includes is in already.
+  virtual ApplyBatch BeginAhead(uint64_t current_version,
+                                const std::vector<uint64_t>& live_trainers) {
+    return {};
+  }
+
+  // The version an update of `worker` from `base_version`, submitted now, will be applied to:
+  // current_version, or a later one for work started ahead that joins the next sync round.
+  virtual uint64_t TargetVersion(uint64_t worker, uint64_t base_version,
+                                 uint64_t current_version) const {
+    return current_version;
+  }
+
   // True while some started work has not yet been aggregated.
   virtual bool InProgress() const = 0;
 
@@ -74,28 +106,54 @@ class AggregationPolicy {
 // min_workers); each participant starts once from v and pushes once; when every remaining
 // participant has pushed, their pseudo-gradients are averaged into one outer step. Trainers that
 // join mid-round wait for the next round; a participant that leaves or expires is not waited for.
+//
+// One-step-delay overlap: a participant of round r may start its round-(r+1) work ahead, from
+// v, before round r closes. Round r+1 then counts it as started (from v, one version staler than
+// the others); its push joins round r+1 even when it arrives before round r closed (it is held
+// until round r+1 opens), and it may start its round-(r+2) work from round r+1's version once it
+// has pushed into round r+1. A round whose participants started ahead opens as soon as the round
+// before it closes (BeginAhead). No work is started ahead for a round that would make a version
+// past last_version (0 = no limit).
 class SyncRoundAggregation final : public AggregationPolicy {
  public:
-  explicit SyncRoundAggregation(uint32_t min_workers) : min_workers_(min_workers) {}
+  explicit SyncRoundAggregation(uint32_t min_workers, uint64_t last_version = 0)
+      : min_workers_(min_workers), last_version_(last_version) {}
 
   std::optional<uint64_t> StartVersion(uint64_t worker, uint64_t current_version,
                                        const std::vector<uint64_t>& live_trainers) override;
+  std::optional<uint64_t> StartAhead(uint64_t worker, uint64_t current_version,
+                                     const std::vector<uint64_t>& live_trainers) override;
+  void PromoteAhead(uint64_t worker) override {}
   absl::StatusOr<ApplyBatch> Submit(PendingUpdate update, uint64_t current_version) override;
   ApplyBatch OnWorkerGone(uint64_t worker) override;
-  bool InProgress() const override { return open_; }
+  ApplyBatch OnWorkEnded(uint64_t worker) override;
+  ApplyBatch BeginAhead(uint64_t current_version,
+                        const std::vector<uint64_t>& live_trainers) override;
+  uint64_t TargetVersion(uint64_t worker, uint64_t base_version,
+                         uint64_t current_version) const override;
+  bool InProgress() const override { return open_ || !ahead_.empty() || !early_.empty(); }
   size_t active_workers() const override { return open_ ? participants_.size() : 0; }
 
  private:
+  // Opens a round at current_version: the work started ahead and its early pushes join it.
+  void Open(uint64_t current_version, const std::vector<uint64_t>& live_trainers);
+  // Whether `worker` pushed into the open round work it had started ahead of it.
+  bool PushedAheadWork(uint64_t worker) const;
   ApplyBatch CompleteIfDone();
 
   const uint32_t min_workers_;
+  const uint64_t last_version_;
   bool open_ = false;
   bool first_round_ = true;
   uint64_t round_version_ = 0;
   std::set<uint64_t> participants_;
-  std::set<uint64_t> started_;
+  std::map<uint64_t, uint64_t> started_;  // worker -> the version its work of the round began at
   std::set<uint64_t> pushed_;
   std::vector<PendingUpdate> received_;
+  // The next round's: work started ahead from round_version_ (worker -> that version), and the
+  // pushes of that work that arrived before the next round opened.
+  std::map<uint64_t, uint64_t> ahead_;
+  std::vector<PendingUpdate> early_;
 };
 
 }  // namespace aloe::server

@@ -12,6 +12,13 @@ std::optional<absl::Time> GracePeriodAggregation::Deadline() const {
   return window_due_ + grace_;
 }
 
+size_t GracePeriodAggregation::active_workers() const {
+  // An overlapping worker can be a window member with work in progress: counted once.
+  size_t members = started_.size();
+  for (uint64_t worker : window_members_) members += started_.count(worker) == 0;
+  return members;
+}
+
 void GracePeriodAggregation::Expect(uint64_t worker, uint64_t round, absl::Duration slack) {
   if (started_.count(worker) == 0) return;
   if (round == 0) {
@@ -70,6 +77,22 @@ std::optional<uint64_t> GracePeriodAggregation::StartVersion(
   if (window_members_.count(worker) > 0 || started_.count(worker) > 0) return std::nullopt;
   started_.insert(worker);
   expected_.erase(worker);
+  return Restart(worker, current_version);
+}
+
+std::optional<uint64_t> GracePeriodAggregation::StartAhead(
+    uint64_t worker, uint64_t current_version, const std::vector<uint64_t>& live_trainers) {
+  known_.insert(worker);
+  if (started_.count(worker) == 0 || window_members_.count(worker) > 0) return std::nullopt;
+  return Restart(worker, current_version);
+}
+
+void GracePeriodAggregation::PromoteAhead(uint64_t worker) {
+  known_.insert(worker);
+  started_.insert(worker);
+}
+
+uint64_t GracePeriodAggregation::Restart(uint64_t worker, uint64_t current_version) {
   started_by_.erase(worker);
   if (auto release = release_of_.find(worker); release != release_of_.end()) {
     if (released_.count(worker) > 0) started_by_[worker] = release->second;

@@ -12,6 +12,12 @@
 //     share a version).
 // Workers that never pushed (new joiners) start at once from the current version.
 //
+// One-step-delay overlap (StartAhead): a worker with work in progress may start the work after
+// it from the version its next task would start from: while its last push is in the open window
+// it waits for the close, like any other member, and starts from the version at the close; with
+// no push waiting it starts at once. Its pushes join windows like any other. Work started ahead
+// carries no round (Expect).
+//
 // Rounds (DyLU round alignment, LocalWorkPlanner): the caller may tag a started worker's task
 // with the round it belongs to and its slack, how long before the round end the worker is
 // expected to finish (Expect). A window opened by a tagged push belongs to that round:
@@ -46,11 +52,15 @@ class GracePeriodAggregation final : public AggregationPolicy {
 
   std::optional<uint64_t> StartVersion(uint64_t worker, uint64_t current_version,
                                        const std::vector<uint64_t>& live_trainers) override;
+  std::optional<uint64_t> StartAhead(uint64_t worker, uint64_t current_version,
+                                     const std::vector<uint64_t>& live_trainers) override;
+  void PromoteAhead(uint64_t worker) override;
   absl::StatusOr<ApplyBatch> Submit(PendingUpdate update, uint64_t current_version) override;
   ApplyBatch OnWorkerGone(uint64_t worker) override;
+  ApplyBatch OnWorkEnded(uint64_t worker) override { return OnWorkerGone(worker); }
   bool CloseExpired(uint64_t current_version) override;
   bool InProgress() const override { return !started_.empty() || window_open_.has_value(); }
-  size_t active_workers() const override { return started_.size() + window_members_.size(); }
+  size_t active_workers() const override;
   std::optional<absl::Time> Deadline() const override;
   std::optional<uint64_t> PendingStartVersion() const override;
 
@@ -77,6 +87,9 @@ class GracePeriodAggregation final : public AggregationPolicy {
   };
 
   void Close(uint64_t current_version);
+  // Starts `worker`'s next work: the version it starts from (its release's, or the current one)
+  // and the release it starts by (StartedBy).
+  uint64_t Restart(uint64_t worker, uint64_t current_version);
   // True when no started worker's task belongs to the open window's round or an older one.
   bool RoundComplete() const;
 

@@ -115,7 +115,8 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
     if (PlannerOptions(config).align_rounds) core->aligned_grace_ = grace_aggregation.get();
     core->aggregation_ = std::move(grace_aggregation);
   } else {
-    core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers());
+    core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers(),
+                                                                config.max_versions());
   }
   core->sampler_ = DataShardSampler(std::move(train_shards), config.seed(),
                                     config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL
@@ -322,23 +323,34 @@ absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
   if (stopping_) return NewTask(v1::Task::STOP);
   if (config_.max_versions() > 0) {
     // The tasks already out reach the last version: no work beyond them (else every
-    // overlapping worker would add one update past the stop).
+    // overlapping worker would add one update past the stop). Each of them is an outer step of
+    // its own, except in sync rounds: there the open round is one, and the look-ahead task joins
+    // the next.
     uint64_t in_flight = ahead_tasks_.size();
     for (const auto& [id, open] : open_tasks_) in_flight += open.task.kind() == v1::Task::TRAIN;
+    if (config_.aggregation().mode() != v1::AGGREGATION_ASYNC) in_flight = 1;
     if (version() + in_flight >= config_.max_versions()) return NewTask(v1::Task::STOP);
   }
-  // Only plain async hands out work ahead: a sync round or a grace window decides when and from
-  // which version a worker starts, which a task running ahead of its push would bypass.
-  const bool plain_async = config_.aggregation().mode() == v1::AGGREGATION_ASYNC &&
-                           config_.aggregation().grace_seconds() == 0;
-  if (draining_ || !plain_async) {
+  if (draining_) {
     v1::Task wait = NewTask(v1::Task::WAIT);
-    wait.set_draining(draining_);
+    wait.set_draining(true);
     return wait;
   }
+  // The version the worker's next task would start from once its last push is released (one
+  // step behind: the task's own predecessor is still to be pushed). WAIT while that push's sync
+  // round or grace window is open.
   const uint64_t current = version();
-  if (retained_.count(current) == 0) retained_[current] = Snapshot();
-  OpenTask ahead = NewTrainTask(worker, current);
+  std::optional<uint64_t> base =
+      aggregation_->StartAhead(worker, current, membership_.LiveIds(v1::ROLE_TRAINER));
+  if (!base) return NewTask(v1::Task::WAIT);
+  if (*base != current && retained_.count(*base) == 0) {
+    // Cannot happen: released versions are retained when the release happens.
+    ALOE_LOG_ERROR("server", "version %d to start worker %d ahead from is gone; using %d", *base,
+                   worker, current);
+    base = current;
+  }
+  if (*base == current && retained_.count(current) == 0) retained_[current] = Snapshot();
+  OpenTask ahead = NewTrainTask(worker, *base);
   ahead_tasks_[worker] = ahead;
   metrics_.Add(kTasksAhead, 1);
   PublishShards();
@@ -350,7 +362,7 @@ absl::Status ServerCore::EndOpenTask(uint64_t worker) {
   sampler_.Release(open.shard, open.assigned_tokens);
   open_tasks_.erase(worker);
   staged_.erase(worker);
-  ApplyBatch completed = aggregation_->OnWorkerGone(worker);
+  ApplyBatch completed = aggregation_->OnWorkEnded(worker);
   if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
   PromoteAhead(worker);
   PruneRetained();
@@ -363,12 +375,7 @@ void ServerCore::PromoteAhead(uint64_t worker) {
   if (ahead == ahead_tasks_.end()) return;
   open_tasks_[worker] = std::move(ahead->second);
   ahead_tasks_.erase(ahead);
-  // The policy releases the worker (plain async: at once) and counts its work in progress; the
-  // version it would start from is ignored: the task already started from an older one.
-  if (!aggregation_->StartVersion(worker, version(), membership_.LiveIds(v1::ROLE_TRAINER))) {
-    ALOE_LOG_ERROR("server", "aggregation refused the look-ahead task of worker %d", worker);
-  }
-  ObserveReleases();
+  aggregation_->PromoteAhead(worker);
 }
 
 v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
@@ -464,8 +471,11 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   const uint64_t task_id = update.task_id;
   // A window whose grace ran out closes before this arrival.
   CloseDueWindows();
-  // Staleness = the version it is applied to - the version it started from.
-  const uint64_t staleness = version() - update.base_version;
+  // Staleness = the version it is applied to - the version it started from. A sync round's
+  // look-ahead work pushed before its round opened is applied to the version that round opens at.
+  const uint64_t staleness =
+      std::max(version(), aggregation_->TargetVersion(worker, update.base_version, version())) -
+      update.base_version;
   absl::StatusOr<float> scale = StalenessScale(config_.outer_optimizer(), staleness);
   if (!scale.ok()) {
     // Too stale: dropped like the work of a departed worker; the worker starts afresh.
@@ -689,6 +699,13 @@ void ServerCore::CloseDueWindows() {
     // The released workers all start from this version, whatever is applied meanwhile.
     retained_[version()] = Snapshot();
     PruneRetained();
+  }
+  // A sync round whose participants started ahead opens as soon as the one before it closed;
+  // it is complete at once when all of them pushed already and everybody else left.
+  ApplyBatch batch = aggregation_->BeginAhead(version(), membership_.LiveIds(v1::ROLE_TRAINER));
+  if (!batch.updates.empty()) {
+    absl::Status s = Apply(std::move(batch));
+    if (!s.ok()) ALOE_LOG_ERROR("server", "%s", s.ToString());
   }
   ObserveReleases();
 }

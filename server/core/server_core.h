@@ -217,9 +217,12 @@ class ServerCore {
   // starts, for aligned DyLU.
   OpenTask NewTrainTask(uint64_t worker, uint64_t base,
                         const LocalWorkPlanner::Start* start = nullptr);
+  // TaskRequest.ahead with an open TRAIN task: the look-ahead task, from the version the
+  // aggregation policy says (StartAhead; docs/algorithms.md, overlap). WAIT while the round or
+  // window of the worker's last push is open or while draining; STOP past max_versions.
   absl::StatusOr<v1::Task> AheadTask(uint64_t worker);
-  // After the open task of `worker` was pushed (or dropped as too stale), its look-ahead task, if
-  // any, becomes the open one and the aggregation policy counts the worker as started.
+  // After the open task of `worker` was pushed (or ended without an update), its look-ahead
+  // task, if any, becomes the open one (AggregationPolicy::PromoteAhead).
   void PromoteAhead(uint64_t worker);
   // Ends `worker`'s open task without an update (too stale, or given up by the worker): its
   // tokens go back to the sampler, the aggregation stops waiting for it (which may complete a

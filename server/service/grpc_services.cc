@@ -21,6 +21,12 @@ namespace {
 
 // How long a push waits for a receive slot (the shard processes wait as long for theirs).
 constexpr absl::Duration kReceiveSlotWait = absl::Seconds(120);
+// How long a task request is held while the answer is WAIT. A look-ahead request is held longer:
+// its worker is training meanwhile, and the sync round or grace window it waits for closes when
+// the other workers' pushes are in (a WAIT costs that worker one round without overlap). Both
+// stay well below the worker's control deadline.
+constexpr absl::Duration kTaskWait = absl::Seconds(1);
+constexpr absl::Duration kAheadTaskWait = absl::Seconds(10);
 
 // Copies a successful StatusOr into *out, and converts the status either way.
 template <typename T>
@@ -72,7 +78,7 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
 grpc::Status CoordinatorService::RequestTask(grpc::ServerContext* context,
                                              const v1::TaskRequest* request, v1::Task* reply) {
   ALOE_AUTHORIZE(request->worker_id());
-  return Reply(handle_.RequestTask(*request, absl::Seconds(1)), reply);
+  return Reply(handle_.RequestTask(*request, request->ahead() ? kAheadTaskWait : kTaskWait), reply);
 }
 
 grpc::Status CoordinatorService::ReportEval(grpc::ServerContext* context,

@@ -199,5 +199,31 @@ TEST(GracePeriodAggregationTest, UntaggedWindowKeepsPlainGrace) {
   EXPECT_EQ(grace.StartedBy(1)->round, 0u);
 }
 
+// One-step-delay overlap: worker 1 starts its next work ahead from the current version while
+// its first runs; once it has pushed, the work after that waits for the close of the window the
+// push is in and starts from the version at the close, like worker 2's next work. Its second
+// push (the work started ahead) joins the next window like any other.
+TEST(GracePeriodAggregationTest, WorkStartedAheadWaitsForTheWindowOfTheLastPush) {
+  FakeClock clock;
+  GracePeriodAggregation grace(clock, absl::Seconds(2));
+  const std::vector<uint64_t> live = {1, 2};
+  EXPECT_FALSE(grace.StartAhead(1, 0, live).has_value());  // no work in progress
+  ASSERT_EQ(grace.StartVersion(1, 0, live), 0u);
+  ASSERT_EQ(grace.StartVersion(2, 0, live), 0u);
+  EXPECT_EQ(grace.StartAhead(1, 0, live), 0u);
+  ASSERT_THAT(grace.Submit(U(1, 0), 0), IsOk());  // v1, opens a window
+  grace.PromoteAhead(1);
+  EXPECT_FALSE(grace.StartAhead(1, 1, live).has_value());  // its push is in the open window
+  ASSERT_THAT(grace.Submit(U(2, 0), 1), IsOk());           // v2: everyone is in
+  EXPECT_TRUE(grace.CloseExpired(2));
+  EXPECT_EQ(grace.StartAhead(1, 2, live), 2u);
+  EXPECT_EQ(grace.StartVersion(2, 2, live), 2u);
+  EXPECT_TRUE(grace.InProgress());
+  clock.Advance(absl::Seconds(1));
+  ASSERT_THAT(grace.Submit(U(1, 0), 2), IsOk());  // the work started ahead: v3, a new window
+  EXPECT_EQ(grace.window_size(), 1u);
+  EXPECT_EQ(grace.Deadline(), clock.Now() + absl::Seconds(2));
+}
+
 }  // namespace
 }  // namespace aloe::server

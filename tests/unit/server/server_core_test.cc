@@ -69,6 +69,27 @@ class ServerCoreTest : public ::testing::Test {
     return *task;
   }
 
+  // TaskRequest.ahead: the task after the worker's open one (overlap).
+  v1::Task Ahead(uint64_t worker) {
+    v1::TaskRequest request;
+    request.set_worker_id(worker);
+    request.set_ahead(true);
+    auto task = core_->RequestTask(request);
+    EXPECT_THAT(task, IsOk());
+    return *task;
+  }
+
+  // Expects every parameter to be its value in `start` minus `shift`.
+  void ExpectShiftedBy(const std::vector<std::vector<float>>& start, double shift) {
+    const auto now = Params();
+    ASSERT_EQ(now.size(), start.size());
+    for (size_t l = 0; l < now.size(); ++l) {
+      for (size_t i = 0; i < now[l].size(); ++i) {
+        ASSERT_NEAR(now[l][i], start[l][i] - shift, 1e-5) << "layer " << l << " element " << i;
+      }
+    }
+  }
+
   // An update whose every element is `value`.
   PendingUpdate Update(uint64_t worker, const v1::Task& task, float value) {
     PendingUpdate u;
@@ -662,19 +683,9 @@ TEST_F(AsyncServerCoreTest,
   EXPECT_EQ(Request(a).base_version(), 2u);  // back to the usual flow
 }
 
-TEST_F(AsyncServerCoreTest, LookAheadIsRefusedBySyncRoundsGraceWindowsAndAtTheLastVersion) {
+TEST_F(AsyncServerCoreTest, LookAheadWaitsWhileDrainingAndStopsAtTheLastVersion) {
   v1::TaskRequest ahead;
   ahead.set_ahead(true);
-  v1::ServerConfig sync = TinyConfig();
-  sync.mutable_aggregation()->set_min_workers(1);
-  for (const v1::ServerConfig& config : {sync, AsyncConfig(3)}) {
-    Make(config);
-    const uint64_t a = Join();
-    ASSERT_EQ(Request(a).kind(), v1::Task::TRAIN);
-    ahead.set_worker_id(a);
-    EXPECT_EQ(core_->RequestTask(ahead)->kind(), v1::Task::WAIT);
-    EXPECT_EQ(core_->open_tasks(), 1u);
-  }
   // max_versions 2: the open task makes v1, one look-ahead task v2, then no more.
   v1::ServerConfig config = AsyncConfig(0);
   config.set_max_versions(2);
@@ -686,6 +697,244 @@ TEST_F(AsyncServerCoreTest, LookAheadIsRefusedBySyncRoundsGraceWindowsAndAtTheLa
   ASSERT_EQ(t2.kind(), v1::Task::TRAIN);
   ASSERT_THAT(core_->SubmitUpdate(Update(a, t1, 1.0f)), IsOk());
   EXPECT_EQ(core_->RequestTask(ahead)->kind(), v1::Task::STOP);
+  // A sync round: the open round makes v1 and the look-ahead task's round v2.
+  v1::ServerConfig sync = TinyConfig();
+  sync.mutable_aggregation()->set_min_workers(1);
+  sync.set_max_versions(2);
+  Make(sync);
+  const uint64_t s = Join();
+  const v1::Task s1 = Request(s);
+  const v1::Task s2 = Ahead(s);
+  ASSERT_EQ(s2.kind(), v1::Task::TRAIN);
+  ASSERT_THAT(core_->SubmitUpdate(Update(s, s1, 1.0f)), IsOk());
+  EXPECT_EQ(Ahead(s).kind(), v1::Task::STOP);
+  // Draining: no new work, look-ahead included.
+  Make(AsyncConfig(0));
+  const uint64_t d = Join();
+  ASSERT_EQ(Request(d).kind(), v1::Task::TRAIN);
+  core_->BeginDrain();
+  const v1::Task drained = Ahead(d);
+  EXPECT_EQ(drained.kind(), v1::Task::WAIT);
+  EXPECT_TRUE(drained.draining());
+  EXPECT_EQ(core_->open_tasks(), 1u);
+}
+
+// One-step-delay overlap in sync rounds (docs/algorithms.md): before round 0 closes, the
+// overlapping worker a gets its round-1 task from version 0, the version before round 0's
+// update; its push joins round 1 with staleness 1 (0 for b, which does not overlap); a's task
+// after that starts from version 1, before round 1 closes.
+TEST_F(ServerCoreTest, OverlappedWorkerStartsTheNextRoundAheadAndJoinsItOneVersionStaler) {
+  const uint64_t a = Join(), b = Join();
+  const auto theta0 = Params();
+  const v1::Task ta0 = Request(a), tb0 = Request(b);
+  const v1::Task ta1 = Ahead(a);
+  ASSERT_EQ(ta1.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta1.base_version(), 0u);
+  EXPECT_NE(ta1.task_id(), ta0.task_id());
+  EXPECT_EQ(Ahead(a).task_id(), ta1.task_id());  // a retry: the same task
+  auto ra0 = core_->SubmitUpdate(Update(a, ta0, 1.0f));
+  ASSERT_THAT(ra0, IsOk());
+  EXPECT_FALSE(ra0->applied());
+  // ta1 is a's open task now; the task after it waits for round 0 to close.
+  EXPECT_EQ(Request(a).task_id(), ta1.task_id());
+  EXPECT_EQ(Ahead(a).kind(), v1::Task::WAIT);
+  auto rb0 = core_->SubmitUpdate(Update(b, tb0, 3.0f));
+  ASSERT_THAT(rb0, IsOk());
+  EXPECT_TRUE(rb0->applied());
+  EXPECT_EQ(core_->version(), 1u);
+  ExpectShiftedBy(theta0, 0.5 * (1 + 3) / 2);  // outer SGD lr 0.5 on the mean
+  // Round 1 is open with a in it: a's next task starts from its version before it closes.
+  const v1::Task ta2 = Ahead(a);
+  ASSERT_EQ(ta2.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta2.base_version(), 1u);
+  auto ra1 = core_->SubmitUpdate(Update(a, ta1, 2.0f));
+  ASSERT_THAT(ra1, IsOk());
+  EXPECT_FALSE(ra1->applied());  // round 1 waits for b
+  EXPECT_EQ(ra1->staleness(), 1u);
+  const v1::Task tb1 = Request(b);
+  ASSERT_EQ(tb1.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(tb1.base_version(), 1u);
+  auto rb1 = core_->SubmitUpdate(Update(b, tb1, 4.0f));
+  ASSERT_THAT(rb1, IsOk());
+  EXPECT_TRUE(rb1->applied());
+  EXPECT_EQ(rb1->staleness(), 0u);
+  EXPECT_EQ(core_->version(), 2u);
+  ExpectShiftedBy(theta0, 0.5 * (1 + 3) / 2 + 0.5 * (2 + 4) / 2);
+  EXPECT_EQ(core_->updates_applied(), 4u);  // two rounds of two updates each
+  EXPECT_EQ(metrics_.Observations("aloe_grace_window_workers"), (std::vector<double>{2, 2}));
+  EXPECT_EQ(metrics_.Observations("aloe_update_staleness"), (std::vector<double>{0, 0, 1, 0}));
+  EXPECT_EQ(metrics_.Value("aloe_tasks_ahead_total"), 2);
+  // Round 2 holds a's ta2 (from version 1) and b's next task (from version 2).
+  EXPECT_EQ(Request(a).task_id(), ta2.task_id());
+  EXPECT_EQ(Request(b).base_version(), 2u);
+  EXPECT_EQ(core_->open_tasks(), 2u);
+}
+
+// An overlapped push that arrives before its round opens (round 0 still waits for b) is held
+// for round 1: round 0 closes with a's and b's round-0 updates only, and round 1 applies a's
+// update discounted as staleness 1 ((1 + 1)^-1 with staleness_exponent 1). a, having pushed its
+// round-1 work, starts its round-2 work from version 1 at once: it stays one step behind.
+TEST_F(ServerCoreTest, AnOverlappedPushBeforeItsRoundOpensIsHeldForItWithItsStaleness) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_outer_optimizer()->set_staleness_exponent(1.0f);
+  Make(config);
+  const uint64_t a = Join(), b = Join();
+  const auto theta0 = Params();
+  const v1::Task ta0 = Request(a), tb0 = Request(b);
+  const v1::Task ta1 = Ahead(a);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta0, 1.0f)), IsOk());
+  auto ra1 = core_->SubmitUpdate(Update(a, ta1, 2.0f));
+  ASSERT_THAT(ra1, IsOk());
+  EXPECT_FALSE(ra1->applied());
+  EXPECT_EQ(ra1->staleness(), 1u);
+  EXPECT_EQ(core_->version(), 0u);
+  EXPECT_EQ(Request(a).kind(), v1::Task::WAIT);  // a's round-0 push is in: round 0 must close
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb0, 3.0f)), IsOk());
+  EXPECT_EQ(core_->version(), 1u);
+  EXPECT_EQ(core_->updates_applied(), 2u);
+  ExpectShiftedBy(theta0, 0.5 * (1 + 3) / 2);
+  const v1::Task ta2 = Request(a);
+  ASSERT_EQ(ta2.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta2.base_version(), 1u);
+  const v1::Task tb1 = Request(b);
+  EXPECT_EQ(tb1.base_version(), 1u);
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb1, 4.0f)), IsOk());
+  EXPECT_EQ(core_->version(), 2u);
+  ExpectShiftedBy(theta0, 0.5 * (1 + 3) / 2 + 0.5 * (2.0 / 2 + 4) / 2);
+  EXPECT_EQ(metrics_.Observations("aloe_update_staleness"), (std::vector<double>{0, 1, 0, 0}));
+  // ta2 joins round 2, one version staler than b's.
+  auto ra2 = core_->SubmitUpdate(Update(a, ta2, 1.0f));
+  ASSERT_THAT(ra2, IsOk());
+  EXPECT_EQ(ra2->staleness(), 1u);
+}
+
+// Membership changes release look-ahead work: a worker that leaves with a look-ahead task gives
+// its tokens back and is not waited for; one whose lease expires while its look-ahead task is in
+// the next round is not waited for there either.
+TEST_F(ServerCoreTest, OverlappedWorkersThatLeaveOrExpireAreNotWaitedFor) {
+  const uint64_t a = Join(), b = Join();
+  ASSERT_EQ(Request(a).kind(), v1::Task::TRAIN);
+  const v1::Task tb0 = Request(b);
+  ASSERT_EQ(Ahead(a).kind(), v1::Task::TRAIN);
+  EXPECT_EQ(core_->open_tasks(), 3u);
+  auto in_flight = [&] {
+    uint64_t tokens = 0;
+    for (size_t i = 0; i < core_->sampler().size(); ++i) {
+      tokens += core_->sampler().tokens_in_flight(i);
+    }
+    return tokens;
+  };
+  const uint64_t per_task = in_flight() / 3;
+  v1::LeaveRequest leave;
+  leave.set_worker_id(a);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  EXPECT_EQ(core_->open_tasks(), 1u);
+  EXPECT_EQ(in_flight(), per_task);  // only b's task is still in flight
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb0, 1.0f)), IsOk());
+  EXPECT_EQ(core_->version(), 1u);  // round 0 closed without a
+  EXPECT_EQ(core_->updates_applied(), 1u);
+
+  // c overlaps: its look-ahead task is in round 1 when its lease expires.
+  const uint64_t c = Join();
+  const v1::Task tb1 = Request(b), tc1 = Request(c);
+  ASSERT_EQ(tc1.kind(), v1::Task::TRAIN);
+  ASSERT_EQ(Ahead(c).kind(), v1::Task::TRAIN);
+  ASSERT_THAT(core_->SubmitUpdate(Update(c, tc1, 1.0f)), IsOk());
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb1, 1.0f)), IsOk());
+  EXPECT_EQ(core_->version(), 2u);
+  const v1::Task tb2 = Request(b);
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb2, 1.0f)), IsOk());
+  EXPECT_EQ(core_->version(), 2u);  // round 2 waits for c's look-ahead task
+  clock_.Advance(absl::Seconds(6));
+  v1::HeartbeatRequest hb;
+  hb.set_worker_id(b);
+  ASSERT_THAT(core_->Heartbeat(hb), IsOk());
+  clock_.Advance(absl::Seconds(6));
+  core_->Tick();
+  EXPECT_EQ(metrics_.Value("aloe_workers_expired_total"), 1);
+  EXPECT_EQ(core_->version(), 3u);  // closed without c
+  EXPECT_EQ(core_->open_tasks(), 0u);
+  EXPECT_EQ(in_flight(), 0u);
+}
+
+// A checkpoint captured while a look-ahead task is open (and an overlapped push is held for the
+// next sync round) holds the state right after the outer step: the held push and the open tasks
+// are not part of it, and a core restored from it opens its next round afresh.
+TEST_F(ServerCoreTest, CheckpointWithLookAheadWorkOpenResumesAtItsVersion) {
+  v1::ServerConfig config = TinyConfig();
+  config.mutable_checkpoint()->set_dir("unused");
+  config.mutable_checkpoint()->set_every_versions(1);
+  Make(config);
+  const uint64_t a = Join(), b = Join();
+  const v1::Task ta0 = Request(a), tb0 = Request(b);
+  const v1::Task ta1 = Ahead(a);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta0, 1.0f)), IsOk());
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta1, 2.0f)), IsOk());  // held for round 1
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb0, 3.0f)), IsOk());  // v1: due
+  std::vector<v1::ServerCheckpoint> taken = core_->TakeDueCheckpoints();
+  ASSERT_EQ(taken.size(), 1u);
+  EXPECT_EQ(taken[0].version(), 1u);
+  EXPECT_EQ(taken[0].updates_applied(), 2u);
+  uint64_t learned = 0;
+  for (uint64_t tokens : taken[0].shard_tokens()) learned += tokens;
+  EXPECT_EQ(learned, 200u);  // ta0's and tb0's, not the held push's
+
+  const auto params = Params();
+  Make(config);
+  ASSERT_THAT(core_->RestoreCheckpoint(taken[0]), IsOk());
+  EXPECT_EQ(core_->version(), 1u);
+  EXPECT_EQ(Params(), params);
+  const uint64_t c = Join(), d = Join();
+  const v1::Task tc = Request(c), td = Request(d);
+  ASSERT_EQ(tc.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(tc.base_version(), 1u);
+  EXPECT_GT(tc.task_id(), ta1.task_id());  // no id of the lost tasks is handed out again
+  ASSERT_THAT(core_->SubmitUpdate(Update(c, tc, 1.0f)), IsOk());
+  ASSERT_THAT(core_->SubmitUpdate(Update(d, td, 1.0f)), IsOk());
+  EXPECT_EQ(core_->version(), 2u);
+  EXPECT_EQ(core_->updates_applied(), 4u);
+}
+
+// One-step-delay overlap behind a grace window: a look-ahead task waits for the close of the
+// window its worker's last push is in and starts from the version at the close, like the other
+// members' next tasks; overlapped pushes join windows like any other and are discounted by their
+// staleness ((1 + s)^-1).
+TEST_F(AsyncServerCoreTest, GraceWindowHandsLookAheadTasksOutAtTheCloseAndBatchesTheirPushes) {
+  v1::ServerConfig config = AsyncConfig(2);
+  config.mutable_outer_optimizer()->set_staleness_exponent(1.0f);
+  Make(config);
+  const uint64_t a = Join(), b = Join();
+  const auto theta0 = Params();
+  const v1::Task ta0 = Request(a), tb0 = Request(b);
+  const v1::Task ta1 = Ahead(a);  // no push of a waits for a window: at once
+  ASSERT_EQ(ta1.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta1.base_version(), 0u);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta0, 1.0f)), IsOk());  // v1, opens a window
+  EXPECT_EQ(Ahead(a).kind(), v1::Task::WAIT);
+  clock_.Advance(absl::Seconds(2));
+  const v1::Task ta2 = Ahead(a);  // the window closed at its grace, releasing a at v1
+  ASSERT_EQ(ta2.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta2.base_version(), 1u);
+  auto rb0 = core_->SubmitUpdate(Update(b, tb0, 3.0f));  // v2, opens the next window
+  ASSERT_THAT(rb0, IsOk());
+  EXPECT_EQ(rb0->staleness(), 1u);
+  auto ra1 = core_->SubmitUpdate(Update(a, ta1, 2.0f));  // v3: joins it, and everyone is in
+  ASSERT_THAT(ra1, IsOk());
+  EXPECT_EQ(ra1->staleness(), 2u);
+  EXPECT_EQ(core_->version(), 3u);
+  ExpectShiftedBy(theta0, 0.5 * (1 + 3.0 / 2 + 2.0 / 3));
+  // Both members of that window start from the version at its close.
+  EXPECT_EQ(Request(b).base_version(), 3u);
+  const v1::Task ta3 = Ahead(a);
+  ASSERT_EQ(ta3.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(ta3.base_version(), 3u);
+  EXPECT_EQ(metrics_.Observations("aloe_grace_window_workers"), (std::vector<double>{1, 2}));
+  EXPECT_EQ(metrics_.Observations("aloe_update_staleness"), (std::vector<double>{0, 1, 2}));
+  // A worker with a look-ahead task that leaves gives both tasks' tokens back.
+  v1::LeaveRequest leave;
+  leave.set_worker_id(a);
+  ASSERT_THAT(core_->Leave(leave), IsOk());
+  EXPECT_EQ(core_->open_tasks(), 1u);
 }
 
 TEST_F(AsyncServerCoreTest, TooStaleUpdateIsDroppedAndChangesNothing) {
