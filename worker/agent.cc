@@ -221,9 +221,7 @@ void Agent::Waiting(const v1::Task& task) {
 }
 
 absl::Status Agent::TrainTask(const v1::Task& task) {
-  return options_.overlap != AgentOptions::Overlap::kOff && !overlap_refused_
-             ? TrainOverlapped(task)
-             : Train(task);
+  return options_.overlap != AgentOptions::Overlap::kOff ? TrainOverlapped(task) : Train(task);
 }
 
 absl::Status Agent::AfterTask(const v1::Task& task, absl::Status status) {

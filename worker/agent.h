@@ -144,7 +144,6 @@ class Agent {
   std::optional<v1::Task> next_task_;
   std::vector<std::vector<float>> base_;
   std::vector<std::vector<float>> delta_;
-  bool overlap_refused_ = false;  // the server granted no look-ahead task
 };
 
 }  // namespace aloe::worker
