@@ -195,7 +195,7 @@ class ServerCore {
   struct OpenTask {
     v1::Task task;
     size_t shard = 0;
-    uint64_t assigned_tokens = 0;  // counted in flight by the shard sampler
+    uint64_t assigned_tokens = 0;  // counted in flight by the data-shard sampler
     // Slices of the base version the worker reported pulled (HeartbeatRequest.pulled_task_id);
     // once all are in, the base version is no longer kept for this task.
     std::vector<bool> pulled;

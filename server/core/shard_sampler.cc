@@ -85,7 +85,7 @@ absl::Status DataShardSampler::Restore(const std::vector<uint64_t>& steps,
   std::mt19937_64 rng;
   std::istringstream in(rng_state);
   in >> rng;
-  if (in.fail()) return absl::InvalidArgumentError("checkpoint: bad shard sampler state");
+  if (in.fail()) return absl::InvalidArgumentError("checkpoint: bad data-shard sampler state");
   steps_ = steps;
   learned_ = tokens;
   std::fill(in_flight_.begin(), in_flight_.end(), 0);
