@@ -10,8 +10,8 @@
 // latest version over gRPC. Each is timed from its first byte sent to its last byte received.
 // The first --warmup transfers of each kind on a link are not measured: a worker's connections
 // carry every round, and gRPC's probed windows settle within its first few (a pull's receive
-// window, probed by the worker, takes about three). The server must run in plain async mode with no stop
-// condition (scripts/bench/wan.sh); pushes carry zeros so the model does not drift.
+// window, probed by the worker, takes about three). The server must run in plain async mode with no
+// stop condition (scripts/bench/wan.sh); pushes carry zeros so the model does not drift.
 //
 // One table row per link, direction and path: median seconds per transfer, goodput, raw TCP's
 // goodput and the ratio. Last line:
