@@ -17,13 +17,17 @@
 # (receive_window_probe), starting from twice the largest one among the links
 # (receive_window_kib): the window updates that cross back while a window is in flight must
 # never let the sender run dry (docs/operations.md, long links).
+# A pull's receive windows are the worker's: its pulls go in ALOE_BENCH_WAN_PULL_STREAMS
+# concurrent parts (default 4), each one slice of every layer on a connection of its own, which
+# fill the link while gRPC's probing still grows each connection's window.
 # The emulated TCP window per connection is that of hosts tuned for long links (64 MiB).
 #
 # Environment: ALOE_BENCH_WAN_MIB (update size, default 64); ALOE_BENCH_WAN_LINKS
 # (RATE_MBIT:RTT_MS,..., default 100:100,1000:80,2500:20); ALOE_BENCH_REPEATS (measured transfers
 # of each kind per link, default 3); ALOE_BENCH_WAN_WINDOW_KIB (the server's receive_window_kib;
 # default from the links as above); ALOE_BENCH_WAN_PROBE (the server's receive_window_probe,
-# default true; false measures the fixed windows); ALOE_BENCH_TLS (1, the default: TLS rows as
+# default true; false measures the fixed windows); ALOE_BENCH_WAN_PULL_STREAMS (streams per
+# pull, default 4; 1 = one stream); ALOE_BENCH_TLS (1, the default: TLS rows as
 # above; 0: plaintext rows only).
 # shellcheck shell=bash
 # shellcheck source=scripts/bench/_push.sh
@@ -33,6 +37,7 @@ wan_mib="${ALOE_BENCH_WAN_MIB:-64}"
 wan_links="${ALOE_BENCH_WAN_LINKS:-100:100,1000:80,2500:20}"
 wan_repeats="${ALOE_BENCH_REPEATS:-3}"
 wan_probe="${ALOE_BENCH_WAN_PROBE:-true}"
+wan_pull_streams="${ALOE_BENCH_WAN_PULL_STREAMS:-4}"
 wan_tls="${ALOE_BENCH_TLS:-1}"
 if [ "$wan_tls" != 0 ] && [ "$wan_tls" != 1 ]; then
   echo "ALOE_BENCH_TLS: 0 or 1, got '$wan_tls'" >&2
@@ -72,7 +77,8 @@ receive_window_kib: $wan_window
 receive_window_probe: $wan_probe
 EOF
 echo "server: one aloe-server process, d_model $wan_d (two blocks), receive_window_kib: $wan_window," \
-  "receive_window_probe: $wan_probe, raw pushes on (--push_listen)"
+  "receive_window_probe: $wan_probe, raw pushes on (--push_listen);" \
+  "$wan_pull_streams streams per pull"
 bench_push_start server --config="$BENCH_PUSH_DIR/server.textproto" --drain_seconds=0 \
   --push_listen="127.0.0.1:$(bench_push_free_ports 1)"
 wan_port=$(sed -n 's/.*grpc=\([0-9]*\).*/\1/p' "$BENCH_PUSH_DIR/server.ports")
@@ -92,7 +98,7 @@ if [ "$wan_tls" = 1 ]; then
 fi
 wan_rc=0
 "$ALOE_BIN_DIR/aloe-bench-wan" --server="127.0.0.1:$wan_port" --links="$wan_links" \
-  --repeats="$wan_repeats" ${wan_tls_flags[@]+"${wan_tls_flags[@]}"} | tee "$BENCH_PUSH_DIR/bench.out" | sed '/^wan: /d' || wan_rc=$?
+  --repeats="$wan_repeats" --pull_streams="$wan_pull_streams" ${wan_tls_flags[@]+"${wan_tls_flags[@]}"} | tee "$BENCH_PUSH_DIR/bench.out" | sed '/^wan: /d' || wan_rc=$?
 bench_push_stop
 trap - EXIT INT TERM
 echo "load average at the end (1/5/15 min): $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -12,8 +12,10 @@
 // Each is timed from its first byte sent to its last byte received. The raw TCP baseline stays
 // plaintext: TLS rows show what encryption costs against the link itself.
 // The first --warmup transfers of each kind on a link are not measured: a worker's connections
-// carry every round, and gRPC's probed windows settle within its first few (a pull's receive
-// window, probed by the worker, takes about three). The server must run in plain async mode with no
+// carry every round, and gRPC's probed windows settle within its first few. A pull's receive
+// windows are the worker's: its pulls go in --pull_streams parts, each on a connection of its
+// own (worker::ClientOptions::pull_streams), so that they fill the link while probing is still
+// growing each connection's window. The server must run in plain async mode with no
 // stop condition (scripts/bench/wan.sh); pushes carry zeros so the model does not drift.
 //
 // One table row per link, direction and path: median seconds per transfer, goodput, raw TCP's
@@ -71,6 +73,9 @@ ABSL_FLAG(std::string, tls_server, "",
 ABSL_FLAG(std::string, tls, "",
           "With --tls_server: a directory of scripts/make-test-ca.sh (ca.pem, client.pem, "
           "client.key); its server certificate names localhost, which the workers verify");
+ABSL_FLAG(
+    uint32_t, pull_streams, 4,
+    "Concurrent streams per pull, each one slice of every layer (ClientOptions.pull_streams)");
 ABSL_FLAG(double, join_seconds, 30, "How long to retry Join while the server answers UNAVAILABLE");
 
 namespace aloe::bench {
@@ -197,6 +202,7 @@ class LinkWorker {
   LinkWorker(worker::ClientOptions options, const std::string& address, bool raw) {
     options.address = address;
     options.raw_push = raw;
+    options.pull_streams = absl::GetFlag(FLAGS_pull_streams);
     client_ = std::make_unique<worker::ServerClient>(options);
   }
   // Joins; raw_address is where this worker's raw pushes go ("" = gRPC only).
