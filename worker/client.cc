@@ -64,6 +64,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 ServerClient::ServerClient(const ClientOptions& options)
     : token_(options.token),
       raw_push_(options.raw_push),
+      pull_streams_(std::max<uint32_t>(1, options.pull_streams)),
       credentials_(grpc::InsecureChannelCredentials()),
       shards_(std::make_shared<const ShardSet>()) {
   channel_args_.SetMaxReceiveMessageSize(2 << 20);
@@ -89,6 +90,13 @@ ServerClient::ServerClient(const ClientOptions& options)
     }
   }
   channel_ = MakeChannel(options.address);
+  // The parts of a pull beyond the first each get a connection of their own: the HTTP/2
+  // connection window, not a stream's, binds a long link before probing has grown it.
+  for (uint32_t s = 1; s < pull_streams_; ++s) {
+    grpc::ChannelArguments args = channel_args_;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    pull_channels_.push_back(grpc::CreateCustomChannel(options.address, credentials_, args));
+  }
   coordinator_ = v1::Coordinator::NewStub(channel_);
 }
 
@@ -245,10 +253,11 @@ absl::Status CheckLayerOwners(const v1::ModelSpec& spec, size_t shards) {
   return absl::OkStatus();
 }
 
-// The part of every layer a pull fills: elements [first, first + length) of layer l, the whole
-// layer or one slice of it (PullRequest.slices).
+// The part of every layer a pull stream fills: elements [first, first + length) of layer l, the
+// whole layer or one slice of it (PullRequest.slices), written from element `out` of the
+// caller's buffer for layer l (0 unless the stream fills part of the caller's window).
 struct PullWindows {
-  std::vector<uint64_t> first, length;
+  std::vector<uint64_t> first, length, out;
 };
 
 // The version one Pull stream delivered.
@@ -320,7 +329,7 @@ absl::StatusOr<PulledStream> ReadPullStream(const ServerClient& client,
           absl::DataLossError(absl::StrFormat("%spull stream: bad chunk for layer %d", label, id));
     } else {
       const size_t count = chunk.data_size / sizeof(float);
-      float* out = (*layers)[id].data() + (*filled)[id];
+      float* out = (*layers)[id].data() + windows.out[id] + (*filled)[id];
       // Finite values only (NaN and +-Inf fail the magnitude check at any limit).
       const bool finite = ForEachFloatRun(chunk.data, out, [](const char* in, float* to, size_t n) {
         return kernels::CopyWithinMagnitude(in, to, n, std::numeric_limits<float>::max());
@@ -481,6 +490,10 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
     windows.length[i] = end - begin;
     (*layers)[i].resize(windows.length[i]);
   }
+  windows.out.assign(spec.layers_size(), 0);
+  if (shards->empty() && slices == 1 && pull_streams_ > 1) {
+    return PullInParts(request, spec, layers, bytes);
+  }
   // One stream from the single server, or one per shard at once.
   const size_t streams = shards->empty() ? 1 : shards->size();
   std::vector<absl::StatusOr<PulledStream>> got(streams);
@@ -545,6 +558,74 @@ absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version
   for (int i = 0; i < spec.layers_size(); ++i) {
     if (filled[i] != windows.length[i]) {
       return absl::DataLossError(absl::StrFormat("pull stream: layer %d incomplete", i));
+    }
+  }
+  return first != nullptr ? first->version : 0;
+}
+
+absl::StatusOr<uint64_t> ServerClient::PullInParts(const v1::PullRequest& request,
+                                                   const v1::ModelSpec& spec,
+                                                   std::vector<std::vector<float>>* layers,
+                                                   uint64_t* bytes) {
+  // Stream s carries slice s of every layer into its place in the caller's whole layer.
+  const uint32_t parts = pull_streams_;
+  std::vector<v1::PullRequest> requests(parts, request);
+  std::vector<PullWindows> windows(parts);
+  for (uint32_t s = 0; s < parts; ++s) {
+    requests[s].set_slice(s);
+    requests[s].set_slices(parts);
+    for (const v1::LayerSpec& layer : spec.layers()) {
+      const auto [begin, end] = SliceRange(layer.num_elements(), parts, s);
+      windows[s].first.push_back(begin);
+      windows[s].length.push_back(end - begin);
+      windows[s].out.push_back(begin);
+    }
+  }
+  std::vector<std::vector<uint64_t>> filled(parts);
+  std::vector<absl::StatusOr<PulledStream>> got(parts);
+  std::vector<uint64_t> received(parts, 0);
+  auto read = [&](size_t s) {
+    filled[s].assign(spec.layers_size(), 0);
+    got[s] = ReadPullStream(*this, s == 0 ? channel_ : pull_channels_[s - 1], requests[s], spec,
+                            windows[s], /*owner=*/-1, "", layers, &filled[s], &received[s]);
+  };
+  RunInParallel(parts, read);
+  for (const absl::StatusOr<PulledStream>& stream : got) {
+    if (!stream.ok()) return stream.status();
+  }
+  if (request.latest()) {
+    // A commit between the streams' starts: pull the parts behind again at the newest version.
+    uint64_t newest = 0;
+    for (const absl::StatusOr<PulledStream>& stream : got) {
+      if (stream->have_version) newest = std::max(newest, stream->version);
+    }
+    std::vector<size_t> behind;
+    for (size_t s = 0; s < parts; ++s) {
+      if (got[s]->have_version && got[s]->version != newest) {
+        requests[s].set_latest(false);
+        requests[s].set_version(newest);
+        behind.push_back(s);
+      }
+    }
+    RunInParallel(behind.size(), [&](size_t k) { read(behind[k]); });
+    for (const absl::StatusOr<PulledStream>& stream : got) {
+      if (!stream.ok()) return stream.status();
+    }
+  }
+  for (uint64_t n : received) *bytes += n;
+  const PulledStream* first = nullptr;
+  for (size_t s = 0; s < parts; ++s) {
+    for (int i = 0; i < spec.layers_size(); ++i) {
+      if (filled[s][i] != windows[s].length[i]) {
+        return absl::DataLossError(absl::StrFormat("pull stream: layer %d incomplete", i));
+      }
+    }
+    if (!got[s]->have_version) continue;  // every slice of this part is empty
+    if (first == nullptr) {
+      first = &*got[s];
+    } else if (got[s]->version != first->version) {
+      return absl::DataLossError(
+          absl::StrFormat("pull streams sent versions %d and %d", first->version, got[s]->version));
     }
   }
   return first != nullptr ? first->version : 0;

@@ -38,6 +38,13 @@ struct ClientOptions {
   // common/raw_push.h) over their own TCP connections instead of gRPC. With tls_ca_pem set they
   // use TLS with the certificates above (common/tls_stream.h), never plaintext.
   bool raw_push = true;
+  // Concurrent streams of a whole-model pull from a single server, each carrying one slice of
+  // every layer (PullRequest.slices) over a connection of its own. On long links each
+  // connection starts with its own HTTP/2 windows, so several fill the link before gRPC's
+  // probing has grown one connection's window to the bandwidth-delay product
+  // (docs/operations.md, long links). 1 = one stream. Sharded servers already pull one stream
+  // per shard, and slice pulls (FSDP) stay one stream.
+  uint32_t pull_streams = 1;
 };
 
 // Files that hold a client's secrets; "" = none.
@@ -123,6 +130,11 @@ class ServerClient final : public ServerApi {
                                      uint64_t* bytes) override;
 
  private:
+  // Pull of whole layers from the single server in pull_streams_ concurrent slice streams
+  // (`request` without slices); the same contract as Pull.
+  absl::StatusOr<uint64_t> PullInParts(const v1::PullRequest& request, const v1::ModelSpec& spec,
+                                       std::vector<std::vector<float>>* layers, uint64_t* bytes);
+
   // One shard process of a layer-sharded server.
   // A kept-open raw push connection; one push at a time.
   struct RawConnection {
@@ -163,10 +175,13 @@ class ServerClient final : public ServerApi {
 
   std::string token_;
   bool raw_push_ = true;
+  uint32_t pull_streams_ = 1;
   std::shared_ptr<const TlsContext> raw_tls_;  // null: raw pushes in plaintext
   std::shared_ptr<grpc::ChannelCredentials> credentials_;
   grpc::ChannelArguments channel_args_;
   std::shared_ptr<grpc::Channel> channel_;
+  // Connections of their own for the parts of a pull after the first (pull_streams_ - 1).
+  std::vector<std::shared_ptr<grpc::Channel>> pull_channels_;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const ShardSet> shards_ ABSL_GUARDED_BY(mu_);

@@ -2,15 +2,20 @@
 // long links (tools/link_emulator.h), against a bulk raw TCP transfer of the same bytes over the
 // same emulated link in the same run.
 //
-// For each link of --links (rate and round-trip time) a LinkEmulator carries three routes: to the
-// server's gRPC port, to its raw push listener (JoinReply.push_address, when it has one) and to
-// a bulk TCP peer in this process. Per turn (--repeats turns, in order): raw TCP up (the update's
-// bytes, then a one-byte answer: the shape of a push and its reply), a push over gRPC, a raw
-// push, raw TCP down (a request, then the update's bytes: the shape of a pull), a pull of the
-// latest version over gRPC. Each is timed from its first byte sent to its last byte received.
+// For each link of --links (rate and round-trip time) a LinkEmulator carries routes to the
+// server's gRPC port, to its raw push listener (JoinReply.push_address, when it has one), to a
+// bulk TCP peer in this process and, with --tls_server, to a second server's gRPC port and raw
+// push listener that take mutual TLS only (certificates of --tls). Per turn (--repeats turns, in
+// order): raw TCP up (the update's bytes, then a one-byte answer: the shape of a push and its
+// reply), a push over gRPC, a raw push, the same two over TLS, raw TCP down (a request, then the
+// update's bytes: the shape of a pull), a pull of the latest version over gRPC and one over TLS.
+// Each is timed from its first byte sent to its last byte received. The raw TCP baseline stays
+// plaintext: TLS rows show what encryption costs against the link itself.
 // The first --warmup transfers of each kind on a link are not measured: a worker's connections
-// carry every round, and gRPC's probed windows settle within its first few (a pull's receive
-// window, probed by the worker, takes about three). The server must run in plain async mode with no
+// carry every round, and gRPC's probed windows settle within its first few. A pull's receive
+// windows are the worker's: its pulls go in --pull_streams parts, each on a connection of its
+// own (worker::ClientOptions::pull_streams), so that they fill the link while probing is still
+// growing each connection's window. The server must run in plain async mode with no
 // stop condition (scripts/bench/wan.sh); pushes carry zeros so the model does not drift.
 //
 // One table row per link, direction and path: median seconds per transfer, goodput, raw TCP's
@@ -62,6 +67,15 @@ ABSL_FLAG(bool, verbose, false, "Print every transfer's seconds");
 ABSL_FLAG(uint64_t, window_kib, 65536,
           "The emulated TCP window per connection and direction, KiB (hosts tuned for long "
           "links: docs/operations.md)");
+ABSL_FLAG(std::string, tls_server, "",
+          "gRPC address of a second aloe-server (plain async mode) that takes mutual TLS only, "
+          "with the certificates of --tls (scripts/make-test-ca.sh); \"\" = no TLS rows");
+ABSL_FLAG(std::string, tls, "",
+          "With --tls_server: a directory of scripts/make-test-ca.sh (ca.pem, client.pem, "
+          "client.key); its server certificate names localhost, which the workers verify");
+ABSL_FLAG(
+    uint32_t, pull_streams, 4,
+    "Concurrent streams per pull, each one slice of every layer (ClientOptions.pull_streams)");
 ABSL_FLAG(double, join_seconds, 30, "How long to retry Join while the server answers UNAVAILABLE");
 
 namespace aloe::bench {
@@ -185,10 +199,10 @@ double BulkTransfer(int fd, bool up, uint64_t bytes) {
 // A simulated worker across the link: joined, with its own channel (and raw connection).
 class LinkWorker {
  public:
-  LinkWorker(const std::string& address, bool raw) {
-    worker::ClientOptions options;
+  LinkWorker(worker::ClientOptions options, const std::string& address, bool raw) {
     options.address = address;
     options.raw_push = raw;
+    options.pull_streams = absl::GetFlag(FLAGS_pull_streams);
     client_ = std::make_unique<worker::ServerClient>(options);
   }
   // Joins; raw_address is where this worker's raw pushes go ("" = gRPC only).
@@ -271,10 +285,25 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-// Where the server takes raw pushes (JoinReply.push_address; "" = none), and the update size.
-std::string ServerPushAddress(uint64_t* update_bytes) {
+// How the workers reach the TLS server: mutual TLS with the certificates of --tls, verifying the
+// name its test certificate holds (the workers dial the emulator, not the server). Exits 2 when a
+// file cannot be read.
+worker::ClientOptions TlsOptions() {
   worker::ClientOptions options;
-  options.address = absl::GetFlag(FLAGS_server);
+  const std::string dir = absl::GetFlag(FLAGS_tls);
+  const absl::Status loaded = worker::LoadClientFiles(
+      {"", dir + "/ca.pem", dir + "/client.pem", dir + "/client.key"}, &options);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "--tls: %s\n", std::string(loaded.message()).c_str());
+    std::exit(2);
+  }
+  options.tls_server_name = "localhost";
+  return options;
+}
+
+// Where the server at `options.address` takes raw pushes (JoinReply.push_address; "" = none),
+// and the update size.
+std::string ServerPushAddress(const worker::ClientOptions& options, uint64_t* update_bytes) {
   worker::ServerClient client(options);
   absl::StatusOr<v1::JoinReply> reply =
       JoinWithRetry(client, "bench-wan-probe", absl::GetFlag(FLAGS_join_seconds));
@@ -287,6 +316,14 @@ std::string ServerPushAddress(uint64_t* update_bytes) {
   return reply->push_address();
 }
 
+// One kind of transfer in a turn: direction ("up" or "down"), path ("tcp" for the baseline) and
+// the transfer itself (seconds, or -1).
+struct Kind {
+  const char* direction;
+  const char* path;
+  std::function<double()> run;
+};
+
 int Main() {
   absl::StatusOr<std::vector<Link>> links = ParseLinks(absl::GetFlag(FLAGS_links));
   const int repeats = absl::GetFlag(FLAGS_repeats);
@@ -296,14 +333,31 @@ int Main() {
                             : links.status().ToString().c_str());
     return 2;
   }
-  uint64_t update_bytes = 0;
-  const std::string push_address = ServerPushAddress(&update_bytes);
+  const std::string server = absl::GetFlag(FLAGS_server);
+  const std::string tls_server = absl::GetFlag(FLAGS_tls_server);
+  const bool tls = !tls_server.empty();
+  worker::ClientOptions plain_options, tls_options;
+  plain_options.address = server;
+  if (tls) {
+    tls_options = TlsOptions();
+    tls_options.address = tls_server;
+  }
+  uint64_t update_bytes = 0, tls_update_bytes = 0;
+  const std::string push_address = ServerPushAddress(plain_options, &update_bytes);
+  const std::string tls_push_address = tls ? ServerPushAddress(tls_options, &tls_update_bytes) : "";
+  if (tls && tls_update_bytes != update_bytes) {
+    std::fprintf(stderr, "--tls_server: its update has %llu bytes, --server's %llu\n",
+                 static_cast<unsigned long long>(tls_update_bytes),
+                 static_cast<unsigned long long>(update_bytes));
+    return 2;
+  }
   const uint64_t window = absl::GetFlag(FLAGS_window_kib) << 10;
   std::printf(
       "update: %.1f MiB of fp32; emulated TCP window %llu KiB per connection and direction; "
-      "raw pushes: %s\n",
+      "raw pushes: %s; TLS rows: %s\n",
       update_bytes / 1048576.0, static_cast<unsigned long long>(window >> 10),
-      push_address.empty() ? "none (the server has no --push_listen)" : push_address.c_str());
+      push_address.empty() ? "none (the server has no --push_listen)" : push_address.c_str(),
+      tls ? "mutual TLS 1.3 to --tls_server (the raw TCP baseline stays plaintext)" : "none");
   std::printf("%-12s %-9s %-8s %12s %10s %16s %7s\n", "link", "direction", "path", "s/transfer",
               "Mbit/s", "raw TCP Mbit/s", "ratio");
   std::fflush(stdout);
@@ -312,11 +366,16 @@ int Main() {
   std::string worst_row;
   int errors = 0;
   for (const Link& link : *links) {
+    // Routes: 0 gRPC, 1 raw pushes, 2 the bulk peer, 3 and 4 the TLS server's gRPC and raw pushes.
     tools::LinkEmulatorOptions options;
-    const std::string server = absl::GetFlag(FLAGS_server);
     options.routes.push_back({"127.0.0.1:0", server});
     options.routes.push_back({"127.0.0.1:0", push_address.empty() ? server : push_address});
     options.routes.push_back({"127.0.0.1:0", peer.address()});
+    if (tls) {
+      options.routes.push_back({"127.0.0.1:0", tls_server});
+      options.routes.push_back(
+          {"127.0.0.1:0", tls_push_address.empty() ? tls_server : tls_push_address});
+    }
     options.up.rate_bps = link.mbit * 1e6;
     options.up.delay = absl::Microseconds(link.rtt_ms * 1e3 / 2);
     options.up.window_bytes = window;
@@ -334,52 +393,72 @@ int Main() {
       return 1;
     }
     fcntl(*bulk, F_SETFL, fcntl(*bulk, F_GETFL) & ~O_NONBLOCK);
-    LinkWorker grpc(em.address(0), /*raw=*/false);
-    LinkWorker raw(em.address(0), /*raw=*/true);
+    LinkWorker grpc(plain_options, em.address(0), /*raw=*/false);
+    LinkWorker raw(plain_options, em.address(0), /*raw=*/true);
     if (!grpc.Join("bench-wan-grpc", "") ||
         !raw.Join("bench-wan-raw", push_address.empty() ? "" : em.address(1))) {
       return 1;
     }
-    // Kinds, in turn order: raw TCP up, gRPC push, raw push, raw TCP down, gRPC pull.
-    const std::vector<std::pair<std::string, std::function<double()>>> kinds = {
-        {"tcp up", [&] { return BulkTransfer(*bulk, true, update_bytes); }},
-        {"push grpc", [&] { return grpc.Push(); }},
-        {"push raw", [&] { return push_address.empty() ? 0.0 : raw.Push(); }},
-        {"tcp down", [&] { return BulkTransfer(*bulk, false, update_bytes); }},
-        {"pull grpc", [&] { return grpc.Pull(); }},
+    std::unique_ptr<LinkWorker> grpc_tls, raw_tls;
+    if (tls) {
+      grpc_tls = std::make_unique<LinkWorker>(tls_options, em.address(3), /*raw=*/false);
+      raw_tls = std::make_unique<LinkWorker>(tls_options, em.address(3), /*raw=*/true);
+      if (!grpc_tls->Join("bench-wan-grpc-tls", "") ||
+          !raw_tls->Join("bench-wan-raw-tls", tls_push_address.empty() ? "" : em.address(4))) {
+        return 1;
+      }
+    }
+    // In turn order; raw pushes only where the server takes them, TLS rows only with TLS.
+    std::vector<Kind> kinds = {
+        {"push", "tcp", [&] { return BulkTransfer(*bulk, true, update_bytes); }},
+        {"push", "grpc", [&] { return grpc.Push(); }},
     };
+    if (!push_address.empty()) kinds.push_back({"push", "raw", [&] { return raw.Push(); }});
+    if (tls) {
+      kinds.push_back({"push", "grpc+tls", [&] { return grpc_tls->Push(); }});
+      if (!tls_push_address.empty()) {
+        kinds.push_back({"push", "raw+tls", [&] { return raw_tls->Push(); }});
+      }
+    }
+    kinds.push_back({"pull", "tcp", [&] { return BulkTransfer(*bulk, false, update_bytes); }});
+    kinds.push_back({"pull", "grpc", [&] { return grpc.Pull(); }});
+    if (tls) kinds.push_back({"pull", "grpc+tls", [&] { return grpc_tls->Pull(); }});
     std::vector<std::vector<double>> seconds(kinds.size());
     const int warmup = absl::GetFlag(FLAGS_warmup);
     for (int turn = 0; turn < warmup + repeats; ++turn) {
       for (size_t k = 0; k < kinds.size(); ++k) {
-        const double s = kinds[k].second();
+        const double s = kinds[k].run();
         if (s < 0) {
           ++errors;
           continue;
         }
         if (absl::GetFlag(FLAGS_verbose)) {
-          std::printf("  %s %s turn %d: %.3f s\n", link.name.c_str(), kinds[k].first.c_str(), turn,
-                      s);
+          std::printf("  %s %s %s turn %d: %.3f s\n", link.name.c_str(), kinds[k].direction,
+                      kinds[k].path, turn, s);
         }
         if (turn >= warmup) seconds[k].push_back(s);
       }
     }
     close(*bulk);
     auto mbit = [&](double s) { return s > 0 ? update_bytes * 8 / s / 1e6 : 0.0; };
-    const double tcp_up = Median(seconds[0]), tcp_down = Median(seconds[3]);
-    auto row = [&](const char* direction, const char* path, size_t k, double tcp) {
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      if (std::strcmp(kinds[k].path, "tcp") == 0) continue;
+      double tcp = 0;  // the baseline of the same direction
+      for (size_t b = 0; b < kinds.size(); ++b) {
+        if (std::strcmp(kinds[b].path, "tcp") == 0 &&
+            std::strcmp(kinds[b].direction, kinds[k].direction) == 0) {
+          tcp = Median(seconds[b]);
+        }
+      }
       const double s = Median(seconds[k]);
       const double ratio = s > 0 ? tcp / s : 0;
-      std::printf("%-12s %-9s %-8s %12.3f %10.1f %16.1f %7.2f\n", link.name.c_str(), direction,
-                  path, s, mbit(s), mbit(tcp), ratio);
+      std::printf("%-12s %-9s %-8s %12.3f %10.1f %16.1f %7.2f\n", link.name.c_str(),
+                  kinds[k].direction, kinds[k].path, s, mbit(s), mbit(tcp), ratio);
       if (ratio < worst) {
         worst = ratio;
-        worst_row = absl::StrCat(link.name, " ", direction, " ", path);
+        worst_row = absl::StrCat(link.name, " ", kinds[k].direction, " ", kinds[k].path);
       }
-    };
-    row("push", "grpc", 1, tcp_up);
-    if (!push_address.empty()) row("push", "raw", 2, tcp_up);
-    row("pull", "grpc", 4, tcp_down);
+    }
     std::fflush(stdout);
   }
   std::printf("wan: worst %s ratio=%.2f (raw TCP over the same link)\n", worst_row.c_str(), worst);
@@ -393,7 +472,8 @@ int main(int argc, char** argv) {
   aloe::KeepLargeBuffersInHeap(argv);                                   // as aloe-worker does
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // as aloe-worker does
   aloe::SetUsage(
-      "aloe-bench-wan --server HOST:PORT [--links RATE_MBIT:RTT_MS,...] [flags]\n"
+      "aloe-bench-wan --server HOST:PORT [--tls_server HOST:PORT --tls DIR]\n"
+      "  [--links RATE_MBIT:RTT_MS,...] [flags]\n"
       "Push and pull goodput of one worker to a running aloe-server (plain async mode) across\n"
       "emulated long links, against raw TCP over the same links in the same run. See\n"
       "scripts/bench/wan.sh.");

@@ -27,6 +27,7 @@
 #include "common/raw_push.h"
 #include "tests/integration/loopback_cluster.h"
 #include "tests/testing/subprocess.h"
+#include "worker/client.h"
 
 namespace aloe {
 namespace {
@@ -468,6 +469,22 @@ TEST_F(HostileInputTest, RawPushesToTheSingleProcessServerAreScreenedAndApplied)
     for (size_t i = 0; i < g[l].size(); ++i) {
       ASSERT_EQ(after[l][i], before[l][i] - 0.5f * g[l][i]) << "layer " << l << " element " << i;
     }
+  }
+  // A pull in parts (three concurrent streams on connections of their own, each one slice of
+  // every layer) delivers exactly what one stream does: the same version, values and bytes.
+  for (const uint32_t parts : {1u, 3u}) {
+    worker::ClientOptions options;
+    options.address = absl::StrCat("127.0.0.1:", port);
+    options.pull_streams = parts;
+    worker::ServerClient client(options);
+    std::vector<std::vector<float>> pulled;
+    uint64_t bytes = 0;
+    absl::StatusOr<uint64_t> version =
+        client.Pull(joined.worker_id(), 0, /*latest=*/true, spec_, &pulled, &bytes);
+    ASSERT_TRUE(version.ok()) << parts << " streams: " << version.status();
+    EXPECT_EQ(*version, 1u) << parts << " streams";
+    EXPECT_EQ(pulled, after) << parts << " streams";
+    EXPECT_EQ(bytes, payload.size()) << parts << " streams";
   }
   // A retry of the same update is refused as a duplicate and changes nothing.
   EXPECT_FALSE(raw(header, payload, payload.size()).ok());
