@@ -35,24 +35,22 @@ ABSL_FLAG(std::string, role, "trainer", "trainer | evaluator");
 ABSL_FLAG(std::string, corpus_dir, "data/sotu", "Prepared corpus directory (manifest.tsv)");
 ABSL_FLAG(std::string, name, "", "Worker name shown by the server (default host:pid)");
 ABSL_FLAG(int32_t, threads, 1, "Intra-op threads (1 = one worker per core is fastest on CPU)");
-ABSL_FLAG(double, slowdown, 1.0,
-          "Emulate slower hardware: after each step sleep (slowdown-1) x its compute time");
-ABSL_FLAG(std::string, step_trace, "",
-          "Replay an aloe-sim --trace file: step k is slowed by trace[k] / its fastest step time");
+ABSL_FLAG(double, slowdown, 1.0, "Emulate slower hardware: sleep (slowdown-1) x each step's time");
+ABSL_FLAG(std::string, step_trace, "", "Replay an aloe-sim --trace file (docs/simulations.md)");
 ABSL_FLAG(int32_t, trace_worker, 0, "This worker's index in --step_trace");
 ABSL_FLAG(std::string, metrics, "127.0.0.1:0", "Prometheus endpoint host:port, or 'off'");
 ABSL_FLAG(int32_t, eval_sequences, 64, "Held-out sequences per evaluation (evaluator role)");
 ABSL_FLAG(double, connect_timeout, 60, "Seconds to keep retrying while the server is unreachable");
 ABSL_FLAG(double, join_wait, 600,
-          "Seconds to keep asking to join, every 5 s, while the server has no room "
-          "(RESOURCE_EXHAUSTED: all staging slots taken); 0 = exit at once");
+          "Seconds to keep asking to join, every 5 s, while the server has no room; 0 = exit");
 ABSL_FLAG(std::string, token_file, "", "File whose first line is this worker's access token");
 ABSL_FLAG(std::string, tls_ca_file, "", "PEM CA that signed the server certificate (enables TLS)");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain (mutual TLS)");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM client private key (mutual TLS)");
 ABSL_FLAG(std::string, tls_server_name, "", "Name to verify in the server certificate");
-ABSL_FLAG(bool, raw_push, true,
-          "Push float32 layers over TCP (TLS with a CA) to shard processes offering it");
+ABSL_FLAG(int32_t, pull_streams, 1,
+          "Pull from a single-process server in N parts on N connections (long, fast links)");
+ABSL_FLAG(bool, raw_push, true, "Push layers over TCP (TLS with a CA) to shard processes");
 ABSL_FLAG(int32_t, nproc, 1,
           "Ranks of this node (trainers): N > 1 trains one replica with FSDP over N processes "
           "(NCCL on GPUs, Gloo on the CPU), each holding, pulling and pushing 1/N of every "
@@ -107,6 +105,7 @@ absl::StatusOr<AgentOptions> OptionsFromFlags() {
        absl::StrFormat("--autocast must be off or bf16, got \"%s\"", autocast)},
       {many && o.evaluator, "--nproc > 1 is for trainers only"},
       {many && o.slowdown != 1.0, "--slowdown is not supported with --nproc > 1"},
+      {absl::GetFlag(FLAGS_pull_streams) < 1, "--pull_streams must be at least 1"},
       {traced && (many || o.evaluator), "--step_trace is for single-process trainers"},
   };
   for (const auto& [refused, message] : refusals) {
@@ -133,6 +132,7 @@ absl::StatusOr<int> Main() {
   ClientOptions client_options;
   client_options.address = absl::GetFlag(FLAGS_server);
   client_options.raw_push = absl::GetFlag(FLAGS_raw_push);
+  client_options.pull_streams = static_cast<uint32_t>(absl::GetFlag(FLAGS_pull_streams));
   client_options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   ALOE_RETURN_IF_ERROR(
       LoadClientFiles({absl::GetFlag(FLAGS_token_file), absl::GetFlag(FLAGS_tls_ca_file),
