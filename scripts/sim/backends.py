@@ -171,11 +171,14 @@ class LoopbackBackend:
     """Real processes on loopback. One run at a time (they need every core)."""
     name = "loopback"
 
-    def __init__(self, bin_dir, corpus_dir, real_seconds):
+    def __init__(self, bin_dir, corpus_dir, real_seconds, link=None):
         self.bin_dir = bin_dir
         self.corpus_dir = corpus_dir
         self.real_seconds = real_seconds  # family -> seconds
-        for b in ("aloe-server", "aloe-worker"):
+        # (rate Mbit/s, round trip ms): each trainer reaches the server through an aloe-linkemu
+        # of its own with this link; None = straight over loopback.
+        self.link = link
+        for b in ("aloe-server", "aloe-worker") + (("aloe-linkemu",) if link else ()):
             if not os.access(os.path.join(bin_dir, b), os.X_OK):
                 raise FileNotFoundError(f"{os.path.join(bin_dir, b)} not found: build it first")
         self._step_seconds = {}
@@ -283,9 +286,10 @@ class LoopbackBackend:
             if port is None:
                 raise RuntimeError("aloe-server did not start:\n"
                                    + _tail(os.path.join(run_dir, "server.log")))
-            worker = [os.path.join(self.bin_dir, "aloe-worker"), f"--server=127.0.0.1:{port}",
-                      f"--corpus_dir={self.corpus_dir}", "--metrics=off"]
-            evaluator = spawn(worker + ["--role=evaluator", "--name=evaluator",
+            worker = [os.path.join(self.bin_dir, "aloe-worker"), f"--corpus_dir={self.corpus_dir}",
+                      "--metrics=off"]
+            evaluator = spawn(worker + [f"--server=127.0.0.1:{port}", "--role=evaluator",
+                                        "--name=evaluator",
                                         "--eval_sequences=64"], "evaluator.log")
             for _ in range(1200):
                 if "joined as worker" in "".join(_read_lines(
@@ -297,13 +301,16 @@ class LoopbackBackend:
                 time.sleep(0.1)
             trace = write_trace(run, run_dir)
             trainers = {}
+            links = []
 
             def start_trainer(i):
                 if trace is not None:
                     pace = [f"--step_trace={trace}", f"--trace_worker={i}"]
                 else:
                     pace = [f"--slowdown={run.fastest_speed() / run.speeds[i]:.6f}"]
-                trainers[i] = spawn(worker + [f"--name=w{i}"] + pace, f"worker{i}.log")
+                via = self._link_for(i, port, run_dir, spawn, links)
+                trainers[i] = spawn(worker + [f"--name=w{i}", f"--server=127.0.0.1:{via}"] + pace,
+                                    f"worker{i}.log")
 
             t0_wall = time.time()
             t0 = t0_wall % 86400
@@ -327,13 +334,38 @@ class LoopbackBackend:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{run.run_id}: the server did not finish in time")
                 time.sleep(0.05)
-            _reap(procs, timeout=30)
+            # The links outlive nothing: they go once the daemons they carry have ended.
+            _reap([p for p in procs if p not in links], timeout=30)
+            for p in links:
+                p.terminate()
+            _reap(links, timeout=10)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
             _reap(procs, timeout=10)
         return self._rows(run, run_dir, t0), ("max_versions" if max_versions else "max_seconds")
+
+    def _link_for(self, i, port, run_dir, spawn, links):
+        """The port trainer i dials: the server's, or that of an aloe-linkemu of its own."""
+        if not self.link:
+            return port
+        port_file = os.path.join(run_dir, f"link{i}.port")
+        if os.path.exists(port_file):
+            os.remove(port_file)
+        rate, rtt = self.link
+        cmd = [os.path.join(self.bin_dir, "aloe-linkemu"), "--listen=127.0.0.1:0",
+               f"--upstream=127.0.0.1:{port}", f"--rate_mbit={rate}", f"--delay_ms={rtt / 2}",
+               f"--port_file={port_file}"]
+        links.append(spawn(cmd, f"link{i}.log"))
+        for _ in range(300):
+            if os.path.exists(port_file):
+                m = re.search(r"route0=(\d+)", open(port_file).read())
+                if m:
+                    return m.group(1)
+            time.sleep(0.1)
+        raise RuntimeError(f"aloe-linkemu for trainer {i} did not start:\n"
+                           + _tail(os.path.join(run_dir, f"link{i}.log")))
 
     def _rows(self, run, run_dir, t0):
         rows = []  # (time, sort key, fields)

@@ -67,7 +67,8 @@ Back ends (--backend):
              become --slowdown (fastest speed / own speed), step-time traces (random
              stragglers) aloe-worker --step_trace with the same trace file, joins/leaves
              process starts and SIGTERMs; each run lasts --real-seconds wall seconds (A-EDiT's
-             budget is H steps of a calibrated unslowed worker). Runs one at a time, always
+             budget is H steps of a calibrated unslowed worker); --link puts every trainer
+             behind an aloe-linkemu of its own. Runs one at a time, always
              with the torch trainer; runs are bounded by time, not local steps, so the
              equal-update comparisons are not made, and utilization is left empty (real
              steps/s of an unslowed worker are not known).
@@ -123,6 +124,9 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=0,
                    help="heterogeneity: local steps of every run (all workers together)")
     p.add_argument("--lags", default="", help="consistent: lags, e.g. 0,1,2,4")
+    p.add_argument("--link", default="",
+                   help="loopback: RATE_MBIT:RTT_MS, each trainer behind an aloe-linkemu of its "
+                        "own with this link (e.g. 100:100)")
     p.add_argument("--workers", type=int, default=0,
                    help="consistent and random: workers per run (default 8)")
     p.add_argument("--local-steps", type=int, default=0,
@@ -154,6 +158,19 @@ def parse_args(argv):
     p.add_argument("--reuse", action="store_true",
                    help="keep runs whose sim.csv exists with the same command and config")
     return p.parse_args(argv)
+
+
+def _link(text):
+    if not text:
+        return None
+    rate, sep, rtt = text.partition(":")
+    try:
+        link = (float(rate), float(rtt))
+    except ValueError:
+        link = None
+    if not sep or link is None or link[0] <= 0 or link[1] < 0:
+        raise SystemExit(f"simulate-stragglers: --link wants RATE_MBIT:RTT_MS, got '{text}'")
+    return link
 
 
 def settings_from(args):
@@ -317,7 +334,8 @@ def main(argv=None):
         jobs = max(1, args.jobs)
     else:
         backend = backends.LoopbackBackend(
-            bin_dir, corpus_dir, {f: s.real_seconds for f, s in settings.items()})
+            bin_dir, corpus_dir, {f: s.real_seconds for f, s in settings.items()},
+            link=_link(args.link))
         jobs = 1
         kept = []
         for r in runs:
