@@ -57,4 +57,13 @@ aloe_one_worker_job() {
   return "$rc"
 }
 
+# The server's receive_window_kib for workers on LINKS (RATE_MBIT:RTT_MS,...): twice the
+# largest bandwidth-delay product, in KiB, within the range the config accepts
+# (docs/operations.md, long links).
+aloe_link_window_kib() {
+  echo "$1" | tr ',' '\n' | awk -F: '
+    { kib = 2 * $1 * 1e6 / 8 * $2 / 1e3 / 1024; if (kib > max) max = kib }
+    END { max = int(max + 1); if (max < 2048) max = 2048; if (max > 262144) max = 262144; print max }'
+}
+
 aloe_log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }

@@ -25,11 +25,7 @@ util_h="${ALOE_BENCH_H:-20}"
 util_rounds="${ALOE_BENCH_ROUNDS:-6}"
 util_policies="${ALOE_BENCH_UTIL_POLICIES:-sync,async-dn-dylu-grace}"
 util_overlaps="${ALOE_BENCH_UTIL_OVERLAP:-off,delayed,eager}"
-# Twice the largest bandwidth-delay product, in KiB: the server's HTTP/2 receive window
-# (docs/operations.md, long links).
-util_window=$(echo "$util_links" | tr ',' '\n' | awk -F: '
-  { kib = 2 * $1 * 1e6 / 8 * $2 / 1e3 / 1024; if (kib > max) max = kib }
-  END { max = int(max + 1); if (max < 2048) max = 2048; if (max > 262144) max = 262144; print max }')
+util_window=$(aloe_link_window_kib "$util_links")
 
 aloe_build aloe-server aloe-worker aloe-linkemu >/dev/null
 "$ALOE_ROOT/scripts/prepare-corpus.sh" data/sotu >/dev/null

@@ -48,10 +48,7 @@ fi
 wan_d=$(awk -v mib="$wan_mib" 'BEGIN {
   p = mib * 1048576 / 4; d = (-668 + sqrt(668 * 668 + 96 * p)) / 48
   d = int(d / 4 + 0.5) * 4; print (d < 4 ? 4 : d) }')
-# Twice the largest bandwidth-delay product, in KiB, within the range the config accepts.
-wan_window="${ALOE_BENCH_WAN_WINDOW_KIB:-$(echo "$wan_links" | tr ',' '\n' | awk -F: '
-  { kib = 2 * $1 * 1e6 / 8 * $2 / 1e3 / 1024; if (kib > max) max = kib }
-  END { max = int(max + 1); if (max < 2048) max = 2048; if (max > 262144) max = 262144; print max }')}"
+wan_window="${ALOE_BENCH_WAN_WINDOW_KIB:-$(aloe_link_window_kib "$wan_links")}"
 
 aloe_build aloe-server aloe-bench-wan >/dev/null
 "$ALOE_ROOT/scripts/prepare-corpus.sh" data/sotu >/dev/null
