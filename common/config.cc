@@ -164,6 +164,43 @@ std::string FirstNonUtf8Field(const google::protobuf::Message& m, const std::str
   return "";
 }
 
+// Partial synchronization (ServerConfig.partial_sync). The group count's upper bound (the
+// model's layers) is checked where the model is known (AssignLayerGroups).
+absl::Status ValidatePartialSync(const v1::ServerConfig& c) {
+  const v1::PartialSyncConfig& p = c.partial_sync();
+  if (p.groups() < 1 || p.groups() > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("partial_sync.groups must be in [1, 4096], got %d", p.groups()));
+  }
+  if (!v1::SyncSchedule_IsValid(p.schedule())) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("partial_sync.schedule %d is unknown", p.schedule()));
+  }
+  if (!(p.mixing_alpha() >= 0 && p.mixing_alpha() < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("partial_sync.mixing_alpha must be in [0, 1), got %g", p.mixing_alpha()));
+  }
+  if (p.merge_delay_steps() > 100000) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "partial_sync.merge_delay_steps must be at most 100000, got %d", p.merge_delay_steps()));
+  }
+  if (p.fill_bubbles() && p.schedule() != v1::SYNC_SCHEDULE_DREAMDDP) {
+    return absl::InvalidArgumentError(
+        "partial_sync.fill_bubbles needs partial_sync.schedule DREAMDDP");
+  }
+  if (p.fill_bubbles() && c.aggregation().mode() != v1::AGGREGATION_ASYNC) {
+    return absl::InvalidArgumentError(
+        "partial_sync.fill_bubbles needs aggregation.mode ASYNC: a sync round takes one push per "
+        "worker and group");
+  }
+  if (p.groups() > 1 && c.shard_processes() > 0) {
+    return absl::InvalidArgumentError(
+        "partial_sync.groups > 1 is not supported with shard_processes > 0 yet: run the "
+        "layer groups on a single-process server");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
@@ -257,6 +294,11 @@ void FillServerDefaults(v1::ServerConfig* c) {
   if (c->max_staged_updates() == 0) c->set_max_staged_updates(8);
   if (c->receive_window_kib() == 0) c->set_receive_window_kib(2048);
   if (c->max_retained_versions() == 0) c->set_max_retained_versions(1);
+  auto* partial = c->mutable_partial_sync();
+  if (partial->groups() == 0) partial->set_groups(1);
+  if (partial->schedule() == v1::SYNC_SCHEDULE_UNSPECIFIED) {
+    partial->set_schedule(v1::SYNC_SCHEDULE_STRIDED);
+  }
 }
 
 absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
@@ -361,6 +403,7 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
         "could never commit; raise max_staged_updates to at least the number of trainers",
         c.aggregation().min_workers(), c.max_staged_updates()));
   }
+  ALOE_RETURN_IF_ERROR(ValidatePartialSync(c));
   if (c.max_retained_versions() < 1 || c.max_retained_versions() > 4096) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "max_retained_versions must be in [1, 4096], got %d", c.max_retained_versions()));

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/layer_groups.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "kernels/cpu/outer_kernels.h"
@@ -19,8 +20,12 @@ absl::StatusOr<std::unique_ptr<LocalParameters>> LocalParameters::Create(
   size_t bytes = 0;
   for (const v1::LayerSpec& layer : spec.layers()) bytes += layer.num_elements() * sizeof(float);
   const int layers = spec.layers_size();
+  ALOE_ASSIGN_OR_RETURN(
+      std::vector<uint32_t> layer_groups,
+      AssignLayerGroups(spec, std::max<uint32_t>(1, config.partial_sync().groups())));
   ALOE_ASSIGN_OR_RETURN(local->store_, ParameterStore::Create(std::move(spec), std::move(initial),
-                                                              config.outer_optimizer(), executor));
+                                                              config.outer_optimizer(), executor,
+                                                              std::move(layer_groups)));
   // Idle buffers for every receive slot (max_staged_updates pushes are received at once), as a
   // shard process keeps for its staging slots: with 2 updates' worth, 4 full-speed pushers kept
   // freeing buffers and zero-filling new ones (memset, 6% of the process's CPU). No more memory
@@ -52,6 +57,7 @@ absl::Status LocalParameters::ApplyOuterStep(ApplyBatch& batch) {
       const bool measured = u->layer_squares.size() == u->layers.size();
       for (size_t l = 0; l < u->layers.size(); ++l) {
         const std::vector<float>& layer = u->layers[l];
+        if (u->by_group && layer.empty()) continue;  // another layer group's
         metrics_.Observe(kPseudoGradientNorm,
                          std::sqrt(measured ? u->layer_squares[l]
                                             : kernels::SquaredL2Norm(layer.data(), layer.size())));
@@ -104,6 +110,9 @@ void LocalParameters::SaveTo(v1::ServerCheckpoint& c) const {
     store_->SaveOptimizerState(l, c.add_optimizer_state());
   }
   if (penalty_ != nullptr) penalty_->SaveState(c.mutable_penalty_state());
+  if (store_->num_layer_groups() > 1) {
+    for (uint64_t v : snapshot.group_versions) c.add_group_versions(v);
+  }
 }
 
 absl::Status LocalParameters::RestoreFrom(const v1::ServerCheckpoint& c) {
@@ -122,7 +131,8 @@ absl::Status LocalParameters::RestoreFrom(const v1::ServerCheckpoint& c) {
     penalty_->SaveState(&old_penalty);
     ALOE_RETURN_IF_ERROR(penalty_->LoadState(c.penalty_state()));
   }
-  absl::Status restored = store_->Restore(c.version(), params, states);
+  const std::vector<uint64_t> group_versions(c.group_versions().begin(), c.group_versions().end());
+  absl::Status restored = store_->Restore(c.version(), params, states, group_versions);
   if (!restored.ok() && penalty_ != nullptr) (void)penalty_->LoadState(old_penalty);
   return restored;
 }

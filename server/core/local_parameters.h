@@ -18,7 +18,8 @@ namespace aloe::server {
 
 class LocalParameters final : public ParameterBackend {
  public:
-  // `initial`: every layer of `spec`. `config` must be validated. executor, clock and metrics
+  // `initial`: every layer of `spec`, split into config.partial_sync.groups layer groups
+  // (AssignLayerGroups). `config` must be validated. executor, clock and metrics
   // must outlive the backend. The store's and the penalty's errors.
   static absl::StatusOr<std::unique_ptr<LocalParameters>> Create(
       const v1::ServerConfig& config, v1::ModelSpec spec, std::vector<std::vector<float>> initial,
@@ -26,6 +27,8 @@ class LocalParameters final : public ParameterBackend {
 
   uint64_t version() const override { return store_->version(); }
   ModelSnapshot Snapshot() const override { return store_->Snapshot(); }
+  uint32_t num_layer_groups() const override { return store_->num_layer_groups(); }
+  uint64_t group_version(uint32_t group) const override { return store_->group_version(group); }
   // Only part 0's push address is kept: workers are told it (JoinReply.push_address).
   void SetAddress(uint32_t part, std::string address, std::string push_address) override;
   absl::Status CheckJoin(v1::Role, size_t) const override { return absl::OkStatus(); }

@@ -36,6 +36,10 @@ class ParameterBackend {
   virtual uint64_t version() const = 0;
   // The current version: its parameters where this process holds them, else its number only.
   virtual ModelSnapshot Snapshot() const = 0;
+  // Layer groups (partial synchronization): how many, and the version of each (its own outer
+  // steps). One group at version() where there are none.
+  virtual uint32_t num_layer_groups() const { return 1; }
+  virtual uint64_t group_version(uint32_t group) const { return version(); }
 
   // --- Where workers reach the parameters.
   // Part `part` of the parameters is served to workers at `address` ("" = gone) and takes raw
@@ -57,8 +61,10 @@ class ParameterBackend {
   // where the parameters are elsewhere).
   virtual absl::Status CheckShapes(const PendingUpdate& update) const = 0;
   // One outer step of `batch` (weights already scaled by the core's staleness discount, carried
-  // in PendingUpdate.weight_scale): version() advances by one. Gives the updates' layer buffers
-  // back to staging_buffers(). kInternal when the step fails (shapes were checked on submission).
+  // in PendingUpdate.weight_scale): version() advances by one, and so does the version of the
+  // layer group the batch's updates carry (every group's for whole-model updates). Gives the
+  // updates' layer buffers back to staging_buffers(). kInternal when the step fails (shapes were
+  // checked on submission).
   virtual absl::Status ApplyOuterStep(ApplyBatch& batch) = 0;
 
   // --- Updates pushed in parts (a part per shard process; LocalParameters refuses these with

@@ -1,5 +1,8 @@
 #include "server/core/parameter_store.h"
 
+#include <algorithm>
+#include <optional>
+
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 
@@ -7,7 +10,8 @@ namespace aloe::server {
 
 absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
     v1::ModelSpec spec, std::vector<std::vector<float>> initial,
-    const v1::OuterOptimizerConfig& optimizer, Executor& executor) {
+    const v1::OuterOptimizerConfig& optimizer, Executor& executor,
+    std::vector<uint32_t> layer_groups) {
   if (initial.size() != static_cast<size_t>(spec.layers_size())) {
     return absl::InvalidArgumentError(
         absl::StrFormat("initial parameters have %d layers, the model spec %d", initial.size(),
@@ -38,6 +42,20 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
     store->layers_.push_back(std::make_shared<std::vector<float>>(std::move(initial[i])));
     store->scratch_.emplace_back();  // allocated at the layer's first aggregated step
   }
+  if (layer_groups.empty()) layer_groups.assign(store->layers_.size(), 0);
+  if (layer_groups.size() != store->layers_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("%d layer groups given for %d layers",
+                                                      layer_groups.size(), store->layers_.size()));
+  }
+  const uint32_t num_layer_groups =
+      store->layers_.empty() ? 1 : *std::max_element(layer_groups.begin(), layer_groups.end()) + 1;
+  std::vector<bool> used(num_layer_groups, false);
+  for (uint32_t g : layer_groups) used[g] = true;
+  if (std::find(used.begin(), used.end(), false) != used.end()) {
+    return absl::InvalidArgumentError("layer groups must be numbered from 0 without gaps");
+  }
+  store->layer_group_ = std::move(layer_groups);
+  store->group_versions_.assign(num_layer_groups, 0);
   size_t bytes = 0;
   for (const auto& layer : store->layers_) bytes += layer->size() * sizeof(float);
   store->buffers_ = FloatBufferPool::Create(bytes);
@@ -48,6 +66,7 @@ ModelSnapshot ParameterStore::Snapshot() const {
   ModelSnapshot snapshot;
   snapshot.version = version_;
   snapshot.layers.assign(layers_.begin(), layers_.end());
+  snapshot.group_versions = group_versions_;
   return snapshot;
 }
 
@@ -56,11 +75,17 @@ absl::Status ParameterStore::CheckShapes(const PendingUpdate& update) const {
     return absl::InvalidArgumentError(absl::StrFormat("update has %d layers, the model has %d",
                                                       update.layers.size(), layers_.size()));
   }
+  if (update.by_group && update.group >= num_layer_groups()) {
+    return absl::InvalidArgumentError(absl::StrFormat("update of layer group %d, the model has %d",
+                                                      update.group, num_layer_groups()));
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (update.layers[i].size() != layers_[i]->size()) {
+    const size_t expected =
+        !update.by_group || layer_group_[i] == update.group ? layers_[i]->size() : 0;
+    if (update.layers[i].size() != expected) {
       return absl::InvalidArgumentError(
           absl::StrFormat("layer %d (%s): update has %d elements, expected %d", i,
-                          spec_.layers(i).name(), update.layers[i].size(), layers_[i]->size()));
+                          spec_.layers(i).name(), update.layers[i].size(), expected));
     }
   }
   return absl::OkStatus();
@@ -83,10 +108,18 @@ absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdat
     return absl::InvalidArgumentError("outer step needs >= 1 update");
   }
   for (const PendingUpdate* u : updates) ALOE_RETURN_IF_ERROR(CheckShapes(*u));
+  const std::optional<uint32_t> layer_group =
+      updates[0]->by_group ? std::optional<uint32_t>(updates[0]->group) : std::nullopt;
+  for (const PendingUpdate* u : updates) {
+    if ((u->by_group ? std::optional<uint32_t>(u->group) : std::nullopt) != layer_group) {
+      return absl::InvalidArgumentError("an outer step's updates must be of one layer group");
+    }
+  }
 
   std::vector<absl::Status> group_status(group_layers_.size());
   executor_.ParallelFor(static_cast<int>(group_layers_.size()), [&](int group) {
     for (size_t layer : group_layers_[group]) {
+      if (layer_group && layer_group_[layer] != *layer_group) continue;
       absl::Status s = ApplyLayer(layer, updates, aggregation);
       if (!s.ok()) {
         group_status[group] = s;
@@ -98,6 +131,11 @@ absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdat
   // violation.
   for (const absl::Status& s : group_status) ALOE_RETURN_IF_ERROR(s);
   ++version_;
+  if (layer_group) {
+    ++group_versions_[*layer_group];
+  } else {
+    for (uint64_t& v : group_versions_) ++v;
+  }
   return absl::OkStatus();
 }
 
@@ -142,7 +180,8 @@ void ParameterStore::SaveOptimizerState(size_t layer, std::string* out) const {
 
 absl::Status ParameterStore::Restore(uint64_t version,
                                      const std::vector<std::vector<float>>& params,
-                                     const std::vector<std::string>& optimizer_states) {
+                                     const std::vector<std::string>& optimizer_states,
+                                     const std::vector<uint64_t>& group_versions) {
   if (params.size() != layers_.size() || optimizer_states.size() != layers_.size()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "checkpoint has %d layers of parameters and %d optimizer states, the model %d layers",
@@ -154,6 +193,11 @@ absl::Status ParameterStore::Restore(uint64_t version,
           absl::StrFormat("checkpoint layer %d (%s): %d parameters, expected %d", i,
                           spec_.layers(i).name(), params[i].size(), layers_[i]->size()));
     }
+  }
+  if (!group_versions.empty() && group_versions.size() != group_versions_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("checkpoint has %d layer group versions, the model %d layer groups",
+                        group_versions.size(), group_versions_.size()));
   }
   // Optimizer states are restored into fresh instances first, so a bad blob changes nothing.
   std::vector<std::string> old_states(layers_.size());
@@ -171,6 +215,11 @@ absl::Status ParameterStore::Restore(uint64_t version,
     layers_[i] = std::make_shared<std::vector<float>>(params[i]);
   }
   version_ = version;
+  if (group_versions.empty()) {
+    group_versions_.assign(group_versions_.size(), version);
+  } else {
+    group_versions_ = group_versions;
+  }
   return absl::OkStatus();
 }
 

@@ -10,6 +10,11 @@
 // pseudo-gradient: fixed weights (the plain mean of sync DiLoCo) or the EDiT penalty, which may
 // also skip a layer (rollback).
 //
+// Layer groups (partial synchronization, ServerConfig.partial_sync) are the unit of
+// synchronization, distinct from apply groups: an outer step may cover one layer group only
+// (its updates then carry only that group's layers). The store counts steps of any group as its
+// version and each group's own steps as that group's version.
+//
 // Not thread-safe: the owner serialises calls. ApplyOuterStep itself fans out over the apply
 // groups through the Executor.
 #pragma once
@@ -33,6 +38,9 @@ namespace aloe::server {
 struct ModelSnapshot {
   uint64_t version = 0;
   std::vector<std::shared_ptr<const std::vector<float>>> layers;
+  // The version of each layer group (partial synchronization) within `version`; one entry,
+  // equal to `version`, without groups. Empty where the parameters live elsewhere.
+  std::vector<uint64_t> group_versions;
 };
 
 class ParameterStore {
@@ -40,16 +48,22 @@ class ParameterStore {
   // initial: one buffer per spec layer with exactly its num_elements; each layer's `shard` names
   // its apply group, < max(spec.num_shards, 1). kInvalidArgument for a size mismatch, a layer
   // outside the apply groups or an invalid optimizer config. `executor` must outlive the store.
+  // layer_groups: the layer group of each layer (empty = one group); groups numbered from 0
+  // without gaps. kInvalidArgument for a layer group list that does not fit.
   static absl::StatusOr<std::unique_ptr<ParameterStore>> Create(
       v1::ModelSpec spec, std::vector<std::vector<float>> initial,
-      const v1::OuterOptimizerConfig& optimizer, Executor& executor);
+      const v1::OuterOptimizerConfig& optimizer, Executor& executor,
+      std::vector<uint32_t> layer_groups = {});
 
   const v1::ModelSpec& spec() const { return spec_; }
   uint64_t version() const { return version_; }
+  uint32_t num_layer_groups() const { return static_cast<uint32_t>(group_versions_.size()); }
+  uint64_t group_version(uint32_t group) const { return group_versions_[group]; }
   ModelSnapshot Snapshot() const;
 
-  // Checks that every update has one buffer per layer of the right size. kInvalidArgument
-  // naming the layer otherwise.
+  // Checks that every update has one buffer per layer of the right size (for an update of one
+  // layer group: the group's layers, every other layer empty). kInvalidArgument naming the layer
+  // otherwise.
   absl::Status CheckShapes(const PendingUpdate& update) const;
 
   // One outer step: for every layer (in parallel over the apply groups) `aggregation` combines the
@@ -58,6 +72,8 @@ class ParameterStore {
   // state stay as they are (EDiT rollback). Advances the version by one (also when every layer
   // is skipped: the step was taken, it changed nothing). kInvalidArgument for no updates or an
   // update of the wrong shape, checked before anything changes (all-or-nothing on bad input).
+  // Updates of one layer group (PendingUpdate.group, all the same) step only that group's
+  // layers and advance its version; whole-model updates advance every group's.
   absl::Status ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
                               LayerAggregation& aggregation);
 
@@ -82,10 +98,12 @@ class ParameterStore {
   // Appends layer `layer`'s optimizer state blob to out (checkpoints).
   void SaveOptimizerState(size_t layer, std::string* out) const;
 
-  // Replaces the parameters, optimizer states and version (resume from a checkpoint). All or
-  // nothing: kInvalidArgument naming the layer when a size or blob does not fit, state unchanged.
+  // Replaces the parameters, optimizer states and versions (resume from a checkpoint);
+  // group_versions empty = every group at `version` (one group). All or nothing:
+  // kInvalidArgument naming the layer when a size or blob does not fit, state unchanged.
   absl::Status Restore(uint64_t version, const std::vector<std::vector<float>>& params,
-                       const std::vector<std::string>& optimizer_states);
+                       const std::vector<std::string>& optimizer_states,
+                       const std::vector<uint64_t>& group_versions = {});
 
  private:
   ParameterStore(v1::ModelSpec spec, Executor& executor)
@@ -96,6 +114,8 @@ class ParameterStore {
   v1::ModelSpec spec_;
   Executor& executor_;
   uint64_t version_ = 0;
+  std::vector<uint32_t> layer_group_;     // layer group of each layer
+  std::vector<uint64_t> group_versions_;  // steps of each layer group
   // Mutable here; handed out only as shared_ptr<const ...> in snapshots.
   std::vector<std::shared_ptr<std::vector<float>>> layers_;
   std::vector<std::unique_ptr<OuterOptimizer>> optimizers_;  // one per layer

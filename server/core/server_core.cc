@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/imported_model.h"
+#include "common/layer_groups.h"
 #include "common/logging.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
@@ -27,6 +28,15 @@ uint64_t MixSeed(uint64_t a, uint64_t b) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
+}
+
+// The staleness discount: the update's weight, its values and their measured squares.
+void ScaleUpdate(PendingUpdate& update, float scale) {
+  update.weight_scale = scale;
+  for (std::vector<float>& layer : update.layers) {
+    kernels::Scale(layer.data(), layer.size(), scale);
+  }
+  for (double& squares : update.layer_squares) squares *= static_cast<double>(scale) * scale;
 }
 
 }  // namespace
@@ -59,9 +69,10 @@ LocalWorkPlanner::Options PlannerOptions(const v1::ServerConfig& config) {
   // DyLU's rounds must be kept aligned explicitly behind a finite grace window (LocalWorkPlanner);
   // an infinite one waits for everybody anyway and zero grace is plain async (no waiting).
   const double grace = config.aggregation().grace_seconds();
+  // With layer groups each group has its own windows: rounds are not aligned.
   o.align_rounds = o.mode == LocalWorkPlanner::Mode::kDyLU &&
                    config.aggregation().mode() == v1::AGGREGATION_ASYNC && grace > 0 &&
-                   std::isfinite(grace);
+                   std::isfinite(grace) && config.partial_sync().groups() <= 1;
   return o;
 }
 
@@ -108,16 +119,26 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
           "transport.layer_codecs: the model has no layer \"%s\"", layer_codec.layer()));
     }
   }
-  if (config.aggregation().mode() == v1::AGGREGATION_ASYNC) {
-    const double grace = config.aggregation().grace_seconds();
-    auto grace_aggregation = std::make_unique<GracePeriodAggregation>(
-        clock, std::isinf(grace) ? absl::InfiniteDuration() : absl::Seconds(grace));
-    if (PlannerOptions(config).align_rounds) core->aligned_grace_ = grace_aggregation.get();
-    core->aggregation_ = std::move(grace_aggregation);
+  const uint32_t groups = core->backend_->num_layer_groups();
+  if (groups > 1) {
+    ALOE_ASSIGN_OR_RETURN(core->layer_groups_, AssignLayerGroups(core->spec_, groups));
   } else {
-    core->aggregation_ = std::make_unique<SyncRoundAggregation>(config.aggregation().min_workers(),
-                                                                config.max_versions());
+    core->layer_groups_.assign(core->spec_.layers_size(), 0);
   }
+  for (uint32_t g = 0; g < groups; ++g) {
+    if (config.aggregation().mode() == v1::AGGREGATION_ASYNC) {
+      const double grace = config.aggregation().grace_seconds();
+      auto grace_aggregation = std::make_unique<GracePeriodAggregation>(
+          clock, std::isinf(grace) ? absl::InfiniteDuration() : absl::Seconds(grace));
+      if (PlannerOptions(config).align_rounds) core->aligned_grace_ = grace_aggregation.get();
+      core->lanes_.push_back(std::move(grace_aggregation));
+    } else {
+      // Look-ahead work (which needs last_version) is not used with layer groups.
+      core->lanes_.push_back(std::make_unique<SyncRoundAggregation>(
+          config.aggregation().min_workers(), groups > 1 ? 0 : config.max_versions()));
+    }
+  }
+  core->aggregation_ = core->lanes_[0].get();
   core->sampler_ = DataShardSampler(std::move(train_shards), config.seed(),
                                     config.shard_sampling() == v1::SHARD_SAMPLING_PROPORTIONAL
                                         ? DataShardSampler::Mode::kProportional
@@ -186,6 +207,10 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   *reply.mutable_transport() = config_.transport();
   *reply.mutable_outer_optimizer() = config_.outer_optimizer();
   reply.set_model_fingerprint(model_fingerprint_);
+  if (lanes_.size() > 1) {
+    for (uint32_t g : layer_groups_) reply.add_layer_groups(g);
+    *reply.mutable_partial_sync() = config_.partial_sync();
+  }
   backend_->DescribeTo(reply);
   PublishMembership();
   return reply;
@@ -224,6 +249,7 @@ v1::Task ServerCore::NewTask(v1::Task::Kind kind) {
 absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request) {
   ALOE_ASSIGN_OR_RETURN(const Member* member, LiveMember(request.worker_id()));
   ALOE_RETURN_IF_ERROR(membership_.Renew(member->id, 0));
+  if (request.start_group()) return StartGroup(member->id, request.group());
   auto open = open_tasks_.find(member->id);
   if (request.dropped_task_id() != 0 && open != open_tasks_.end() &&
       open->second.task.kind() == v1::Task::TRAIN &&
@@ -252,8 +278,19 @@ absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request)
 
 absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   if (stopping_) return NewTask(v1::Task::STOP);
-  const std::vector<uint64_t> live = membership_.LiveIds(v1::ROLE_TRAINER);
   const uint64_t current = version();
+  if (lanes_.size() > 1) {
+    // Layer groups: the aggregations hold the worker at StartGroup, not here.
+    if (!started_) started_ = clock_.Now();
+    const LocalWorkPlanner::Start start{clock_.Now(), 0};
+    OpenTask open = NewTrainTask(worker, current, &start);
+    open.base_pulled = true;  // its groups are pulled at the versions StartGroup grants
+    for (uint32_t g = 0; g < lanes_.size(); ++g) open.task.add_group_versions(group_version(g));
+    open_tasks_[worker] = open;
+    PublishShards();
+    return open.task;
+  }
+  const std::vector<uint64_t> live = membership_.LiveIds(v1::ROLE_TRAINER);
   std::optional<uint64_t> base = aggregation_->StartVersion(worker, current, live);
   if (!base) return NewTask(v1::Task::WAIT);
   if (*base != current && retained_.count(*base) == 0) {
@@ -314,7 +351,54 @@ ServerCore::OpenTask ServerCore::NewTrainTask(uint64_t worker, uint64_t base,
   return OpenTask{task, shard, assigned};
 }
 
+absl::StatusOr<v1::Task> ServerCore::StartGroup(uint64_t worker, uint32_t group) {
+  if (lanes_.size() <= 1) {
+    return absl::FailedPreconditionError(
+        "start_group: this server synchronizes the whole model (partial_sync.groups is 1)");
+  }
+  if (group >= lanes_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("start_group: layer group %d, the model has %d", group, lanes_.size()));
+  }
+  const Member* member = membership_.Find(worker);
+  if (member == nullptr || member->role != v1::ROLE_TRAINER) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("start_group: worker %d is not a trainer", worker));
+  }
+  auto granted = [&](uint64_t group_base) {
+    v1::Task task;
+    task.set_kind(v1::Task::TRAIN);
+    task.set_base_version(version());
+    task.add_group_versions(group_base);
+    if (auto open = open_tasks_.find(worker); open != open_tasks_.end()) {
+      task.set_task_id(open->second.task.task_id());
+    }
+    return task;
+  };
+  std::map<uint32_t, uint64_t>& started = group_started_[worker];
+  if (auto it = started.find(group); it != started.end()) return granted(it->second);
+  CloseDueWindows();
+  UpdateStopping();
+  if (stopping_) return NewTask(v1::Task::STOP);
+  if (draining_) {
+    v1::Task wait = NewTask(v1::Task::WAIT);
+    wait.set_draining(true);
+    return wait;
+  }
+  std::optional<uint64_t> base = lanes_[group]->StartVersion(worker, group_version(group),
+                                                             membership_.LiveIds(v1::ROLE_TRAINER));
+  ObserveReleases();
+  if (!base) return NewTask(v1::Task::WAIT);
+  started[group] = *base;
+  if (!started_) started_ = clock_.Now();
+  return granted(*base);
+}
+
 absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
+  if (lanes_.size() > 1) {
+    return absl::FailedPreconditionError(
+        "look-ahead tasks are not used with layer groups: group pushes overlap the training");
+  }
   if (auto ahead = ahead_tasks_.find(worker); ahead != ahead_tasks_.end()) {
     return ahead->second.task;  // a repeated request
   }
@@ -362,7 +446,8 @@ absl::Status ServerCore::EndOpenTask(uint64_t worker) {
   sampler_.Release(open.shard, open.assigned_tokens);
   open_tasks_.erase(worker);
   staged_.erase(worker);
-  ApplyBatch completed = aggregation_->OnWorkEnded(worker);
+  // With layer groups the aggregations track group work, not tasks.
+  ApplyBatch completed = lanes_.size() > 1 ? ApplyBatch{} : aggregation_->OnWorkEnded(worker);
   if (!completed.updates.empty()) ALOE_RETURN_IF_ERROR(Apply(std::move(completed)));
   PromoteAhead(worker);
   PruneRetained();
@@ -380,7 +465,9 @@ void ServerCore::PromoteAhead(uint64_t worker) {
 
 v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
   const uint64_t version = this->version();
-  const bool final_state = stopping_ && !aggregation_->InProgress();
+  const bool final_state =
+      stopping_ && std::none_of(lanes_.begin(), lanes_.end(),
+                                [](const auto& lane) { return lane->InProgress(); });
   const bool due = !last_eval_version_.has_value() ||
                    version >= *last_eval_version_ + config_.eval_every() ||
                    (final_state && *last_eval_version_ != version);
@@ -396,6 +483,13 @@ v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
 absl::StatusOr<ModelSnapshot> ServerCore::SnapshotFor(const v1::PullRequest& request) const {
   ALOE_RETURN_IF_ERROR(LiveMember(request.worker_id()).status());
   ALOE_RETURN_IF_ERROR(CheckSlice(request.slice(), request.slices()));
+  if (request.by_group()) {
+    if (request.group() >= lanes_.size()) {
+      return absl::InvalidArgumentError(absl::StrFormat("pull of layer group %d, the model has %d",
+                                                        request.group(), lanes_.size()));
+    }
+    return Snapshot();  // the service streams the group's layers of the current version
+  }
   if (request.latest() || request.version() == version()) return Snapshot();
   auto it = retained_.find(request.version());
   if (it == retained_.end()) {
@@ -414,7 +508,13 @@ absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
         "worker %d has no open training task %d (already pushed, or never assigned)", member->id,
         header.task_id()));
   }
-  if (header.base_version() != open->second.task.base_version()) {
+  if (lanes_.size() > 1) {
+    ALOE_RETURN_IF_ERROR(CheckGroupPush(member->id, header));
+  } else if (header.group() != 0 || header.task_continues()) {
+    return absl::InvalidArgumentError(
+        "push names a layer group, but this server synchronizes the whole model "
+        "(partial_sync.groups is 1)");
+  } else if (header.base_version() != open->second.task.base_version()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "stale version: push is based on version %d but task %d started from version %d",
         header.base_version(), header.task_id(), open->second.task.base_version()));
@@ -446,12 +546,16 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   header.set_compute_seconds(update.compute_seconds);
   header.set_slice(update.slice);
   header.set_slices(update.slices);
+  header.set_group(update.group);
+  header.set_task_continues(update.task_continues);
+  update.by_group = lanes_.size() > 1;  // with layer groups every push carries one group
   absl::Status status = CheckPushHeader(header);
   if (status.ok()) status = backend_->CheckShapes(update);
   if (!status.ok()) {
     CountRejected(status);
     return status;
   }
+  if (update.by_group) return SubmitGroupUpdate(std::move(update));
   if (update.slices > 1) {
     absl::StatusOr<std::optional<PendingUpdate>> whole = StageSlice(std::move(update));
     if (!whole.ok()) {
@@ -484,14 +588,8 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     ALOE_RETURN_IF_ERROR(EndOpenTask(worker));
     return scale.status();
   }
-  if (*scale != 1.0f) {
-    // Where the update carries no layers, the discount goes with it as part of its weight.
-    update.weight_scale = *scale;
-    for (std::vector<float>& layer : update.layers) {
-      kernels::Scale(layer.data(), layer.size(), *scale);
-    }
-    for (double& squares : update.layer_squares) squares *= static_cast<double>(*scale) * *scale;
-  }
+  // Where the update carries no layers, the discount goes with it as part of its weight.
+  if (*scale != 1.0f) ScaleUpdate(update, *scale);
   absl::StatusOr<ApplyBatch> batch = aggregation_->Submit(std::move(update), version());
   if (!batch.ok()) {
     CountRejected(batch.status());
@@ -513,17 +611,97 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   PromoteAhead(worker);
   reply.set_version(version());
   reply.set_staleness(staleness);
-  if (want_next_task) {
-    // What the worker's RequestTask right after this reply would get, minus its round trip.
-    v1::TaskRequest next;
-    next.set_worker_id(worker);
-    absl::StatusOr<v1::Task> task = RequestTask(next);
-    if (task.ok() && task->kind() != v1::Task::WAIT) {
-      *reply.mutable_next_task() = *std::move(task);
-      metrics_.Add(kTasksInPushReplies, 1);
-    }
-  }
+  if (want_next_task) AttachNextTask(worker, reply);
   return reply;
+}
+
+void ServerCore::AttachNextTask(uint64_t worker, v1::PushReply& reply) {
+  // What the worker's RequestTask right after this reply would get, minus its round trip.
+  v1::TaskRequest next;
+  next.set_worker_id(worker);
+  absl::StatusOr<v1::Task> task = RequestTask(next);
+  if (task.ok() && task->kind() != v1::Task::WAIT) {
+    *reply.mutable_next_task() = *std::move(task);
+    metrics_.Add(kTasksInPushReplies, 1);
+  }
+}
+
+absl::Status ServerCore::CheckGroupPush(uint64_t worker, const v1::PushHeader& header) const {
+  const uint32_t group = header.group();
+  if (group >= lanes_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("push of layer group %d, the model has %d", group, lanes_.size()));
+  }
+  if (header.slices() > 1) {
+    return absl::InvalidArgumentError("sliced pushes of layer groups are not supported");
+  }
+  auto started = group_started_.find(worker);
+  if (started == group_started_.end() || started->second.count(group) == 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker %d pushes layer group %d without having taken it (TaskRequest.start_group), or "
+        "pushes it twice",
+        worker, group));
+  }
+  if (header.base_version() > group_version(group) ||
+      header.base_version() < started->second.at(group)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "push of layer group %d is based on version %d, but the worker took version %d and the "
+        "group is at %d",
+        group, header.base_version(), started->second.at(group), group_version(group)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PushReply> ServerCore::SubmitGroupUpdate(PendingUpdate update) {
+  const uint64_t worker = update.worker_id;
+  const uint32_t group = update.group;
+  const bool ends_task = !update.task_continues;
+  const bool want_next_task = update.want_next_task && ends_task;
+  const double speed =
+      update.compute_seconds > 0 ? update.steps_done / update.compute_seconds : 0.0;
+  CloseDueWindows();
+  const uint64_t staleness = group_version(group) - update.base_version;
+  const LabelValues group_label = {absl::StrCat(group)};
+  absl::StatusOr<float> scale = StalenessScale(config_.outer_optimizer(), staleness);
+  if (!scale.ok()) {
+    // Too stale: the group's work is dropped; the worker takes the group again.
+    metrics_.Add(kUpdatesRejected, 1, {"too_stale"});
+    metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), group_label);
+    group_started_[worker].erase(group);
+    ApplyLogged(lanes_[group]->OnWorkEnded(worker));
+    return scale.status();
+  }
+  if (*scale != 1.0f) ScaleUpdate(update, *scale);
+  const uint64_t task_id = update.task_id;
+  absl::StatusOr<ApplyBatch> batch = lanes_[group]->Submit(std::move(update), group_version(group));
+  if (!batch.ok()) {
+    CountRejected(batch.status());
+    return batch.status();
+  }
+  group_started_[worker].erase(group);
+  metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
+  metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), group_label);
+  if (ends_task) {
+    planner_.ReportSpeed(worker, speed);
+    PublishSpeed(worker);
+    submitted_[task_id] = open_tasks_[worker];
+    open_tasks_.erase(worker);
+  }
+  v1::PushReply reply;
+  reply.set_applied(!batch->updates.empty());
+  if (reply.applied()) ALOE_RETURN_IF_ERROR(Apply(*std::move(batch)));
+  CloseDueWindows();
+  reply.set_version(version());
+  reply.set_group_version(group_version(group));
+  reply.set_staleness(staleness);
+  if (want_next_task) AttachNextTask(worker, reply);
+  return reply;
+}
+
+void ServerCore::ApplyLogged(ApplyBatch batch) {
+  if (batch.updates.empty()) return;
+  absl::Status s = Apply(std::move(batch));
+  if (!s.ok()) ALOE_LOG_ERROR("server", "%s", s.ToString());
 }
 
 absl::StatusOr<std::optional<PendingUpdate>> ServerCore::StageSlice(PendingUpdate update) {
@@ -584,7 +762,14 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   ObserveReleases();
   ALOE_RETURN_IF_ERROR(backend_->ApplyOuterStep(batch));
   double loss_sum = 0;
+  const std::optional<uint32_t> group =
+      batch.updates[0].by_group ? std::optional<uint32_t>(batch.updates[0].group) : std::nullopt;
   for (const PendingUpdate& u : batch.updates) {
+    // A task's steps and tokens count once: with its push that ends it.
+    if (u.task_continues) {
+      loss_sum += u.train_loss;
+      continue;
+    }
     auto it = submitted_.find(u.task_id);
     if (it != submitted_.end()) {
       sampler_.RecordLearned(it->second.shard, it->second.assigned_tokens, u.steps_done,
@@ -598,6 +783,10 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   metrics_.Add(kUpdatesApplied, static_cast<double>(batch.updates.size()));
   metrics_.Add(kOuterSteps, 1);
   metrics_.Set(kModelVersion, static_cast<double>(version()));
+  if (group) {
+    metrics_.Set(kLayerGroupVersion, static_cast<double>(group_version(*group)),
+                 {absl::StrCat(*group)});
+  }
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
   PublishShards();
@@ -682,11 +871,8 @@ void ServerCore::WorkerGone(uint64_t worker) {
     metrics_.Remove(kTrainerPlannedSteps, labels->second);
     trainer_labels_.erase(labels);
   }
-  ApplyBatch batch = aggregation_->OnWorkerGone(worker);
-  if (!batch.updates.empty()) {
-    absl::Status s = Apply(std::move(batch));
-    if (!s.ok()) ALOE_LOG_ERROR("server", "%s", s.ToString());
-  }
+  group_started_.erase(worker);
+  for (auto& lane : lanes_) ApplyLogged(lane->OnWorkerGone(worker));
   // Worker ids are never reused: what is kept per worker can go.
   backend_->ForgetWorker(worker);
   PruneRetained();
@@ -695,6 +881,12 @@ void ServerCore::WorkerGone(uint64_t worker) {
 }
 
 void ServerCore::CloseDueWindows() {
+  if (lanes_.size() > 1) {
+    // Workers take their groups at the groups' current versions: nothing to retain.
+    for (uint32_t g = 0; g < lanes_.size(); ++g) lanes_[g]->CloseExpired(group_version(g));
+    ObserveReleases();
+    return;
+  }
   if (aggregation_->CloseExpired(version())) {
     // The released workers all start from this version, whatever is applied meanwhile.
     retained_[version()] = Snapshot();
@@ -702,17 +894,15 @@ void ServerCore::CloseDueWindows() {
   }
   // A sync round whose participants started ahead opens as soon as the one before it closed;
   // it is complete at once when all of them pushed already and everybody else left.
-  ApplyBatch batch = aggregation_->BeginAhead(version(), membership_.LiveIds(v1::ROLE_TRAINER));
-  if (!batch.updates.empty()) {
-    absl::Status s = Apply(std::move(batch));
-    if (!s.ok()) ALOE_LOG_ERROR("server", "%s", s.ToString());
-  }
+  ApplyLogged(aggregation_->BeginAhead(version(), membership_.LiveIds(v1::ROLE_TRAINER)));
   ObserveReleases();
 }
 
 void ServerCore::ObserveReleases() {
-  for (size_t workers : aggregation_->TakeReleasedGroups()) {
-    metrics_.Observe(kGraceWindowWorkers, static_cast<double>(workers));
+  for (auto& lane : lanes_) {
+    for (size_t workers : lane->TakeReleasedGroups()) {
+      metrics_.Observe(kGraceWindowWorkers, static_cast<double>(workers));
+    }
   }
 }
 
@@ -826,7 +1016,18 @@ void ServerCore::PublishMembership() {
 }
 
 bool ServerCore::Finished() const {
-  return stopping_ && membership_.size() == 0 && !aggregation_->InProgress();
+  return stopping_ && membership_.size() == 0 &&
+         std::none_of(lanes_.begin(), lanes_.end(),
+                      [](const auto& lane) { return lane->InProgress(); });
+}
+
+std::optional<absl::Time> ServerCore::NextDeadline() const {
+  std::optional<absl::Time> next;
+  for (const auto& lane : lanes_) {
+    std::optional<absl::Time> due = lane->Deadline();
+    if (due && (!next || *due < *next)) next = due;
+  }
+  return next;
 }
 
 double ServerCore::TrainedSeconds() const {
@@ -849,6 +1050,9 @@ std::string ServerCore::FingerprintOf(const v1::ServerConfig& config, const v1::
   if (!model_fingerprint.empty()) absl::StrAppend(&f, ";model=", model_fingerprint);
   if (config.shard_processes() > 0) {
     absl::StrAppend(&f, ";processes=", config.shard_processes());
+  }
+  if (config.partial_sync().groups() > 1) {
+    absl::StrAppend(&f, ";layer_groups=", config.partial_sync().groups());
   }
   return f;
 }
@@ -971,6 +1175,7 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   stopping_ = false;
   UpdateStopping();
   retained_.clear();
+  group_started_.clear();
   metrics_.Set(kModelVersion, static_cast<double>(version()));
   PublishShards();
   return absl::OkStatus();

@@ -67,6 +67,7 @@ class ServerCore {
   absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request);
   // Returns WAIT when the worker cannot start now (sync round in progress, waiting for peers).
   // request.ahead: a look-ahead task while the open one is still to be pushed (aloe.proto).
+  // request.start_group: partial synchronization's per-group start (StartGroup).
   absl::StatusOr<v1::Task> RequestTask(const v1::TaskRequest& request);
   // Cheap checks of a push header before its chunks are read (live worker, open task, version).
   absl::Status CheckPushHeader(const v1::PushHeader& header) const;
@@ -97,12 +98,24 @@ class ServerCore {
   // kNotFound for an unknown worker; kInvalidArgument for a bad slice request.
   absl::StatusOr<ModelSnapshot> SnapshotFor(const v1::PullRequest& request) const;
   const v1::ModelSpec& spec() const { return spec_; }
+  // The model version: outer steps of any layer group (with one group, of the model).
   uint64_t version() const { return backend_->version(); }
+  // --- Partial synchronization (ServerConfig.partial_sync, docs/algorithms.md): the layers
+  // form num_layer_groups() groups, each with its own version, aggregation (a sync round or
+  // grace window per group), outer optimizer state and staleness. With more than one group a
+  // TRAIN task names the data shard, local work and LR position only; the worker takes each
+  // group with RequestTask(start_group) before it pulls it, pushes it by itself
+  // (PushHeader.group) against the group version it took, and its push without
+  // task_continues ends the task. Tasks are not gated by the aggregations: a worker waits at
+  // start_group, where a group's sync round or grace window holds it.
+  uint32_t num_layer_groups() const { return static_cast<uint32_t>(lanes_.size()); }
+  uint64_t group_version(uint32_t group) const { return backend_->group_version(group); }
+  const std::vector<uint32_t>& layer_groups() const { return layer_groups_; }
   uint64_t updates_applied() const { return updates_applied_; }
   const std::vector<EvalPoint>& eval_history() const { return eval_history_; }
   // When a time-driven event (a grace window closing) is due; nullopt when none is pending.
   // The service wakes waiting task requests then; the simulator schedules a Tick.
-  std::optional<absl::Time> NextDeadline() const { return aggregation_->Deadline(); }
+  std::optional<absl::Time> NextDeadline() const;
   const LocalWorkPlanner& local_work() const { return planner_; }
   const DataShardSampler& sampler() const { return sampler_; }
   // --- Checkpoints (exact resume). The state right after the last outer step; tasks handed out
@@ -221,6 +234,17 @@ class ServerCore {
   // aggregation policy says (StartAhead; docs/algorithms.md, overlap). WAIT while the round or
   // window of the worker's last push is open or while draining; STOP past max_versions.
   absl::StatusOr<v1::Task> AheadTask(uint64_t worker);
+  // A group push's header against the worker's StartGroup grants (partial synchronization).
+  absl::Status CheckGroupPush(uint64_t worker, const v1::PushHeader& header) const;
+  // TaskRequest.start_group (see num_layer_groups()).
+  absl::StatusOr<v1::Task> StartGroup(uint64_t worker, uint32_t group);
+  // A group push (partial synchronization) through its group's aggregation: checked, staleness
+  // discounted, submitted; the task ends with the push without task_continues.
+  absl::StatusOr<v1::PushReply> SubmitGroupUpdate(PendingUpdate update);
+  // Applies `batch` (when it holds updates), logging a failure.
+  void ApplyLogged(ApplyBatch batch);
+  // PushHeader.want_next_task: puts the worker's next task into `reply` unless it is WAIT.
+  void AttachNextTask(uint64_t worker, v1::PushReply& reply);
   // After the open task of `worker` was pushed (or ended without an update), its look-ahead
   // task, if any, becomes the open one (AggregationPolicy::PromoteAhead).
   void PromoteAhead(uint64_t worker);
@@ -257,7 +281,13 @@ class ServerCore {
   std::unique_ptr<ParameterBackend> backend_;  // where the parameters live
   ShardCommitLog* shard_log_ = nullptr;        // backend_ when it is one
   Membership membership_;
-  std::unique_ptr<AggregationPolicy> aggregation_;
+  // One aggregation per layer group; aggregation_ is the first (the only one without groups).
+  std::vector<std::unique_ptr<AggregationPolicy>> lanes_;
+  AggregationPolicy* aggregation_ = nullptr;
+  std::vector<uint32_t> layer_groups_;  // the layer group of each spec layer
+  // Partial synchronization: worker -> group -> the group version its StartGroup granted, until
+  // it pushes that group (a repeated StartGroup gets the same answer).
+  std::map<uint64_t, std::map<uint32_t, uint64_t>> group_started_;
   // aggregation_ when it is a grace window behind aligned DyLU (LocalWorkPlanner); else null.
   GracePeriodAggregation* aligned_grace_ = nullptr;
   DataShardSampler sampler_;

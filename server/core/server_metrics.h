@@ -30,6 +30,9 @@ inline constexpr char kApplyLatency[] = "aloe_apply_latency_seconds";
 inline constexpr char kPushLatency[] = "aloe_push_latency_seconds";
 inline constexpr char kTrainLoss[] = "aloe_train_loss";
 inline constexpr char kUpdateStaleness[] = "aloe_update_staleness";
+// Partial synchronization: per layer group (label "group", at most partial_sync.groups values).
+inline constexpr char kLayerGroupVersion[] = "aloe_layer_group_version";
+inline constexpr char kLayerGroupStaleness[] = "aloe_layer_group_staleness";
 inline constexpr char kCheckpointSeconds[] = "aloe_checkpoint_duration_seconds";
 inline constexpr char kCheckpointTimestamp[] = "aloe_checkpoint_last_timestamp_seconds";
 inline constexpr char kCheckpointVersion[] = "aloe_checkpoint_version";

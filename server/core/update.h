@@ -11,7 +11,14 @@ struct PendingUpdate {
   uint64_t worker_id = 0;
   uint64_t task_id = 0;
   uint64_t update_id = 0;
+  // The version the pseudo-gradient was taken against: the model's, or for a group push the
+  // layer group's.
   uint64_t base_version = 0;
+  // Partial synchronization: the update carries only this layer group's layers (the others
+  // are empty) when by_group; task_continues: more pushes of the task follow (PushHeader).
+  bool by_group = false;
+  uint32_t group = 0;
+  bool task_continues = false;
   uint32_t steps_done = 0;
   uint64_t tokens_learned = 0;
   double train_loss = 0;
