@@ -146,6 +146,7 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
   core->planner_ = LocalWorkPlanner(PlannerOptions(config));
   core->heldout_file_ = std::move(heldout_file);
   metrics.Set(kModelVersion, 0);
+  for (uint32_t g = 0; g < groups; ++g) metrics.Set(kLayerGroupVersion, 0, {absl::StrCat(g)});
   // Every reason's series exists from the start, so rates and alerts see zeros, not gaps.
   for (const char* reason : kRejectReasons) metrics.Add(kUpdatesRejected, 0, {reason});
   core->PublishShards();
@@ -600,6 +601,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
       worker, header.compute_seconds() > 0 ? header.steps_done() / header.compute_seconds() : 0.0);
   PublishSpeed(worker);
   metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
+  metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), {"0"});
   submitted_[task_id] = open_tasks_[worker];
   open_tasks_.erase(worker);
   PruneRetained();
@@ -783,10 +785,9 @@ absl::Status ServerCore::Apply(ApplyBatch batch) {
   metrics_.Add(kUpdatesApplied, static_cast<double>(batch.updates.size()));
   metrics_.Add(kOuterSteps, 1);
   metrics_.Set(kModelVersion, static_cast<double>(version()));
-  if (group) {
-    metrics_.Set(kLayerGroupVersion, static_cast<double>(group_version(*group)),
-                 {absl::StrCat(*group)});
-  }
+  // Without groups the model is group 0.
+  metrics_.Set(kLayerGroupVersion, static_cast<double>(group_version(group.value_or(0))),
+               {absl::StrCat(group.value_or(0))});
   metrics_.Set(kRoundParticipants, static_cast<double>(aggregation_->active_workers()));
   metrics_.Set(kTrainLoss, loss_sum / static_cast<double>(batch.updates.size()));
   PublishShards();
