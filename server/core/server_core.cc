@@ -396,10 +396,6 @@ absl::StatusOr<v1::Task> ServerCore::StartGroup(uint64_t worker, uint32_t group)
 }
 
 absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
-  if (lanes_.size() > 1) {
-    return absl::FailedPreconditionError(
-        "look-ahead tasks are not used with layer groups: group pushes overlap the training");
-  }
   if (auto ahead = ahead_tasks_.find(worker); ahead != ahead_tasks_.end()) {
     return ahead->second.task;  // a repeated request
   }
@@ -414,6 +410,7 @@ absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
     uint64_t in_flight = ahead_tasks_.size();
     for (const auto& [id, open] : open_tasks_) in_flight += open.task.kind() == v1::Task::TRAIN;
     if (config_.aggregation().mode() != v1::AGGREGATION_ASYNC) in_flight = 1;
+    in_flight *= lanes_.size();  // with layer groups a task makes a step of every group
     if (version() + in_flight >= config_.max_versions()) return NewTask(v1::Task::STOP);
   }
   if (draining_) {
@@ -425,6 +422,17 @@ absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
   // step behind: the task's own predecessor is still to be pushed). WAIT while that push's sync
   // round or grace window is open.
   const uint64_t current = version();
+  if (lanes_.size() > 1) {
+    // Layer groups: the next task while the open one's last push is on its way; the groups'
+    // aggregations hold the worker at StartGroup, not here.
+    OpenTask ahead = NewTrainTask(worker, current);
+    ahead.base_pulled = true;
+    for (uint32_t g = 0; g < lanes_.size(); ++g) ahead.task.add_group_versions(group_version(g));
+    ahead_tasks_[worker] = ahead;
+    metrics_.Add(kTasksAhead, 1);
+    PublishShards();
+    return ahead.task;
+  }
   std::optional<uint64_t> base =
       aggregation_->StartAhead(worker, current, membership_.LiveIds(v1::ROLE_TRAINER));
   if (!base) return NewTask(v1::Task::WAIT);
@@ -461,7 +469,7 @@ void ServerCore::PromoteAhead(uint64_t worker) {
   if (ahead == ahead_tasks_.end()) return;
   open_tasks_[worker] = std::move(ahead->second);
   ahead_tasks_.erase(ahead);
-  aggregation_->PromoteAhead(worker);
+  if (lanes_.size() == 1) aggregation_->PromoteAhead(worker);
 }
 
 v1::Task ServerCore::EvaluatorTask(uint64_t worker) {
@@ -688,6 +696,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitGroupUpdate(PendingUpdate update
     PublishSpeed(worker);
     submitted_[task_id] = open_tasks_[worker];
     open_tasks_.erase(worker);
+    PromoteAhead(worker);
   }
   v1::PushReply reply;
   reply.set_applied(!batch->updates.empty());

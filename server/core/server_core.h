@@ -107,7 +107,9 @@ class ServerCore {
   // group with RequestTask(start_group) before it pulls it, pushes it by itself
   // (PushHeader.group) against the group version it took, and its push without
   // task_continues ends the task. Tasks are not gated by the aggregations: a worker waits at
-  // start_group, where a group's sync round or grace window holds it.
+  // start_group, where a group's sync round or grace window holds it. While the task's last push
+  // is on its way the worker may take the next task with TaskRequest.ahead; it becomes the open
+  // task when that push arrives.
   uint32_t num_layer_groups() const { return static_cast<uint32_t>(lanes_.size()); }
   uint64_t group_version(uint32_t group) const { return backend_->group_version(group); }
   const std::vector<uint32_t>& layer_groups() const { return layer_groups_; }

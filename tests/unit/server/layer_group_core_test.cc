@@ -332,16 +332,12 @@ TEST_F(LayerGroupCoreTest, TooStaleGroupPushIsDroppedAndTheGroupTakenAgain) {
   EXPECT_THAT(core_->SubmitUpdate(GroupUpdate(a, ta, 0, 2, 1.0f)), IsOk());
 }
 
-TEST_F(LayerGroupCoreTest, WholeModelPushesAndLookAheadAreRefusedWithGroups) {
+TEST_F(LayerGroupCoreTest, WholeModelPushesAreRefusedAndTheNextTaskWaitsForTheLastPush) {
   Make(GroupConfig(2, v1::AGGREGATION_SYNC));
   const uint64_t a = Join();
-  Join();
+  const uint64_t b = Join();
   const v1::Task ta = Request(a);
-  v1::TaskRequest ahead;
-  ahead.set_worker_id(a);
-  ahead.set_ahead(true);
-  EXPECT_THAT(core_->RequestTask(ahead),
-              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("look-ahead")));
+  Request(b);
   StartGroup(a, 0);
   PendingUpdate whole = GroupUpdate(a, ta, 0, 0, 1.0f);
   for (size_t l = 0; l < whole.layers.size(); ++l) {
@@ -349,6 +345,22 @@ TEST_F(LayerGroupCoreTest, WholeModelPushesAndLookAheadAreRefusedWithGroups) {
   }
   EXPECT_THAT(core_->SubmitUpdate(std::move(whole)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("elements")));
+  // While the open task's last push is on its way, a plain request gets the open task back and
+  // a look-ahead request the next task, which becomes the open one when that push arrives.
+  EXPECT_EQ(Request(a).task_id(), ta.task_id());
+  v1::TaskRequest ahead;
+  ahead.set_worker_id(a);
+  ahead.set_ahead(true);
+  auto next = core_->RequestTask(ahead);
+  ASSERT_THAT(next, IsOk());
+  ASSERT_EQ(next->kind(), v1::Task::TRAIN);
+  EXPECT_NE(next->task_id(), ta.task_id());
+  EXPECT_EQ(next->group_versions_size(), 2);
+  ASSERT_THAT(core_->SubmitUpdate(GroupUpdate(a, ta, 0, 0, 1.0f)), IsOk());
+  StartGroup(a, 1);
+  ASSERT_THAT(core_->SubmitUpdate(GroupUpdate(a, ta, 1, 0, 1.0f, /*task_continues=*/false)),
+              IsOk());
+  EXPECT_EQ(Request(a).task_id(), next->task_id());
 }
 
 TEST_F(LayerGroupCoreTest, WorkerThatLeavesIsNotWaitedForInAnyGroup) {
