@@ -101,15 +101,16 @@ Link::Link(double bytes_per_second, double latency_seconds)
   prefix_.push_back(0);
 }
 
-absl::Duration Link::Enqueue(uint64_t bytes, absl::Duration at) {
-  const absl::Duration start = std::max(at, busy_until_);
-  const absl::Duration first = start + latency_;
-  busy_until_ = first + absl::Seconds(static_cast<double>(bytes) / bytes_per_second_);
+absl::Duration Link::Enqueue(uint64_t bytes, absl::Duration at, Link* shared) {
+  const absl::Duration sending = absl::Seconds(static_cast<double>(bytes) / bytes_per_second_);
+  absl::Duration arrival = std::max(at, busy_until_) + latency_ + sending;
+  if (shared != nullptr) arrival = std::max(arrival, shared->Enqueue(bytes, at));
+  busy_until_ = arrival;
   bytes_ += bytes;
   transfers_.push_back(
-      Transfer{absl::ToDoubleSeconds(first), absl::ToDoubleSeconds(busy_until_), bytes});
+      Transfer{absl::ToDoubleSeconds(arrival - sending), absl::ToDoubleSeconds(arrival), bytes});
   prefix_.push_back(prefix_.back() + static_cast<double>(bytes));
-  return busy_until_;
+  return arrival;
 }
 
 double Link::ReceivedBy(double x, bool before) const {

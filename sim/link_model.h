@@ -5,10 +5,12 @@
 // on the same direction have arrived, at max(at, the previous arrival), and arrives
 // latency + B / rate later. Its bytes are received evenly over the last B / rate of that time
 // (after the latency). Transfers do not pipeline: each pays the full latency. The two
-// directions are independent (full duplex), and workers do not share any link: the server side
-// has unlimited capacity. Not modelled: TCP slow start and congestion control, packet loss,
-// protocol framing (protobuf, gRPC, HTTP/2 headers), and the latency of control messages
-// (task requests, heartbeats, push acknowledgements).
+// directions are independent (full duplex). Workers share nothing unless the server has a link
+// of its own: then every transfer also queues on the server link's direction (a FIFO across all
+// workers, in the order transfers are ready) and arrives when both links have delivered it. Not
+// modelled: TCP slow start and congestion control, fair sharing of a link between transfers
+// (they queue instead), packet loss, protocol framing (protobuf, gRPC, HTTP/2 headers), and the
+// latency of control messages (task requests, heartbeats, push acknowledgements).
 #pragma once
 
 #include <cstdint>
@@ -22,8 +24,9 @@
 
 namespace aloe::sim {
 
-// One worker's link. The default is infinitely fast with zero latency: every transfer arrives
-// when it is ready.
+// One worker's link, or the server's (its up rate then carries the pushes into the server, its
+// down rate the pulls out of it: directions are named from the workers' side). The default is
+// infinitely fast with zero latency: every transfer arrives when it is ready.
 struct LinkSpec {
   double up_bytes_per_second = std::numeric_limits<double>::infinity();    // > 0
   double down_bytes_per_second = std::numeric_limits<double>::infinity();  // > 0
@@ -52,8 +55,11 @@ class Link {
   Link(double bytes_per_second, double latency_seconds);
 
   // Enqueues a transfer of `bytes` ready at `at` and returns its arrival time. Transfers are
-  // served in the order they are enqueued.
-  absl::Duration Enqueue(uint64_t bytes, absl::Duration at);
+  // served in the order they are enqueued. With `shared` (the server's link, which every worker's
+  // transfers of this direction also pass) the transfer is enqueued there too, from the same
+  // `at`, and arrives when both links have delivered it: at the later of the two arrivals. This
+  // link is busy until then and receives the bytes over the last bytes / rate before it.
+  absl::Duration Enqueue(uint64_t bytes, absl::Duration at, Link* shared = nullptr);
 
   // The arrival time of the last transfer (zero before the first).
   absl::Duration busy_until() const { return busy_until_; }

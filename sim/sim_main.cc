@@ -79,6 +79,10 @@ ABSL_FLAG(std::string, links, "",
           "UP_MBIT/DOWN_MBIT:LATENCY_MS, one item for every worker or one per worker "
           "(comma-separated; 'inf' = infinitely fast; latency one way). Empty = every transfer "
           "instant");
+ABSL_FLAG(std::string, server_link, "",
+          "The server's own link, shared by every worker, in --links' item format (the up rate "
+          "carries the pushes into the server, the down rate the pulls): transfers queue there "
+          "behind the other workers' (FIFO). Empty = unlimited");
 ABSL_FLAG(std::string, overlap, "off",
           "off | delayed | eager: overlapped communication as aloe-worker --overlap (the push "
           "of a round and the pull of the next round's base go while the next round trains)");
@@ -127,6 +131,12 @@ absl::Status Main() {
   options.max_virtual_seconds = absl::GetFlag(FLAGS_max_virtual_seconds);
   options.tick_seconds = absl::GetFlag(FLAGS_tick);
   ALOE_ASSIGN_OR_RETURN(options.links, ParseLinks(absl::GetFlag(FLAGS_links)));
+  ALOE_ASSIGN_OR_RETURN(const std::vector<LinkSpec> server_link,
+                        ParseLinks(absl::GetFlag(FLAGS_server_link)));
+  if (server_link.size() > 1) {
+    return absl::InvalidArgumentError("--server_link takes one link, not a list");
+  }
+  if (!server_link.empty()) options.server_link = server_link.front();
   ALOE_ASSIGN_OR_RETURN(options.overlap, ParseOverlap(absl::GetFlag(FLAGS_overlap)));
   options.peak_window_seconds = absl::GetFlag(FLAGS_peak_window);
   if (const std::string target = absl::GetFlag(FLAGS_target_loss); !target.empty()) {
@@ -302,7 +312,9 @@ int main(int argc, char** argv) {
       "  compute starts when its base (the model as float32) has arrived; its push (encoded\n"
       "  with the config's transport codecs) reaches the server when its upload arrives.\n"
       "  --overlap delayed|eager pushes and pulls in the background of the next round, as\n"
-      "  aloe-worker --overlap does. Without --links transfers are instant.\n"
+      "  aloe-worker --overlap does. --server_link RATE_MBIT:LATENCY_MS adds the server's own\n"
+      "  link: every transfer also queues there (FIFO across workers) and arrives when both\n"
+      "  links have delivered it. Without --links or --server_link transfers are instant.\n"
       "\n"
       "Output: --out CSV, one row per push plus evaluation rows, columns\n"
       "  virtual_time  virtual seconds since the start (6 decimals)\n"

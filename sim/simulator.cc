@@ -334,6 +334,9 @@ class Simulator::Engine {
   absl::Duration heartbeat_period_;
   uint64_t pull_bytes_ = 0;
   uint64_t push_bytes_ = 0;
+  // The server link's directions (pushes in, pulls out), when there is one.
+  std::optional<Link> server_up_;
+  std::optional<Link> server_down_;
 
   std::priority_queue<Event, std::vector<Event>, Later> queue_;
   uint64_t next_seq_ = 0;
@@ -375,14 +378,23 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
         "%d links for %d workers: give one link for every worker, or one per worker",
         options_.links.size(), options_.workers.size()));
   }
-  for (size_t i = 0; i < options_.links.size(); ++i) {
-    const LinkSpec& l = options_.links[i];
+  const auto check_link = [](const LinkSpec& l, const std::string& what) {
     if (!(l.up_bytes_per_second > 0) || !(l.down_bytes_per_second > 0) ||
         !std::isfinite(l.latency_seconds) || l.latency_seconds < 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "link %d: rates must be > 0 and the latency finite and >= 0 (got %g/%g bytes/s, %g s)", i,
+          "%s: rates must be > 0 and the latency finite and >= 0 (got %g/%g bytes/s, %g s)", what,
           l.up_bytes_per_second, l.down_bytes_per_second, l.latency_seconds));
     }
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < options_.links.size(); ++i) {
+    ALOE_RETURN_IF_ERROR(check_link(options_.links[i], absl::StrCat("link ", i)));
+  }
+  if (options_.server_link.has_value()) {
+    const LinkSpec& l = *options_.server_link;
+    ALOE_RETURN_IF_ERROR(check_link(l, "the server link"));
+    server_up_.emplace(l.up_bytes_per_second, l.latency_seconds);
+    server_down_.emplace(l.down_bytes_per_second, l.latency_seconds);
   }
   if (!std::isfinite(options_.peak_window_seconds) || !(options_.peak_window_seconds > 0)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -720,7 +732,8 @@ absl::Status Simulator::Engine::BeginPull(Worker& w, const v1::Task& task) {
   w.next_base.reserve(snapshot->layers.size());
   for (const auto& layer : snapshot->layers) w.next_base.push_back(*layer);
   w.next = task;
-  return After(w, w.down.Enqueue(pull_bytes_, Now()), EventKind::kPulled);
+  return After(w, w.down.Enqueue(pull_bytes_, Now(), server_down_ ? &*server_down_ : nullptr),
+               EventKind::kPulled);
 }
 
 absl::Status Simulator::Engine::OnPulled(Worker& w) {
@@ -749,7 +762,8 @@ absl::Status Simulator::Engine::StartRound(Worker& w) {
   w.uploading = std::move(w.trained);
   w.trained.reset();
   w.background_upload = true;
-  return After(w, w.up.Enqueue(push_bytes_, Now()), EventKind::kUploaded);
+  return After(w, w.up.Enqueue(push_bytes_, Now(), server_up_ ? &*server_up_ : nullptr),
+               EventKind::kUploaded);
 }
 
 absl::Status Simulator::Engine::Compute(Worker& w, const v1::Task& task,
@@ -829,7 +843,8 @@ absl::Status Simulator::Engine::EndRound(Worker& w) {
   w.uploading = std::move(w.computing);
   w.computing.reset();
   w.background_upload = false;
-  return After(w, w.up.Enqueue(push_bytes_, Now()), EventKind::kUploaded);
+  return After(w, w.up.Enqueue(push_bytes_, Now(), server_up_ ? &*server_up_ : nullptr),
+               EventKind::kUploaded);
 }
 
 absl::Status Simulator::Engine::OnUploaded(Worker& w) {

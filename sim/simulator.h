@@ -30,7 +30,8 @@
 // Network (sim/link_model.h): every worker has an uplink and a downlink, each a FIFO of
 // transfers taking latency + bytes / rate of virtual time. A pull moves the whole model as
 // float32 (PullBytes), a push the pseudo-gradient encoded with the config's transport codecs
-// (PushBytes; the simulated update itself stays exact). Without links every transfer is instant
+// (PushBytes; the simulated update itself stays exact). With a server link, every transfer also
+// queues there, behind the other workers' transfers. Without links every transfer is instant
 // and the run is the same, event for event, as one without a network model. Control messages
 // (task requests, heartbeats, acknowledgements) take no time.
 //
@@ -126,6 +127,8 @@ struct SimulatorOptions {
   // Each worker's link (sim/link_model.h): none = every transfer instant; one = every worker's;
   // else one per worker.
   std::vector<LinkSpec> links;
+  // The server's own link, shared by every worker (sim/link_model.h); none = unlimited.
+  std::optional<LinkSpec> server_link;
   Overlap overlap = Overlap::kOff;
   // Window of WorkerStats' peak bytes/s, virtual seconds, > 0.
   double peak_window_seconds = 1;
@@ -206,8 +209,8 @@ class Simulator {
   // kInvalidArgument for a trainer count that does not match, a tick_seconds that is not > 0,
   // an event naming an unknown worker or not fitting its presence (a join of a present
   // worker, a leave or crash of an absent one), naming the event, a link count other than 0, 1
-  // or the number of workers, a link out of range, a peak window that is not > 0, or a
-  // non-finite target loss.
+  // or the number of workers, a link (or the server link) out of range, a peak window that is not >
+  // 0, or a non-finite target loss.
   static absl::StatusOr<std::unique_ptr<Simulator>> Create(
       v1::ServerConfig config, std::vector<server::DataShard> train_shards,
       std::string heldout_file, SimulatorOptions options,

@@ -70,6 +70,28 @@ TEST(LinkTest, PeakOfRateLimitedTransfersSpreadsTheirBytes) {
   EXPECT_NEAR(link.PeakBytesPerSecond(absl::Seconds(4)), 375, 1e-6);
 }
 
+TEST(LinkTest, SharedLinkQueuesTransfersOfAllItsUsers) {
+  const double inf = std::numeric_limits<double>::infinity();
+  Link server(/*bytes_per_second=*/1000, /*latency_seconds=*/0);
+  Link a(inf, 0);
+  Link b(inf, 0);
+  Link slow(/*bytes_per_second=*/500, /*latency_seconds=*/0.5);
+  // Both ready at 0: the server link sends a's, then b's.
+  EXPECT_NEAR(Seconds(a.Enqueue(1000, absl::ZeroDuration(), &server)), 1, 1e-9);
+  EXPECT_NEAR(Seconds(b.Enqueue(1000, absl::ZeroDuration(), &server)), 2, 1e-9);
+  // a is free at 1 s, the server link only at 2 s.
+  EXPECT_NEAR(Seconds(a.Enqueue(500, absl::Seconds(0.5), &server)), 2.5, 1e-9);
+  // A worker link slower than the server's: its own arrival (10 + 0.5 + 2) is the later one.
+  EXPECT_NEAR(Seconds(slow.Enqueue(1000, absl::Seconds(10), &server)), 12.5, 1e-9);
+  EXPECT_NEAR(Seconds(server.busy_until()), 11, 1e-9);
+  EXPECT_EQ(server.bytes(), 3500u);
+  EXPECT_EQ(a.bytes(), 1500u);
+  // The server link received 2500 bytes back to back over [0, 2.5].
+  EXPECT_NEAR(server.PeakBytesPerSecond(absl::Seconds(2.5)), 1000, 1e-6);
+  // b's bytes arrived at once (an infinitely fast link) when the server link had sent them.
+  EXPECT_NEAR(b.PeakBytesPerSecond(absl::Seconds(1)), 1000, 1e-6);
+}
+
 v1::ModelSpec TwoLayerSpec() {
   v1::ModelSpec spec;
   v1::LayerSpec* embed = spec.add_layers();

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "common/config.h"
@@ -504,33 +506,76 @@ TEST(SimulatorNetworkTest, EagerOverlapWithOneWorkerAndOuterSgdAtLrOneMatchesNoO
             0.1 * *off_rows[2]->eval_loss);
 }
 
-TEST(SimulatorNetworkTest, SyncRoundWaitsForTheWorkerOnTheSlowLink) {
+// Two workers of 1 step/s in sync rounds (H = 5), two versions.
+absl::StatusOr<SimResult> RunTwoWorkerSync(SimulatorOptions options) {
   v1::ServerConfig config = SyncConfig();
   config.mutable_aggregation()->set_min_workers(2);
   config.set_max_versions(2);
-  SimulatorOptions options = Options({1, 1});
+  options.workers = Options({1, 1}).workers;
+  return RunSynthetic(config, options);
+}
+
+// Virtual times and outcomes of a worker's push rows.
+std::vector<std::pair<double, SimRow::Outcome>> Pushes(const SimResult& result, int worker) {
+  std::vector<std::pair<double, SimRow::Outcome>> pushes;
+  for (const SimRow* row : RowsOf(result, worker)) {
+    // Rounded to the microsecond, as in the CSV.
+    pushes.emplace_back(std::round(row->virtual_seconds * 1e6) / 1e6, row->outcome);
+  }
+  return pushes;
+}
+
+using Push = std::pair<double, SimRow::Outcome>;
+constexpr SimRow::Outcome kApplied = SimRow::Outcome::kApplied;
+constexpr SimRow::Outcome kAccepted = SimRow::Outcome::kAccepted;
+
+TEST(SimulatorNetworkTest, SyncRoundWaitsForTheWorkerOnTheSlowLink) {
+  const v1::ServerConfig config = SyncConfig();
+  SimulatorOptions options;
   options.links = {LinkSpec{}, SlowLink(config)};
-  auto result = RunSynthetic(config, options);
+  auto result = RunTwoWorkerSync(options);
   ASSERT_THAT(result, IsOk());
   // Worker 0 (no link) pushes 5 s into each round; worker 1 pulls for 4.1 s, computes 5 s and
   // uploads for 4.1 s, closing the round at 13.2 s; then both start from version 1.
-  const auto fast = RowsOf(*result, 0);
-  const auto slow = RowsOf(*result, 1);
-  ASSERT_EQ(fast.size(), 2u);
-  ASSERT_EQ(slow.size(), 2u);
-  EXPECT_NEAR(fast[0]->virtual_seconds, 5, 1e-9);
-  EXPECT_EQ(fast[0]->outcome, SimRow::Outcome::kAccepted);
-  EXPECT_NEAR(slow[0]->virtual_seconds, 13.2, 1e-9);
-  EXPECT_EQ(slow[0]->outcome, SimRow::Outcome::kApplied);
-  EXPECT_NEAR(fast[1]->virtual_seconds, 18.2, 1e-9);
-  EXPECT_NEAR(slow[1]->virtual_seconds, 26.4, 1e-9);
-  EXPECT_EQ(slow[1]->version, 2u);
+  EXPECT_THAT(Pushes(*result, 0),
+              ::testing::ElementsAre(Push{5, kAccepted}, Push{18.2, kAccepted}));
+  EXPECT_THAT(Pushes(*result, 1),
+              ::testing::ElementsAre(Push{13.2, kApplied}, Push{26.4, kApplied}));
+  EXPECT_EQ(result->final_version, 2u);
   EXPECT_NEAR(result->workers[0].utilization, 10 / 26.4, 1e-9);
   EXPECT_NEAR(result->workers[1].utilization, 10 / 26.4, 1e-9);
   EXPECT_EQ(result->workers[0].bytes_down, 2 * ModelBytes(config));
   // Instant transfers count whole in a window: two model pulls 13.2 s apart.
   EXPECT_NEAR(result->workers[0].peak_down_bytes_per_second,
               static_cast<double>(ModelBytes(config)), 1e-6);
+}
+
+TEST(SimulatorNetworkTest, TransfersQueueOnTheSharedServerLink) {
+  const v1::ServerConfig config = SyncConfig();
+  SimulatorOptions options;
+  // The server link moves the model in 4 s each way; the workers' own links are unlimited.
+  LinkSpec server = SlowLink(config);
+  server.latency_seconds = 0;
+  options.server_link = server;
+  auto result = RunTwoWorkerSync(options);
+  ASSERT_THAT(result, IsOk());
+  // Round 1 opens when worker 1 joins (worker 0 waited for it), so worker 1 pulls first:
+  // 0 -> 4, worker 0 queued 4 -> 8; computes 4 -> 9 and 8 -> 13; pushes 9 -> 13 and (queued)
+  // 13 -> 17. Round 2 from 17 s: worker 0 asks first (its push closed the round): pulls
+  // 17 -> 21 and 21 -> 25, computes 21 -> 26 and 25 -> 30, pushes 26 -> 30 and 30 -> 34.
+  EXPECT_THAT(Pushes(*result, 0), ::testing::ElementsAre(Push{17, kApplied}, Push{30, kAccepted}));
+  EXPECT_THAT(Pushes(*result, 1), ::testing::ElementsAre(Push{13, kAccepted}, Push{34, kApplied}));
+  EXPECT_NEAR(result->workers[0].utilization, 10 / 34.0, 1e-9);
+  // Each worker's own (unlimited) link received every model in an instant.
+  EXPECT_NEAR(result->workers[1].peak_down_bytes_per_second,
+              static_cast<double>(ModelBytes(config)), 1e-6);
+
+  // Without the shared link, the same links per worker: no queueing, rounds of 13 s.
+  options.server_link.reset();
+  options.links = {server};
+  auto own = RunTwoWorkerSync(options);
+  ASSERT_THAT(own, IsOk());
+  EXPECT_NEAR(own->virtual_seconds, 26, 1e-9);
 }
 
 TEST(SimulatorNetworkTest, InfiniteLinkGivesTheSameRunAsNoLink) {
@@ -547,6 +592,7 @@ TEST(SimulatorNetworkTest, InfiniteLinkGivesTheSameRunAsNoLink) {
     }
     auto plain = RunSynthetic(config, options);
     options.links = {LinkSpec{}};
+    options.server_link = LinkSpec{};
     auto infinite = RunSynthetic(config, options);
     ASSERT_THAT(plain, IsOk());
     ASSERT_THAT(infinite, IsOk());
@@ -594,6 +640,10 @@ TEST(SimulatorNetworkTest, CreateRejectsBadLinksAndWindows) {
   options.links = {LinkSpec{1, 1, -1}};
   EXPECT_THAT(RunSynthetic(config, options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("link 0")));
+  options.links.clear();
+  options.server_link = LinkSpec{1, -1, 0};
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the server link")));
   options = Options();
   options.peak_window_seconds = 0;
   EXPECT_THAT(RunSynthetic(config, options),
