@@ -578,6 +578,37 @@ TEST(SimulatorNetworkTest, TransfersQueueOnTheSharedServerLink) {
   EXPECT_NEAR(own->virtual_seconds, 26, 1e-9);
 }
 
+TEST(SimulatorNetworkTest, HeldLookAheadRequestRunsOutAfterTenSeconds) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_min_workers(2);
+  config.set_max_versions(3);
+  SimulatorOptions options = Options({1, 0.1});
+  options.overlap = Overlap::kDelayed;
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  // Worker 0 trains round 1 (0 -> 5 s) and, ahead, round 2 (5 -> 10 s). Its round-1 push at
+  // 5 s waits in the open round, so its next look-ahead request is answered WAIT and held: the
+  // round closes only at 50 s (worker 1's push), so the hold runs out at 15 s and round 2 is
+  // pushed then, without overlap (held for round 2 as well).
+  const auto pushes = Pushes(*result, 0);
+  ASSERT_GE(pushes.size(), 2u);
+  EXPECT_EQ(pushes[0], (Push{5, kAccepted}));
+  EXPECT_EQ(pushes[1], (Push{15, kAccepted}));
+  EXPECT_EQ(RowsOf(*result, 0)[1]->version, 0u);
+  EXPECT_EQ(result->stop_reason, "finished");
+
+  // A round that closes within the hold: worker 1 at 0.5 steps/s closes round 1 at 10 s, the
+  // held request gets its task then, and worker 0 computes without a gap until its work runs
+  // out (the look-ahead request after its third round gets STOP: the tasks out reach version 3).
+  options = Options({1, 0.5});
+  options.overlap = Overlap::kDelayed;
+  result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(Pushes(*result, 0)[1], (Push{10, kAccepted}));
+  EXPECT_NEAR(result->workers[0].compute_seconds, 15, 1e-9);  // three rounds, 0 -> 15 s
+  EXPECT_EQ(Pushes(*result, 0)[2], (Push{20, kAccepted}));
+}
+
 TEST(SimulatorNetworkTest, InfiniteLinkGivesTheSameRunAsNoLink) {
   for (const bool async : {false, true}) {
     v1::ServerConfig config = SyncConfig();
