@@ -252,10 +252,11 @@ class Simulator::Engine {
     double steps_per_second = 0;  // measured over the last task; 0 = unknown
     Link up = Link(std::numeric_limits<double>::infinity(), 0);
     Link down = Link(std::numeric_limits<double>::infinity(), 0);
-    // A round in kTraining: the task to train next and its base (set when its pull starts),
-    // the round computing (or computed, until its push goes or it becomes `trained`), the
-    // computed round whose push goes in the background of the next (overlap), and the push on
-    // the uplink (background: in the background half of a round; else the round's end).
+    // The round state while kTraining. next, next_base: the task whose base is being pulled
+    // (or has arrived), and that base. computing: the round whose compute runs
+    // (compute_running) or has ended, until its push starts or it becomes `trained`, a computed
+    // round whose push goes in the background of the next round (overlap). uploading: the push
+    // on the uplink, in the background half of a round (background_upload) or at its end.
     std::optional<v1::Task> next;
     std::vector<std::vector<float>> next_base;
     std::optional<Round> computing;
@@ -273,8 +274,8 @@ class Simulator::Engine {
     absl::Duration present_time;
   };
 
-  // Push, membership and lease-expiry events can change the server state; heartbeats and ticks
-  // only let time-based state move.
+  // Round events (each leads to a push), membership and lease-expiry events can change the
+  // server state; heartbeats and ticks only let time-based state move.
   static bool IsProgress(EventKind kind) {
     return kind != EventKind::kHeartbeat && kind != EventKind::kTick;
   }
