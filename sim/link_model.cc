@@ -29,6 +29,18 @@ bool ParseRate(absl::string_view text, double* bytes_per_second) {
   return true;
 }
 
+// The layers at `indices` (empty = all of them).
+std::vector<const v1::LayerSpec*> Selected(const v1::ModelSpec& spec,
+                                           absl::Span<const size_t> indices) {
+  std::vector<const v1::LayerSpec*> layers;
+  if (indices.empty()) {
+    for (const v1::LayerSpec& layer : spec.layers()) layers.push_back(&layer);
+  } else {
+    for (size_t i : indices) layers.push_back(&spec.layers(static_cast<int>(i)));
+  }
+  return layers;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<LinkSpec>> ParseLinks(const std::string& text) {
@@ -64,16 +76,18 @@ absl::StatusOr<std::vector<LinkSpec>> ParseLinks(const std::string& text) {
   return links;
 }
 
-uint64_t PullBytes(const v1::ModelSpec& spec) {
+uint64_t PullBytes(const v1::ModelSpec& spec, absl::Span<const size_t> layers) {
   uint64_t elements = 0;
-  for (const v1::LayerSpec& layer : spec.layers()) elements += layer.num_elements();
+  for (const v1::LayerSpec* layer : Selected(spec, layers)) elements += layer->num_elements();
   return elements * sizeof(float);
 }
 
-uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport) {
+uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport,
+                   absl::Span<const size_t> layers) {
   const size_t block = std::max<uint32_t>(1, transport.int8_block_size());
   uint64_t bytes = 0;
-  for (const v1::LayerSpec& layer : spec.layers()) {
+  for (const v1::LayerSpec* selected : Selected(spec, layers)) {
+    const v1::LayerSpec& layer = *selected;
     v1::Codec codec = transport.codec();
     for (const v1::LayerCodec& o : transport.layer_codecs()) {
       if (o.layer() == layer.name()) codec = o.codec();

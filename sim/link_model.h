@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe::sim {
@@ -40,13 +41,16 @@ struct LinkSpec {
 // kInvalidArgument naming the bad item otherwise.
 absl::StatusOr<std::vector<LinkSpec>> ParseLinks(const std::string& text);
 
-// Bytes of a pull of the whole model: 4 bytes (float32) per parameter.
-uint64_t PullBytes(const v1::ModelSpec& spec);
-// Bytes of a push of the whole model's pseudo-gradient as the workers encode it: each layer with
-// its codec from `transport` (layer_codecs override the default codec; UNSPECIFIED = FP32), in
-// the chunks the worker sends (common/tensor_codec.h): FP32 4 bytes per value, BF16 2, INT8
-// blockwise 1 plus a 4-byte scale per block and a 16-byte header per chunk. Payload bytes only.
-uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport);
+// Bytes of a pull of the spec's layers at `layers` (indices into spec.layers(); empty = every
+// layer, the whole model): 4 bytes (float32) per parameter. Precondition: the indices are valid.
+uint64_t PullBytes(const v1::ModelSpec& spec, absl::Span<const size_t> layers = {});
+// Bytes of a push of the pseudo-gradient of the layers at `layers` (empty = every layer) as the
+// workers encode it: each layer with its codec from `transport` (layer_codecs override the
+// default codec; UNSPECIFIED = FP32), in the chunks the worker sends (common/tensor_codec.h):
+// FP32 4 bytes per value, BF16 2, INT8 blockwise 1 plus a 4-byte scale per block and a 16-byte
+// header per chunk. Payload bytes only.
+uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport,
+                   absl::Span<const size_t> layers = {});
 
 // One direction of a link: a FIFO of transfers (see the file comment). Not thread-safe.
 class Link {

@@ -123,6 +123,13 @@ TEST(WireBytesTest, PullIsFloat32AndPushFollowsTheCodecs) {
   embed->set_codec(v1::CODEC_BF16);
   EXPECT_EQ(PushBytes(spec, transport),
             2u * 1000u + (16u + 4u * 4028u + 1031168u) + (16u + 4u * 269u + 68832u));
+  // One layer (a group's push or pull).
+  const size_t embed_only[] = {0};
+  const size_t head_only[] = {1};
+  EXPECT_EQ(PushBytes(spec, transport, embed_only), 2u * 1000u);
+  EXPECT_EQ(PushBytes(spec, transport, head_only),
+            (16u + 4u * 4028u + 1031168u) + (16u + 4u * 269u + 68832u));
+  EXPECT_EQ(PullBytes(spec, head_only), 4u * 1100000u);
 }
 
 TEST(ParseLinksTest, ParsesSymmetricAsymmetricAndInfiniteLinks) {
