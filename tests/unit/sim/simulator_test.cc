@@ -609,6 +609,46 @@ TEST(SimulatorNetworkTest, HeldLookAheadRequestRunsOutAfterTenSeconds) {
   EXPECT_EQ(Pushes(*result, 0)[2], (Push{20, kAccepted}));
 }
 
+TEST(SimulatorNetworkTest, OverlapSurvivesMembershipChangesMidTransfer) {
+  for (const bool sync : {true, false}) {
+    v1::ServerConfig config = SyncConfig();
+    config.mutable_aggregation()->set_min_workers(2);
+    config.set_lease_seconds(10);
+    config.set_max_versions(12);
+    if (!sync) {
+      config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+      config.mutable_aggregation()->set_grace_seconds(0.5);
+      config.mutable_outer_optimizer()->set_lr(0.2f);
+    }
+    SimulatorOptions options = Options();
+    options.overlap = Overlap::kEager;
+    LinkSpec slow = SlowLink(config);
+    options.links = {slow, LinkSpec{}, slow, slow};
+    // Worker 0 leaves while pulling (its first pull runs 0 -> 4.1 s) and comes back; worker 2
+    // crashes mid-round.
+    options.events = *ParseEvents("leave@2:0,join@6:0,crash@25:2");
+    auto result = RunSynthetic(config, options);
+    ASSERT_THAT(result, IsOk());
+    EXPECT_EQ(result->stop_reason, "finished") << "sync " << sync;
+    // Async applies the pushes still in flight at the last version.
+    EXPECT_GE(result->final_version, 12u);
+    for (size_t i = 0; i < result->workers.size(); ++i) {
+      const WorkerStats& w = result->workers[i];
+      EXPECT_GT(w.compute_seconds, 0) << i;
+      EXPECT_LE(w.compute_seconds, w.present_seconds + 1e-9) << i;
+    }
+    // Worker 0's lost pull still took its downlink: its second pull queued behind it.
+    EXPECT_GE(result->workers[0].bytes_down, 2 * ModelBytes(config));
+    EXPECT_NEAR(result->workers[2].present_seconds, 25, 1e-9);  // until its crash
+    // Absent from 2 to 6 s (and gone at its STOP).
+    EXPECT_LE(result->workers[0].present_seconds, result->virtual_seconds - 4 + 1e-9);
+    auto again = RunSynthetic(config, options);
+    ASSERT_THAT(again, IsOk());
+    EXPECT_EQ(FormatCsv(*result), FormatCsv(*again));
+    EXPECT_EQ(FormatWorkersCsv(*result), FormatWorkersCsv(*again));
+  }
+}
+
 TEST(SimulatorNetworkTest, InfiniteLinkGivesTheSameRunAsNoLink) {
   for (const bool async : {false, true}) {
     v1::ServerConfig config = SyncConfig();
