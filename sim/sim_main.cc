@@ -5,6 +5,7 @@
 //
 // This file is the one place where server code and worker code meet (docs/architecture.md):
 // worker::LocalTrainer, a TrainerInterface, is wired into the simulator here and nowhere else.
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -14,6 +15,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -72,6 +74,26 @@ ABSL_FLAG(std::string, torchscript, "",
           "Torch trainer with a config whose model_file is an imported model: the TorchScript "
           "file it was imported from (aloe-import-model), trained by every simulated worker as "
           "aloe-worker --torchscript does");
+ABSL_FLAG(std::string, links, "",
+          "Network links of the simulated workers: RATE_MBIT:LATENCY_MS or "
+          "UP_MBIT/DOWN_MBIT:LATENCY_MS, one item for every worker or one per worker "
+          "(comma-separated; 'inf' = infinitely fast; latency one way). Empty = every transfer "
+          "instant");
+ABSL_FLAG(std::string, server_link, "",
+          "The server's own link, shared by every worker, in --links' item format (the up rate "
+          "carries the pushes into the server, the down rate the pulls): transfers queue there "
+          "behind the other workers' (FIFO). Empty = unlimited");
+ABSL_FLAG(std::string, overlap, "off",
+          "off | delayed | eager: overlapped communication as aloe-worker --overlap (the push "
+          "of a round and the pull of the next round's base go while the next round trains)");
+ABSL_FLAG(double, peak_window, 1,
+          "Window of the peak bytes/s per worker and direction, virtual seconds");
+ABSL_FLAG(std::string, target_loss, "",
+          "A held-out loss: report the virtual seconds at which an evaluation first reached it "
+          "(empty = none)");
+ABSL_FLAG(std::string, workers_out, "",
+          "Per-worker CSV path (compute seconds and utilization, bytes and peak bytes/s up and "
+          "down); empty = not written");
 ABSL_FLAG(double, synthetic_lr, 0.05, "Synthetic trainer: per-coordinate SGD step in (0, 1]");
 ABSL_FLAG(double, synthetic_noise, 0.1, "Synthetic trainer: gradient noise std per coordinate");
 ABSL_FLAG(double, synthetic_spread, 0.5, "Synthetic trainer: std of each shard's target offset");
@@ -108,6 +130,23 @@ absl::Status Main() {
   options.max_local_steps = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_local_steps));
   options.max_virtual_seconds = absl::GetFlag(FLAGS_max_virtual_seconds);
   options.tick_seconds = absl::GetFlag(FLAGS_tick);
+  ALOE_ASSIGN_OR_RETURN(options.links, ParseLinks(absl::GetFlag(FLAGS_links)));
+  ALOE_ASSIGN_OR_RETURN(const std::vector<LinkSpec> server_link,
+                        ParseLinks(absl::GetFlag(FLAGS_server_link)));
+  if (server_link.size() > 1) {
+    return absl::InvalidArgumentError("--server_link takes one link, not a list");
+  }
+  if (!server_link.empty()) options.server_link = server_link.front();
+  ALOE_ASSIGN_OR_RETURN(options.overlap, ParseOverlap(absl::GetFlag(FLAGS_overlap)));
+  options.peak_window_seconds = absl::GetFlag(FLAGS_peak_window);
+  if (const std::string target = absl::GetFlag(FLAGS_target_loss); !target.empty()) {
+    double loss = 0;
+    if (!absl::SimpleAtod(target, &loss) || !std::isfinite(loss)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--target_loss must be a finite number, got '", target, "'"));
+    }
+    options.target_loss = loss;
+  }
   const size_t k = options.workers.size();
 
   // The corpus: training shards for the core, held-out split for evaluation.
@@ -230,6 +269,11 @@ absl::Status Main() {
     out << FormatCsv(result);
     if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", out_path));
   }
+  if (const std::string path = absl::GetFlag(FLAGS_workers_out); !path.empty()) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << FormatWorkersCsv(result);
+    if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  }
   for (const std::string& r : result.rejections) ALOE_LOG_INFO("sim", "rejected push: %s", r);
   std::printf("%s\n", FormatSummary(result).c_str());
   std::fflush(stdout);
@@ -262,6 +306,15 @@ int main(int argc, char** argv) {
       "  --torchscript FILE, the TorchScript file it was imported from.\n"
       "Membership: --events 'join@T:i,leave@T:i,crash@T:i'. Workers join at t = 0 unless their\n"
       "  first event is a join. Work in flight at a leave or crash is lost.\n"
+      "Network: --links RATE_MBIT:LATENCY_MS[,...] (or UP/DOWN:LATENCY_MS; one item = every\n"
+      "  worker): each worker's uplink and downlink are FIFOs; a transfer of B bytes takes\n"
+      "  latency + B / rate from when the one before it on that direction arrived. A round's\n"
+      "  compute starts when its base (the model as float32) has arrived; its push (encoded\n"
+      "  with the config's transport codecs) reaches the server when its upload arrives.\n"
+      "  --overlap delayed|eager pushes and pulls in the background of the next round, as\n"
+      "  aloe-worker --overlap does. --server_link RATE_MBIT:LATENCY_MS adds the server's own\n"
+      "  link: every transfer also queues there (FIFO across workers) and arrives when both\n"
+      "  links have delivered it. Without --links or --server_link transfers are instant.\n"
       "\n"
       "Output: --out CSV, one row per push plus evaluation rows, columns\n"
       "  virtual_time  virtual seconds since the start (6 decimals)\n"
@@ -276,8 +329,11 @@ int main(int argc, char** argv) {
       "                open round/window) | rejected (nothing applied) | eval (an evaluation of\n"
       "                a version no push row produced: version 0, or one completed by a leave)\n"
       "and one summary line on stdout: stop reason, final eval loss, virtual seconds, versions,\n"
-      "total local steps, accepted updates per worker, rejected pushes. Wall time goes to\n"
-      "stderr.");
+      "total local steps, accepted updates per worker, rejected pushes, per worker compute\n"
+      "utilization (compute / present virtual time), bytes up and down, peak bytes/s up and\n"
+      "down (most bytes received in any --peak_window, divided by it), and with --target_loss\n"
+      "the virtual seconds to reach it. --workers_out writes the per-worker numbers as CSV.\n"
+      "Wall time goes to stderr.");
   absl::ParseCommandLine(argc, argv);
   absl::Status status = aloe::sim::Main();
   if (!status.ok()) {

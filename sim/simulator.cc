@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <queue>
 #include <sstream>
@@ -21,6 +22,7 @@
 #include "common/executor.h"
 #include "common/status_macros.h"
 #include "common/step_times.h"
+#include "kernels/cpu/outer_kernels.h"
 #include "server/core/server_core.h"
 
 namespace aloe::sim {
@@ -68,10 +70,22 @@ std::string CsvField(const std::string& s) {
   return out;
 }
 
+// How long the server's service holds a look-ahead request answered WAIT
+// (server/service/grpc_services.cc): the simulated worker's request waits as long.
+constexpr absl::Duration kAheadHold = absl::Seconds(10);
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Profiles and events.
+
+absl::StatusOr<Overlap> ParseOverlap(const std::string& text) {
+  if (text == "off") return Overlap::kOff;
+  if (text == "delayed") return Overlap::kDelayed;
+  if (text == "eager") return Overlap::kEager;
+  return absl::InvalidArgumentError(
+      absl::StrCat("overlap must be off, delayed or eager, got '", text, "'"));
+}
 
 absl::StatusOr<std::vector<MembershipEvent>> ParseEvents(const std::string& text) {
   std::vector<MembershipEvent> events;
@@ -131,11 +145,47 @@ std::string FormatCsv(const SimResult& result) {
 std::string FormatSummary(const SimResult& result) {
   uint64_t rejected = 0;
   for (uint64_t r : result.rejected_per_worker) rejected += r;
-  return absl::StrFormat(
+  std::string out = absl::StrFormat(
       "aloe-sim: stop=%s final_eval_loss=%.6f virtual_seconds=%.3f versions=%d "
       "local_steps=%d updates_per_worker=%s rejected=%d",
       result.stop_reason, result.final_eval_loss, result.virtual_seconds, result.final_version,
       result.total_local_steps, absl::StrJoin(result.updates_per_worker, ","), rejected);
+  const auto join = [&result](auto get) {
+    return absl::StrJoin(result.workers, ",",
+                         [&](std::string* o, const WorkerStats& w) { absl::StrAppend(o, get(w)); });
+  };
+  absl::StrAppend(&out, " utilization=",
+                  join([](const WorkerStats& w) { return absl::StrFormat("%.4f", w.utilization); }),
+                  " bytes_up=", join([](const WorkerStats& w) { return w.bytes_up; }),
+                  " bytes_down=", join([](const WorkerStats& w) { return w.bytes_down; }),
+                  " peak_up_Bps=", join([](const WorkerStats& w) {
+                    return absl::StrFormat("%.0f", w.peak_up_bytes_per_second);
+                  }),
+                  " peak_down_Bps=", join([](const WorkerStats& w) {
+                    return absl::StrFormat("%.0f", w.peak_down_bytes_per_second);
+                  }));
+  if (result.target_loss.has_value()) {
+    absl::StrAppendFormat(&out, " target_loss=%g target_seconds=%s", *result.target_loss,
+                          result.target_seconds.has_value()
+                              ? absl::StrFormat("%.3f", *result.target_seconds)
+                              : std::string("never"));
+  }
+  return out;
+}
+
+std::string FormatWorkersCsv(const SimResult& result) {
+  std::string out =
+      "worker,updates,rejected,compute_seconds,present_seconds,utilization,bytes_up,bytes_down,"
+      "peak_up_bytes_per_second,peak_down_bytes_per_second\n";
+  for (size_t i = 0; i < result.workers.size(); ++i) {
+    const WorkerStats& w = result.workers[i];
+    absl::StrAppendFormat(&out, "%d,%d,%d,%.6f,%.6f,%.6f,%d,%d,%.6f,%.6f\n", i,
+                          i < result.updates_per_worker.size() ? result.updates_per_worker[i] : 0,
+                          i < result.rejected_per_worker.size() ? result.rejected_per_worker[i] : 0,
+                          w.compute_seconds, w.present_seconds, w.utilization, w.bytes_up,
+                          w.bytes_down, w.peak_up_bytes_per_second, w.peak_down_bytes_per_second);
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -156,13 +206,27 @@ class Simulator::Engine {
   absl::StatusOr<SimResult> Run();
 
  private:
-  enum class EventKind { kJoin, kLeave, kCrash, kPush, kExpiry, kHeartbeat, kTick };
+  // kPulled, kComputed, kUploaded and kAheadDeadline are a worker's round events: a pull or
+  // an upload arrives, a compute ends, a held look-ahead request runs out.
+  enum class EventKind {
+    kJoin,
+    kLeave,
+    kCrash,
+    kPulled,
+    kComputed,
+    kUploaded,
+    kAheadDeadline,
+    kExpiry,
+    kHeartbeat,
+    kTick
+  };
   struct Event {
     absl::Duration at;
     uint64_t seq = 0;
     EventKind kind = EventKind::kTick;
     int worker = -1;
     uint64_t epoch = 0;
+    uint64_t token = 0;  // kAheadDeadline: the hold it ends
   };
   struct Later {
     bool operator()(const Event& a, const Event& b) const {
@@ -170,6 +234,11 @@ class Simulator::Engine {
     }
   };
   enum class State { kAbsent, kWaiting, kTraining };
+  // A computed round: its update (computed when its compute starts) and its task's shard.
+  struct Round {
+    server::PendingUpdate update;
+    std::string shard;
+  };
   struct Worker {
     int index = 0;
     std::vector<absl::Duration> cycle;
@@ -180,13 +249,33 @@ class Simulator::Engine {
     uint64_t id = 0;     // server worker id while a member
     uint64_t epoch = 0;  // bumped on every join, leave, crash and stop: stale events are dropped
     uint64_t next_update_id = 1;
-    server::PendingUpdate in_flight;
-    std::string in_flight_shard;
     double steps_per_second = 0;  // measured over the last task; 0 = unknown
+    Link up = Link(std::numeric_limits<double>::infinity(), 0);
+    Link down = Link(std::numeric_limits<double>::infinity(), 0);
+    // The round state while kTraining. next, next_base: the task whose base is being pulled
+    // (or has arrived), and that base. computing: the round whose compute runs
+    // (compute_running) or has ended, until its push starts or it becomes `trained`, a computed
+    // round whose push goes in the background of the next round (overlap). uploading: the push
+    // on the uplink, in the background half of a round (background_upload) or at its end.
+    std::optional<v1::Task> next;
+    std::vector<std::vector<float>> next_base;
+    std::optional<Round> computing;
+    bool compute_running = false;
+    absl::Duration compute_start;
+    std::optional<Round> trained;
+    std::optional<Round> uploading;
+    bool background_upload = false;
+    bool communicating = false;  // overlap: the background half of the round is not done
+    bool ahead_held = false;     // a look-ahead request answered WAIT is being held
+    uint64_t ahead_token = 0;    // bumped when a hold ends: its deadline event is stale
+    size_t pending = 0;          // live round events of this worker in the queue
+    absl::Duration joined_at;
+    absl::Duration compute_time;
+    absl::Duration present_time;
   };
 
-  // Push, membership and lease-expiry events can change the server state; heartbeats and ticks
-  // only let time-based state move.
+  // Round events (each leads to a push), membership and lease-expiry events can change the
+  // server state; heartbeats and ticks only let time-based state move.
   static bool IsProgress(EventKind kind) {
     return kind != EventKind::kHeartbeat && kind != EventKind::kTick;
   }
@@ -195,11 +284,30 @@ class Simulator::Engine {
   std::string Where(const Worker& w) const {
     return absl::StrFormat("t=%.6fs worker %d", absl::ToDoubleSeconds(Now()), w.index);
   }
-  void Schedule(absl::Duration at, EventKind kind, int worker, uint64_t epoch);
+  void Schedule(absl::Duration at, EventKind kind, int worker, uint64_t epoch, uint64_t token = 0);
+  // A round event of `w` at `at`: handled at once when `at` is now (an instant transfer), so
+  // that a run without links has exactly the events of one without a network model.
+  absl::Status After(Worker& w, absl::Duration at, EventKind kind);
+  absl::Status Dispatch(Worker& w, EventKind kind);
   absl::Status Handle(const Event& event);
   absl::Status Join(Worker& w);
   absl::Status Ask(Worker& w, bool allow_rejoin = true);
+  // The round of a task: pull its base, compute, push (sim/simulator.h, the worker loop and
+  // overlap).
   absl::Status StartTraining(Worker& w, const v1::Task& task);
+  absl::Status BeginPull(Worker& w, const v1::Task& task);
+  absl::Status OnPulled(Worker& w);
+  absl::Status StartRound(Worker& w);
+  absl::Status Compute(Worker& w, const v1::Task& task, std::vector<std::vector<float>> base);
+  absl::Status OnComputed(Worker& w);
+  absl::Status EndCommunication(Worker& w);
+  absl::Status EndRound(Worker& w);
+  absl::Status OnUploaded(Worker& w);
+  absl::Status AskAhead(Worker& w);
+  void EndHold(Worker& w);
+  // SubmitUpdate of w.uploading, its row and the heartbeat after it; true when accepted.
+  bool Submit(Worker& w);
+  // The round's end without overlap: submit, then ask for the next task.
   absl::Status Push(Worker& w);
   absl::Status Leave(Worker& w);
   void Crash(Worker& w);
@@ -208,6 +316,8 @@ class Simulator::Engine {
   absl::Status WakeWaiters();
   void EnsureTick();
   bool AnyWaiting() const;
+  bool AnyHeld() const;
+  void FinishStats();
   absl::Status MaybeEvaluate();
   absl::Status EvaluateNow();
 
@@ -223,6 +333,11 @@ class Simulator::Engine {
   std::unique_ptr<server::ServerCore> core_;
   std::vector<Worker> workers_;
   absl::Duration heartbeat_period_;
+  uint64_t pull_bytes_ = 0;
+  uint64_t push_bytes_ = 0;
+  // The server link's directions (pushes in, pulls out), when there is one.
+  std::optional<Link> server_up_;
+  std::optional<Link> server_down_;
 
   std::priority_queue<Event, std::vector<Event>, Later> queue_;
   uint64_t next_seq_ = 0;
@@ -258,11 +373,47 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
   if (!(options_.max_virtual_seconds >= 0) || !(options_.stall_seconds >= 0)) {
     return absl::InvalidArgumentError("max_virtual_seconds and stall_seconds must be >= 0");
   }
+  if (!options_.links.empty() && options_.links.size() != 1 &&
+      options_.links.size() != options_.workers.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d links for %d workers: give one link for every worker, or one per worker",
+        options_.links.size(), options_.workers.size()));
+  }
+  const auto check_link = [](const LinkSpec& l, const std::string& what) {
+    if (!(l.up_bytes_per_second > 0) || !(l.down_bytes_per_second > 0) ||
+        !std::isfinite(l.latency_seconds) || l.latency_seconds < 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: rates must be > 0 and the latency finite and >= 0 (got %g/%g bytes/s, %g s)", what,
+          l.up_bytes_per_second, l.down_bytes_per_second, l.latency_seconds));
+    }
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < options_.links.size(); ++i) {
+    ALOE_RETURN_IF_ERROR(check_link(options_.links[i], absl::StrCat("link ", i)));
+  }
+  if (options_.server_link.has_value()) {
+    const LinkSpec& l = *options_.server_link;
+    ALOE_RETURN_IF_ERROR(check_link(l, "the server link"));
+    server_up_.emplace(l.up_bytes_per_second, l.latency_seconds);
+    server_down_.emplace(l.down_bytes_per_second, l.latency_seconds);
+  }
+  if (!std::isfinite(options_.peak_window_seconds) || !(options_.peak_window_seconds > 0)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "peak_window_seconds must be finite and > 0, got %g", options_.peak_window_seconds));
+  }
+  if (options_.target_loss.has_value() && !std::isfinite(*options_.target_loss)) {
+    return absl::InvalidArgumentError("the target loss must be finite");
+  }
   workers_.resize(options_.workers.size());
   for (size_t i = 0; i < workers_.size(); ++i) {
     workers_[i].index = static_cast<int>(i);
     workers_[i].trainer = trainers_[i].get();
     for (double s : options_.workers[i].cycle()) workers_[i].cycle.push_back(absl::Seconds(s));
+    if (!options_.links.empty()) {
+      const LinkSpec& l = options_.links[options_.links.size() == 1 ? 0 : i];
+      workers_[i].up = Link(l.up_bytes_per_second, l.latency_seconds);
+      workers_[i].down = Link(l.down_bytes_per_second, l.latency_seconds);
+    }
   }
   // Presence check, per worker in time order (ties: the order given).
   std::vector<std::vector<const MembershipEvent*>> per_worker(workers_.size());
@@ -300,12 +451,22 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
   ALOE_ASSIGN_OR_RETURN(
       core_, server::ServerCore::Create(config_, std::move(train_shards), std::move(heldout_file),
                                         clock_, executor_, metrics));
+  pull_bytes_ = PullBytes(core_->spec());
+  push_bytes_ = PushBytes(core_->spec(), config_.transport());
   return absl::OkStatus();
 }
 
-void Simulator::Engine::Schedule(absl::Duration at, EventKind kind, int worker, uint64_t epoch) {
-  queue_.push(Event{at, next_seq_++, kind, worker, epoch});
+void Simulator::Engine::Schedule(absl::Duration at, EventKind kind, int worker, uint64_t epoch,
+                                 uint64_t token) {
+  queue_.push(Event{at, next_seq_++, kind, worker, epoch, token});
   if (IsProgress(kind)) ++pending_progress_;
+}
+
+absl::Status Simulator::Engine::After(Worker& w, absl::Duration at, EventKind kind) {
+  if (at <= Now()) return Dispatch(w, kind);
+  Schedule(at, kind, w.index, w.epoch);
+  ++w.pending;
+  return absl::OkStatus();
 }
 
 bool Simulator::Engine::AnyWaiting() const {
@@ -315,11 +476,40 @@ bool Simulator::Engine::AnyWaiting() const {
   return false;
 }
 
+bool Simulator::Engine::AnyHeld() const {
+  for (const Worker& w : workers_) {
+    if (w.ahead_held) return true;
+  }
+  return false;
+}
+
+void Simulator::Engine::FinishStats() {
+  const double window = options_.peak_window_seconds;
+  result_.workers.clear();
+  for (Worker& w : workers_) {
+    if (w.state != State::kAbsent) {
+      w.present_time += Now() - w.joined_at;
+      if (w.compute_running) w.compute_time += Now() - w.compute_start;
+    }
+    WorkerStats stats;
+    stats.compute_seconds = absl::ToDoubleSeconds(w.compute_time);
+    stats.present_seconds = absl::ToDoubleSeconds(w.present_time);
+    stats.utilization =
+        stats.present_seconds > 0 ? stats.compute_seconds / stats.present_seconds : 0;
+    stats.bytes_up = w.up.bytes();
+    stats.bytes_down = w.down.bytes();
+    stats.peak_up_bytes_per_second = w.up.PeakBytesPerSecond(absl::Seconds(window));
+    stats.peak_down_bytes_per_second = w.down.PeakBytesPerSecond(absl::Seconds(window));
+    result_.workers.push_back(stats);
+  }
+}
+
 absl::StatusOr<SimResult> Simulator::Engine::Run() {
   if (ran_) return absl::FailedPreconditionError("Simulator::Run may be called only once");
   ran_ = true;
   result_.updates_per_worker.assign(workers_.size(), 0);
   result_.rejected_per_worker.assign(workers_.size(), 0);
+  result_.target_loss = options_.target_loss;
   ALOE_RETURN_IF_ERROR(MaybeEvaluate());  // version 0
 
   for (const Worker& w : workers_) {
@@ -386,6 +576,7 @@ absl::StatusOr<SimResult> Simulator::Engine::Run() {
   result_.final_version = core_->version();
   result_.final_eval_loss = eval_loss_[core_->version()];
   result_.virtual_seconds = absl::ToDoubleSeconds(Now());
+  FinishStats();
   return std::move(result_);
 }
 
@@ -420,12 +611,21 @@ absl::Status Simulator::Engine::Handle(const Event& event) {
       last_progress_ = Now();
       if (w.state != State::kAbsent) Crash(w);
       return absl::OkStatus();
-    case EventKind::kPush:
-      // A push that went stale (leave, crash) was already uncounted by EndMembership.
+    case EventKind::kPulled:
+    case EventKind::kComputed:
+    case EventKind::kUploaded:
+    case EventKind::kAheadDeadline:
+      // A round event that went stale (leave, crash) was already uncounted by EndMembership, a
+      // deadline of a hold that ended by EndHold.
       if (event.epoch != w.epoch || w.state != State::kTraining) return absl::OkStatus();
+      if (event.kind == EventKind::kAheadDeadline &&
+          (!w.ahead_held || event.token != w.ahead_token)) {
+        return absl::OkStatus();
+      }
       --pending_progress_;
+      --w.pending;
       last_progress_ = Now();
-      ALOE_RETURN_IF_ERROR(Push(w));
+      ALOE_RETURN_IF_ERROR(Dispatch(w, event.kind));
       return WakeWaiters();
     case EventKind::kHeartbeat: {
       if (event.epoch != w.epoch || w.state == State::kAbsent) return absl::OkStatus();
@@ -444,6 +644,24 @@ absl::Status Simulator::Engine::Handle(const Event& event) {
   return absl::OkStatus();
 }
 
+absl::Status Simulator::Engine::Dispatch(Worker& w, EventKind kind) {
+  switch (kind) {
+    case EventKind::kPulled:
+      return OnPulled(w);
+    case EventKind::kComputed:
+      return OnComputed(w);
+    case EventKind::kUploaded:
+      return OnUploaded(w);
+    case EventKind::kAheadDeadline:
+      // The service answers the held request WAIT: this round is pushed without overlap.
+      w.ahead_held = false;
+      ++w.ahead_token;
+      return EndCommunication(w);
+    default:
+      return absl::InternalError("not a round event");
+  }
+}
+
 absl::Status Simulator::Engine::Join(Worker& w) {
   v1::JoinRequest request;
   request.set_name(absl::StrFormat("sim-worker-%d", w.index));
@@ -458,6 +676,7 @@ absl::Status Simulator::Engine::Join(Worker& w) {
   w.id = reply->worker_id();
   ++w.epoch;
   w.state = State::kWaiting;
+  w.joined_at = Now();
   Schedule(Now() + heartbeat_period_, EventKind::kHeartbeat, w.index, w.epoch);
   return Ask(w);
 }
@@ -496,6 +715,12 @@ absl::Status Simulator::Engine::Ask(Worker& w, bool allow_rejoin) {
 }
 
 absl::Status Simulator::Engine::StartTraining(Worker& w, const v1::Task& task) {
+  w.state = State::kTraining;
+  return BeginPull(w, task);
+}
+
+absl::Status Simulator::Engine::BeginPull(Worker& w, const v1::Task& task) {
+  // The pulled version is taken now: the core keeps it for the task until it is pulled.
   v1::PullRequest pull;
   pull.set_worker_id(w.id);
   pull.set_version(task.base_version());
@@ -504,10 +729,46 @@ absl::Status Simulator::Engine::StartTraining(Worker& w, const v1::Task& task) {
     return absl::Status(snapshot.status().code(),
                         absl::StrCat(Where(w), ": pull failed: ", snapshot.status().message()));
   }
-  std::vector<std::vector<float>> base;
-  base.reserve(snapshot->layers.size());
-  for (const auto& layer : snapshot->layers) base.push_back(*layer);
+  w.next_base.clear();
+  w.next_base.reserve(snapshot->layers.size());
+  for (const auto& layer : snapshot->layers) w.next_base.push_back(*layer);
+  w.next = task;
+  return After(w, w.down.Enqueue(pull_bytes_, Now(), server_down_ ? &*server_down_ : nullptr),
+               EventKind::kPulled);
+}
 
+absl::Status Simulator::Engine::OnPulled(Worker& w) {
+  if (w.communicating) return EndCommunication(w);  // the look-ahead task's base is here
+  return StartRound(w);
+}
+
+absl::Status Simulator::Engine::StartRound(Worker& w) {
+  const v1::Task task = *std::move(w.next);
+  w.next.reset();
+  std::vector<std::vector<float>> base = std::move(w.next_base);
+  w.next_base.clear();
+  if (w.trained.has_value() && options_.overlap == Overlap::kEager) {
+    // Paper 004: the base lacks the previous round's own update; add it, scaled by the outer lr.
+    const float lr = config_.outer_optimizer().lr();
+    const auto& delta = w.trained->update.layers;
+    for (size_t l = 0; l < base.size() && l < delta.size(); ++l) {
+      kernels::WeightedAccumulate(delta[l].data(), -lr, base[l].data(), base[l].size());
+    }
+  }
+  ALOE_RETURN_IF_ERROR(Compute(w, task, std::move(base)));
+  if (options_.overlap == Overlap::kOff) return absl::OkStatus();
+  // The background half: push the previous round, then ask for the look-ahead task and pull it.
+  w.communicating = true;
+  if (!w.trained.has_value()) return AskAhead(w);
+  w.uploading = std::move(w.trained);
+  w.trained.reset();
+  w.background_upload = true;
+  return After(w, w.up.Enqueue(push_bytes_, Now(), server_up_ ? &*server_up_ : nullptr),
+               EventKind::kUploaded);
+}
+
+absl::Status Simulator::Engine::Compute(Worker& w, const v1::Task& task,
+                                        std::vector<std::vector<float>> base) {
   // The step count: H, or the A-EDiT budget's first step end at or after tau_time (paper 000
   // Sec. 3.3), capped at local_steps; at least one step.
   const uint32_t cap = std::max<uint32_t>(1, task.local_steps());
@@ -540,8 +801,8 @@ absl::Status Simulator::Engine::StartTraining(Worker& w, const v1::Task& task) {
     return absl::Status(stats.status().code(),
                         absl::StrCat(Where(w), ": training failed: ", stats.status().message()));
   }
-  server::PendingUpdate& u = w.in_flight;
-  u = server::PendingUpdate();
+  w.computing = Round();
+  server::PendingUpdate& u = w.computing->update;
   ALOE_RETURN_IF_ERROR(w.trainer->PseudoGradient(base, &u.layers));
   u.worker_id = w.id;
   u.task_id = task.task_id();
@@ -551,15 +812,86 @@ absl::Status Simulator::Engine::StartTraining(Worker& w, const v1::Task& task) {
   u.tokens_learned = stats->tokens;
   u.train_loss = stats->mean_loss;
   u.compute_seconds = absl::ToDoubleSeconds(duration);
-  w.in_flight_shard = task.shard_name();
-  w.state = State::kTraining;
-  Schedule(Now() + duration, EventKind::kPush, w.index, w.epoch);
+  w.computing->shard = task.shard_name();
+  w.compute_running = true;
+  w.compute_start = Now();
+  Schedule(Now() + duration, EventKind::kComputed, w.index, w.epoch);
+  ++w.pending;
   return absl::OkStatus();
 }
 
-absl::Status Simulator::Engine::Push(Worker& w) {
-  server::PendingUpdate update = std::move(w.in_flight);
-  w.in_flight = server::PendingUpdate();
+absl::Status Simulator::Engine::OnComputed(Worker& w) {
+  w.compute_running = false;
+  w.compute_time += Now() - w.compute_start;
+  if (w.communicating) return absl::OkStatus();  // EndCommunication ends the round
+  return EndRound(w);
+}
+
+absl::Status Simulator::Engine::EndCommunication(Worker& w) {
+  w.communicating = false;
+  if (w.compute_running) return absl::OkStatus();  // OnComputed ends the round
+  return EndRound(w);
+}
+
+absl::Status Simulator::Engine::EndRound(Worker& w) {
+  if (w.next.has_value()) {
+    // A pulled look-ahead task: train it now and push this round in its background.
+    w.trained = std::move(w.computing);
+    w.computing.reset();
+    return StartRound(w);
+  }
+  // No task ahead (no overlap, or none came): push this round now, then ask as usual.
+  w.uploading = std::move(w.computing);
+  w.computing.reset();
+  w.background_upload = false;
+  return After(w, w.up.Enqueue(push_bytes_, Now(), server_up_ ? &*server_up_ : nullptr),
+               EventKind::kUploaded);
+}
+
+absl::Status Simulator::Engine::OnUploaded(Worker& w) {
+  if (!w.background_upload) return Push(w);
+  // As the daemon: no look-ahead request after a failed push.
+  if (!Submit(w)) return EndCommunication(w);
+  return AskAhead(w);
+}
+
+absl::Status Simulator::Engine::AskAhead(Worker& w) {
+  v1::TaskRequest request;
+  request.set_worker_id(w.id);
+  request.set_ahead(true);
+  absl::StatusOr<v1::Task> task = core_->RequestTask(request);
+  if (task.ok() && task->kind() == v1::Task::WAIT && !task->draining()) {
+    // Held by the service until the core changes (WakeWaiters asks again) or kAheadHold passes.
+    if (!w.ahead_held) {
+      w.ahead_held = true;
+      Schedule(Now() + kAheadHold, EventKind::kAheadDeadline, w.index, w.epoch, w.ahead_token);
+      ++w.pending;
+      EnsureTick();
+    }
+    return absl::OkStatus();
+  }
+  EndHold(w);
+  if (task.ok() && task->kind() == v1::Task::TRAIN && w.computing.has_value() &&
+      task->task_id() != w.computing->update.task_id) {
+    return BeginPull(w, *task);
+  }
+  // STOP, draining, an error (e.g. dropped): this round is pushed without overlap.
+  return EndCommunication(w);
+}
+
+void Simulator::Engine::EndHold(Worker& w) {
+  if (!w.ahead_held) return;
+  // Its deadline event becomes stale; it no longer counts as pending.
+  w.ahead_held = false;
+  ++w.ahead_token;
+  --w.pending;
+  --pending_progress_;
+}
+
+bool Simulator::Engine::Submit(Worker& w) {
+  Round round = *std::move(w.uploading);
+  w.uploading.reset();
+  server::PendingUpdate update = std::move(round.update);
   const uint64_t base = update.base_version;
   const uint32_t steps = update.steps_done;
   const double seconds = update.compute_seconds;
@@ -568,7 +900,7 @@ absl::Status Simulator::Engine::Push(Worker& w) {
   SimRow row;
   row.virtual_seconds = absl::ToDoubleSeconds(Now());
   row.worker = w.index;
-  row.shard = w.in_flight_shard;
+  row.shard = round.shard;
   row.steps = steps;
   absl::StatusOr<v1::PushReply> reply = core_->SubmitUpdate(std::move(update));
   if (reply.ok()) {
@@ -595,6 +927,11 @@ absl::Status Simulator::Engine::Push(Worker& w) {
   heartbeat.set_worker_id(w.id);
   heartbeat.set_steps_per_second(w.steps_per_second);
   (void)core_->Heartbeat(heartbeat);  // kNotFound is handled by Ask (rejoin)
+  return reply.ok();
+}
+
+absl::Status Simulator::Engine::Push(Worker& w) {
+  Submit(w);
   w.state = State::kWaiting;
   return Ask(w);
 }
@@ -618,10 +955,21 @@ void Simulator::Engine::Crash(Worker& w) {
 }
 
 void Simulator::Engine::EndMembership(Worker& w) {
-  if (w.state == State::kTraining) {
-    --pending_progress_;  // its push event is now stale
-    w.in_flight = server::PendingUpdate();
-  }
+  // Its round events are now stale.
+  pending_progress_ -= w.pending;
+  w.pending = 0;
+  if (w.state != State::kAbsent) w.present_time += Now() - w.joined_at;
+  if (w.compute_running) w.compute_time += Now() - w.compute_start;
+  w.next.reset();
+  w.next_base.clear();
+  w.computing.reset();
+  w.compute_running = false;
+  w.trained.reset();
+  w.uploading.reset();
+  w.background_upload = false;
+  w.communicating = false;
+  w.ahead_held = false;
+  ++w.ahead_token;
   w.state = State::kAbsent;
   w.id = 0;
   ++w.epoch;
@@ -633,6 +981,11 @@ absl::Status Simulator::Engine::WakeWaiters() {
   while (changed) {
     changed = false;
     for (Worker& w : workers_) {
+      if (w.ahead_held) {
+        ALOE_RETURN_IF_ERROR(AskAhead(w));
+        if (!w.ahead_held) changed = true;
+        continue;
+      }
       if (w.state != State::kWaiting) continue;
       ALOE_RETURN_IF_ERROR(Ask(w));
       if (w.state != State::kWaiting) changed = true;
@@ -643,7 +996,7 @@ absl::Status Simulator::Engine::WakeWaiters() {
 }
 
 void Simulator::Engine::EnsureTick() {
-  if (tick_pending_ || !AnyWaiting()) return;
+  if (tick_pending_ || !(AnyWaiting() || AnyHeld())) return;
   tick_pending_ = true;
   Schedule(Now() + absl::Seconds(options_.tick_seconds), EventKind::kTick, -1, 0);
 }
@@ -682,6 +1035,10 @@ absl::Status Simulator::Engine::EvaluateNow() {
   }
   last_eval_version_ = snapshot.version;
   eval_loss_[snapshot.version] = *loss;
+  if (options_.target_loss.has_value() && !result_.target_seconds.has_value() &&
+      *loss <= *options_.target_loss) {
+    result_.target_seconds = absl::ToDoubleSeconds(Now());
+  }
   auto row = applied_row_.find(snapshot.version);
   if (row != applied_row_.end()) {
     result_.rows[row->second].eval_loss = *loss;

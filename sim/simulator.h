@@ -6,13 +6,15 @@
 //
 // Simulated worker i follows the daemon's loop (worker/main.cc) in virtual time:
 //   Join -> RequestTask ->
-//     TRAIN: base = SnapshotFor(task.base_version); the step count n is task.local_steps, or,
-//            when task.time_budget_seconds > 0 (A-EDiT), the first n whose cumulative step time
-//            reaches the budget, capped at local_steps; the trainer runs n steps at once (real
-//            time) and the push arrives at now + duration, duration = the sum of the n step
-//            times taken from the worker's StepTimeProfile (SubmitUpdate with steps_done = n,
-//            compute_seconds = duration). Right after the push the worker heartbeats its measured
-//            steps/s (n / duration: what DyLU estimates) and asks for its next task.
+//     TRAIN: base = SnapshotFor(task.base_version), which reaches the worker when its pull
+//            arrives over the worker's downlink; its compute starts then. The step count n is
+//            task.local_steps, or, when task.time_budget_seconds > 0 (A-EDiT), the first n whose
+//            cumulative step time reaches the budget, capped at local_steps; the trainer runs n
+//            steps at once (real time) and the compute lasts the sum of the n step times taken
+//            from the worker's StepTimeProfile. Then the push goes over the worker's uplink and
+//            reaches the server (SubmitUpdate with steps_done = n, compute_seconds = the compute
+//            time) when its upload arrives. Right after the push the worker heartbeats its
+//            measured steps/s (n / compute time: what DyLU estimates) and asks for its next task.
 //     WAIT:  asks again after every event that may change the server state (a push, join,
 //            leave, lease expiry) and on periodic Tick events (every tick_seconds of virtual
 //            time, scheduled only while some worker waits) so that time-based windows close.
@@ -24,6 +26,24 @@
 // worker drops its in-flight work and calls Leave), crash@T:i (the worker stops silently; the
 // core drops it when its lease expires, at the Tick scheduled for then). Work in flight at a
 // leave or crash is lost: its push never arrives.
+//
+// Network (sim/link_model.h): every worker has an uplink and a downlink, each a FIFO of
+// transfers taking latency + bytes / rate of virtual time. A pull moves the whole model as
+// float32 (PullBytes), a push the pseudo-gradient encoded with the config's transport codecs
+// (PushBytes; the simulated update itself stays exact). With a server link, every transfer also
+// queues there, behind the other workers' transfers. Without links every transfer is instant
+// and the run is the same, event for event, as one without a network model. Control messages
+// (task requests, heartbeats, acknowledgements) take no time.
+//
+// Overlap (options.overlap, as aloe-worker --overlap delayed|eager; docs/algorithms.md,
+// overlapped communication): after the first pull, every round's compute runs while, in the
+// background, the previous round's push is uploaded and submitted, the look-ahead task is
+// requested (TaskRequest.ahead) and its base pulled. The next round starts when both halves are
+// done. A look-ahead request answered WAIT is held, as the server's service holds it, and asked
+// again whenever the core may have changed, for up to 10 virtual seconds. When no look-ahead
+// task comes (WAIT after the hold, STOP, draining, a rejected push) the round is pushed at once
+// and the worker asks for work as usual. Eager adds the round's own pseudo-gradient, scaled by
+// -outer lr, to the next round's base (paper 004).
 //
 // Evaluation: the simulator evaluates the current global parameters itself with its evaluation
 // trainer at version 0, whenever the version reaches last_evaluated + eval_every, and at the end.
@@ -56,6 +76,7 @@
 #include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
 #include "server/core/shard_sampler.h"
+#include "sim/link_model.h"
 
 namespace aloe::sim {
 
@@ -76,6 +97,11 @@ struct MembershipEvent {
 // bad item otherwise. Whether each event fits the worker's presence is checked by
 // Simulator::Create.
 absl::StatusOr<std::vector<MembershipEvent>> ParseEvents(const std::string& text);
+
+// Overlapped communication of the simulated workers (aloe-worker --overlap).
+enum class Overlap { kOff, kDelayed, kEager };
+// "off", "delayed" or "eager"; kInvalidArgument otherwise.
+absl::StatusOr<Overlap> ParseOverlap(const std::string& text);
 
 struct SimulatorOptions {
   std::vector<StepTimeProfile> workers;  // one per simulated worker, at least one
@@ -98,6 +124,16 @@ struct SimulatorOptions {
   // What it returns must outlive Run().
   std::function<absl::StatusOr<const TokenSource*>(const std::string& file)> open_shard;
   uint32_t eval_sequences = 64;  // EvalRequest.max_sequences
+  // Each worker's link (sim/link_model.h): none = every transfer instant; one = every worker's;
+  // else one per worker.
+  std::vector<LinkSpec> links;
+  // The server's own link, shared by every worker (sim/link_model.h); none = unlimited.
+  std::optional<LinkSpec> server_link;
+  Overlap overlap = Overlap::kOff;
+  // Window of WorkerStats' peak bytes/s, virtual seconds, > 0.
+  double peak_window_seconds = 1;
+  // When set: SimResult.target_seconds is the first evaluation at or below this loss.
+  std::optional<double> target_loss;
 };
 
 // One CSV row: a push (applied, accepted into a batch that is not complete yet, or rejected), or
@@ -117,6 +153,22 @@ struct SimRow {
   Outcome outcome = Outcome::kEval;
 };
 
+// One simulated worker's use of its time and link over the run.
+struct WorkerStats {
+  // Virtual seconds of compute (rounds lost at a leave or crash, or cut by the end, count up to
+  // then) and of membership (join to leave, crash, STOP or the end of the run; a crashed worker
+  // stops counting when it crashes).
+  double compute_seconds = 0;
+  double present_seconds = 0;
+  double utilization = 0;  // compute_seconds / present_seconds; 0 if never present
+  // Bytes of every transfer started (Link::bytes), including ones lost or cut by the end.
+  uint64_t bytes_up = 0;
+  uint64_t bytes_down = 0;
+  // Link::PeakBytesPerSecond over peak_window_seconds.
+  double peak_up_bytes_per_second = 0;
+  double peak_down_bytes_per_second = 0;
+};
+
 struct SimResult {
   std::vector<SimRow> rows;
   double virtual_seconds = 0;  // when the run ended
@@ -127,6 +179,10 @@ struct SimResult {
   std::vector<uint64_t> rejected_per_worker;  // pushes rejected
   std::vector<std::string> rejections;        // status message of each rejected push
   std::string stop_reason;                    // e.g. "finished", "max_versions"
+  std::vector<WorkerStats> workers;           // one per simulated worker
+  std::optional<double> target_loss;          // SimulatorOptions.target_loss
+  // Virtual time of the first evaluation whose loss was <= target_loss; unset if none was.
+  std::optional<double> target_seconds;
 };
 
 // The CSV: header
@@ -135,8 +191,15 @@ struct SimResult {
 // eval rows; eval_loss (%.6f) empty unless that version was evaluated; outcome one of applied,
 // accepted, rejected, eval.
 std::string FormatCsv(const SimResult& result);
-// One line: final eval loss, virtual time, versions, total local steps, updates per worker.
+// One line: final eval loss, virtual time, versions, total local steps, updates per worker,
+// rejected pushes, then per worker (comma lists) compute utilization, bytes up and down and peak
+// bytes/s up and down, and, with a target loss, the virtual seconds to reach it ("never").
 std::string FormatSummary(const SimResult& result);
+// The per-worker CSV: header
+//   worker,updates,rejected,compute_seconds,present_seconds,utilization,bytes_up,bytes_down,
+//   peak_up_bytes_per_second,peak_down_bytes_per_second
+// then one line per worker (seconds and rates with 6 decimals).
+std::string FormatWorkersCsv(const SimResult& result);
 
 class Simulator {
  public:
@@ -144,8 +207,10 @@ class Simulator {
   // `heldout_file` go to ServerCore::Create as given. One trainer per profile in
   // options.workers (each keeps its own inner state across rounds) and one evaluation trainer.
   // kInvalidArgument for a trainer count that does not match, a tick_seconds that is not > 0,
-  // or an event naming an unknown worker or not fitting its presence (a join of a present
-  // worker, a leave or crash of an absent one), naming the event.
+  // an event naming an unknown worker or not fitting its presence (a join of a present
+  // worker, a leave or crash of an absent one), naming the event, a link count other than 0, 1
+  // or the number of workers, a link (or the server link) out of range, a peak window that is not >
+  // 0, or a non-finite target loss.
   static absl::StatusOr<std::unique_ptr<Simulator>> Create(
       v1::ServerConfig config, std::vector<server::DataShard> train_shards,
       std::string heldout_file, SimulatorOptions options,

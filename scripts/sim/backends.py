@@ -75,9 +75,12 @@ def write_trace(run, run_dir):
 class SimBackend:
     name = "sim"
 
-    def __init__(self, bin_dir, corpus_dir):
+    def __init__(self, bin_dir, corpus_dir, link=None):
         self.binary = os.path.join(bin_dir, "aloe-sim")
         self.corpus_dir = corpus_dir
+        # (rate Mbit/s, round trip ms): every simulated worker's link (aloe-sim --links, one
+        # way latency half the round trip); None = instant transfers.
+        self.link = link
         if not os.access(self.binary, os.X_OK):
             raise FileNotFoundError(f"{self.binary} not found: build it first (scripts/test.sh "
                                     "or cmake --build build --target aloe-sim)")
@@ -98,6 +101,9 @@ class SimBackend:
             cmd.append(f"--max_virtual_seconds={grid._fmt(run.max_virtual_seconds)}")
         if run.trainer == "torch":
             cmd += [f"--corpus_dir={self.corpus_dir}", "--torch_threads=1"]
+        if self.link:
+            rate, rtt = self.link
+            cmd.append(f"--links={grid._fmt(rate)}:{grid._fmt(rtt / 2)}")
         return cmd
 
     def prepare(self, run, run_dir):

@@ -62,7 +62,9 @@ Families (--families):
   a tiny model keeps them cheap); --trainer overrides the trainer of every family.
 
 Back ends (--backend):
-  sim        build/bin/aloe-sim: virtual clock, deterministic, --jobs runs in parallel.
+  sim        build/bin/aloe-sim: virtual clock, deterministic, --jobs runs in parallel;
+             --link gives every simulated worker that link (aloe-sim --links, one-way
+             latency half the round trip).
   loopback   real aloe-server + evaluator + one aloe-worker per worker on 127.0.0.1; speeds
              become --slowdown (fastest speed / own speed), step-time traces (random
              stragglers) aloe-worker --step_trace with the same trace file, joins/leaves
@@ -125,8 +127,8 @@ def parse_args(argv):
                    help="heterogeneity: local steps of every run (all workers together)")
     p.add_argument("--lags", default="", help="consistent: lags, e.g. 0,1,2,4")
     p.add_argument("--link", default="",
-                   help="loopback: RATE_MBIT:RTT_MS, each trainer behind an aloe-linkemu of its "
-                        "own with this link (e.g. 100:100)")
+                   help="RATE_MBIT:RTT_MS: loopback puts each trainer behind an aloe-linkemu of "
+                        "its own with this link, sim gives every worker this link (e.g. 100:100)")
     p.add_argument("--workers", type=int, default=0,
                    help="consistent and random: workers per run (default 8)")
     p.add_argument("--local-steps", type=int, default=0,
@@ -330,7 +332,7 @@ def main(argv=None):
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     if args.backend == "sim":
-        backend = backends.SimBackend(bin_dir, corpus_dir)
+        backend = backends.SimBackend(bin_dir, corpus_dir, link=_link(args.link))
         jobs = max(1, args.jobs)
     else:
         backend = backends.LoopbackBackend(

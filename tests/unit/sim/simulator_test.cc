@@ -7,8 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
+#include <utility>
+#include <vector>
 
+#include "absl/strings/str_format.h"
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
@@ -370,6 +374,377 @@ TEST(SimulatorTest, RunTwiceIsAnError) {
   EXPECT_THAT((*simulator)->Run(), IsOk());
   EXPECT_THAT((*simulator)->Run(),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("once")));
+}
+
+// --- Network model and overlap. ---
+
+// One worker, plain async (every push applied at once), outer SGD at lr 1, H = 5 steps of 1 s,
+// three versions.
+v1::ServerConfig OneWorkerConfig() {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_grace_seconds(0);
+  config.mutable_aggregation()->set_min_workers(1);
+  config.mutable_outer_optimizer()->set_type(v1::OUTER_SGD);
+  config.mutable_outer_optimizer()->set_lr(1);
+  config.mutable_outer_optimizer()->set_momentum(0);
+  config.set_max_versions(3);
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
+  return config;
+}
+
+uint64_t ModelBytes(const v1::ServerConfig& config) {
+  return PullBytes(BuildTransformerSpec(config.model(), config.apply_groups()));
+}
+
+// A link on which the whole model takes 4 s plus 0.1 s of latency, each way.
+LinkSpec SlowLink(const v1::ServerConfig& config) {
+  const double rate = static_cast<double>(ModelBytes(config)) / 4;
+  return LinkSpec{rate, rate, 0.1};
+}
+
+TEST(SimulatorNetworkTest, PushArrivesAfterPullComputeAndUpload) {
+  const v1::ServerConfig config = OneWorkerConfig();
+  const uint64_t bytes = ModelBytes(config);
+  EXPECT_EQ(
+      PushBytes(BuildTransformerSpec(config.model(), config.apply_groups()), config.transport()),
+      bytes);  // FP32 pushes
+  SimulatorOptions options = Options({1});
+  options.links = {SlowLink(config)};
+  options.peak_window_seconds = 15;
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "finished");
+  // Each round: pull 0.1 + 4 s, 5 steps of 1 s, upload 0.1 + 4 s = 13.2 s.
+  const auto rows = RowsOf(*result, 0);
+  ASSERT_EQ(rows.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NEAR(rows[r]->virtual_seconds, 13.2 * (r + 1), 1e-9);
+    EXPECT_EQ(rows[r]->staleness, 0u);
+  }
+  EXPECT_NEAR(result->virtual_seconds, 39.6, 1e-9);
+  ASSERT_EQ(result->workers.size(), 1u);
+  const WorkerStats& w = result->workers[0];
+  EXPECT_NEAR(w.compute_seconds, 15, 1e-9);
+  EXPECT_NEAR(w.present_seconds, 39.6, 1e-9);
+  EXPECT_NEAR(w.utilization, 15 / 39.6, 1e-9);
+  EXPECT_EQ(w.bytes_up, 3 * bytes);
+  EXPECT_EQ(w.bytes_down, 3 * bytes);
+  // Uploads are received over [9.2, 13.2], [22.4, 26.4], [35.6, 39.6], pulls over [0.1, 4.1],
+  // [13.3, 17.3], [26.5, 30.5]: a 15 s window holds one whole transfer and 1.8 s of the next.
+  EXPECT_NEAR(w.peak_up_bytes_per_second, 1.45 * bytes / 15, 1e-6);
+  EXPECT_NEAR(w.peak_down_bytes_per_second, 1.45 * bytes / 15, 1e-6);
+  options.peak_window_seconds = 1;
+  auto one_second = RunSynthetic(config, options);
+  ASSERT_THAT(one_second, IsOk());
+  EXPECT_NEAR(one_second->workers[0].peak_up_bytes_per_second, bytes / 4.0, 1e-6);
+}
+
+TEST(SimulatorNetworkTest, OverlapHidesTransfersBehindCompute) {
+  const v1::ServerConfig config = OneWorkerConfig();
+  SimulatorOptions options = Options({1});
+  options.links = {SlowLink(config)};
+  options.overlap = Overlap::kDelayed;
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "finished");
+  // Task 0: pulled at 4.1, computed until 9.1; its look-ahead task 1 (from version 0) is pulled
+  // meanwhile (4.1 -> 8.2). Task 1 computes 9.1 -> 14.1 while task 0 uploads (-> 13.2, version
+  // 1) and task 2 (from version 1) is pulled (13.2 -> 17.3). Task 2 computes 17.3 -> 22.3 while
+  // task 1 uploads (-> 21.4, version 2); the look-ahead request then gets STOP (the tasks out
+  // reach max_versions), so task 2 is pushed after its compute: 22.3 -> 26.4.
+  const auto rows = RowsOf(*result, 0);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_NEAR(rows[0]->virtual_seconds, 13.2, 1e-9);
+  EXPECT_NEAR(rows[1]->virtual_seconds, 21.4, 1e-9);
+  EXPECT_NEAR(rows[2]->virtual_seconds, 26.4, 1e-9);
+  EXPECT_EQ(rows[0]->staleness, 0u);
+  EXPECT_EQ(rows[1]->staleness, 1u);  // one-step delay: task 1 started from version 0
+  EXPECT_EQ(rows[2]->staleness, 1u);
+  EXPECT_NEAR(result->virtual_seconds, 26.4, 1e-9);
+  const WorkerStats& w = result->workers[0];
+  EXPECT_NEAR(w.compute_seconds, 15, 1e-9);
+  EXPECT_NEAR(w.utilization, 15 / 26.4, 1e-9);  // 0.568; 15 / 39.6 = 0.379 without overlap
+  EXPECT_EQ(w.bytes_up, 3 * ModelBytes(config));
+  EXPECT_EQ(w.bytes_down, 3 * ModelBytes(config));
+}
+
+TEST(SimulatorNetworkTest, EagerOverlapWithOneWorkerAndOuterSgdAtLrOneMatchesNoOverlap) {
+  v1::ServerConfig config = OneWorkerConfig();
+  config.set_max_versions(10);
+  auto off = RunSynthetic(config, Options({1}));
+  SimulatorOptions options = Options({1});
+  options.overlap = Overlap::kEager;
+  auto eager = RunSynthetic(config, options);
+  options.overlap = Overlap::kDelayed;
+  auto delayed = RunSynthetic(config, options);
+  ASSERT_THAT(off, IsOk());
+  ASSERT_THAT(eager, IsOk());
+  ASSERT_THAT(delayed, IsOk());
+  EXPECT_EQ(eager->final_version, 10u);
+  // Without links the rounds follow each other at once either way.
+  EXPECT_NEAR(eager->virtual_seconds, off->virtual_seconds, 1e-9);
+  // Eager adds the round's own update to the next base: the model the server reaches one round
+  // later (up to float rounding). Delayed re-learns it, and the server applies it twice. The
+  // shard sampler draws a look-ahead task before the previous push is counted, so the shards
+  // part ways after a few rounds; compare the rounds before that.
+  const auto off_rows = RowsOf(*off, 0);
+  const auto eager_rows = RowsOf(*eager, 0);
+  const auto delayed_rows = RowsOf(*delayed, 0);
+  ASSERT_EQ(off_rows.size(), 10u);
+  ASSERT_EQ(eager_rows.size(), 10u);
+  ASSERT_EQ(delayed_rows.size(), 10u);
+  for (size_t r = 0; r < 4; ++r) {
+    ASSERT_EQ(eager_rows[r]->shard, off_rows[r]->shard) << r;
+    ASSERT_EQ(delayed_rows[r]->shard, off_rows[r]->shard) << r;
+    EXPECT_EQ(eager_rows[r]->staleness, r == 0 ? 0u : 1u);
+    EXPECT_NEAR(*eager_rows[r]->eval_loss, *off_rows[r]->eval_loss, 1e-6) << r;
+  }
+  EXPECT_DOUBLE_EQ(*delayed_rows[0]->eval_loss, *off_rows[0]->eval_loss);
+  // 0.165 against 0.206: the update applied twice moves further.
+  EXPECT_GT(std::abs(*delayed_rows[2]->eval_loss - *off_rows[2]->eval_loss),
+            0.1 * *off_rows[2]->eval_loss);
+}
+
+// Two workers of 1 step/s in sync rounds (H = 5), two versions.
+absl::StatusOr<SimResult> RunTwoWorkerSync(SimulatorOptions options) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_min_workers(2);
+  config.set_max_versions(2);
+  options.workers = Options({1, 1}).workers;
+  return RunSynthetic(config, options);
+}
+
+// Virtual times and outcomes of a worker's push rows.
+std::vector<std::pair<double, SimRow::Outcome>> Pushes(const SimResult& result, int worker) {
+  std::vector<std::pair<double, SimRow::Outcome>> pushes;
+  for (const SimRow* row : RowsOf(result, worker)) {
+    // Rounded to the microsecond, as in the CSV.
+    pushes.emplace_back(std::round(row->virtual_seconds * 1e6) / 1e6, row->outcome);
+  }
+  return pushes;
+}
+
+using Push = std::pair<double, SimRow::Outcome>;
+constexpr SimRow::Outcome kApplied = SimRow::Outcome::kApplied;
+constexpr SimRow::Outcome kAccepted = SimRow::Outcome::kAccepted;
+
+TEST(SimulatorNetworkTest, SyncRoundWaitsForTheWorkerOnTheSlowLink) {
+  const v1::ServerConfig config = SyncConfig();
+  SimulatorOptions options;
+  options.links = {LinkSpec{}, SlowLink(config)};
+  auto result = RunTwoWorkerSync(options);
+  ASSERT_THAT(result, IsOk());
+  // Worker 0 (no link) pushes 5 s into each round; worker 1 pulls for 4.1 s, computes 5 s and
+  // uploads for 4.1 s, closing the round at 13.2 s; then both start from version 1.
+  EXPECT_THAT(Pushes(*result, 0),
+              ::testing::ElementsAre(Push{5, kAccepted}, Push{18.2, kAccepted}));
+  EXPECT_THAT(Pushes(*result, 1),
+              ::testing::ElementsAre(Push{13.2, kApplied}, Push{26.4, kApplied}));
+  EXPECT_EQ(result->final_version, 2u);
+  EXPECT_NEAR(result->workers[0].utilization, 10 / 26.4, 1e-9);
+  EXPECT_NEAR(result->workers[1].utilization, 10 / 26.4, 1e-9);
+  EXPECT_EQ(result->workers[0].bytes_down, 2 * ModelBytes(config));
+  // Instant transfers count whole in a window: two model pulls 13.2 s apart.
+  EXPECT_NEAR(result->workers[0].peak_down_bytes_per_second,
+              static_cast<double>(ModelBytes(config)), 1e-6);
+}
+
+TEST(SimulatorNetworkTest, TransfersQueueOnTheSharedServerLink) {
+  const v1::ServerConfig config = SyncConfig();
+  SimulatorOptions options;
+  // The server link moves the model in 4 s each way; the workers' own links are unlimited.
+  LinkSpec server = SlowLink(config);
+  server.latency_seconds = 0;
+  options.server_link = server;
+  auto result = RunTwoWorkerSync(options);
+  ASSERT_THAT(result, IsOk());
+  // Round 1 opens when worker 1 joins (worker 0 waited for it), so worker 1 pulls first:
+  // 0 -> 4, worker 0 queued 4 -> 8; computes 4 -> 9 and 8 -> 13; pushes 9 -> 13 and (queued)
+  // 13 -> 17. Round 2 from 17 s: worker 0 asks first (its push closed the round): pulls
+  // 17 -> 21 and 21 -> 25, computes 21 -> 26 and 25 -> 30, pushes 26 -> 30 and 30 -> 34.
+  EXPECT_THAT(Pushes(*result, 0), ::testing::ElementsAre(Push{17, kApplied}, Push{30, kAccepted}));
+  EXPECT_THAT(Pushes(*result, 1), ::testing::ElementsAre(Push{13, kAccepted}, Push{34, kApplied}));
+  EXPECT_NEAR(result->workers[0].utilization, 10 / 34.0, 1e-9);
+  // Each worker's own (unlimited) link received every model in an instant.
+  EXPECT_NEAR(result->workers[1].peak_down_bytes_per_second,
+              static_cast<double>(ModelBytes(config)), 1e-6);
+
+  // Without the shared link, the same links per worker: no queueing, rounds of 13 s.
+  options.server_link.reset();
+  options.links = {server};
+  auto own = RunTwoWorkerSync(options);
+  ASSERT_THAT(own, IsOk());
+  EXPECT_NEAR(own->virtual_seconds, 26, 1e-9);
+}
+
+TEST(SimulatorNetworkTest, HeldLookAheadRequestRunsOutAfterTenSeconds) {
+  v1::ServerConfig config = SyncConfig();
+  config.mutable_aggregation()->set_min_workers(2);
+  config.set_max_versions(3);
+  SimulatorOptions options = Options({1, 0.1});
+  options.overlap = Overlap::kDelayed;
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  // Worker 0 trains round 1 (0 -> 5 s) and, ahead, round 2 (5 -> 10 s). Its round-1 push at
+  // 5 s waits in the open round, so its next look-ahead request is answered WAIT and held: the
+  // round closes only at 50 s (worker 1's push), so the hold runs out at 15 s and round 2 is
+  // pushed then, without overlap (held for round 2 as well).
+  const auto pushes = Pushes(*result, 0);
+  ASSERT_GE(pushes.size(), 2u);
+  EXPECT_EQ(pushes[0], (Push{5, kAccepted}));
+  EXPECT_EQ(pushes[1], (Push{15, kAccepted}));
+  EXPECT_EQ(RowsOf(*result, 0)[1]->version, 0u);
+  EXPECT_EQ(result->stop_reason, "finished");
+
+  // A round that closes within the hold: worker 1 at 0.5 steps/s closes round 1 at 10 s, the
+  // held request gets its task then, and worker 0 computes without a gap until its work runs
+  // out (the look-ahead request after its third round gets STOP: the tasks out reach version 3).
+  options = Options({1, 0.5});
+  options.overlap = Overlap::kDelayed;
+  result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(Pushes(*result, 0)[1], (Push{10, kAccepted}));
+  EXPECT_NEAR(result->workers[0].compute_seconds, 15, 1e-9);  // three rounds, 0 -> 15 s
+  EXPECT_EQ(Pushes(*result, 0)[2], (Push{20, kAccepted}));
+}
+
+TEST(SimulatorNetworkTest, OverlapSurvivesMembershipChangesMidTransfer) {
+  for (const bool sync : {true, false}) {
+    v1::ServerConfig config = SyncConfig();
+    config.mutable_aggregation()->set_min_workers(2);
+    config.set_lease_seconds(10);
+    config.set_max_versions(12);
+    if (!sync) {
+      config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+      config.mutable_aggregation()->set_grace_seconds(0.5);
+      config.mutable_outer_optimizer()->set_lr(0.2f);
+    }
+    SimulatorOptions options = Options();
+    options.overlap = Overlap::kEager;
+    LinkSpec slow = SlowLink(config);
+    options.links = {slow, LinkSpec{}, slow, slow};
+    // Worker 0 leaves while pulling (its first pull runs 0 -> 4.1 s) and comes back; worker 2
+    // crashes mid-round.
+    options.events = *ParseEvents("leave@2:0,join@6:0,crash@25:2");
+    auto result = RunSynthetic(config, options);
+    ASSERT_THAT(result, IsOk());
+    EXPECT_EQ(result->stop_reason, "finished") << "sync " << sync;
+    // Async applies the pushes still in flight at the last version.
+    EXPECT_GE(result->final_version, 12u);
+    for (size_t i = 0; i < result->workers.size(); ++i) {
+      const WorkerStats& w = result->workers[i];
+      EXPECT_GT(w.compute_seconds, 0) << i;
+      EXPECT_LE(w.compute_seconds, w.present_seconds + 1e-9) << i;
+    }
+    // Worker 0's lost pull still took its downlink: its second pull queued behind it.
+    EXPECT_GE(result->workers[0].bytes_down, 2 * ModelBytes(config));
+    EXPECT_NEAR(result->workers[2].present_seconds, 25, 1e-9);  // until its crash
+    // Absent from 2 to 6 s (and gone at its STOP).
+    EXPECT_LE(result->workers[0].present_seconds, result->virtual_seconds - 4 + 1e-9);
+    auto again = RunSynthetic(config, options);
+    ASSERT_THAT(again, IsOk());
+    EXPECT_EQ(FormatCsv(*result), FormatCsv(*again));
+    EXPECT_EQ(FormatWorkersCsv(*result), FormatWorkersCsv(*again));
+  }
+}
+
+TEST(SimulatorNetworkTest, InfiniteLinkGivesTheSameRunAsNoLink) {
+  for (const bool async : {false, true}) {
+    v1::ServerConfig config = SyncConfig();
+    SimulatorOptions options = Options();
+    options.events = *ParseEvents("leave@12:1,join@40:1,crash@70:2");
+    config.mutable_aggregation()->set_min_workers(2);
+    if (async) {
+      config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+      config.mutable_aggregation()->set_grace_seconds(0.5);
+      config.mutable_outer_optimizer()->set_lr(0.2f);
+      config.set_max_versions(30);
+    }
+    auto plain = RunSynthetic(config, options);
+    options.links = {LinkSpec{}};
+    options.server_link = LinkSpec{};
+    auto infinite = RunSynthetic(config, options);
+    ASSERT_THAT(plain, IsOk());
+    ASSERT_THAT(infinite, IsOk());
+    EXPECT_GT(plain->rows.size(), 10u);
+    EXPECT_EQ(FormatCsv(*plain), FormatCsv(*infinite)) << "async " << async;
+    EXPECT_EQ(FormatSummary(*plain), FormatSummary(*infinite));
+    EXPECT_EQ(FormatWorkersCsv(*plain), FormatWorkersCsv(*infinite));
+  }
+}
+
+TEST(SimulatorNetworkTest, TargetLossReportsTheFirstEvaluationAtOrBelowIt) {
+  SimulatorOptions options = Options();
+  auto reference = RunSynthetic(SyncConfig(), options);
+  ASSERT_THAT(reference, IsOk());
+  const auto evals = EvalRows(*reference);
+  ASSERT_GE(evals.size(), 6u);
+  // Between the losses of versions 2 and 3 (falling there): first reached at version 3.
+  ASSERT_LT(*evals[3]->eval_loss, *evals[2]->eval_loss);
+  const double target = 0.5 * (*evals[2]->eval_loss + *evals[3]->eval_loss);
+  for (size_t i = 0; i < 3; ++i) ASSERT_GT(*evals[i]->eval_loss, target);
+  options.target_loss = target;
+  auto result = RunSynthetic(SyncConfig(), options);
+  ASSERT_THAT(result, IsOk());
+  ASSERT_TRUE(result->target_seconds.has_value());
+  EXPECT_DOUBLE_EQ(*result->target_seconds, evals[3]->virtual_seconds);
+  EXPECT_NEAR(*result->target_seconds, 3 * 5 / 0.17, 1e-6);
+  EXPECT_THAT(FormatSummary(*result),
+              HasSubstr(absl::StrFormat("target_seconds=%.3f", evals[3]->virtual_seconds)));
+  options.target_loss = 0;  // never reached
+  result = RunSynthetic(SyncConfig(), options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_FALSE(result->target_seconds.has_value());
+  EXPECT_THAT(FormatSummary(*result), HasSubstr("target_loss=0 target_seconds=never"));
+}
+
+TEST(SimulatorNetworkTest, CreateRejectsBadLinksAndWindows) {
+  const v1::ServerConfig config = SyncConfig();
+  SimulatorOptions options = Options();
+  options.links = *ParseLinks("10:5,10:5");
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 links for 4 workers")));
+  options.links = {LinkSpec{}, LinkSpec{}, LinkSpec{0, 1, 0}, LinkSpec{}};
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("link 2")));
+  options.links = {LinkSpec{1, 1, -1}};
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("link 0")));
+  options.links.clear();
+  options.server_link = LinkSpec{1, -1, 0};
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("the server link")));
+  options = Options();
+  options.peak_window_seconds = 0;
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("peak_window_seconds")));
+  options = Options();
+  options.target_loss = std::nan("");
+  EXPECT_THAT(RunSynthetic(config, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target loss")));
+  EXPECT_THAT(ParseOverlap("eager"), IsOk());
+  EXPECT_THAT(ParseOverlap("on"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("off, delayed or eager")));
+}
+
+TEST(FormatWorkersCsvTest, WritesOneLinePerWorker) {
+  SimResult result;
+  result.updates_per_worker = {3};
+  result.rejected_per_worker = {1};
+  WorkerStats w;
+  w.compute_seconds = 15;
+  w.present_seconds = 20;
+  w.utilization = 0.75;
+  w.bytes_up = 100;
+  w.bytes_down = 200;
+  w.peak_up_bytes_per_second = 50;
+  w.peak_down_bytes_per_second = 60.5;
+  result.workers = {w};
+  EXPECT_EQ(FormatWorkersCsv(result),
+            "worker,updates,rejected,compute_seconds,present_seconds,utilization,bytes_up,"
+            "bytes_down,peak_up_bytes_per_second,peak_down_bytes_per_second\n"
+            "0,3,1,15.000000,20.000000,0.750000,100,200,50.000000,60.500000\n");
 }
 
 // --- Parsing. ---
