@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -20,8 +21,10 @@
 #include "common/clock.h"
 #include "common/config.h"
 #include "common/executor.h"
+#include "common/layer_groups.h"
 #include "common/status_macros.h"
 #include "common/step_times.h"
+#include "common/sync_schedule.h"
 #include "kernels/cpu/outer_kernels.h"
 #include "server/core/server_core.h"
 
@@ -216,6 +219,9 @@ class Simulator::Engine {
     kComputed,
     kUploaded,
     kAheadDeadline,
+    kSegmentDone,
+    kGroupUploaded,
+    kGroupPulled,
     kExpiry,
     kHeartbeat,
     kTick
@@ -234,6 +240,42 @@ class Simulator::Engine {
     }
   };
   enum class State { kAbsent, kWaiting, kTraining };
+  // Partial synchronization (layer groups, K > 1): the streaming round of the daemon
+  // (docs/algorithms.md). A group is taken (start_group) and pulled before it is pushed against
+  // that copy; the push goes after the step the schedule names, in the background; the global
+  // group comes back merge_delay_steps later and is mixed in.
+  struct Merge {
+    uint32_t group = 0;
+    uint64_t due = 0;      // the worker's total step count at which it is merged
+    bool pushed = true;    // its push was submitted (a retake has none)
+    bool replace = false;  // take the global group as it is (cold start, a refused push)
+  };
+  struct Stream {
+    std::optional<v1::Task> task;
+    uint32_t period = 0;                       // H of the task
+    std::vector<std::vector<uint32_t>> syncs;  // groups pushed after each step of the task
+    uint32_t step = 0;                         // steps of the task done
+    uint32_t segment = 0;                      // steps of the running segment
+    uint64_t total_steps = 0;                  // since the worker joined
+    absl::Duration segment_seconds;
+    std::vector<std::vector<float>> global;     // the global copy of every layer the worker holds
+    std::vector<bool> held;                     // per group: its global copy is held
+    std::vector<uint64_t> version;              // per group: the version taken
+    std::deque<uint32_t> to_push;               // groups to push at the current step
+    std::deque<Merge> merges;                   // oldest first
+    std::deque<server::PendingUpdate> uploads;  // on the uplink, in order
+    std::optional<uint32_t> pulling;            // the group on the downlink
+    std::vector<std::vector<float>> pulled;     // its layers (others empty)
+    bool wants_grant = false;       // start_group answered WAIT: asked again when the core changes
+    bool wants_upload = false;      // a merge waits for its push to be submitted
+    bool ask_after_upload = false;  // the next task is asked for once the uploads are in
+    absl::Duration last_step;       // the last step's compute time
+    absl::Duration pushed_at;       // when the last group push became ready
+    uint64_t tokens = 0;
+    double loss_sum = 0;
+    uint32_t segments = 0;
+    double compute_seconds = 0;
+  };
   // A computed round: its update (computed when its compute starts) and its task's shard.
   struct Round {
     server::PendingUpdate update;
@@ -272,6 +314,7 @@ class Simulator::Engine {
     absl::Duration joined_at;
     absl::Duration compute_time;
     absl::Duration present_time;
+    Stream stream;  // partial synchronization (K > 1) only
   };
 
   // Round events (each leads to a push), membership and lease-expiry events can change the
@@ -320,6 +363,20 @@ class Simulator::Engine {
   void FinishStats();
   absl::Status MaybeEvaluate();
   absl::Status EvaluateNow();
+  // --- Partial synchronization (K > 1): the streaming round (see Stream).
+  bool streaming() const { return core_->num_layer_groups() > 1; }
+  absl::Status StreamTask(Worker& w, const v1::Task& task);
+  // Runs the worker's next action: a merge that is due, a group push, a segment of steps, or
+  // the next task.
+  absl::Status Advance(Worker& w);
+  absl::Status TrainSegment(Worker& w, uint32_t steps);
+  absl::Status OnSegmentDone(Worker& w);
+  absl::Status PushGroup(Worker& w, uint32_t group);
+  absl::Status OnGroupUploaded(Worker& w);
+  // start_group, then the pull of the group (or WAIT: wants_grant).
+  absl::Status TakeGroup(Worker& w);
+  absl::Status OnGroupPulled(Worker& w);
+  absl::StatusOr<SyncSchedule> ScheduleFor(const Worker& w, uint32_t period) const;
 
   const v1::ServerConfig config_;
   const SimulatorOptions options_;
@@ -335,6 +392,11 @@ class Simulator::Engine {
   absl::Duration heartbeat_period_;
   uint64_t pull_bytes_ = 0;
   uint64_t push_bytes_ = 0;
+  // Per layer group: its layers, parameters and transfer bytes (K > 1).
+  std::vector<std::vector<uint32_t>> group_layers_;
+  std::vector<uint64_t> group_params_;
+  std::vector<uint64_t> group_pull_bytes_;
+  std::vector<uint64_t> group_push_bytes_;
   // The server link's directions (pushes in, pulls out), when there is one.
   std::optional<Link> server_up_;
   std::optional<Link> server_down_;
@@ -453,6 +515,22 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
                                         clock_, executor_, metrics));
   pull_bytes_ = PullBytes(core_->spec());
   push_bytes_ = PushBytes(core_->spec(), config_.transport());
+  if (streaming()) {
+    if (options_.overlap != Overlap::kOff) {
+      return absl::InvalidArgumentError(
+          "overlap is not used with layer groups (partial_sync.groups > 1): the group pushes "
+          "overlap the training");
+    }
+    group_layers_ = LayersOfGroups(core_->layer_groups());
+    for (const std::vector<uint32_t>& layers : group_layers_) {
+      const std::vector<size_t> ids(layers.begin(), layers.end());
+      uint64_t params = 0;
+      for (uint32_t l : layers) params += core_->spec().layers(static_cast<int>(l)).num_elements();
+      group_params_.push_back(params);
+      group_pull_bytes_.push_back(PullBytes(core_->spec(), ids));
+      group_push_bytes_.push_back(PushBytes(core_->spec(), config_.transport(), ids));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -471,6 +549,7 @@ absl::Status Simulator::Engine::After(Worker& w, absl::Duration at, EventKind ki
 
 bool Simulator::Engine::AnyWaiting() const {
   for (const Worker& w : workers_) {
+    if (w.stream.wants_grant && w.state == State::kTraining) return true;
     if (w.state == State::kWaiting) return true;
   }
   return false;
@@ -615,6 +694,9 @@ absl::Status Simulator::Engine::Handle(const Event& event) {
     case EventKind::kComputed:
     case EventKind::kUploaded:
     case EventKind::kAheadDeadline:
+    case EventKind::kSegmentDone:
+    case EventKind::kGroupUploaded:
+    case EventKind::kGroupPulled:
       // A round event that went stale (leave, crash) was already uncounted by EndMembership, a
       // deadline of a hold that ended by EndHold.
       if (event.epoch != w.epoch || w.state != State::kTraining) return absl::OkStatus();
@@ -657,6 +739,12 @@ absl::Status Simulator::Engine::Dispatch(Worker& w, EventKind kind) {
       w.ahead_held = false;
       ++w.ahead_token;
       return EndCommunication(w);
+    case EventKind::kSegmentDone:
+      return OnSegmentDone(w);
+    case EventKind::kGroupUploaded:
+      return OnGroupUploaded(w);
+    case EventKind::kGroupPulled:
+      return OnGroupPulled(w);
     default:
       return absl::InternalError("not a round event");
   }
@@ -700,6 +788,7 @@ absl::Status Simulator::Engine::Ask(Worker& w, bool allow_rejoin) {
       EnsureTick();
       return absl::OkStatus();
     case v1::Task::TRAIN:
+      if (streaming()) return StreamTask(w, *task);
       return StartTraining(w, *task);
     case v1::Task::STOP: {
       v1::LeaveRequest leave;
@@ -970,6 +1059,7 @@ void Simulator::Engine::EndMembership(Worker& w) {
   w.communicating = false;
   w.ahead_held = false;
   ++w.ahead_token;
+  w.stream = Stream();
   w.state = State::kAbsent;
   w.id = 0;
   ++w.epoch;
@@ -981,6 +1071,12 @@ absl::Status Simulator::Engine::WakeWaiters() {
   while (changed) {
     changed = false;
     for (Worker& w : workers_) {
+      if (w.stream.wants_grant && w.state == State::kTraining) {
+        w.stream.wants_grant = false;
+        ALOE_RETURN_IF_ERROR(TakeGroup(w));
+        if (!w.stream.wants_grant) changed = true;
+        continue;
+      }
       if (w.ahead_held) {
         ALOE_RETURN_IF_ERROR(AskAhead(w));
         if (!w.ahead_held) changed = true;
@@ -1051,6 +1147,369 @@ absl::Status Simulator::Engine::EvaluateNow() {
     result_.rows.push_back(std::move(eval));
   }
   return absl::OkStatus();
+}
+
+// --- Partial synchronization: the streaming round ------------------------------------------
+
+absl::StatusOr<SyncSchedule> Simulator::Engine::ScheduleFor(const Worker& w,
+                                                            uint32_t period) const {
+  const v1::PartialSyncConfig& partial = config_.partial_sync();
+  const uint32_t groups = core_->num_layer_groups();
+  switch (partial.schedule()) {
+    case v1::SYNC_SCHEDULE_EQUAL_NUMBER:
+      return EqualNumberSchedule(groups, period);
+    case v1::SYNC_SCHEDULE_DREAMDDP: {
+      // The worker's profile: its mean step time and its link (a worker without a link model
+      // hides everything: the search puts every group at the first step).
+      double step = 0;
+      for (absl::Duration d : w.cycle) step += absl::ToDoubleSeconds(d);
+      step /= static_cast<double>(std::max<size_t>(1, w.cycle.size()));
+      LinkProfile link{std::numeric_limits<double>::max(), 0};
+      if (!options_.links.empty()) {
+        const LinkSpec& l = options_.links[options_.links.size() == 1 ? 0 : w.index];
+        link.bytes_per_second = std::min(l.up_bytes_per_second, l.down_bytes_per_second);
+        if (!std::isfinite(link.bytes_per_second)) {
+          link.bytes_per_second = std::numeric_limits<double>::max();
+        }
+        link.round_trip_seconds = 2 * l.latency_seconds;
+      }
+      const double bytes_per_value =
+          static_cast<double>(push_bytes_ + pull_bytes_) / 2 /
+          static_cast<double>(std::max<uint64_t>(1, pull_bytes_ / sizeof(float)));
+      ALOE_ASSIGN_OR_RETURN(UnitCosts costs,
+                            UnitCostsFromProfile(step, group_params_, bytes_per_value, link));
+      return DreamDdpSchedule(costs, period, partial.fill_bubbles());
+    }
+    default:
+      return StridedSchedule(groups, period);
+  }
+}
+
+absl::Status Simulator::Engine::StreamTask(Worker& w, const v1::Task& task) {
+  Stream& s = w.stream;
+  w.state = State::kTraining;
+  if (s.held.empty()) {
+    // Cold start: every group is taken and pulled before the first step.
+    const uint32_t groups = core_->num_layer_groups();
+    s.held.assign(groups, false);
+    s.version.assign(groups, 0);
+    s.global.assign(core_->spec().layers_size(), {});
+    for (uint32_t g = 0; g < groups; ++g) s.merges.push_back(Merge{g, 0, true, true});
+  }
+  // The step count: H, or the A-EDiT budget's steps (known here from the step times).
+  const uint32_t cap = std::max<uint32_t>(1, task.local_steps());
+  uint32_t steps = cap;
+  if (task.time_budget_seconds() > 0) {
+    const absl::Duration budget = absl::Seconds(task.time_budget_seconds());
+    absl::Duration duration;
+    size_t cursor = w.cursor;
+    steps = 0;
+    while (steps < cap && (steps == 0 || duration < budget)) {
+      duration += w.cycle[cursor];
+      cursor = (cursor + 1) % w.cycle.size();
+      ++steps;
+    }
+  }
+  ALOE_ASSIGN_OR_RETURN(SyncSchedule schedule, ScheduleFor(w, steps));
+  s.task = task;
+  s.period = steps;
+  // The period is cyclic: a schedule whose last steps push nothing is shifted so that its last
+  // push follows the task's last step, which ends the task (its push without task_continues).
+  s.syncs.assign(steps, {});
+  int last = static_cast<int>(steps) - 1;
+  while (last > 0 && schedule.syncs[last].empty()) --last;
+  const uint32_t shift = steps - 1 - static_cast<uint32_t>(last);
+  for (uint32_t h = 0; h + shift < steps; ++h) s.syncs[h + shift] = std::move(schedule.syncs[h]);
+  s.step = 0;
+  s.tokens = 0;
+  s.loss_sum = 0;
+  s.segments = 0;
+  s.compute_seconds = 0;
+  return Advance(w);
+}
+
+absl::Status Simulator::Engine::Advance(Worker& w) {
+  Stream& s = w.stream;
+  if (s.pulling.has_value() || s.wants_grant || s.segment > 0) return absl::OkStatus();
+  s.wants_upload = false;
+  // The groups of the step just done go out first, each as its backward ends (in backward
+  // order, queued on the uplink); a group is pushed only against a copy taken after its last
+  // push: an older merge of it comes first.
+  while (!s.to_push.empty()) {
+    const uint32_t g = s.to_push.front();
+    bool merged = true;
+    for (Merge& m : s.merges) {
+      if (m.group == g) m.due = 0, merged = false;
+    }
+    if (!merged) break;
+    s.to_push.pop_front();
+    ALOE_RETURN_IF_ERROR(PushGroup(w, g));
+  }
+  std::stable_sort(s.merges.begin(), s.merges.end(),
+                   [](const Merge& a, const Merge& b) { return a.due < b.due; });
+  if (!s.merges.empty() && s.merges.front().due <= s.total_steps) {
+    if (!s.merges.front().pushed) {
+      s.wants_upload = true;  // OnGroupUploaded goes on
+      return absl::OkStatus();
+    }
+    return TakeGroup(w);
+  }
+  if (s.step < s.period) {
+    uint32_t stop = s.step + 1;
+    while (stop < s.period && s.syncs[stop - 1].empty()) ++stop;
+    if (!s.merges.empty()) {
+      const uint64_t due = s.merges.front().due;
+      stop = std::min<uint64_t>(stop, s.step + std::max<uint64_t>(1, due - s.total_steps));
+    }
+    return TrainSegment(w, stop - s.step);
+  }
+  // The task is done (its last push went with its last step): the next one. While that push
+  // is on its way the open task is still this one: the next comes as a look-ahead task.
+  const uint64_t done = s.task->task_id();
+  s.task.reset();
+  if (!s.uploads.empty()) {
+    v1::TaskRequest request;
+    request.set_worker_id(w.id);
+    request.set_ahead(true);
+    absl::StatusOr<v1::Task> next = core_->RequestTask(request);
+    if (next.ok() && next->kind() == v1::Task::TRAIN && next->task_id() != done) {
+      return StreamTask(w, *next);
+    }
+    // STOP, draining or an error: wait for the push, then ask as usual.
+    s.wants_upload = true;
+    s.ask_after_upload = true;
+    return absl::OkStatus();
+  }
+  w.state = State::kWaiting;
+  return Ask(w);
+}
+
+absl::Status Simulator::Engine::TrainSegment(Worker& w, uint32_t steps) {
+  Stream& s = w.stream;
+  const v1::Task& task = *s.task;
+  absl::Duration duration;
+  for (uint32_t i = 0; i < steps; ++i) {
+    duration += w.cycle[w.cursor];
+    s.last_step = w.cycle[w.cursor];
+    w.cursor = (w.cursor + 1) % w.cycle.size();
+  }
+  TrainRequest train;
+  train.shard_name = task.shard_name();
+  if (options_.open_shard) {
+    absl::StatusOr<const TokenSource*> data = options_.open_shard(task.shard_file());
+    if (!data.ok()) {
+      return absl::Status(data.status().code(),
+                          absl::StrCat(Where(w), ": training data: ", data.status().message()));
+    }
+    train.data = *data;
+  }
+  train.steps = steps;
+  train.lr_step = task.lr_step() + s.step;
+  train.seed = task.seed() + 0x9E3779B97F4A7C15ull * s.step;
+  absl::StatusOr<TrainStats> stats = w.trainer->Train(train);
+  if (!stats.ok()) {
+    return absl::Status(stats.status().code(),
+                        absl::StrCat(Where(w), ": training failed: ", stats.status().message()));
+  }
+  s.tokens += stats->tokens;
+  s.loss_sum += stats->mean_loss;
+  ++s.segments;
+  s.compute_seconds += absl::ToDoubleSeconds(duration);
+  s.segment = steps;
+  s.segment_seconds = duration;
+  w.compute_running = true;
+  w.compute_start = Now();
+  Schedule(Now() + duration, EventKind::kSegmentDone, w.index, w.epoch);
+  ++w.pending;
+  return absl::OkStatus();
+}
+
+absl::Status Simulator::Engine::OnSegmentDone(Worker& w) {
+  Stream& s = w.stream;
+  w.compute_running = false;
+  w.compute_time += Now() - w.compute_start;
+  s.step += s.segment;
+  s.total_steps += s.segment;
+  s.segment = 0;
+  for (uint32_t g : s.syncs[s.step - 1]) s.to_push.push_back(g);
+  s.syncs[s.step - 1].clear();  // a segment that stopped for a merge comes back here
+  return Advance(w);
+}
+
+absl::Status Simulator::Engine::PushGroup(Worker& w, uint32_t group) {
+  Stream& s = w.stream;
+  const v1::Task& task = *s.task;
+  server::PendingUpdate u;
+  ALOE_RETURN_IF_ERROR(w.trainer->PseudoGradient(s.global, &u.layers));
+  std::vector<bool> in_group(u.layers.size(), false);
+  for (uint32_t l : group_layers_[group]) in_group[l] = true;
+  for (size_t l = 0; l < u.layers.size(); ++l) {
+    if (!in_group[l]) u.layers[l].clear();
+  }
+  u.worker_id = w.id;
+  u.task_id = task.task_id();
+  u.update_id = w.next_update_id++;
+  u.base_version = s.version[group];
+  u.group = group;
+  // The task's last push carries its steps, tokens, loss and compute time.
+  u.task_continues = s.step < s.period || !s.to_push.empty();
+  u.steps_done = s.step;
+  u.tokens_learned = u.task_continues ? 0 : s.tokens;
+  u.train_loss = s.loss_sum / std::max<uint32_t>(1, s.segments);
+  u.compute_seconds = s.compute_seconds;
+  s.uploads.push_back(std::move(u));
+  s.merges.push_back(
+      Merge{group, s.total_steps + config_.partial_sync().merge_delay_steps(), false, false});
+  s.held[group] = false;
+  // Backward runs from the last group to the first: group g's push can start once its own
+  // backward is done, before the step's end by the backward time of the groups below it
+  // (backward = 2/3 of a step, split by parameters, as common/sync_schedule.h models it).
+  uint64_t below = 0, total = 0;
+  for (size_t g = 0; g < group_params_.size(); ++g) {
+    total += group_params_[g];
+    if (g < group) below += group_params_[g];
+  }
+  const double share =
+      static_cast<double>(below) / static_cast<double>(std::max<uint64_t>(1, total));
+  const absl::Duration ready = std::max(s.pushed_at, Now() - s.last_step * (2.0 / 3.0 * share));
+  s.pushed_at = ready;
+  const absl::Duration arrival =
+      w.up.Enqueue(group_push_bytes_[group], ready, server_up_ ? &*server_up_ : nullptr);
+  return After(w, std::max(Now(), arrival), EventKind::kGroupUploaded);
+}
+
+absl::Status Simulator::Engine::OnGroupUploaded(Worker& w) {
+  Stream& s = w.stream;
+  server::PendingUpdate update = std::move(s.uploads.front());
+  s.uploads.pop_front();
+  const uint32_t group = update.group;
+  const bool ends_task = !update.task_continues;
+  const uint32_t steps = update.steps_done;
+  const double seconds = update.compute_seconds;
+  const uint64_t base = update.base_version;
+  const uint64_t before = core_->group_version(group);
+  SimRow row;
+  row.virtual_seconds = absl::ToDoubleSeconds(Now());
+  row.worker = w.index;
+  row.shard = s.task.has_value() ? s.task->shard_name() : "";
+  row.steps = ends_task ? steps : 0;
+  absl::StatusOr<v1::PushReply> reply = core_->SubmitUpdate(std::move(update));
+  if (reply.ok()) {
+    row.version = reply->version();
+    row.outcome = reply->applied() ? SimRow::Outcome::kApplied : SimRow::Outcome::kAccepted;
+    row.staleness = reply->staleness();
+    ++result_.updates_per_worker[w.index];
+  } else {
+    row.version = core_->version();
+    row.outcome = SimRow::Outcome::kRejected;
+    row.staleness = before - std::min(before, base);
+    ++result_.rejected_per_worker[w.index];
+    result_.rejections.push_back(absl::StrCat(Where(w), ": ", reply.status().ToString()));
+  }
+  result_.rows.push_back(std::move(row));
+  if (result_.rows.back().outcome == SimRow::Outcome::kApplied) {
+    applied_row_[result_.rows.back().version] = result_.rows.size() - 1;
+  }
+  if (ends_task) {
+    result_.total_local_steps += steps;
+    w.steps_per_second = seconds > 0 ? steps / seconds : 0;
+    v1::HeartbeatRequest heartbeat;
+    heartbeat.set_worker_id(w.id);
+    heartbeat.set_steps_per_second(w.steps_per_second);
+    (void)core_->Heartbeat(heartbeat);
+  }
+  for (Merge& m : s.merges) {
+    if (m.group == group && !m.pushed) {
+      m.pushed = true;
+      // A refused push: the group is taken again as it is, at once.
+      if (!reply.ok()) m.replace = true, m.due = 0;
+      break;
+    }
+  }
+  if (s.ask_after_upload && s.uploads.empty()) {
+    s.ask_after_upload = false;
+    s.wants_upload = false;
+    w.state = State::kWaiting;
+    return Ask(w);
+  }
+  if (s.wants_upload && !s.ask_after_upload) return Advance(w);
+  return absl::OkStatus();
+}
+
+absl::Status Simulator::Engine::TakeGroup(Worker& w) {
+  Stream& s = w.stream;
+  const uint32_t group = s.merges.front().group;
+  v1::TaskRequest request;
+  request.set_worker_id(w.id);
+  request.set_start_group(true);
+  request.set_group(group);
+  absl::StatusOr<v1::Task> granted = core_->RequestTask(request);
+  if (!granted.ok()) {
+    if (granted.status().code() == absl::StatusCode::kNotFound) {
+      EndMembership(w);
+      return Join(w);
+    }
+    return absl::Status(
+        granted.status().code(),
+        absl::StrCat(Where(w), ": start_group failed: ", granted.status().message()));
+  }
+  if (granted->kind() == v1::Task::WAIT) {
+    s.wants_grant = true;
+    EnsureTick();
+    return absl::OkStatus();
+  }
+  if (granted->kind() == v1::Task::STOP) {
+    v1::LeaveRequest leave;
+    leave.set_worker_id(w.id);
+    (void)core_->Leave(leave);
+    EndMembership(w);
+    return absl::OkStatus();
+  }
+  // The pull streams the group's current layers (the core's by_group pull).
+  const server::ModelSnapshot snapshot = core_->Snapshot();
+  s.pulled.assign(snapshot.layers.size(), {});
+  for (uint32_t l : group_layers_[group]) s.pulled[l] = *snapshot.layers[l];
+  s.version[group] = snapshot.group_versions[group];
+  s.pulling = group;
+  return After(
+      w, w.down.Enqueue(group_pull_bytes_[group], Now(), server_down_ ? &*server_down_ : nullptr),
+      EventKind::kGroupPulled);
+}
+
+absl::Status Simulator::Engine::OnGroupPulled(Worker& w) {
+  Stream& s = w.stream;
+  const uint32_t group = *s.pulling;
+  s.pulling.reset();
+  const Merge merge = s.merges.front();
+  s.merges.pop_front();
+  const bool cold =
+      std::find(s.global.begin(), s.global.end(), std::vector<float>()) != s.global.end();
+  if (cold) {
+    for (uint32_t l : group_layers_[group]) s.global[l] = std::move(s.pulled[l]);
+    s.held[group] = true;
+    if (std::find(s.global.begin(), s.global.end(), std::vector<float>()) == s.global.end()) {
+      ALOE_RETURN_IF_ERROR(w.trainer->SetParameters(s.global));
+    }
+    return Advance(w);
+  }
+  // Streaming DiLoCo's merge: local = alpha * local + (1 - alpha) * global (alpha = 0 replaces).
+  std::vector<std::vector<float>> local;
+  ALOE_RETURN_IF_ERROR(w.trainer->PseudoGradient(s.global, &local));  // global - local
+  for (size_t l = 0; l < local.size(); ++l) {
+    for (size_t i = 0; i < local[l].size(); ++i) local[l][i] = s.global[l][i] - local[l][i];
+  }
+  const float alpha =
+      merge.replace ? 0.0f : static_cast<float>(config_.partial_sync().mixing_alpha());
+  for (uint32_t l : group_layers_[group]) {
+    std::vector<float>& fresh = s.pulled[l];
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      local[l][i] = alpha * local[l][i] + (1 - alpha) * fresh[i];
+    }
+    s.global[l] = std::move(fresh);
+  }
+  s.held[group] = true;
+  ALOE_RETURN_IF_ERROR(w.trainer->SetParameters(local));
+  return Advance(w);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -794,5 +794,88 @@ TEST(FormatCsvTest, WritesEveryColumnAndQuotesWhenNeeded) {
             "1.250000,1,3,2,\"a,b\",20,,rejected\n");
 }
 
+// --- Partial synchronization (layer groups): the streaming round.
+
+v1::ServerConfig GroupConfig(uint32_t groups) {
+  v1::ServerConfig config = OneWorkerConfig();
+  config.set_local_steps(4);
+  config.mutable_partial_sync()->set_groups(groups);
+  config.set_max_versions(4);
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
+  return config;
+}
+
+TEST(SimulatorStreamingTest, GroupsArePushedAtTheirStridedStepsAndVersionPerPush) {
+  // H = 4 steps of 1 s, K = 2 strided: group 0 after step 2, group 1 after step 4 (the task's
+  // last push). Instant transfers; every push is its own outer step (async, grace 0).
+  auto result = RunSynthetic(GroupConfig(2), Options({1}));
+  ASSERT_THAT(result, IsOk());
+  const auto rows = RowsOf(*result, 0);
+  ASSERT_EQ(rows.size(), 4u);
+  const double times[] = {2, 4, 6, 8};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_NEAR(rows[i]->virtual_seconds, times[i], 1e-9) << i;
+    EXPECT_EQ(rows[i]->version, static_cast<uint64_t>(i + 1));
+    EXPECT_EQ(rows[i]->outcome, SimRow::Outcome::kApplied);
+    EXPECT_EQ(rows[i]->steps, i % 2 == 1 ? 4u : 0u);  // the task's steps count with its last push
+  }
+  EXPECT_EQ(result->total_local_steps, 8u);
+  EXPECT_EQ(result->rejected_per_worker[0], 0u);
+  EXPECT_LT(result->final_eval_loss, result->rows.front().eval_loss.value_or(1e9));
+}
+
+TEST(SimulatorStreamingTest, ASyncGroupRoundHoldsTheFastWorkerAtItsMerge) {
+  v1::ServerConfig config = GroupConfig(2);
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_SYNC);
+  config.mutable_aggregation()->set_min_workers(2);
+  config.set_max_versions(4);
+  // Worker 0 steps in 1 s, worker 1 in 2 s: group 0's round closes when worker 1 pushes it
+  // after its 2nd step (t = 4); worker 0 pushed group 0 at t = 2 and goes on training; it takes
+  // group 0 again before pushing it in its next task (after its step 6, t = 6), so it is not held.
+  // Group 1 (after step 4): worker 0 at t = 4, worker 1 at t = 8; both rounds then close.
+  auto result = RunSynthetic(config, Options({1, 0.5}));
+  ASSERT_THAT(result, IsOk());
+  const auto fast = RowsOf(*result, 0);
+  const auto slow = RowsOf(*result, 1);
+  ASSERT_GE(fast.size(), 2u);
+  ASSERT_GE(slow.size(), 2u);
+  EXPECT_NEAR(fast[0]->virtual_seconds, 2, 1e-9);
+  EXPECT_EQ(fast[0]->outcome, SimRow::Outcome::kAccepted);
+  EXPECT_NEAR(slow[0]->virtual_seconds, 4, 1e-9);
+  EXPECT_EQ(slow[0]->outcome, SimRow::Outcome::kApplied);
+  EXPECT_NEAR(slow[1]->virtual_seconds, 8, 1e-9);
+  EXPECT_EQ(slow[1]->version, 2u);
+  // The fast worker's next group 0 push waits for group 0's round: it took the group (and
+  // its merge) only once the round closed at t = 4, so it cannot be earlier than that.
+  ASSERT_GE(fast.size(), 3u);
+  EXPECT_GE(fast[2]->virtual_seconds, 6 - 1e-9);
+  EXPECT_EQ(result->rejected_per_worker[0] + result->rejected_per_worker[1], 0u);
+}
+
+TEST(SimulatorStreamingTest, DelayedMergesHideGroupPushesBehindComputeOnASlowLink) {
+  // The same 32 local steps on a link where the whole model takes 4 s each way (steps of 1 s).
+  // Whole-model rounds stop for a pull and a push; four groups merged 2 steps after their push
+  // (Streaming DiLoCo's tau) move one group at a time while the worker trains.
+  auto run = [](uint32_t groups) {
+    v1::ServerConfig config = GroupConfig(groups);
+    config.set_max_versions(0);
+    config.set_local_steps(8);
+    config.mutable_partial_sync()->set_merge_delay_steps(2);
+    SimulatorOptions options = Options({1});
+    options.links = {SlowLink(config)};
+    options.max_local_steps = 32;
+    auto result = RunSynthetic(config, options);
+    EXPECT_THAT(result, IsOk());
+    return *result;
+  };
+  const SimResult whole = run(1);
+  const SimResult four = run(4);
+  EXPECT_EQ(whole.total_local_steps, 32u);
+  EXPECT_EQ(four.total_local_steps, 32u);
+  EXPECT_EQ(four.rejected_per_worker[0], 0u);
+  EXPECT_LT(four.virtual_seconds, whole.virtual_seconds);
+  EXPECT_GT(four.workers[0].utilization, whole.workers[0].utilization);
+}
+
 }  // namespace
 }  // namespace aloe::sim
