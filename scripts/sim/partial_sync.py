@@ -71,8 +71,9 @@ Outputs in --out (default out/partial-sync):
   utilization_vs_bandwidth.png, summary.md
   runs/<run_id>/   config.textproto, sim.csv, workers.csv, log.txt
 
-Metrics: status ok | refused (aloe-sim rejected a K > 1 config: it does not simulate layer
-groups) | failed | skipped (--max_minutes passed before it started). tail_perplexity = mean
+Metrics: status ok | refused (aloe-sim rejected a K > 1 config) | rejected (it ran, but no
+push was applied: e.g. whole-model pushes against a server with layer groups) | failed |
+skipped (--max_minutes passed before it started); only ok runs have metrics. tail_perplexity = mean
 perplexity of the evaluations in the last 10% of the local steps (what the findings use: single
 evaluations of a small model move by a few percent). time_to_target = virtual seconds to the
 first evaluation at or below target_loss = the policy's K = 1 final loss + ln(1.02) (2%
@@ -142,10 +143,6 @@ class Cell(grid.Run):
         rate = "inf" if math.isinf(self.rate_mbit) else grid._fmt(self.rate_mbit)
         return f"{rate}:{grid._fmt(self.latency_ms)}"
 
-    def key(self):
-        """The cell without its seed (seeds of one key are averaged)."""
-        return (self.policy, self.rate_mbit, self.groups, self.schedule, self.fill_bubbles)
-
 
 def rate_label(rate):
     return "inf" if math.isinf(rate) else f"{grid._fmt(rate)} Mbit/s"
@@ -188,12 +185,13 @@ def build_cells(s, seeds, configs_dir, corpus_dir):
                 for k, schedule, fill in variants:
                     tau, alpha = ((s.merge_delay_steps, s.mixing_alpha) if schedule == "strided"
                                   else (0, 0.0))
-                    rate_id = "inf" if math.isinf(rate) else grid._fmt(rate)
-                    rid = (f"{policy}-{rate_id}mbit-k{k}-{schedule}{'-fill' if fill else ''}"
-                           f"-s{seed}")
+                    rid = (f"{policy}-{rate_label(rate).replace(' Mbit/s', 'mbit')}-k{k}-"
+                           f"{schedule}{'-fill' if fill else ''}-s{seed}")
                     header = (f"{rid}: {grid.POLICIES[policy].description}; K = {k}, schedule "
                               f"{schedule}{' with bubble filling' if fill else ''}, links "
                               f"{rate_label(rate)}")
+                    if grid.POLICIES[policy].mode == "async":
+                        header += "\nhere the grace is half a step (aggregation below)"
                     per_round = k if grid.POLICIES[policy].mode == "sync" else workers * k
                     cells.append(Cell(
                         "partial-sync", rid, policy, seed, s.trainer, workers, s.local_steps,
@@ -233,10 +231,23 @@ def _why(error):
     return re.sub(r"^E [0-9:.]+ \[\w+\] ", "", errors[0])[:240]
 
 
+def _first_rejection(log_path):
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = re.search(r"rejected push: (.*)$", line)
+                if m:
+                    return m.group(1)[:240]
+    except OSError:
+        pass
+    return "no push was applied"
+
+
 def run_cells(backend, cells, out_dir, jobs, reuse, deadline):
     """Runs every cell (`jobs` at a time) with progress lines; returns [(cell, run_dir, info)]
     in grid order. info["status"]: ok, refused (a K > 1 config aloe-sim rejected), failed or
-    skipped (not started before `deadline`, a time.monotonic() value or None)."""
+    skipped (not started before `deadline`, a time.monotonic() value or None); collect() may
+    turn ok into rejected."""
     start = time.monotonic()
     done = [0]
 
@@ -277,6 +288,11 @@ def collect(cell, run_dir, info):
         return row, []
     rows = analysis.read_rows(os.path.join(run_dir, "sim.csv"))
     m = analysis.run_metrics(rows, cell.capacity(), cli.tokens_per_step(cell.config_text))
+    if m["versions"] == 0:
+        # Nothing to compare: e.g. an aloe-sim whose workers push the whole model to a server
+        # with layer groups, which rejects every push.
+        row.update(status="rejected", note=_first_rejection(os.path.join(run_dir, "log.txt")))
+        return row, []
     for key in ("local_steps", "versions", "virtual_seconds", "final_eval_loss",
                 "final_perplexity", "tail_perplexity"):
         row[key] = m[key]
@@ -455,7 +471,8 @@ def main(argv=None):
     print(f"{PROG}: done in {meta['wall_seconds']:.0f} s; {out_dir}/summary.md")
     for name, verdict, text in checks:
         print(f"  {verdict}: {name}: {text}")
-    failed = [r["row"]["run_id"] for r in results if r["row"]["status"] == "failed"]
+    failed = [r["row"]["run_id"] for r in results if r["row"]["groups"] == 1
+              and r["row"]["status"] not in ("ok", "skipped")]
     if failed:
         print(f"{PROG}: {len(failed)} K = 1 run(s) failed: {', '.join(failed)} (see their "
               "log.txt)", file=sys.stderr)

@@ -232,6 +232,9 @@ def finding_a(results, compare_k):
         t = [mean(c, "virtual_seconds") for c in (base, enp, dd)]
         p = [mean(c, "tail_perplexity") for c in (base, enp, dd)]
         tt = [mean(c, "time_to_target") for c in (base, enp, dd)]
+        if None in t or None in p:
+            parts.append(f"{policy}: not compared (a run has no time or perplexity)")
+            continue
         ok = (t[1] < t[0] and t[2] < t[0] and p[1] <= (1 + SAME_PPL) * p[0]
               and p[2] <= (1 + SAME_PPL) * p[0] and t[2] <= t[1] * 1.001
               and p[2] <= (1 + SAME_PPL) * p[1])
@@ -272,13 +275,14 @@ def finding_b(results):
             if missing:
                 parts.append(f"{policy} K={k}: not compared ({'; '.join(missing)})")
                 continue
-            deltas = []
-            for rate in rates:
-                p1 = mean(cells[(policy, rate, 1, "full", False)], "tail_perplexity")
-                pk = mean(cells[(policy, rate, k, "strided", False)], "tail_perplexity")
-                deltas.append(pk / p1 - 1)
+            ppl = {(rate, g): mean(cells[(policy, rate, g, s, False)], "tail_perplexity")
+                   for rate in rates for g, s in ((1, "full"), (k, "strided"))}
             peak1 = mean(cells[(policy, high, 1, "full", False)], "peak_up_max")
             peakk = mean(cells[(policy, high, k, "strided", False)], "peak_up_max")
+            if None in ppl.values() or None in (peak1, peakk):
+                parts.append(f"{policy} K={k}: not compared (a run has no perplexity or peak)")
+                continue
+            deltas = [ppl[(rate, k)] / ppl[(rate, 1)] - 1 for rate in rates]
             cut = peak1 / peakk if peakk else math.inf
             ok = all(d <= STREAMING_PPL for d in deltas) and cut >= PEAK_SHARE * k
             oks.append(ok)
@@ -377,10 +381,12 @@ def write_summary(out_dir, results, meta, plots):
         + " (the policy's K = 1 final loss + ln 1.02 unless --target_loss).", "",
         _table(results), "",
     ]
-    refused = [r["row"] for r in results if r["row"]["status"] == "refused"]
-    if refused:
-        lines += [f"{len(refused)} K > 1 runs were refused by this aloe-sim (it does not simulate "
-                  f"layer-group pushes), e.g. {refused[0]['run_id']}: {refused[0]['note']}", ""]
+    for status, what in (("refused", "were refused by this aloe-sim"),
+                         ("rejected", "ran without a single push applied")):
+        bad = [r["row"] for r in results if r["row"]["status"] == status]
+        if bad:
+            lines += [f"{len(bad)} runs {what} (it does not simulate layer-group pushes), e.g. "
+                      f"{bad[0]['run_id']}: {bad[0]['note']}", ""]
     straggler_report.write_markdown(os.path.join(out_dir, "summary.md"), lines, "Findings",
                                     [(v, name, text) for name, v, text in checks], plots)
     return checks
