@@ -116,19 +116,26 @@ def _values(results, family, key):
 # Plots
 
 
-def write_plots(out_dir, results):
-    """Writes the PNGs for the families present; returns their file names."""
+def plot_saver(out_dir, written):
+    """pyplot on the Agg back end, and save(fig, name): writes `fig` to out_dir/name at the
+    plots' resolution, closes it and appends name to `written`. Returns (pyplot, save)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    written = []
 
     def save(fig, name):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=90)
         plt.close(fig)
         written.append(name)
+
+    return plt, save
+
+
+def write_plots(out_dir, results):
+    """Writes the PNGs for the families present; returns their file names."""
+    written = []
+    plt, save = plot_saver(out_dir, written)
 
     first_seed = min((r["row"]["seed"] for r in results), default=1)
     het = [r for r in results if r["row"]["family"] == "heterogeneity"
@@ -495,14 +502,21 @@ def write_summary(out_dir, results, meta, plots, backend="sim"):
         lines += [_table(header, body), ""]
 
     checks = findings(results, backend)
-    if checks:
-        lines += ["## Paper findings", ""]
-        for name, ok, text in checks:
-            verdict = "holds" if ok else ("not checked" if ok is None else "DOES NOT HOLD")
-            lines.append(f"- **{verdict}**: {name}. {text}.")
+    verdicts = [("holds" if ok else ("not checked" if ok is None else "DOES NOT HOLD"), name,
+                 text) for name, ok, text in checks]
+    write_markdown(os.path.join(out_dir, "summary.md"), lines, "Paper findings", verdicts, plots)
+    return checks
+
+
+def write_markdown(path, lines, findings_title, verdicts, plots):
+    """Writes `lines`, then a section `findings_title` with one bullet per (verdict, name, text)
+    (none without verdicts), then the plots' images, to `path`."""
+    lines = list(lines)
+    if verdicts:
+        lines += [f"## {findings_title}", ""]
+        lines += [f"- **{verdict}**: {name}. {text}." for verdict, name, text in verdicts]
         lines.append("")
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    with open(path, "w") as f:
         f.write("\n".join(lines))
-    return checks
