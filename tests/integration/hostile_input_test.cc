@@ -616,6 +616,42 @@ TEST_F(HostileInputTest, GroupPushesCarryExactlyTheirGroupsLayers) {
   group_version = client.PullGroup(joined.worker_id(), 0, spec_, groups, &pulled, &bytes);
   ASSERT_TRUE(group_version.ok()) << group_version.status();
   EXPECT_EQ(*group_version, 1u);
+
+  // aloe-worker's client pushes group 1 raw (only its layers' bytes), and the push without
+  // task_continues ends the task.
+  worker::ClientOptions raw_options = options;
+  raw_options.raw_push = true;
+  worker::ServerClient raw_client(raw_options);
+  ASSERT_TRUE(raw_client.SetShards({}, {}, push_address).ok());
+  granted = raw_client.StartGroup(joined.worker_id(), 1);
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  std::vector<std::vector<float>> g1(spec_.layers_size());
+  uint64_t group1_values = 0;
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    if (groups[l] != 1) continue;
+    g1[l].assign(spec_.layers(l).num_elements(), 0.002f);
+    group1_values += g1[l].size();
+  }
+  v1::PushHeader last = header;
+  last.set_update_id(2);
+  last.set_group(1);
+  last.set_task_continues(false);
+  const double raw_before = Scraped("aloe_raw_push_bytes_total");
+  uint64_t pushed = 0;
+  absl::StatusOr<v1::PushReply> reply =
+      raw_client.PushGroup(last, spec_, groups, g1, {}, 64, nullptr, &pushed);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->group_version(), 1u);
+  EXPECT_EQ(pushed, group1_values * sizeof(float));
+  EXPECT_EQ(Scraped("aloe_raw_push_bytes_total") - raw_before,
+            static_cast<double>(group1_values * sizeof(float)));
+  const std::vector<std::vector<float>> final_params = PullLatest(joined.worker_id());
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    const float step = groups[l] == 0 ? 0.5f * 0.001f : 0.5f * 0.002f;
+    for (size_t i = 0; i < final_params[l].size(); ++i) {
+      ASSERT_EQ(final_params[l][i], before[l][i] - step) << "layer " << l << " element " << i;
+    }
+  }
   EXPECT_TRUE(client.Leave(joined.worker_id()).ok());  // the server need not wait for its task
   server_->Signal(SIGTERM);
   EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
