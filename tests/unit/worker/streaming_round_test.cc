@@ -69,6 +69,12 @@ class GroupServer final : public ServerApi {
     absl::MutexLock lock(&mu_);
     stopped_ = true;
   }
+  // Every pull and push of a group takes `transfer` on `clock`.
+  void SetTransferTime(FakeClock* clock, absl::Duration transfer) {
+    absl::MutexLock lock(&mu_);
+    clock_ = clock;
+    transfer_ = transfer;
+  }
 
   v1::JoinReply JoinReply() const {
     v1::JoinReply reply;
@@ -148,6 +154,7 @@ class GroupServer final : public ServerApi {
     layers->resize(groups_);
     (*layers)[group] = params_[group];
     *bytes += kElements * sizeof(float);
+    if (clock_ != nullptr) clock_->Advance(transfer_);
     return versions_[group];
   }
   absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader& header, const v1::ModelSpec&,
@@ -158,6 +165,7 @@ class GroupServer final : public ServerApi {
                                           uint64_t* bytes) override {
     absl::MutexLock lock(&mu_);
     pushes_.push_back({header, layers});
+    if (clock_ != nullptr) clock_->Advance(transfer_);
     const uint32_t g = header.group();
     if (!push_errors_.empty()) {
       absl::Status error = push_errors_.front();
@@ -215,6 +223,8 @@ class GroupServer final : public ServerApi {
   std::vector<uint32_t> starts_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   int leaves_ ABSL_GUARDED_BY(mu_) = 0;
+  FakeClock* clock_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Duration transfer_ ABSL_GUARDED_BY(mu_);
 };
 
 // Each step subtracts 1 from every parameter. Records each Train call and the parameters it
@@ -238,6 +248,7 @@ class StepTrainer final : public TrainerInterface {
         for (float& p : layer) p -= 1;
       }
       ++stats.steps;
+      if (clock != nullptr) clock->Advance(absl::Seconds(1));
       if (++steps_ == stop_after && stop != nullptr) stop->store(true);
     }
     stats.tokens = stats.steps * 10;
@@ -262,6 +273,7 @@ class StepTrainer final : public TrainerInterface {
   std::vector<Call> calls;
   uint64_t stop_after = 0;
   std::atomic<bool>* stop = nullptr;
+  FakeClock* clock = nullptr;  // advanced 1 s per step when set
 
  private:
   std::vector<std::vector<float>> params_;
@@ -474,6 +486,37 @@ TEST_F(StreamingRoundsTest, SchedulesEndTheTaskWithAPush) {
   EXPECT_EQ(schedule->syncs, StridedSchedule(2, 4)->syncs);
 }
 
+// The non-empty steps' sets in order (a rotation keeps them).
+std::vector<std::vector<uint32_t>> SyncSets(const SyncSchedule& schedule) {
+  std::vector<std::vector<uint32_t>> sets;
+  for (const std::vector<uint32_t>& set : schedule.syncs) {
+    if (!set.empty()) sets.push_back(set);
+  }
+  return sets;
+}
+
+TEST_F(StreamingRoundsTest, DreamDdpPlansFromTheMeasuredStepTimeAndLinkRate) {
+  v1::PartialSyncConfig config;
+  config.set_schedule(v1::SYNC_SCHEDULE_DREAMDDP);
+  Start(2, config);
+  trainer_.clock = &clock_;
+  server_->SetTransferTime(&clock_, absl::Milliseconds(500));
+  ASSERT_THAT(rounds_->Run(TrainTask(1, 4), &data_), IsOk());
+  // Measured: 1 s a step; six transfers (two cold pulls, two pushes, two pulls) of 8 bytes in
+  // 0.5 s each: 16 bytes/s; start_group answered at once: no round trip.
+  absl::StatusOr<UnitCosts> costs =
+      UnitCostsFromProfile(1.0, std::vector<uint64_t>{kElements, kElements}, 4.0, {16.0, 0.0});
+  ASSERT_THAT(costs, IsOk());
+  absl::StatusOr<SyncSchedule> expected = DreamDdpSchedule(*costs, 4, false);
+  ASSERT_THAT(expected, IsOk());
+  absl::StatusOr<SyncSchedule> schedule = rounds_->ScheduleFor(4);
+  ASSERT_THAT(schedule, IsOk());
+  EXPECT_EQ(SyncSets(*schedule), SyncSets(*expected))
+      << schedule->ToString() << " vs " << expected->ToString();
+  EXPECT_FALSE(schedule->syncs.back().empty());
+  ASSERT_THAT(ValidateSchedule(*schedule), IsOk());
+}
+
 TEST_F(StreamingRoundsTest, TimeBudgetPlansTheStepsThatFitAtTheMeasuredSpeed) {
   Start(2);
   v1::Task task = TrainTask(1, 50);
@@ -481,6 +524,12 @@ TEST_F(StreamingRoundsTest, TimeBudgetPlansTheStepsThatFitAtTheMeasuredSpeed) {
   // Nothing measured: a short task of K steps.
   EXPECT_EQ(rounds_->PlannedSteps(task), 2u);
   EXPECT_EQ(rounds_->PlannedSteps(TrainTask(1, 50)), 50u);
+  // 1 s a step: the 10 s budget holds 10 steps.
+  trainer_.clock = &clock_;
+  ASSERT_THAT(rounds_->Run(TrainTask(2, 4), &data_), IsOk());
+  EXPECT_EQ(rounds_->PlannedSteps(task), 10u);
+  task.set_local_steps(6);  // the cap
+  EXPECT_EQ(rounds_->PlannedSteps(task), 6u);
 }
 
 // The agent runs streaming rounds when the join reply has layer groups.
