@@ -168,7 +168,8 @@ absl::Status ParsePushChunk(absl::Span<const std::string_view> pieces, PushChunk
 
 absl::Status ParseParamChunk(absl::Span<const std::string_view> pieces, ParamChunkView* out) {
   *out = ParamChunkView();
-  // ParamChunk: version 1, layer_id 2, offset 3, layer_elements 4, data 5 (proto/aloe.proto).
+  // ParamChunk: version 1, layer_id 2, offset 3, layer_elements 4, data 5, group_version 6
+  // (proto/aloe.proto).
   return ScanFields(pieces, [&](uint32_t field, uint32_t type, uint64_t value,
                                 const std::vector<std::string_view>& bytes) {
     if (type == kVarint) {
@@ -184,6 +185,9 @@ absl::Status ParseParamChunk(absl::Span<const std::string_view> pieces, ParamChu
           break;
         case 4:
           out->layer_elements = value;
+          break;
+        case 6:
+          out->group_version = value;
           break;
         default:
           break;  // unknown
@@ -226,14 +230,19 @@ std::string PushChunkPrefix(const v1::PushHeader* header, uint32_t layer_id, uin
 }
 
 std::string ParamChunkPrefix(uint64_t version, uint32_t layer_id, uint64_t offset,
-                             uint64_t layer_elements, size_t data_size) {
-  // ParamChunk: version 1, layer_id 2, offset 3, layer_elements 4, data 5 (proto/aloe.proto).
+                             uint64_t layer_elements, size_t data_size, uint64_t group_version) {
+  // ParamChunk: version 1, layer_id 2, offset 3, layer_elements 4, data 5, group_version 6
+  // (proto/aloe.proto).
   std::string out;
   const uint64_t varints[] = {version, layer_id, offset, layer_elements};
   for (uint32_t f = 0; f < 4; ++f) {
     if (varints[f] == 0) continue;
     AppendTag(f + 1, kVarint, &out);
     AppendVarint(varints[f], &out);
+  }
+  if (group_version != 0) {
+    AppendTag(6, kVarint, &out);
+    AppendVarint(group_version, &out);
   }
   if (data_size != 0) {
     AppendTag(5, kLengthDelimited, &out);

@@ -54,6 +54,7 @@ struct ParamChunkView {
   uint64_t layer_elements = 0;
   std::vector<std::string_view> data;  // the data field, in pieces; empty pieces dropped
   size_t data_size = 0;
+  uint64_t group_version = 0;  // a pull by layer group: the group's version
 };
 
 // ParsePushChunk for a ParamChunk, with the same semantics and refusals.
@@ -94,8 +95,10 @@ std::string PushChunkPrefix(const v1::PushHeader* header, uint32_t layer_id, uin
 
 // The serialised fields of a ParamChunk (a pulled chunk of parameters) up to and including the
 // data field's tag and length, in field order: followed by the `data_size` payload bytes they are
-// exactly protobuf's serialisation of the chunk.
+// exactly protobuf's serialisation of the chunk. A group_version (field 6, pulls by layer group)
+// goes before the data field, so that the payload still ends the message; protobuf parses fields
+// in any order.
 std::string ParamChunkPrefix(uint64_t version, uint32_t layer_id, uint64_t offset,
-                             uint64_t layer_elements, size_t data_size);
+                             uint64_t layer_elements, size_t data_size, uint64_t group_version = 0);
 
 }  // namespace aloe

@@ -127,11 +127,16 @@ absl::StatusOr<AddrInfoList> Resolve(const std::string& address, bool passive) {
 
 std::vector<RawPushRange> RawPushRanges(const v1::ModelSpec& spec,
                                         std::optional<uint32_t> shard_process,
-                                        const v1::PushHeader& header) {
+                                        const v1::PushHeader& header,
+                                        absl::Span<const uint32_t> layer_groups) {
   std::vector<RawPushRange> ranges;
   for (int l = 0; l < spec.layers_size(); ++l) {
     const v1::LayerSpec& layer = spec.layers(l);
     if (shard_process.has_value() && layer.shard() != *shard_process) continue;
+    if (!layer_groups.empty() &&
+        (static_cast<size_t>(l) >= layer_groups.size() || layer_groups[l] != header.group())) {
+      continue;
+    }
     RawPushRange range{static_cast<uint32_t>(l), 0, layer.num_elements()};
     if (header.slices() > 1) {
       const auto [begin, end] = SliceRange(layer.num_elements(), header.slices(), header.slice());

@@ -33,6 +33,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe {
@@ -60,9 +61,13 @@ struct RawPushRange {
 // the spec owned by it (layers[l].shard() == shard_process), or every layer of the spec when
 // shard_process is nullopt (a single-process server), in layer order, whole or, when
 // header.slices() > 1, slice header.slice() of it. The caller has checked the slice fields.
+// layer_groups: a server's layer groups (partial synchronization, JoinReply.layer_groups) when it
+// has more than one; a push then carries only the layers of group header.group(). Empty = every
+// layer.
 std::vector<RawPushRange> RawPushRanges(const v1::ModelSpec& spec,
                                         std::optional<uint32_t> shard_process,
-                                        const v1::PushHeader& header);
+                                        const v1::PushHeader& header,
+                                        absl::Span<const uint32_t> layer_groups = {});
 // Bytes of the payload those ranges take.
 uint64_t RawPushPayloadBytes(const std::vector<RawPushRange>& ranges);
 

@@ -53,6 +53,19 @@ absl::Status Agent::Joined(const v1::JoinReply& joined) {
   if (trainer_ == nullptr) {
     ALOE_ASSIGN_OR_RETURN(trainer_, env_.make_trainer(joined));
   }
+  streaming_.reset();  // a new membership takes its layer groups anew
+  if (!joined.layer_groups().empty() && !options_.evaluator) {
+    if (env_.node != nullptr) {
+      return absl::FailedPreconditionError(
+          "the server synchronizes layer groups (partial_sync.groups > 1), which a multi-rank "
+          "worker does not support: run it with one rank");
+    }
+    ALOE_ASSIGN_OR_RETURN(streaming_, StreamingRounds::Create({.session = &session_,
+                                                               .trainer = trainer_.get(),
+                                                               .clock = &clock_,
+                                                               .stop = env_.stop,
+                                                               .slowdown = options_.slowdown}));
+  }
   if (leader()) {
     if (heartbeat_ == nullptr) {
       Sleeper& sleeper = env_.sleeper != nullptr ? *env_.sleeper : real_sleeper_;
@@ -221,6 +234,7 @@ void Agent::Waiting(const v1::Task& task) {
 }
 
 absl::Status Agent::TrainTask(const v1::Task& task) {
+  if (streaming_ != nullptr) return TrainStreaming(task);
   return options_.overlap != AgentOptions::Overlap::kOff ? TrainOverlapped(task) : Train(task);
 }
 

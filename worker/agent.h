@@ -15,7 +15,8 @@
 // Its parts: ServerSession (join, pulls, pushes), Heartbeat (the lease), TaskDrops (dropped
 // tasks and their backoff), RoundReporter (metrics, log lines, summary). The agent's own code is
 // the task loop (agent.cc), one round and an evaluation (agent_round.cc) and overlapped rounds
-// (agent_overlap.cc).
+// (agent_overlap.cc). With layer groups (partial synchronization) a trainer's tasks run as
+// streaming rounds instead (worker/streaming_round.h).
 #pragma once
 
 #include <atomic>
@@ -41,6 +42,7 @@
 #include "worker/server_api.h"
 #include "worker/server_session.h"
 #include "worker/sleeper.h"
+#include "worker/streaming_round.h"
 #include "worker/task_drops.h"
 
 namespace aloe::worker {
@@ -108,6 +110,9 @@ class Agent {
   void ReportRound(const v1::Task& task, const TrainStats& stats, const v1::PushReply& reply,
                    const RoundCosts& costs);
   absl::Status Evaluate(const v1::Task& task);
+  // A task under partial synchronization (StreamingRounds): its groups pushed and merged while
+  // it trains.
+  absl::Status TrainStreaming(const v1::Task& task);
   // A multi-rank node acts on `status` only together: OK when every rank's was; else this
   // rank's error, or kUnavailable when only another rank failed. One process: `status`.
   absl::Status AgreeAcrossRanks(absl::Status status);
@@ -139,6 +144,9 @@ class Agent {
   std::unique_ptr<TrainerInterface> trainer_;
   RealSleeper real_sleeper_;  // when env.sleeper is null
   std::unique_ptr<Heartbeat> heartbeat_;
+  // A trainer's rounds when the server has layer groups (JoinReply.layer_groups); one per
+  // membership.
+  std::unique_ptr<StreamingRounds> streaming_;
   bool server_draining_ = false;
   // The task the reply of the last push carried (PushHeader.want_next_task); cleared at joins.
   std::optional<v1::Task> next_task_;

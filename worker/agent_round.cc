@@ -95,6 +95,27 @@ void Agent::ReportRound(const v1::Task& task, const TrainStats& stats, const v1:
   if (leader()) heartbeat_->SetSpeed(costs.train_s > 0 ? stats.steps / costs.train_s : 0);
 }
 
+absl::Status Agent::TrainStreaming(const v1::Task& task) {
+  ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
+  reporter_.RoundStarted();
+  ALOE_ASSIGN_OR_RETURN(StreamingTask done, streaming_->Run(task, data));
+  if (done.server_stopped && !done.ended) {
+    // Training is over while the task was open: give it up; the answer (STOP) comes next.
+    absl::StatusOr<v1::Task> next = session_.RequestTask(/*ahead=*/false, task.task_id());
+    if (next.ok()) next_task_ = *std::move(next);
+    return absl::OkStatus();
+  }
+  if (!done.ended) {
+    if (done.stats.steps == 0 && !done.server_stopped) {
+      ALOE_LOG_INFO("worker", "task %d abandoned before its first step (stopping)", task.task_id());
+    }
+    return absl::OkStatus();
+  }
+  if (done.reply.has_next_task()) next_task_ = done.reply.next_task();
+  ReportRound(task, done.stats, done.reply, done.costs);
+  return absl::OkStatus();
+}
+
 absl::Status Agent::Evaluate(const v1::Task& task) {
   uint64_t pulled = 0;
   ALOE_ASSIGN_OR_RETURN(uint64_t version, session_.Pull(task.base_version(), &base_, &pulled));

@@ -264,6 +264,7 @@ struct PullWindows {
 struct PulledStream {
   bool have_version = false;  // false: the stream carried no chunk
   uint64_t version = 0;
+  uint64_t group_version = 0;  // a pull by layer group: the group's version
 };
 
 // Streams one Pull from `stub` into layers, validating every chunk (one version, the layer's
@@ -310,10 +311,11 @@ absl::StatusOr<PulledStream> ReadPullStream(const ServerClient& client,
     }
     if (!got.have_version) {
       got.version = chunk.version;
+      got.group_version = chunk.group_version;
       got.have_version = true;
     }
     const uint32_t id = chunk.layer_id;
-    if (chunk.version != got.version) {
+    if (chunk.version != got.version || chunk.group_version != got.group_version) {
       bad = absl::DataLossError(absl::StrCat(label, "pull stream mixes model versions"));
     } else if (owner >= 0 && id < static_cast<uint32_t>(spec.layers_size()) &&
                spec.layers(id).shard() != static_cast<uint32_t>(owner)) {
@@ -631,10 +633,86 @@ absl::StatusOr<uint64_t> ServerClient::PullInParts(const v1::PullRequest& reques
   return first != nullptr ? first->version : 0;
 }
 
+absl::StatusOr<v1::Task> ServerClient::StartGroup(uint64_t worker_id, uint32_t group) {
+  v1::TaskRequest request;
+  request.set_worker_id(worker_id);
+  request.set_start_group(true);
+  request.set_group(group);
+  return Unary(*this, coordinator_.get(), &v1::Coordinator::Stub::RequestTask, request);
+}
+
+absl::StatusOr<uint64_t> ServerClient::PullGroup(uint64_t worker_id, uint32_t group,
+                                                 const v1::ModelSpec& spec,
+                                                 absl::Span<const uint32_t> layer_groups,
+                                                 std::vector<std::vector<float>>* layers,
+                                                 uint64_t* bytes) {
+  if (!Shards()->empty()) {
+    return absl::FailedPreconditionError("a layer-sharded server has no layer groups");
+  }
+  if (layer_groups.size() != static_cast<size_t>(spec.layers_size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%d layer groups given for a model of %d layers", layer_groups.size(), spec.layers_size()));
+  }
+  v1::PullRequest request;
+  request.set_worker_id(worker_id);
+  request.set_by_group(true);
+  request.set_group(group);
+  // The group's layers only: a chunk of any other layer overflows its empty window.
+  layers->resize(spec.layers_size());
+  PullWindows windows;
+  windows.first.assign(spec.layers_size(), 0);
+  windows.out.assign(spec.layers_size(), 0);
+  for (int i = 0; i < spec.layers_size(); ++i) {
+    const bool in_group = layer_groups[i] == group;
+    windows.length.push_back(in_group ? spec.layers(i).num_elements() : 0);
+    if (in_group) (*layers)[i].resize(spec.layers(i).num_elements());
+  }
+  std::vector<uint64_t> filled(spec.layers_size(), 0);
+  absl::StatusOr<PulledStream> got = ReadPullStream(*this, channel_, request, spec, windows,
+                                                    /*owner=*/-1, "", layers, &filled, bytes);
+  if (!got.ok()) return got.status();
+  for (int i = 0; i < spec.layers_size(); ++i) {
+    if (filled[i] != windows.length[i]) {
+      return absl::DataLossError(
+          absl::StrFormat("pull of layer group %d: layer %d incomplete", group, i));
+    }
+  }
+  return got->group_version;
+}
+
 absl::StatusOr<v1::PushReply> ServerClient::Push(
     const v1::PushHeader& header, const v1::ModelSpec& spec,
     const std::vector<std::vector<float>>& layers, const std::vector<v1::Codec>& codecs,
     size_t int8_block_size, std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
+  return PushLayers(header, spec, {}, layers, codecs, int8_block_size, residuals, bytes);
+}
+
+absl::StatusOr<v1::PushReply> ServerClient::PushGroup(
+    const v1::PushHeader& header, const v1::ModelSpec& spec,
+    absl::Span<const uint32_t> layer_groups, const std::vector<std::vector<float>>& layers,
+    const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+    std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
+  if (!Shards()->empty()) {
+    return absl::FailedPreconditionError("a layer-sharded server has no layer groups");
+  }
+  if (layer_groups.size() != static_cast<size_t>(spec.layers_size()) ||
+      layers.size() != layer_groups.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%d layers and %d layer groups to push, the model has %d layers",
+                        layers.size(), layer_groups.size(), spec.layers_size()));
+  }
+  return PushLayers(header, spec, layer_groups, layers, codecs, int8_block_size, residuals, bytes);
+}
+
+absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
+    const v1::PushHeader& header, const v1::ModelSpec& spec,
+    absl::Span<const uint32_t> layer_groups, const std::vector<std::vector<float>>& layers,
+    const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+    std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
+  // With layer groups only the header's group is sent; the other layers are not touched.
+  auto carried = [&](size_t layer) {
+    return layer_groups.empty() || layer_groups[layer] == header.group();
+  };
   const std::shared_ptr<const ShardSet> shards = Shards();
   if (!shards->empty()) {
     // Every buffer needs an owner before anything is sent.
@@ -646,12 +724,15 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
   }
   if (residuals != nullptr) {
     residuals->resize(layers.size());
-    for (size_t l = 0; l < layers.size(); ++l) (*residuals)[l].resize(layers[l].size());
+    for (size_t l = 0; l < layers.size(); ++l) {
+      if (carried(l)) (*residuals)[l].resize(layers[l].size());
+    }
   }
   // Encode everything first: a value that cannot be encoded must not leave half an update on
   // the wire. One stream of chunks for the single server, or one per shard with its layers.
   std::vector<std::vector<OutgoingChunk>> streams(shards->empty() ? 1 : shards->size());
   for (size_t layer = 0; layer < layers.size(); ++layer) {
+    if (!carried(layer)) continue;
     const v1::Codec codec = layer < codecs.size() ? codecs[layer] : v1::CODEC_FP32;
     const size_t max_elements = MaxChunkElements(codec, int8_block_size);
     // Where this buffer starts in the layer: a slice's first element, or 0.
@@ -696,12 +777,12 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
     bool raw = server != nullptr && layers.size() == static_cast<size_t>(spec.layers_size());
     for (size_t l = 0; raw && l < layers.size(); ++l) {
       const v1::Codec codec = l < codecs.size() ? codecs[l] : v1::CODEC_FP32;
-      raw = codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED;
+      raw = !carried(l) || codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED;
     }
     if (raw) {
       bool unreachable = false;
-      absl::StatusOr<v1::PushReply> reply =
-          SendRawPush(*server, std::nullopt, header, spec, layers, bytes, &unreachable);
+      absl::StatusOr<v1::PushReply> reply = SendRawPush(*server, std::nullopt, header, spec, layers,
+                                                        bytes, &unreachable, layer_groups);
       if (!unreachable) return reply;
     }
     return SendPush(*this, channel_, header, streams[0], bytes);
@@ -737,9 +818,9 @@ absl::StatusOr<v1::PushReply> ServerClient::Push(
 absl::StatusOr<v1::PushReply> ServerClient::SendRawPush(
     const Shard& shard, std::optional<uint32_t> index, const v1::PushHeader& header,
     const v1::ModelSpec& spec, const std::vector<std::vector<float>>& layers, uint64_t* bytes,
-    bool* unreachable) const {
+    bool* unreachable, absl::Span<const uint32_t> layer_groups) const {
   *unreachable = false;
-  const std::vector<RawPushRange> ranges = RawPushRanges(spec, index, header);
+  const std::vector<RawPushRange> ranges = RawPushRanges(spec, index, header, layer_groups);
   for (const RawPushRange& range : ranges) {
     if (layers[range.layer_id].size() != range.count) {
       return absl::InvalidArgumentError(absl::StrFormat(

@@ -129,7 +129,37 @@ class ServerClient final : public ServerApi {
                                      std::vector<std::vector<float>>* residuals,
                                      uint64_t* bytes) override;
 
+  // Partial synchronization (JoinReply.layer_groups), against a single-process server only
+  // (kFailedPrecondition with shards). StartGroup: TaskRequest.start_group for `group`.
+  absl::StatusOr<v1::Task> StartGroup(uint64_t worker_id, uint32_t group) override;
+  // Pulls the current version of layer group `group` (PullRequest.by_group) into the group's
+  // layers of *layers (resized per spec; the other layers are left as they are) and returns
+  // the group's version. kDataLoss as Pull's, and for a chunk of a layer outside the group;
+  // kInvalidArgument when layer_groups does not have one entry per spec layer.
+  absl::StatusOr<uint64_t> PullGroup(uint64_t worker_id, uint32_t group, const v1::ModelSpec& spec,
+                                     absl::Span<const uint32_t> layer_groups,
+                                     std::vector<std::vector<float>>* layers,
+                                     uint64_t* bytes) override;
+  // Push's contract for the layers of group header.group() (layer_groups[l] == group): only
+  // they are encoded and sent (raw when they are all float32), and only their residuals
+  // change; the other buffers are ignored and may be empty.
+  absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader& header, const v1::ModelSpec& spec,
+                                          absl::Span<const uint32_t> layer_groups,
+                                          const std::vector<std::vector<float>>& layers,
+                                          const std::vector<v1::Codec>& codecs,
+                                          size_t int8_block_size,
+                                          std::vector<std::vector<float>>* residuals,
+                                          uint64_t* bytes) override;
+
  private:
+  // Push, or with layer_groups PushGroup (both checked by the caller).
+  absl::StatusOr<v1::PushReply> PushLayers(const v1::PushHeader& header, const v1::ModelSpec& spec,
+                                           absl::Span<const uint32_t> layer_groups,
+                                           const std::vector<std::vector<float>>& layers,
+                                           const std::vector<v1::Codec>& codecs,
+                                           size_t int8_block_size,
+                                           std::vector<std::vector<float>>* residuals,
+                                           uint64_t* bytes);
   // Pull of whole layers from the single server in pull_streams_ concurrent slice streams
   // (`request` without slices); the same contract as Pull.
   absl::StatusOr<uint64_t> PullInParts(const v1::PullRequest& request, const v1::ModelSpec& spec,
@@ -171,7 +201,8 @@ class ServerClient final : public ServerApi {
   absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, std::optional<uint32_t> index,
                                             const v1::PushHeader& header, const v1::ModelSpec& spec,
                                             const std::vector<std::vector<float>>& layers,
-                                            uint64_t* bytes, bool* unreachable) const;
+                                            uint64_t* bytes, bool* unreachable,
+                                            absl::Span<const uint32_t> layer_groups = {}) const;
 
   std::string token_;
   bool raw_push_ = true;

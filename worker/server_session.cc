@@ -70,6 +70,7 @@ absl::Status ServerSession::Adopt(const v1::JoinReply& joined) {
         "the server trains model \"%s\", --torchscript %s is \"%s\"", joined_.model_fingerprint(),
         options_.model_source, options_.model_fingerprint));
   }
+  layer_groups_.assign(joined_.layer_groups().begin(), joined_.layer_groups().end());
   const v1::TransportConfig& transport = joined_.transport();
   codecs_.clear();
   for (const v1::LayerSpec& layer : joined_.model_spec().layers()) {
@@ -138,6 +139,33 @@ absl::StatusOr<v1::PushReply> ServerSession::Push(const v1::PushHeader& header,
   return server_.Push(header, joined_.model_spec(), delta, codecs_,
                       std::max<uint32_t>(1, transport.int8_block_size()),
                       transport.error_feedback() ? &residual_ : nullptr, pushed);
+}
+
+absl::StatusOr<v1::Task> ServerSession::StartGroup(uint32_t group) {
+  return server_.StartGroup(joined_.worker_id(), group);
+}
+
+absl::StatusOr<uint64_t> ServerSession::PullGroup(uint32_t group,
+                                                  std::vector<std::vector<float>>* layers,
+                                                  uint64_t* bytes) {
+  return server_.PullGroup(joined_.worker_id(), group, joined_.model_spec(), layer_groups_, layers,
+                           bytes);
+}
+
+absl::StatusOr<v1::PushReply> ServerSession::PushGroup(const v1::PushHeader& header,
+                                                       std::vector<std::vector<float>>& delta,
+                                                       uint64_t* pushed) {
+  const v1::TransportConfig& transport = joined_.transport();
+  if (transport.error_feedback()) {
+    // Only the group's layers: the others have no residual yet, or keep theirs for their push.
+    for (size_t l = 0; l < delta.size() && l < residual_.size(); ++l) {
+      if (layer_groups_[l] != header.group() || residual_[l].size() != delta[l].size()) continue;
+      kernels::WeightedAccumulate(residual_[l].data(), 1.0f, delta[l].data(), delta[l].size());
+    }
+  }
+  return server_.PushGroup(header, joined_.model_spec(), layer_groups_, delta, codecs_,
+                           std::max<uint32_t>(1, transport.int8_block_size()),
+                           transport.error_feedback() ? &residual_ : nullptr, pushed);
 }
 
 void ServerSession::Leave() {

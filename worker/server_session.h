@@ -60,6 +60,19 @@ class ServerSession {
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header,
                                      std::vector<std::vector<float>>& delta, uint64_t* pushed);
   absl::Status ReportEval(const v1::EvalReport& report) { return server_.ReportEval(report); }
+
+  // Partial synchronization. The layer group of each spec layer (JoinReply.layer_groups; empty
+  // when the server synchronizes the whole model).
+  const std::vector<uint32_t>& layer_groups() const { return layer_groups_; }
+  // TaskRequest.start_group for `group`.
+  absl::StatusOr<v1::Task> StartGroup(uint32_t group);
+  // Pulls layer group `group` into its layers of *layers; returns the group's version.
+  absl::StatusOr<uint64_t> PullGroup(uint32_t group, std::vector<std::vector<float>>* layers,
+                                     uint64_t* bytes);
+  // Pushes the layers of group header.group() of `delta` (the others may be empty), with error
+  // feedback on those layers as Push has on all.
+  absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader& header,
+                                          std::vector<std::vector<float>>& delta, uint64_t* pushed);
   // Leaves the server, if a member. Best effort: logs a failure.
   void Leave();
 
@@ -76,6 +89,7 @@ class ServerSession {
   v1::JoinReply joined_;
   std::vector<v1::Codec> codecs_;             // per layer, from the server's transport
   std::vector<std::vector<float>> residual_;  // error feedback, per layer
+  std::vector<uint32_t> layer_groups_;
   uint64_t update_id_ = 0;
 };
 

@@ -40,15 +40,20 @@ PendingUpdate UpdateOfHeader(const v1::PushHeader& header) {
   update.train_loss = header.train_loss();
   update.compute_seconds = header.compute_seconds();
   update.want_next_task = header.want_next_task();
+  update.group = header.group();
+  update.task_continues = header.task_continues();
   return update;
 }
 
 UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header,
                                  std::optional<uint32_t> only_shard,
-                                 std::shared_ptr<FloatBufferPool> buffers, bool sum_squares)
+                                 std::shared_ptr<FloatBufferPool> buffers, bool sum_squares,
+                                 absl::Span<const uint32_t> layer_groups)
     : spec_(spec),
       filled_(spec.layers_size(), 0),
       only_shard_(only_shard),
+      layer_groups_(layer_groups.begin(), layer_groups.end()),
+      group_(header.group()),
       buffers_(std::move(buffers)),
       squares_(sum_squares ? spec.layers_size() : 0, 0.0) {
   update_ = UpdateOfHeader(header);
@@ -63,9 +68,15 @@ UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader
     const auto [first, last] =
         SliceRange(spec.layers(l).num_elements(), update_.slices, update_.slice);
     filled_[l] = first;
-    // Another shard's layer: nothing expected here.
-    end_[l] = only_shard_ && spec.layers(l).shard() != *only_shard_ ? first : last;
+    // Another shard's layer, or another group's: nothing expected here.
+    end_[l] = Expected(l) ? last : first;
   }
+}
+
+bool UpdateAssembler::Expected(int layer) const {
+  if (only_shard_ && spec_.layers(layer).shard() != *only_shard_) return false;
+  return layer_groups_.empty() ||
+         (static_cast<size_t>(layer) < layer_groups_.size() && layer_groups_[layer] == group_);
 }
 
 absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset, std::string_view payload,
@@ -83,6 +94,11 @@ absl::Status UpdateAssembler::CheckLayer(uint32_t layer_id) const {
     return absl::InvalidArgumentError(absl::StrFormat(
         "layer %d (%s) belongs to shard process %d, but this push went to shard process %d",
         layer_id, layer.name(), layer.shard(), *only_shard_));
+  }
+  if (!Expected(static_cast<int>(layer_id))) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer %d (%s) belongs to layer group %d, but this push carries layer group %d", layer_id,
+        layer.name(), layer_id < layer_groups_.size() ? layer_groups_[layer_id] : 0, group_));
   }
   return absl::OkStatus();
 }
@@ -232,8 +248,8 @@ absl::StatusOr<PendingUpdate> UpdateAssembler::Finish() && {
                           spec_.layers(i).name(), filled_[i] - first, end_[i] - first));
     }
     // A layer with nothing to send in this slice still gets its (zero) buffer; another shard's
-    // layer stays empty.
-    if (only_shard_ && spec_.layers(i).shard() != *only_shard_) continue;
+    // or another group's layer stays empty.
+    if (!Expected(i)) continue;
     if (update_.layers[i].empty()) update_.layers[i].resize(spec_.layers(i).num_elements());
   }
   update_.layer_squares = std::move(squares_);

@@ -2,8 +2,9 @@
 // arrives so that a bad stream fails fast and nothing half-received reaches the model:
 // unknown layer ids, unknown codecs, chunks out of order or past the layer's end, malformed
 // encodings, non-finite values or values beyond kMaxPushMagnitude, and layers left incomplete
-// are all kInvalidArgument naming the layer. Pure logic, no I/O. Not thread-safe (one assembler
-// per stream).
+// are all kInvalidArgument naming the layer. With layer groups (partial synchronization) a push
+// carries every layer of its group exactly once and no other layer. Pure logic, no I/O. Not
+// thread-safe (one assembler per stream).
 #pragma once
 
 #include <array>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -44,9 +46,14 @@ class UpdateAssembler {
   // sum_squares: the finished update's layer_squares are measured from each chunk while it is in
   // cache (the single-process server's norm metric would otherwise read the whole update back
   // from memory: 31% of its CPU time under full-speed ingest).
+  // layer_groups: the server's layer group of each spec layer when it has more than one
+  // (ServerCore::layer_groups); the push then carries group header.group() only: a chunk of
+  // another group's layer is kInvalidArgument naming both groups, and the other layers stay
+  // empty in the finished update. Empty = whole-model pushes.
   UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader& header,
                   std::optional<uint32_t> only_shard = std::nullopt,
-                  std::shared_ptr<FloatBufferPool> buffers = nullptr, bool sum_squares = false);
+                  std::shared_ptr<FloatBufferPool> buffers = nullptr, bool sum_squares = false,
+                  absl::Span<const uint32_t> layer_groups = {});
 
   // Adds the elements [offset, offset + count) of layer `layer_id` that `payload` encodes with
   // `codec` (CODEC_UNSPECIFIED = the header's codec, or FP32). Chunks of a layer must arrive in
@@ -88,8 +95,11 @@ class UpdateAssembler {
   }
 
  private:
-  // kInvalidArgument for an unknown layer or, on a shard process, another one's layer.
+  // kInvalidArgument for an unknown layer or, on a shard process, another one's layer, or with
+  // layer groups a layer of another group.
   absl::Status CheckLayer(uint32_t layer_id) const;
+  // Whether this push carries layer `layer`: not another shard process's, not another group's.
+  bool Expected(int layer) const;
   // kInvalidArgument unless [offset, offset + count) continues layer_id where it stands and
   // ends within it (or within its slice).
   absl::Status CheckRange(uint32_t layer_id, uint64_t offset, uint64_t count) const;
@@ -104,6 +114,9 @@ class UpdateAssembler {
   std::array<uint64_t, v1::Codec_ARRAYSIZE> bytes_by_codec_{};
   v1::Codec default_codec_ = v1::CODEC_FP32;
   std::optional<uint32_t> only_shard_;
+  // With layer groups: each layer's group, and the group this push carries.
+  std::vector<uint32_t> layer_groups_;
+  uint32_t group_ = 0;
   std::shared_ptr<FloatBufferPool> buffers_;
   std::vector<double> squares_;  // per layer, with sum_squares; else empty
 };

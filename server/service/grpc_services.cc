@@ -95,12 +95,16 @@ grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,
 
 grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& snapshot,
                             uint32_t slice, uint32_t slices_requested, PullStreamWriter& writer,
-                            MetricsSink& metrics) {
+                            MetricsSink& metrics, const GroupPull* group) {
   uint64_t bytes = 0;
   // Whole layers, or one slice of each (validated by the caller).
   const uint32_t slices = std::max<uint32_t>(1, slices_requested);
   for (size_t layer = 0; layer < snapshot.layers.size(); ++layer) {
     if (snapshot.layers[layer] == nullptr) continue;  // another shard process's layer
+    if (group != nullptr &&
+        (layer >= group->layer_groups.size() || group->layer_groups[layer] != group->group)) {
+      continue;
+    }
     const std::vector<float>& params = *snapshot.layers[layer];
     const auto [first, last] = SliceRange(params.size(), slices, slice);
     for (auto [chunk_begin, chunk_end] : ChunkRanges(last - first)) {
@@ -109,7 +113,8 @@ grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& s
       if (context.IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "pull cancelled");
       bytes += (end - begin) * sizeof(float);
       if (!writer.Write(ParamChunkMessage(snapshot.version, static_cast<uint32_t>(layer),
-                                          snapshot.layers[layer], begin, end))) {
+                                          snapshot.layers[layer], begin, end,
+                                          group != nullptr ? group->version : 0))) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "client stopped reading the pull");
       }
     }
@@ -127,10 +132,29 @@ void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics) 
   }
 }
 
+std::vector<uint32_t> LayerGroupsOf(CoreHandle& handle) {
+  return handle.Run([](ServerCore& core) {
+    return core.num_layer_groups() > 1 ? core.layer_groups() : std::vector<uint32_t>();
+  });
+}
+
 absl::StatusOr<std::vector<RawPushRange>> CheckRawPush(const v1::ModelSpec& spec,
                                                        std::optional<uint32_t> shard,
-                                                       const RawPushRequest& request) {
+                                                       const RawPushRequest& request,
+                                                       absl::Span<const uint32_t> layer_groups) {
   const v1::PushHeader& header = request.header;
+  if (layer_groups.empty() && (header.group() != 0 || header.task_continues())) {
+    return absl::InvalidArgumentError(
+        "raw push names a layer group, but this server synchronizes the whole model "
+        "(partial_sync.groups is 1)");
+  }
+  if (!layer_groups.empty()) {
+    const uint32_t groups = *std::max_element(layer_groups.begin(), layer_groups.end()) + 1;
+    if (header.group() >= groups) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("raw push of layer group %d, the model has %d", header.group(), groups));
+    }
+  }
   if (header.codec() != v1::CODEC_FP32 && header.codec() != v1::CODEC_UNSPECIFIED) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "raw push: codec %s; raw pushes carry float32 only (push other codecs over gRPC)",
@@ -138,7 +162,7 @@ absl::StatusOr<std::vector<RawPushRange>> CheckRawPush(const v1::ModelSpec& spec
                                           : std::to_string(header.codec())));
   }
   ALOE_RETURN_IF_ERROR(CheckSlice(header.slice(), header.slices()));
-  std::vector<RawPushRange> ranges = RawPushRanges(spec, shard, header);
+  std::vector<RawPushRange> ranges = RawPushRanges(spec, shard, header, layer_groups);
   const uint64_t expected = RawPushPayloadBytes(ranges);
   if (request.payload_bytes != expected) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -147,7 +171,8 @@ absl::StatusOr<std::vector<RawPushRange>> CheckRawPush(const v1::ModelSpec& spec
         shard ? absl::StrFormat("shard process %d", *shard) : std::string("the server"), expected,
         ranges.size(),
         header.slices() > 1 ? absl::StrFormat(", slice %d of %d", header.slice(), header.slices())
-                            : ""));
+        : layer_groups.empty() ? ""
+                               : absl::StrFormat(" in layer group %d", header.group())));
   }
   return ranges;
 }
@@ -169,12 +194,28 @@ grpc::Status ParameterServiceImpl::ServePull(grpc::ServerContext* context,
                                              const v1::PullRequest* request,
                                              PullStreamWriter* writer) {
   ALOE_AUTHORIZE(request->worker_id());
+  if (request->by_group() && layer_groups().empty()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrFormat("pull of layer group %d, but this server synchronizes the whole model "
+                        "(partial_sync.groups is 1)",
+                        request->group())));
+  }
   if (pull_delay_ > absl::ZeroDuration()) absl::SleepFor(pull_delay_);
   absl::StatusOr<ModelSnapshot> snapshot =
       handle_.Run([&](ServerCore& core) { return core.SnapshotFor(*request); });
   if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
-  return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer,
-                        metrics_);
+  if (!request->by_group()) {
+    return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer,
+                          metrics_);
+  }
+  // SnapshotFor checked the group against the core's count.
+  if (request->group() >= snapshot->group_versions.size()) {
+    return ToGrpcStatus(absl::InternalError("the snapshot has no version of the layer group"));
+  }
+  const GroupPull group{layer_groups(), request->group(),
+                        snapshot->group_versions[request->group()]};
+  return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer, metrics_,
+                        &group);
 }
 
 absl::Status ParameterServiceImpl::Rejected(const absl::Status& status) {
@@ -201,7 +242,8 @@ absl::StatusOr<v1::PushReply> ParameterServiceImpl::AcceptPush(
   absl::StatusOr<ReceiveSlots::Slot> slot = receiving_.Acquire(cancelled, kReceiveSlotWait);
   if (!slot.ok()) return Rejected(slot.status());
 
-  UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers), squares);
+  UpdateAssembler assembler(handle_.spec(), header, std::nullopt, std::move(buffers), squares,
+                            layer_groups());
   if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();

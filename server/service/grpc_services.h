@@ -15,6 +15,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/raw_push.h"
@@ -31,12 +32,24 @@ namespace aloe::server {
 // The one place where absl::Status becomes grpc::Status (the codes are numerically equal).
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-// Streams the layers of `snapshot` (skipping null ones: another shard process's) in <= 1 MiB
-// chunks, whole or slice `slice` of `slices` of each (already validated), and counts the bytes.
-// The payloads are sent from the snapshot's buffers (ParamChunkMessage).
+// A pull of one layer group (PullRequest.by_group): the layer group of each spec layer, the
+// group pulled, and its version, which every chunk carries (ParamChunk.group_version).
+struct GroupPull {
+  absl::Span<const uint32_t> layer_groups;
+  uint32_t group = 0;
+  uint64_t version = 0;
+};
+
+// Streams the layers of `snapshot` (skipping null ones: another shard process's, and with
+// `group` those of other layer groups) in <= 1 MiB chunks, whole or slice `slice` of `slices` of
+// each (already validated), and counts the bytes. The payloads are sent from the snapshot's
+// buffers (ParamChunkMessage).
 grpc::Status StreamSnapshot(grpc::ServerContext& context, const ModelSnapshot& snapshot,
                             uint32_t slice, uint32_t slices, PullStreamWriter& writer,
-                            MetricsSink& metrics);
+                            MetricsSink& metrics, const GroupPull* group = nullptr);
+
+// The core's layer groups when it has more than one (partial synchronization), else empty.
+std::vector<uint32_t> LayerGroupsOf(CoreHandle& handle);
 
 // Adds the payload bytes an assembler accepted to the received-bytes metric, per codec.
 void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics);
@@ -44,10 +57,12 @@ void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics);
 // What a raw push to shard process `shard` (nullopt: a single-process server, every layer) must
 // carry, after checking its prelude: float32 (kInvalidArgument naming another codec), valid slice
 // fields, and payload_bytes equal to the float32 bytes of those layers (kInvalidArgument naming
-// both sizes). The payload layout (RawPushRanges).
-absl::StatusOr<std::vector<RawPushRange>> CheckRawPush(const v1::ModelSpec& spec,
-                                                       std::optional<uint32_t> shard,
-                                                       const RawPushRequest& request);
+// both sizes). With layer_groups (RawPushRanges) the layers of the header's group, and
+// kInvalidArgument for a group the model does not have; without, kInvalidArgument for a push
+// that names a layer group. The payload layout (RawPushRanges).
+absl::StatusOr<std::vector<RawPushRange>> CheckRawPush(
+    const v1::ModelSpec& spec, std::optional<uint32_t> shard, const RawPushRequest& request,
+    absl::Span<const uint32_t> layer_groups = {});
 
 // Reads a raw push's payload, laid out as `ranges`, from `in` into `assembler`: each piece lands
 // in a 256 KiB bounce buffer (small enough to stay in cache) and is screened while it is copied
@@ -86,7 +101,7 @@ class ParameterServiceImpl final : public PushIngestService {
   ParameterServiceImpl(CoreHandle& handle, Authenticator& auth, MetricsSink& metrics,
                        const Clock& clock, uint32_t max_receiving,
                        absl::Duration pull_delay = absl::ZeroDuration())
-      : PushIngestService(auth, metrics, handle.spec(), std::nullopt),
+      : PushIngestService(auth, metrics, handle.spec(), std::nullopt, LayerGroupsOf(handle)),
         handle_(handle),
         auth_(auth),
         metrics_(metrics),

@@ -59,10 +59,11 @@ absl::Status PushStreamReader::ReadChunks(UpdateAssembler& assembler) {
 }
 
 grpc::ByteBuffer ParamChunkMessage(uint64_t version, uint32_t layer_id, LayerBuffer layer,
-                                   size_t begin, size_t end) {
+                                   size_t begin, size_t end, uint64_t group_version) {
   const size_t bytes = (end - begin) * sizeof(float);
   grpc::Slice parts[2] = {
-      grpc::Slice(ParamChunkPrefix(version, layer_id, begin, layer->size(), bytes)), grpc::Slice()};
+      grpc::Slice(ParamChunkPrefix(version, layer_id, begin, layer->size(), bytes, group_version)),
+      grpc::Slice()};
   if (bytes > 0) {
     float* data = const_cast<float*>(layer->data() + begin);  // read only: gRPC sends it
     parts[1] = grpc::Slice(data, bytes, &ReleaseLayer, new LayerBuffer(std::move(layer)));

@@ -52,10 +52,10 @@ using PullStreamWriter = grpc::internal::WriterInterface<grpc::ByteBuffer>;
 
 // The ParamChunk of elements [begin, end) of a layer of `version`, its payload lent to gRPC
 // from `layer` itself: the buffer stays alive (and, copy-on-write, unchanged) until gRPC has
-// sent it.
+// sent it. group_version: a pull by layer group's ParamChunk.group_version (0 = none).
 grpc::ByteBuffer ParamChunkMessage(uint64_t version, uint32_t layer_id,
                                    std::shared_ptr<const std::vector<float>> layer, size_t begin,
-                                   size_t end);
+                                   size_t end, uint64_t group_version = 0);
 
 // A ParameterService whose Push and Pull are served by ServePush and ServePull below.
 class WireParameterService : public v1::ParameterService::Service {

@@ -28,7 +28,8 @@ absl::StatusOr<v1::PushReply> PushIngestService::ServeRawPush(
   const absl::Time start = absl::Now();
   absl::StatusOr<std::string> identity = auth_.IdentifyToken(request.token);
   if (!identity.ok()) return Rejected(identity.status());
-  absl::StatusOr<std::vector<RawPushRange>> ranges = CheckRawPush(spec_, shard_, request);
+  absl::StatusOr<std::vector<RawPushRange>> ranges =
+      CheckRawPush(spec_, shard_, request, layer_groups_);
   if (!ranges.ok()) return Rejected(ranges.status());
   const uint64_t expected = request.payload_bytes;
   absl::Status received = absl::UnknownError("not read");  // OK: the payload came whole

@@ -11,6 +11,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
@@ -39,10 +40,17 @@ class PushIngestService : public WireParameterService {
 
  protected:
   // auth and metrics must outlive the service. `spec`: the model; `shard`: the shard process
-  // whose layers a push carries (nullopt: every layer).
+  // whose layers a push carries (nullopt: every layer); layer_groups: the layer group of each
+  // spec layer when the server has more than one (a push then carries one group), else empty.
   PushIngestService(Authenticator& auth, MetricsSink& metrics, v1::ModelSpec spec,
-                    std::optional<uint32_t> shard)
-      : auth_(auth), metrics_(metrics), spec_(std::move(spec)), shard_(shard) {}
+                    std::optional<uint32_t> shard, std::vector<uint32_t> layer_groups = {})
+      : auth_(auth),
+        metrics_(metrics),
+        spec_(std::move(spec)),
+        shard_(shard),
+        layer_groups_(std::move(layer_groups)) {}
+
+  const std::vector<uint32_t>& layer_groups() const { return layer_groups_; }
 
   // The role's part of a push from `identity` with `header`: `read` reads the transport's
   // payload into the assembler (call it once a receive slot is held); `cancelled` tells whether
@@ -59,6 +67,7 @@ class PushIngestService : public WireParameterService {
   MetricsSink& metrics_;
   const v1::ModelSpec spec_;
   const std::optional<uint32_t> shard_;
+  const std::vector<uint32_t> layer_groups_;
   std::atomic<uint64_t> raw_push_bytes_{0};
 };
 

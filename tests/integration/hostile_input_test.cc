@@ -25,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/push_wire.h"
 #include "common/raw_push.h"
+#include "common/tensor_codec.h"
 #include "tests/integration/loopback_cluster.h"
 #include "tests/testing/subprocess.h"
 #include "worker/client.h"
@@ -236,6 +237,16 @@ class HostileInputTest : public RawClientTest {
   }
 
   // Sum over every series of aloe_updates_rejected_total in a fresh scrape.
+  // Starts a server with outer SGD at lr 0.5, `extra_config` and a raw push listener at
+  // *push_address, and connects to it; returns the gRPC port (0 when it did not start).
+  int StartRawPushServer(const std::string& extra_config, std::string* push_address) {
+    *push_address = absl::StrCat("127.0.0.1:", FreePort());
+    const int port = StartServer(extra_config, "outer_optimizer { type: OUTER_SGD lr: 0.5 }",
+                                 {"--push_listen=" + *push_address});
+    if (port > 0) Connect(port);
+    return port;
+  }
+
   double RejectedTotal() {
     double sum = 0;
     for (absl::string_view line : absl::StrSplit(HttpGet(metrics_port_, "/metrics"), '\n')) {
@@ -393,11 +404,9 @@ TEST_F(HostileInputTest, PushesBeyondTheStagingSlotsWaitUntilOneEnds) {
 // payload size, another codec, a NaN, a stranger's update or one of an unknown worker is refused
 // naming the problem and changes nothing; a good one is applied as an outer SGD step.
 TEST_F(HostileInputTest, RawPushesToTheSingleProcessServerAreScreenedAndApplied) {
-  const std::string push_address = absl::StrCat("127.0.0.1:", FreePort());
-  const int port = StartServer("local_steps: 3\n", "outer_optimizer { type: OUTER_SGD lr: 0.5 }",
-                               {"--push_listen=" + push_address});
+  std::string push_address;
+  const int port = StartRawPushServer("local_steps: 3\n", &push_address);
   ASSERT_GT(port, 0);
-  Connect(port);
   v1::JoinReply joined;
   v1::Task task;
   ASSERT_NO_FATAL_FAILURE(JoinTrainer("raw", &joined, &task));
@@ -489,6 +498,209 @@ TEST_F(HostileInputTest, RawPushesToTheSingleProcessServerAreScreenedAndApplied)
   // A retry of the same update is refused as a duplicate and changes nothing.
   EXPECT_FALSE(raw(header, payload, payload.size()).ok());
   EXPECT_EQ(Scraped("aloe_model_version"), 1);
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+// Partial synchronization (partial_sync.groups 2): a group push carries exactly its group's
+// layers, over gRPC and raw pushes alike; anything else is refused naming the problem and
+// changes nothing; a pull by group streams only the group's layers with its version.
+TEST_F(HostileInputTest, GroupPushesCarryExactlyTheirGroupsLayers) {
+  std::string push_address;
+  const int port =
+      StartRawPushServer("local_steps: 3\npartial_sync { groups: 2 }\n", &push_address);
+  ASSERT_GT(port, 0);
+  v1::JoinReply joined;
+  v1::Task task;
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("grouped", &joined, &task));
+  ASSERT_EQ(joined.layer_groups_size(), spec_.layers_size());
+  EXPECT_EQ(joined.partial_sync().groups(), 2u);
+  const std::vector<uint32_t> groups(joined.layer_groups().begin(), joined.layer_groups().end());
+  int other = -1;  // a layer of group 1
+  for (int l = 0; l < spec_.layers_size() && other < 0; ++l) {
+    if (groups[l] == 1) other = l;
+  }
+  ASSERT_GE(other, 0);
+  const std::vector<std::vector<float>> before = PullLatest(joined.worker_id());
+
+  worker::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  options.raw_push = false;
+  worker::ServerClient client(options);
+  absl::StatusOr<v1::Task> granted = client.StartGroup(joined.worker_id(), 0);
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  ASSERT_EQ(granted->kind(), v1::Task::TRAIN);
+  EXPECT_EQ(granted->group_versions(0), 0u);
+  // A pull of group 0: its layers only, at its version.
+  std::vector<std::vector<float>> pulled(spec_.layers_size());
+  uint64_t bytes = 0;
+  absl::StatusOr<uint64_t> group_version =
+      client.PullGroup(joined.worker_id(), 0, spec_, groups, &pulled, &bytes);
+  ASSERT_TRUE(group_version.ok()) << group_version.status();
+  EXPECT_EQ(*group_version, 0u);
+  uint64_t group0_values = 0;
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    if (groups[l] == 0) {
+      EXPECT_EQ(pulled[l], before[l]) << "layer " << l;
+      group0_values += before[l].size();
+    } else {
+      EXPECT_TRUE(pulled[l].empty()) << "layer " << l;
+    }
+  }
+  EXPECT_EQ(bytes, group0_values * sizeof(float));
+  EXPECT_FALSE(client.PullGroup(joined.worker_id(), 7, spec_, groups, &pulled, &bytes).ok());
+
+  // g = 0.001 everywhere; the payload of group 0, and of the whole model.
+  std::string group0, whole;
+  std::vector<v1::PushChunk> group0_chunks, whole_chunks = FullUpdate(0.001f);
+  for (const v1::PushChunk& c : whole_chunks) {
+    if (groups[c.layer_id()] == 0) group0_chunks.push_back(c);
+  }
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    std::string floats;
+    AppendFloats(std::vector<float>(spec_.layers(l).num_elements(), 0.001f), &floats);
+    whole += floats;
+    if (groups[l] == 0) group0 += floats;
+  }
+  v1::PushHeader header = HeaderFor(joined, task);
+  header.set_base_version(0);
+  header.set_group(0);
+  header.set_task_continues(true);
+  auto raw = [&](const v1::PushHeader& h, const std::string& bytes) {
+    absl::Status carried;
+    v1::PushReply reply;
+    const absl::Status transport = RawExchange(
+        push_address, EncodeRawPushPrelude("", h, bytes.size()) + bytes, &carried, &reply);
+    EXPECT_TRUE(transport.ok()) << transport;
+    return carried;
+  };
+  v1::PushHeader group7 = header;
+  group7.set_group(7);
+  const grpc::Status whole_over_grpc = Push(header, whole_chunks);
+  EXPECT_EQ(whole_over_grpc.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(whole_over_grpc.error_message(),
+                                absl::StrFormat("belongs to layer group 1, but this push carries "
+                                                "layer group 0")))
+      << whole_over_grpc.error_message();
+  const grpc::Status wrong_group = Push(group7, group0_chunks);
+  EXPECT_EQ(wrong_group.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(wrong_group.error_message(), "layer group 7"))
+      << wrong_group.error_message();
+  const absl::Status whole_raw = raw(header, whole);
+  EXPECT_EQ(whole_raw.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(whole_raw.message(), "in layer group 0")) << whole_raw;
+  const absl::Status group7_raw = raw(group7, group0);
+  EXPECT_TRUE(absl::StrContains(group7_raw.message(), "raw push of layer group 7")) << group7_raw;
+  // Group 1 was not taken: refused by the server whichever transport.
+  v1::PushHeader untaken = header;
+  untaken.set_group(1);
+  std::vector<v1::PushChunk> group1_chunks;
+  for (const v1::PushChunk& c : whole_chunks) {
+    if (groups[c.layer_id()] == 1) group1_chunks.push_back(c);
+  }
+  const grpc::Status not_taken = Push(untaken, group1_chunks);
+  EXPECT_EQ(not_taken.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(Scraped("aloe_model_version"), 0);
+  EXPECT_EQ(PullLatest(joined.worker_id()), before);
+
+  // The good push of group 0, raw: theta - 0.5 * g on group 0's layers, the others unchanged.
+  ASSERT_TRUE(raw(header, group0).ok());
+  EXPECT_EQ(Scraped("aloe_model_version"), 1);
+  const std::vector<std::vector<float>> after = PullLatest(joined.worker_id());
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    for (size_t i = 0; i < after[l].size(); ++i) {
+      const float expected = groups[l] == 0 ? before[l][i] - 0.5f * 0.001f : before[l][i];
+      ASSERT_EQ(after[l][i], expected) << "layer " << l << " element " << i;
+    }
+  }
+  group_version = client.PullGroup(joined.worker_id(), 0, spec_, groups, &pulled, &bytes);
+  ASSERT_TRUE(group_version.ok()) << group_version.status();
+  EXPECT_EQ(*group_version, 1u);
+
+  // aloe-worker's client pushes group 1 raw (only its layers' bytes), and the push without
+  // task_continues ends the task.
+  worker::ClientOptions raw_options = options;
+  raw_options.raw_push = true;
+  worker::ServerClient raw_client(raw_options);
+  ASSERT_TRUE(raw_client.SetShards({}, {}, push_address).ok());
+  granted = raw_client.StartGroup(joined.worker_id(), 1);
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  std::vector<std::vector<float>> g1(spec_.layers_size());
+  uint64_t group1_values = 0;
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    if (groups[l] != 1) continue;
+    g1[l].assign(spec_.layers(l).num_elements(), 0.002f);
+    group1_values += g1[l].size();
+  }
+  v1::PushHeader last = header;
+  last.set_update_id(2);
+  last.set_group(1);
+  last.set_task_continues(false);
+  const double raw_before = Scraped("aloe_raw_push_bytes_total");
+  uint64_t pushed = 0;
+  absl::StatusOr<v1::PushReply> reply =
+      raw_client.PushGroup(last, spec_, groups, g1, {}, 64, nullptr, &pushed);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->group_version(), 1u);
+  EXPECT_EQ(pushed, group1_values * sizeof(float));
+  EXPECT_EQ(Scraped("aloe_raw_push_bytes_total") - raw_before,
+            static_cast<double>(group1_values * sizeof(float)));
+  const std::vector<std::vector<float>> final_params = PullLatest(joined.worker_id());
+  for (int l = 0; l < spec_.layers_size(); ++l) {
+    const float step = groups[l] == 0 ? 0.5f * 0.001f : 0.5f * 0.002f;
+    for (size_t i = 0; i < final_params[l].size(); ++i) {
+      ASSERT_EQ(final_params[l][i], before[l][i] - step) << "layer " << l << " element " << i;
+    }
+  }
+  EXPECT_TRUE(client.Leave(joined.worker_id()).ok());  // the server need not wait for its task
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+// A server that synchronizes the whole model refuses group pushes and pulls by group.
+TEST_F(HostileInputTest, GroupPushesAndPullsToAWholeModelServerAreRefused) {
+  std::string push_address;
+  const int port = StartRawPushServer("local_steps: 3\n", &push_address);
+  ASSERT_GT(port, 0);
+  v1::JoinReply joined;
+  v1::Task task;
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("whole", &joined, &task));
+  EXPECT_EQ(joined.layer_groups_size(), 0);
+  const std::vector<std::vector<float>> before = PullLatest(joined.worker_id());
+  v1::PushHeader header = HeaderFor(joined, task);
+  header.set_group(1);
+  header.set_task_continues(true);
+  const grpc::Status pushed = Push(header, FullUpdate(0.001f));
+  EXPECT_EQ(pushed.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(pushed.error_message(), "synchronizes the whole model"))
+      << pushed.error_message();
+  std::string whole;
+  for (const v1::LayerSpec& layer : spec_.layers()) {
+    AppendFloats(std::vector<float>(layer.num_elements(), 0.001f), &whole);
+  }
+  absl::Status carried;
+  v1::PushReply reply;
+  ASSERT_TRUE(RawExchange(push_address, EncodeRawPushPrelude("", header, whole.size()) + whole,
+                          &carried, &reply)
+                  .ok());
+  EXPECT_EQ(carried.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(carried.message(), "names a layer group")) << carried;
+  worker::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  worker::ServerClient client(options);
+  std::vector<std::vector<float>> pulled;
+  uint64_t bytes = 0;
+  const std::vector<uint32_t> groups(spec_.layers_size(), 0);
+  const absl::StatusOr<uint64_t> by_group =
+      client.PullGroup(joined.worker_id(), 0, spec_, groups, &pulled, &bytes);
+  EXPECT_EQ(by_group.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(by_group.status().message(), "synchronizes the whole model"))
+      << by_group.status();
+  const absl::StatusOr<v1::Task> start = client.StartGroup(joined.worker_id(), 0);
+  EXPECT_EQ(start.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Scraped("aloe_model_version"), 0);
+  EXPECT_EQ(PullLatest(joined.worker_id()), before);
+  EXPECT_TRUE(client.Leave(joined.worker_id()).ok());  // the server need not wait for its task
   server_->Signal(SIGTERM);
   EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
 }

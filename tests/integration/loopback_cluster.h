@@ -220,6 +220,11 @@ class LoopbackTest : public ::testing::Test {
     EXPECT_EQ(w1->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
     EXPECT_EQ(evaluator->Wait(absl::Seconds(30)), std::optional<int>(0)) << Logs();
 
+    ReadSummary(run);
+  }
+
+  // The server's --summary_file: its evaluations and the other key=value lines.
+  void ReadSummary(TrainingRun* run) {
     for (absl::string_view line :
          absl::StrSplit(ReadFile(dir_ + "/summary"), '\n', absl::SkipEmpty())) {
       std::pair<std::string, std::string> kv = absl::StrSplit(line, '=');

@@ -157,6 +157,22 @@ TEST(PushWireTest, ParamChunkPrefixPlusPayloadIsProtobufsSerialisation) {
   }
 }
 
+TEST(PushWireTest, ParamChunkWithAGroupVersionParsesAsProtobufAndAsAView) {
+  const std::string payload(4 * 3, '\x3f');
+  const std::string bytes = ParamChunkPrefix(9, 2, 0, 3, payload.size(), 41) + payload;
+  v1::ParamChunk chunk;
+  ASSERT_TRUE(chunk.ParseFromString(bytes));
+  EXPECT_EQ(chunk.version(), 9u);
+  EXPECT_EQ(chunk.layer_id(), 2u);
+  EXPECT_EQ(chunk.group_version(), 41u);
+  EXPECT_EQ(chunk.data(), payload);
+  ParamChunkView view;
+  ASSERT_TRUE(ParseParamChunk({bytes}, &view).ok());
+  EXPECT_EQ(view.group_version, 41u);
+  EXPECT_EQ(view.version, 9u);
+  EXPECT_EQ(Joined(view.data), payload);
+}
+
 TEST(PushWireTest, ParsesParamChunksCutAnywhere) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 100; ++trial) {
@@ -165,11 +181,12 @@ TEST(PushWireTest, ParsesParamChunksCutAnywhere) {
     chunk.set_layer_id(trial % 4 == 0 ? 0 : rng());
     chunk.set_offset(trial % 5 == 0 ? 0 : (uint64_t{rng()} << 12));
     chunk.set_layer_elements(rng());
+    if (trial % 3 == 1) chunk.set_group_version(rng());
     std::string data(rng() % 2000, '\0');
     for (char& c : data) c = static_cast<char>(rng());
     chunk.set_data(data);
     std::string bytes = chunk.SerializeAsString();
-    if (trial % 2 == 1) bytes += std::string("\x30\x05\x3a\x01z", 5);  // unknown fields 6, 7
+    if (trial % 2 == 1) bytes += std::string("\x40\x05\x4a\x01z", 5);  // unknown fields 8, 9
     std::vector<size_t> at;
     for (int i = rng() % 5; i > 0; --i) at.push_back(rng() % (bytes.size() + 1));
     std::sort(at.begin(), at.end());
@@ -179,6 +196,7 @@ TEST(PushWireTest, ParsesParamChunksCutAnywhere) {
     EXPECT_EQ(view.layer_id, chunk.layer_id());
     EXPECT_EQ(view.offset, chunk.offset());
     EXPECT_EQ(view.layer_elements, chunk.layer_elements());
+    EXPECT_EQ(view.group_version, chunk.group_version());
     EXPECT_EQ(view.data_size, data.size());
     EXPECT_EQ(Joined(view.data), data);
   }

@@ -191,6 +191,18 @@ TEST(RawPushTest, RangesAreTheShardsLayersOrEveryLayerInOrderWholeOrSliced) {
   EXPECT_EQ(ranges[1].first, 6u);  // layer 1 (7 elements): ceil(7 / 3) = 3 per slice, [6, 7)
   EXPECT_EQ(ranges[1].count, 1u);
   EXPECT_EQ(RawPushPayloadBytes(ranges), (2 + 1 + 1 + 1) * 4u);
+  // Layer groups {0, 1, 1, 0}: a push of group 1 carries layers 1 and 2 only.
+  const std::vector<uint32_t> groups = {0, 1, 1, 0};
+  v1::PushHeader group1;
+  group1.set_group(1);
+  ranges = RawPushRanges(spec, std::nullopt, group1, groups);
+  ASSERT_EQ(ranges.size(), 2u);
+  EXPECT_EQ(ranges[0].layer_id, 1u);
+  EXPECT_EQ(ranges[0].count, 7u);
+  EXPECT_EQ(ranges[1].layer_id, 2u);
+  EXPECT_EQ(RawPushPayloadBytes(ranges), (7 + 5) * 4u);
+  group1.set_group(2);  // a group no layer is in
+  EXPECT_TRUE(RawPushRanges(spec, std::nullopt, group1, groups).empty());
 }
 
 TEST(RawPushTest, SocketsConnectCarryBytesTimeOutAndReportClosing) {

@@ -165,6 +165,59 @@ TEST(UpdateAssemblerTest, InPlaceRefusesAnotherShardsLayerAndFillsASlice) {
   EXPECT_EQ(update->layers[1], (std::vector<float>{0, 0, 0, 0, 0, 1, 2, 3, 4, 5}));
 }
 
+TEST(UpdateAssemblerTest, GroupPushCarriesEveryLayerOfItsGroupAndNoOther) {
+  // Layers 0 and 2 form group 0, layer 1 group 1.
+  v1::ModelSpec spec = OneLayer(4);
+  for (int l = 1; l < 3; ++l) {
+    v1::LayerSpec* layer = spec.add_layers();
+    layer->set_id(l);
+    layer->set_name(absl::StrCat("l", l));
+    layer->set_num_elements(3);
+  }
+  const std::vector<uint32_t> groups = {0, 1, 0};
+  v1::PushHeader header;
+  header.set_group(0);
+  header.set_task_continues(true);
+  const std::vector<float> four = {1, 2, 3, 4};
+  const std::vector<float> three = {5, 6, 7};
+  std::string a, b;
+  AppendFloats(absl::MakeConstSpan(four), &a);
+  AppendFloats(absl::MakeConstSpan(three), &b);
+  {
+    UpdateAssembler assembler(spec, header, std::nullopt, nullptr, false, groups);
+    // Another group's layer is refused, naming both groups; nothing counts as received.
+    EXPECT_THAT(assembler.AddChunk(1, 0, b),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("layer 1 (l1) belongs to layer group 1, but this push carries "
+                                   "layer group 0")));
+    EXPECT_EQ(assembler.bytes_received(), 0u);
+    ASSERT_THAT(assembler.AddChunk(0, 0, a), IsOk());
+    // Layer 2 of the group is still missing.
+    UpdateAssembler copy = assembler;
+    EXPECT_THAT(std::move(copy).Finish(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 2 (l2) incomplete")));
+    ASSERT_THAT(assembler.AddChunk(2, 0, b), IsOk());
+    auto update = std::move(assembler).Finish();
+    ASSERT_THAT(update, IsOk());
+    EXPECT_EQ(update->layers[0], four);
+    EXPECT_TRUE(update->layers[1].empty());
+    EXPECT_EQ(update->layers[2], three);
+    EXPECT_EQ(update->group, 0u);
+    EXPECT_TRUE(update->task_continues);
+  }
+  // A group the model does not have: every layer is refused.
+  header.set_group(5);
+  UpdateAssembler assembler(spec, header, std::nullopt, nullptr, false, groups);
+  EXPECT_THAT(assembler.AddChunk(0, 0, a),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("carries layer group 5")));
+  // Without layer groups the same header's layers are all expected.
+  header.set_group(0);
+  UpdateAssembler whole(spec, header);
+  ASSERT_THAT(whole.AddChunk(0, 0, a), IsOk());
+  EXPECT_THAT(std::move(whole).Finish(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 1 (l1) incomplete")));
+}
+
 TEST(UpdateAssemblerTest, MalformedEncodedChunkNamesTheLayerAndCodec) {
   const v1::ModelSpec spec = OneLayer(10);
   UpdateAssembler assembler(spec, v1::PushHeader());

@@ -170,6 +170,24 @@ class FakeServer final : public ServerApi {
     return reply;
   }
 
+  // Layer groups are not scripted here (tests/unit/worker/streaming_round_test.cc has a
+  // server that keeps them).
+  absl::StatusOr<v1::Task> StartGroup(uint64_t, uint32_t) override {
+    return absl::UnimplementedError("FakeServer has no layer groups");
+  }
+  absl::StatusOr<uint64_t> PullGroup(uint64_t, uint32_t, const v1::ModelSpec&,
+                                     absl::Span<const uint32_t>, std::vector<std::vector<float>>*,
+                                     uint64_t*) override {
+    return absl::UnimplementedError("FakeServer has no layer groups");
+  }
+  absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader&, const v1::ModelSpec&,
+                                          absl::Span<const uint32_t>,
+                                          const std::vector<std::vector<float>>&,
+                                          const std::vector<v1::Codec>&, size_t,
+                                          std::vector<std::vector<float>>*, uint64_t*) override {
+    return absl::UnimplementedError("FakeServer has no layer groups");
+  }
+
   std::vector<PushCall> pushes() {
     absl::MutexLock lock(&mu_);
     return pushes_;
