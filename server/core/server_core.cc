@@ -380,7 +380,15 @@ absl::StatusOr<v1::Task> ServerCore::StartGroup(uint64_t worker, uint32_t group)
   if (auto it = started.find(group); it != started.end()) return granted(it->second);
   CloseDueWindows();
   UpdateStopping();
-  if (stopping_) return NewTask(v1::Task::STOP);
+  if (stopping_) {
+    // The worker cannot finish its task without the group: the task ends here, so that its
+    // next RequestTask answers STOP too, not the task again.
+    if (auto open = open_tasks_.find(worker);
+        open != open_tasks_.end() && open->second.task.kind() == v1::Task::TRAIN) {
+      ALOE_RETURN_IF_ERROR(EndOpenTask(worker));
+    }
+    return NewTask(v1::Task::STOP);
+  }
   if (draining_) {
     v1::Task wait = NewTask(v1::Task::WAIT);
     wait.set_draining(true);

@@ -385,6 +385,25 @@ TEST_F(LayerGroupCoreTest, WorkerThatLeavesIsNotWaitedForInAnyGroup) {
   EXPECT_EQ(core_->version(), 2u);
 }
 
+TEST_F(LayerGroupCoreTest, AStopAtStartGroupEndsTheTaskSoThatTheWorkerStops) {
+  v1::ServerConfig config = GroupConfig(2, v1::AGGREGATION_ASYNC);
+  config.mutable_aggregation()->set_min_workers(1);
+  config.set_max_versions(2);
+  Make(config);
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  Request(b);
+  for (uint32_t g = 0; g < 2; ++g) {
+    StartGroup(a, g);
+    ASSERT_THAT(core_->SubmitUpdate(GroupUpdate(a, ta, g, 0, 1.0f, g == 0)), IsOk());
+  }
+  ASSERT_EQ(core_->version(), 2u);  // the last version: training is over
+  EXPECT_EQ(StartGroup(b, 0).kind(), v1::Task::STOP);
+  EXPECT_EQ(Request(b).kind(), v1::Task::STOP);
+  EXPECT_EQ(core_->open_tasks(), 0u);
+}
+
 TEST_F(LayerGroupCoreTest, FourGroupsResumeExactlyFromACheckpoint) {
   v1::ServerConfig config = GroupConfig(4, v1::AGGREGATION_ASYNC);
   config.mutable_aggregation()->set_min_workers(1);
