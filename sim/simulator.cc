@@ -342,6 +342,12 @@ class Simulator::Engine {
   absl::Status OnPulled(Worker& w);
   absl::Status StartRound(Worker& w);
   absl::Status Compute(Worker& w, const v1::Task& task, std::vector<std::vector<float>> base);
+  // The steps of `task` from the worker's step times (H or the A-EDiT budget's) and their
+  // duration; the cursor is not moved.
+  uint32_t TaskSteps(const Worker& w, const v1::Task& task, absl::Duration* duration) const;
+  // One Train call of `steps` on the task's data shard.
+  absl::StatusOr<TrainStats> RunTrainer(Worker& w, const v1::Task& task, uint32_t steps,
+                                        uint64_t lr_step, uint64_t seed);
   absl::Status OnComputed(Worker& w);
   absl::Status EndCommunication(Worker& w);
   absl::Status EndRound(Worker& w);
@@ -350,6 +356,11 @@ class Simulator::Engine {
   void EndHold(Worker& w);
   // SubmitUpdate of w.uploading, its row and the heartbeat after it; true when accepted.
   bool Submit(Worker& w);
+  // SubmitUpdate of `update` and its CSV row; `before` is the version (the group's, for a group
+  // push) it would see. A push that ends its task also counts the task's steps and heartbeats
+  // the measured speed, as the daemon does after a round.
+  absl::StatusOr<v1::PushReply> SubmitAndRecord(Worker& w, server::PendingUpdate update,
+                                                const std::string& shard, uint64_t before);
   // The round's end without overlap: submit, then ask for the next task.
   absl::Status Push(Worker& w);
   absl::Status Leave(Worker& w);
@@ -856,22 +867,27 @@ absl::Status Simulator::Engine::StartRound(Worker& w) {
                EventKind::kUploaded);
 }
 
-absl::Status Simulator::Engine::Compute(Worker& w, const v1::Task& task,
-                                        std::vector<std::vector<float>> base) {
-  // The step count: H, or the A-EDiT budget's first step end at or after tau_time (paper 000
-  // Sec. 3.3), capped at local_steps; at least one step.
+uint32_t Simulator::Engine::TaskSteps(const Worker& w, const v1::Task& task,
+                                      absl::Duration* duration) const {
+  // H, or the A-EDiT budget's first step end at or after tau_time (paper 000 Sec. 3.3), capped
+  // at local_steps; at least one step.
   const uint32_t cap = std::max<uint32_t>(1, task.local_steps());
   const absl::Duration budget = absl::Seconds(task.time_budget_seconds());
   const bool budgeted = task.time_budget_seconds() > 0;
   uint32_t steps = 0;
-  absl::Duration duration;
-  while (steps < cap && (!budgeted || steps == 0 || duration < budget)) {
-    duration += w.cycle[w.cursor];
-    w.cursor = (w.cursor + 1) % w.cycle.size();
+  size_t cursor = w.cursor;
+  *duration = absl::ZeroDuration();
+  while (steps < cap && (!budgeted || steps == 0 || *duration < budget)) {
+    *duration += w.cycle[cursor];
+    cursor = (cursor + 1) % w.cycle.size();
     ++steps;
   }
+  return steps;
+}
 
-  ALOE_RETURN_IF_ERROR(w.trainer->SetParameters(base));
+absl::StatusOr<TrainStats> Simulator::Engine::RunTrainer(Worker& w, const v1::Task& task,
+                                                         uint32_t steps, uint64_t lr_step,
+                                                         uint64_t seed) {
   TrainRequest train;
   train.shard_name = task.shard_name();
   if (options_.open_shard) {
@@ -883,13 +899,25 @@ absl::Status Simulator::Engine::Compute(Worker& w, const v1::Task& task,
     train.data = *data;
   }
   train.steps = steps;
-  train.lr_step = task.lr_step();
-  train.seed = task.seed();
+  train.lr_step = lr_step;
+  train.seed = seed;
   absl::StatusOr<TrainStats> stats = w.trainer->Train(train);
   if (!stats.ok()) {
     return absl::Status(stats.status().code(),
                         absl::StrCat(Where(w), ": training failed: ", stats.status().message()));
   }
+  return stats;
+}
+
+absl::Status Simulator::Engine::Compute(Worker& w, const v1::Task& task,
+                                        std::vector<std::vector<float>> base) {
+  absl::Duration duration;
+  const uint32_t steps = TaskSteps(w, task, &duration);
+  w.cursor = (w.cursor + steps) % w.cycle.size();
+
+  ALOE_RETURN_IF_ERROR(w.trainer->SetParameters(base));
+  ALOE_ASSIGN_OR_RETURN(const TrainStats stats,
+                        RunTrainer(w, task, steps, task.lr_step(), task.seed()));
   w.computing = Round();
   server::PendingUpdate& u = w.computing->update;
   ALOE_RETURN_IF_ERROR(w.trainer->PseudoGradient(base, &u.layers));
@@ -898,8 +926,8 @@ absl::Status Simulator::Engine::Compute(Worker& w, const v1::Task& task,
   u.update_id = w.next_update_id++;
   u.base_version = task.base_version();
   u.steps_done = steps;
-  u.tokens_learned = stats->tokens;
-  u.train_loss = stats->mean_loss;
+  u.tokens_learned = stats.tokens;
+  u.train_loss = stats.mean_loss;
   u.compute_seconds = absl::ToDoubleSeconds(duration);
   w.computing->shard = task.shard_name();
   w.compute_running = true;
@@ -980,17 +1008,22 @@ void Simulator::Engine::EndHold(Worker& w) {
 bool Simulator::Engine::Submit(Worker& w) {
   Round round = *std::move(w.uploading);
   w.uploading.reset();
-  server::PendingUpdate update = std::move(round.update);
+  return SubmitAndRecord(w, std::move(round.update), round.shard, core_->version()).ok();
+}
+
+absl::StatusOr<v1::PushReply> Simulator::Engine::SubmitAndRecord(Worker& w,
+                                                                 server::PendingUpdate update,
+                                                                 const std::string& shard,
+                                                                 uint64_t before) {
   const uint64_t base = update.base_version;
+  const bool ends_task = !update.task_continues;
   const uint32_t steps = update.steps_done;
   const double seconds = update.compute_seconds;
-  const uint64_t before = core_->version();
-
   SimRow row;
   row.virtual_seconds = absl::ToDoubleSeconds(Now());
   row.worker = w.index;
-  row.shard = round.shard;
-  row.steps = steps;
+  row.shard = shard;
+  row.steps = ends_task ? steps : 0;
   absl::StatusOr<v1::PushReply> reply = core_->SubmitUpdate(std::move(update));
   if (reply.ok()) {
     row.version = reply->version();
@@ -1008,15 +1041,15 @@ bool Simulator::Engine::Submit(Worker& w) {
   if (result_.rows.back().outcome == SimRow::Outcome::kApplied) {
     applied_row_[result_.rows.back().version] = result_.rows.size() - 1;
   }
+  if (!ends_task) return reply;
   result_.total_local_steps += steps;
-
   // What the daemon's heartbeat reports after a round (DyLU's speed estimate).
   w.steps_per_second = seconds > 0 ? steps / seconds : 0;
   v1::HeartbeatRequest heartbeat;
   heartbeat.set_worker_id(w.id);
   heartbeat.set_steps_per_second(w.steps_per_second);
   (void)core_->Heartbeat(heartbeat);  // kNotFound is handled by Ask (rejoin)
-  return reply.ok();
+  return reply;
 }
 
 absl::Status Simulator::Engine::Push(Worker& w) {
@@ -1196,20 +1229,8 @@ absl::Status Simulator::Engine::StreamTask(Worker& w, const v1::Task& task) {
     s.global.assign(core_->spec().layers_size(), {});
     for (uint32_t g = 0; g < groups; ++g) s.merges.push_back(Merge{g, 0, true, true});
   }
-  // The step count: H, or the A-EDiT budget's steps (known here from the step times).
-  const uint32_t cap = std::max<uint32_t>(1, task.local_steps());
-  uint32_t steps = cap;
-  if (task.time_budget_seconds() > 0) {
-    const absl::Duration budget = absl::Seconds(task.time_budget_seconds());
-    absl::Duration duration;
-    size_t cursor = w.cursor;
-    steps = 0;
-    while (steps < cap && (steps == 0 || duration < budget)) {
-      duration += w.cycle[cursor];
-      cursor = (cursor + 1) % w.cycle.size();
-      ++steps;
-    }
-  }
+  absl::Duration duration;
+  const uint32_t steps = TaskSteps(w, task, &duration);
   ALOE_ASSIGN_OR_RETURN(SyncSchedule schedule, ScheduleFor(w, steps));
   s.task = task;
   s.period = steps;
@@ -1293,26 +1314,11 @@ absl::Status Simulator::Engine::TrainSegment(Worker& w, uint32_t steps) {
     s.last_step = w.cycle[w.cursor];
     w.cursor = (w.cursor + 1) % w.cycle.size();
   }
-  TrainRequest train;
-  train.shard_name = task.shard_name();
-  if (options_.open_shard) {
-    absl::StatusOr<const TokenSource*> data = options_.open_shard(task.shard_file());
-    if (!data.ok()) {
-      return absl::Status(data.status().code(),
-                          absl::StrCat(Where(w), ": training data: ", data.status().message()));
-    }
-    train.data = *data;
-  }
-  train.steps = steps;
-  train.lr_step = task.lr_step() + s.step;
-  train.seed = task.seed() + 0x9E3779B97F4A7C15ull * s.step;
-  absl::StatusOr<TrainStats> stats = w.trainer->Train(train);
-  if (!stats.ok()) {
-    return absl::Status(stats.status().code(),
-                        absl::StrCat(Where(w), ": training failed: ", stats.status().message()));
-  }
-  s.tokens += stats->tokens;
-  s.loss_sum += stats->mean_loss;
+  ALOE_ASSIGN_OR_RETURN(const TrainStats stats,
+                        RunTrainer(w, task, steps, task.lr_step() + s.step,
+                                   task.seed() + 0x9E3779B97F4A7C15ull * s.step));
+  s.tokens += stats.tokens;
+  s.loss_sum += stats.mean_loss;
   ++s.segments;
   s.compute_seconds += absl::ToDoubleSeconds(duration);
   s.segment = steps;
@@ -1383,41 +1389,9 @@ absl::Status Simulator::Engine::OnGroupUploaded(Worker& w) {
   server::PendingUpdate update = std::move(s.uploads.front());
   s.uploads.pop_front();
   const uint32_t group = update.group;
-  const bool ends_task = !update.task_continues;
-  const uint32_t steps = update.steps_done;
-  const double seconds = update.compute_seconds;
-  const uint64_t base = update.base_version;
-  const uint64_t before = core_->group_version(group);
-  SimRow row;
-  row.virtual_seconds = absl::ToDoubleSeconds(Now());
-  row.worker = w.index;
-  row.shard = s.task.has_value() ? s.task->shard_name() : "";
-  row.steps = ends_task ? steps : 0;
-  absl::StatusOr<v1::PushReply> reply = core_->SubmitUpdate(std::move(update));
-  if (reply.ok()) {
-    row.version = reply->version();
-    row.outcome = reply->applied() ? SimRow::Outcome::kApplied : SimRow::Outcome::kAccepted;
-    row.staleness = reply->staleness();
-    ++result_.updates_per_worker[w.index];
-  } else {
-    row.version = core_->version();
-    row.outcome = SimRow::Outcome::kRejected;
-    row.staleness = before - std::min(before, base);
-    ++result_.rejected_per_worker[w.index];
-    result_.rejections.push_back(absl::StrCat(Where(w), ": ", reply.status().ToString()));
-  }
-  result_.rows.push_back(std::move(row));
-  if (result_.rows.back().outcome == SimRow::Outcome::kApplied) {
-    applied_row_[result_.rows.back().version] = result_.rows.size() - 1;
-  }
-  if (ends_task) {
-    result_.total_local_steps += steps;
-    w.steps_per_second = seconds > 0 ? steps / seconds : 0;
-    v1::HeartbeatRequest heartbeat;
-    heartbeat.set_worker_id(w.id);
-    heartbeat.set_steps_per_second(w.steps_per_second);
-    (void)core_->Heartbeat(heartbeat);
-  }
+  const absl::StatusOr<v1::PushReply> reply =
+      SubmitAndRecord(w, std::move(update), s.task.has_value() ? s.task->shard_name() : "",
+                      core_->group_version(group));
   for (Merge& m : s.merges) {
     if (m.group == group && !m.pushed) {
       m.pushed = true;
