@@ -38,6 +38,17 @@ v1::ServerConfig GroupConfig(uint32_t groups, v1::AggregationMode mode) {
   return config;
 }
 
+// RequestTask with start_group.
+v1::Task TakeGroup(ServerCore& core, uint64_t worker, uint32_t group) {
+  v1::TaskRequest request;
+  request.set_worker_id(worker);
+  request.set_start_group(true);
+  request.set_group(group);
+  auto task = core.RequestTask(request);
+  EXPECT_THAT(task, IsOk());
+  return *task;
+}
+
 class LayerGroupCoreTest : public ::testing::Test {
  protected:
   void Make(const v1::ServerConfig& config) {
@@ -64,15 +75,7 @@ class LayerGroupCoreTest : public ::testing::Test {
     return *task;
   }
 
-  v1::Task StartGroup(uint64_t worker, uint32_t group) {
-    v1::TaskRequest request;
-    request.set_worker_id(worker);
-    request.set_start_group(true);
-    request.set_group(group);
-    auto task = core_->RequestTask(request);
-    EXPECT_THAT(task, IsOk());
-    return *task;
-  }
+  v1::Task StartGroup(uint64_t worker, uint32_t group) { return TakeGroup(*core_, worker, group); }
 
   // A push of `group` whose every element is `value`, based on group version `base`.
   PendingUpdate GroupUpdate(uint64_t worker, const v1::Task& task, uint32_t group, uint64_t base,
@@ -423,16 +426,11 @@ TEST_F(LayerGroupCoreTest, FourGroupsResumeExactlyFromACheckpoint) {
     const uint32_t order[4] = {3, 1, 0, 2};
     for (int k = 0; k < 4; ++k) {
       const uint32_t g = order[k];
-      v1::TaskRequest start;
-      start.set_worker_id(worker);
-      start.set_start_group(true);
-      start.set_group(g);
-      auto granted = core.RequestTask(start);
-      EXPECT_THAT(granted, IsOk());
+      const v1::Task granted = TakeGroup(core, worker, g);
       PendingUpdate u;
       u.worker_id = worker;
       u.task_id = task->task_id();
-      u.base_version = granted->group_versions(0);
+      u.base_version = granted.group_versions(0);
       u.group = g;
       u.task_continues = k < 3;
       u.steps_done = task->local_steps();
