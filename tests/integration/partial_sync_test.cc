@@ -31,9 +31,9 @@ class PartialSyncTest : public LoopbackTest {
   // Runs the job of `config` with an evaluator and two trainers, trainer 1 behind a link of
   // 20 ms one-way delay at 50 Mbit/s, trainer 0 twice as slow per step (so that the far one
   // takes part in a short asynchronous job); every process must exit with 0. Fills run_ from
-  // the server's summary file.
-  void TrainThroughALink(const std::string& config) {
-    const int port = StartServer(config);
+  // the server's summary file. `outer`: the outer optimizer's config.
+  void TrainThroughALink(const std::string& config, const std::string& outer = kNesterov) {
+    const int port = StartServer(config, outer);
     ASSERT_GT(port, 0);
     tools::LinkEmulatorOptions options;
     options.routes.push_back({"127.0.0.1:0", absl::StrCat("127.0.0.1:", port)});
@@ -69,7 +69,10 @@ TEST_F(PartialSyncTest, AsyncFourGroupsTrainThroughALinkAndEvalLossFalls) {
       max_versions: 64
       eval_every: 1000000
       aggregation { mode: AGGREGATION_ASYNC min_workers: 1 }
-      partial_sync { groups: 4 merge_delay_steps: 1 })"));
+      partial_sync { groups: 4 merge_delay_steps: 1 })",
+                                            // Asynchronous: Delayed Nesterov, N = the trainers.
+                                            "outer_optimizer { type: OUTER_DELAYED_NESTEROV "
+                                            "lr: 0.7 momentum: 0.9 dn_buffer_size: 2 }"));
   // Every group push is an outer step of its own. Pushes already under way when the job
   // reaches max_versions are still applied: at most one per group and trainer.
   int version = 0, applied = 0;
