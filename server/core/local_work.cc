@@ -56,6 +56,7 @@ LocalWorkPlanner::Plan LocalWorkPlanner::PlanFor(uint64_t worker) const {
 LocalWorkPlanner::Plan LocalWorkPlanner::PlanFor(uint64_t worker, const Start& start) {
   Plan plan = PlanFor(worker);
   if (options_.mode != Mode::kDyLU || !options_.align_rounds) return plan;
+  if (start.ungated) return PlanUngated(worker, start, plan);
   const double fastest = this->fastest();
   if (!(fastest > 0) && (round_ == 0 || start.released_round >= round_)) {
     // Nobody measured yet: a round without a known end; its window waits for all of it.
@@ -76,6 +77,39 @@ LocalWorkPlanner::Plan LocalWorkPlanner::PlanFor(uint64_t worker, const Start& s
     round_start_ = start.at;
     round_end_ = start.at + absl::Seconds(period);
   }
+  if (start.at == round_start_ && speed(worker) > 0) {
+    // Released with the round's cohort: Eq. 6 itself (no rounding of the period in time units).
+    plan.round = round_;
+    plan.slack_seconds = std::max(0.0, period - plan.steps / speed(worker));
+    return plan;
+  }
+  return JoinRound(worker, start, period, plan);
+}
+
+LocalWorkPlanner::Plan LocalWorkPlanner::PlanUngated(uint64_t worker, const Start& start,
+                                                     Plan plan) {
+  const double fastest = this->fastest();
+  if (!(fastest > 0)) return plan;  // no period yet: Eq. 6 (H), no round
+  const absl::Duration period =
+      absl::Seconds(std::max<uint32_t>(1, options_.local_steps) / fastest);
+  if (round_ == 0) {
+    round_ = 1;
+    round_start_ = start.at;
+    round_end_ = start.at + period;
+  }
+  if (start.at >= round_end_) {
+    // The rounds in between passed without a start: the grid moves on by whole periods.
+    absl::Duration remainder;
+    const int64_t passed = absl::IDivDuration(start.at - round_end_, period, &remainder);
+    round_ += static_cast<uint64_t>(passed) + 1;
+    round_start_ = round_end_ + passed * period;
+    round_end_ = round_start_ + period;
+  }
+  return JoinRound(worker, start, absl::ToDoubleSeconds(period), plan);
+}
+
+LocalWorkPlanner::Plan LocalWorkPlanner::JoinRound(uint64_t worker, const Start& start,
+                                                   double period, Plan plan) const {
   // Seconds from the start to the end of the round in flight (negative when it is over).
   const double until_end = absl::ToDoubleSeconds(round_end_ - start.at);
   const double v = speed(worker);
@@ -85,12 +119,6 @@ LocalWorkPlanner::Plan LocalWorkPlanner::PlanFor(uint64_t worker, const Start& s
     const double k = std::max(0.0, std::ceil((period / 2 - until_end) / period - 1e-9));
     plan.round = round_ + static_cast<uint64_t>(k);
     plan.time_budget_seconds = until_end + k * period;
-    return plan;
-  }
-  if (start.at == round_start_) {
-    // Released with the round's cohort: Eq. 6 itself (no rounding of the period in time units).
-    plan.round = round_;
-    plan.slack_seconds = std::max(0.0, period - plan.steps / v);
     return plan;
   }
   // The first round end that leaves at least half of Eq. 6's steps (and at least one).

@@ -47,6 +47,14 @@
 //     for the rest of a round (GracePeriodAggregation::Expect).
 // Workers that start together therefore still get Eq. 6 exactly.
 //
+// Ungated tasks (Start::ungated: layer groups, where no window releases a task; each group's
+// window holds only that group's merge): rounds follow a time grid instead of releases. The
+// first start after a speed is known begins round 1 (T = s + P); a start at or after the end of
+// the round in flight moves the grid on by whole periods (the round that contains s); every
+// start joins the round in flight as above. A worker that asks for its next task as its last
+// one ends therefore ends its tasks with the others, on the grid. Before any speed is known,
+// tasks get Eq. 6 (H) and no round.
+//
 // Pure logic, no clock: speeds come from reports, times from the caller. Not thread-safe.
 #pragma once
 
@@ -81,6 +89,8 @@ class LocalWorkPlanner {
     // The round of the grace window that released the worker at `at`; 0 when the worker was not
     // released by a window of a round (a first task, a joiner, a window of unaligned tasks).
     uint64_t released_round = 0;
+    // No window releases tasks (layer groups): rounds follow the time grid.
+    bool ungated = false;
   };
 
   explicit LocalWorkPlanner(const Options& options) : options_(options) {}
@@ -105,6 +115,11 @@ class LocalWorkPlanner {
  private:
   // max_w v(w); 0 when nobody is measured.
   double fastest() const;
+  // Aligned DyLU, an ungated start (see the file comment).
+  Plan PlanUngated(uint64_t worker, const Start& start, Plan plan);
+  // The start at `start` joins the round in flight (or a later one): Eq. 6's `plan` becomes the
+  // steps (or time budget) to a round end, with the round and slack. round_end_ is finite.
+  Plan JoinRound(uint64_t worker, const Start& start, double period, Plan plan) const;
 
   Options options_;
   std::map<uint64_t, double> speeds_;

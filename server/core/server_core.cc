@@ -69,10 +69,11 @@ LocalWorkPlanner::Options PlannerOptions(const v1::ServerConfig& config) {
   // DyLU's rounds must be kept aligned explicitly behind a finite grace window (LocalWorkPlanner);
   // an infinite one waits for everybody anyway and zero grace is plain async (no waiting).
   const double grace = config.aggregation().grace_seconds();
-  // With layer groups each group has its own windows: rounds are not aligned.
+  // With layer groups no window releases a task: rounds follow a time grid, and each group's
+  // window waits for that group's pushes of the round (StartGroup).
   o.align_rounds = o.mode == LocalWorkPlanner::Mode::kDyLU &&
                    config.aggregation().mode() == v1::AGGREGATION_ASYNC && grace > 0 &&
-                   std::isfinite(grace) && config.partial_sync().groups() <= 1;
+                   std::isfinite(grace);
   return o;
 }
 
@@ -130,7 +131,10 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
       const double grace = config.aggregation().grace_seconds();
       auto grace_aggregation = std::make_unique<GracePeriodAggregation>(
           clock, std::isinf(grace) ? absl::InfiniteDuration() : absl::Seconds(grace));
-      if (PlannerOptions(config).align_rounds) core->aligned_grace_ = grace_aggregation.get();
+      if (PlannerOptions(config).align_rounds) {
+        if (groups == 1) core->aligned_grace_ = grace_aggregation.get();
+        core->aligned_lanes_.push_back(grace_aggregation.get());
+      }
       core->lanes_.push_back(std::move(grace_aggregation));
     } else {
       // Look-ahead work (which needs last_version) is not used with layer groups.
@@ -283,7 +287,7 @@ absl::StatusOr<v1::Task> ServerCore::TrainerTask(uint64_t worker) {
   if (lanes_.size() > 1) {
     // Layer groups: the aggregations hold the worker at StartGroup, not here.
     if (!started_) started_ = clock_.Now();
-    const LocalWorkPlanner::Start start{clock_.Now(), 0};
+    const LocalWorkPlanner::Start start{clock_.Now(), 0, /*ungated=*/true};
     OpenTask open = NewTrainTask(worker, current, &start);
     open.base_pulled = true;  // its groups are pulled at the versions StartGroup grants
     for (uint32_t g = 0; g < lanes_.size(); ++g) open.task.add_group_versions(group_version(g));
@@ -349,7 +353,10 @@ ServerCore::OpenTask ServerCore::NewTrainTask(uint64_t worker, uint64_t base,
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
     metrics_.Set(kTrainerPlannedSteps, plan.steps, labels->second);
   }
-  return OpenTask{task, shard, assigned};
+  OpenTask open{task, shard, assigned};
+  open.round = plan.round;
+  open.slack_seconds = plan.slack_seconds;
+  return open;
 }
 
 absl::StatusOr<v1::Task> ServerCore::StartGroup(uint64_t worker, uint32_t group) {
@@ -400,7 +407,20 @@ absl::StatusOr<v1::Task> ServerCore::StartGroup(uint64_t worker, uint32_t group)
   if (!base) return NewTask(v1::Task::WAIT);
   started[group] = *base;
   if (!started_) started_ = clock_.Now();
+  ExpectGroupPush(worker, group);
   return granted(*base);
+}
+
+void ServerCore::ExpectGroupPush(uint64_t worker, uint32_t group) {
+  if (aligned_lanes_.size() != lanes_.size() || lanes_.size() <= 1) return;
+  auto open = open_tasks_.find(worker);
+  if (open == open_tasks_.end() || open->second.round == 0) return;
+  // The group's next push belongs to the open task unless that task pushed the group already:
+  // then to the next task, of the next round (its slack is not known yet).
+  const bool pushed = open->second.groups_pushed.count(group) > 0;
+  aligned_lanes_[group]->Expect(
+      worker, open->second.round + (pushed ? 1 : 0),
+      absl::Seconds(pushed ? 0.0 : std::min(open->second.slack_seconds, 1e9)));
 }
 
 absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
@@ -432,8 +452,10 @@ absl::StatusOr<v1::Task> ServerCore::AheadTask(uint64_t worker) {
   const uint64_t current = version();
   if (lanes_.size() > 1) {
     // Layer groups: the next task while the open one's last push is on its way; the groups'
-    // aggregations hold the worker at StartGroup, not here.
-    OpenTask ahead = NewTrainTask(worker, current);
+    // aggregations hold the worker at StartGroup, not here. Aligned DyLU plans it from now: the
+    // open task is ending.
+    const LocalWorkPlanner::Start start{clock_.Now(), 0, /*ungated=*/true};
+    OpenTask ahead = NewTrainTask(worker, current, &start);
     ahead.base_pulled = true;
     for (uint32_t g = 0; g < lanes_.size(); ++g) ahead.task.add_group_versions(group_version(g));
     ahead_tasks_[worker] = ahead;
@@ -699,6 +721,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitGroupUpdate(PendingUpdate update
   group_started_[worker].erase(group);
   metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
   metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), group_label);
+  open_tasks_[worker].groups_pushed.insert(group);
   if (ends_task) {
     planner_.ReportSpeed(worker, speed);
     PublishSpeed(worker);

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -215,6 +216,11 @@ class ServerCore {
     // once all are in, the base version is no longer kept for this task.
     std::vector<bool> pulled;
     bool base_pulled = false;
+    // Aligned DyLU: the task's round (0 = none) and slack (LocalWorkPlanner::Plan); with layer
+    // groups, the groups it has pushed so far.
+    uint64_t round = 0;
+    double slack_seconds = 0;
+    std::set<uint32_t> groups_pushed;
   };
 
   ServerCore(const v1::ServerConfig& config, const Clock& clock, MetricsSink& metrics);
@@ -240,6 +246,9 @@ class ServerCore {
   absl::Status CheckGroupPush(uint64_t worker, const v1::PushHeader& header) const;
   // TaskRequest.start_group (see num_layer_groups()).
   absl::StatusOr<v1::Task> StartGroup(uint64_t worker, uint32_t group);
+  // Aligned DyLU with layer groups: tags `worker`'s next push of `group` (just taken) with the
+  // round it belongs to, so that the group's window waits for that round's other pushes.
+  void ExpectGroupPush(uint64_t worker, uint32_t group);
   // A group push (partial synchronization) through its group's aggregation: checked, staleness
   // discounted, submitted; the task ends with the push without task_continues.
   absl::StatusOr<v1::PushReply> SubmitGroupUpdate(PendingUpdate update);
@@ -292,6 +301,8 @@ class ServerCore {
   std::map<uint64_t, std::map<uint32_t, uint64_t>> group_started_;
   // aggregation_ when it is a grace window behind aligned DyLU (LocalWorkPlanner); else null.
   GracePeriodAggregation* aligned_grace_ = nullptr;
+  // Aligned DyLU with layer groups: every group's window (lanes_, in order); empty otherwise.
+  std::vector<GracePeriodAggregation*> aligned_lanes_;
   DataShardSampler sampler_;
   LocalWorkPlanner planner_;
   std::string heldout_file_;

@@ -377,6 +377,83 @@ TEST_F(LayerGroupCoreTest, WorkerThatLeavesIsNotWaitedForInAnyGroup) {
   EXPECT_EQ(core_->version(), 2u);
 }
 
+// Aligned DyLU with layer groups: no window releases a task, so the rounds follow a time grid
+// of period P = H / fastest speed, and each group's window waits for the round's pushes of that
+// group for the opener's slack. H = 20, grace 0.5 s; a runs 2 steps/s, b 0.75 steps/s.
+TEST_F(LayerGroupCoreTest, AlignedDyLUPlansGroupTasksOnARoundGrid) {
+  v1::ServerConfig config = GroupConfig(2, v1::AGGREGATION_ASYNC);
+  config.set_local_steps(20);
+  config.mutable_local_work()->set_mode(v1::LOCAL_WORK_DYLU);
+  config.mutable_aggregation()->set_min_workers(1);
+  config.mutable_aggregation()->set_grace_seconds(0.5);
+  Make(config);
+  const absl::Time t0 = clock_.Now();
+  auto at = [&](double seconds) { clock_.Advance(t0 + absl::Seconds(seconds) - clock_.Now()); };
+  // Pushes `task`'s groups (the last one ends it), `seconds` of compute for the task.
+  auto push_task = [&](uint64_t w, const v1::Task& task, double seconds) {
+    for (uint32_t g = 0; g < 2; ++g) {
+      PendingUpdate u = GroupUpdate(w, task, g, core_->group_version(g), 1.0f, g == 0);
+      u.compute_seconds = seconds;
+      ASSERT_THAT(core_->SubmitUpdate(std::move(u)), IsOk());
+    }
+  };
+  auto take_both = [&](uint64_t w) {
+    for (uint32_t g = 0; g < 2; ++g) ASSERT_EQ(StartGroup(w, g).kind(), v1::Task::TRAIN);
+  };
+  const uint64_t a = Join();
+  const uint64_t b = Join();
+  // Not measured yet: H steps, no round.
+  const v1::Task ta1 = Request(a);
+  const v1::Task tb1 = Request(b);
+  EXPECT_EQ(ta1.local_steps(), 20u);
+  EXPECT_EQ(tb1.local_steps(), 20u);
+  take_both(a);
+  take_both(b);
+  at(10);
+  ASSERT_NO_FATAL_FAILURE(push_task(a, ta1, 10.0));  // 2 steps/s: P = 20 / 2 = 10 s
+  // Round 1 is [10, 20): Eq. 6 for a, 20 steps.
+  const v1::Task ta2 = Request(a);
+  EXPECT_EQ(ta2.local_steps(), 20u);
+  at(20);
+  take_both(a);
+  ASSERT_NO_FATAL_FAILURE(push_task(b, tb1, 20 / 0.75));
+  // b asks at the end of round 1: round 2 is [20, 30), floor(0.75 x 10) = 7 steps (Eq. 6: 7),
+  // 10 - 7 / 0.75 = 0.667 s of slack.
+  const v1::Task tb2 = Request(b);
+  EXPECT_EQ(tb2.local_steps(), 7u);
+  ASSERT_NO_FATAL_FAILURE(push_task(a, ta2, 10.0));
+  const v1::Task ta3 = Request(a);
+  EXPECT_EQ(ta3.local_steps(), 20u);
+  take_both(a);
+  take_both(b);
+
+  // Group 0 in round 2: b pushes first; its window waits 0.667 s of slack + 0.5 s of grace for
+  // the rest of round 2, so a's push 0.9 s later joins it, and b starts again from both pushes
+  // (without the round, the window would have closed after 0.5 s, b starting from its own).
+  at(24);
+  ASSERT_THAT(core_->SubmitUpdate(GroupUpdate(b, tb2, 0, core_->group_version(0), 1.0f)), IsOk());
+  const uint64_t after_b = core_->group_version(0);
+  at(24.9);
+  ASSERT_THAT(core_->SubmitUpdate(GroupUpdate(a, ta3, 0, core_->group_version(0) - 1, 1.0f)),
+              IsOk());
+  at(25);
+  const v1::Task again = StartGroup(b, 0);
+  ASSERT_EQ(again.kind(), v1::Task::TRAIN);
+  EXPECT_EQ(again.group_versions(0), after_b + 1);
+
+  // A worker that asks late joins the round in flight: b at 33 s gets the 7 s to the end of
+  // round 3, floor(0.75 x 7) = 5 steps (Eq. 6 alone: 7); a new, unmeasured worker gets those 7 s
+  // as a time budget instead of H steps.
+  at(33);
+  PendingUpdate last = GroupUpdate(b, tb2, 1, core_->group_version(1), 1.0f, false);
+  last.compute_seconds = 7 / 0.75;
+  ASSERT_THAT(core_->SubmitUpdate(std::move(last)), IsOk());
+  const v1::Task tb3 = Request(b);
+  EXPECT_EQ(tb3.local_steps(), 5u);
+  const v1::Task tc = Request(Join());
+  EXPECT_NEAR(tc.time_budget_seconds(), 7.0, 1e-9);
+}
+
 TEST_F(LayerGroupCoreTest, AStopAtStartGroupEndsTheTaskSoThatTheWorkerStops) {
   v1::ServerConfig config = GroupConfig(2, v1::AGGREGATION_ASYNC);
   config.mutable_aggregation()->set_min_workers(1);

@@ -150,6 +150,40 @@ TEST_F(AlignedDyLUTest, UnmeasuredWorkerGetsATimeBudgetToTheRoundEnd) {
   EXPECT_EQ(planner_.PlanFor(99).time_budget_seconds, 0.0);
 }
 
+TEST_F(AlignedDyLUTest, UngatedStartsFollowATimeGrid) {
+  // Layer groups: no window releases a task. The first start begins round 1 at t0 + 3 (ends
+  // t0 + 23); worker 2 asking just before that end is stretched to the next one: floor(0.77 *
+  // 20.5) = 15 steps of round 2.
+  const LocalWorkPlanner::Plan first = planner_.PlanFor(1, {.at = At(3), .ungated = true});
+  EXPECT_EQ(first.steps, 20u);
+  EXPECT_EQ(first.round, 1u);
+  EXPECT_EQ(planner_.round_end(), At(23));
+  const LocalWorkPlanner::Plan early = planner_.PlanFor(2, {.at = At(22.5), .ungated = true});
+  EXPECT_EQ(early.steps, 15u);
+  EXPECT_EQ(early.round, 2u);
+  EXPECT_EQ(planner_.round(), 1u);
+  // Worker 1 asking just after round 1 ended moves the grid on one period: round 2 is
+  // [t0 + 23, t0 + 43), 19.8 s left, floor(1 x 19.8) = 19 steps.
+  const LocalWorkPlanner::Plan late = planner_.PlanFor(1, {.at = At(23.2), .ungated = true});
+  EXPECT_EQ(late.steps, 19u);
+  EXPECT_EQ(late.round, 2u);
+  EXPECT_EQ(planner_.round_end(), At(43));
+  // Nobody asked for two periods: at t0 + 90 the grid is in round 5, [t0 + 83, t0 + 103); 13 s
+  // left give worker 3 floor(0.38 x 13) = 4 >= ceil(7 / 2) steps.
+  const LocalWorkPlanner::Plan after = planner_.PlanFor(3, {.at = At(90), .ungated = true});
+  EXPECT_EQ(planner_.round(), 5u);
+  EXPECT_EQ(planner_.round_end(), At(103));
+  EXPECT_EQ(after.steps, 4u);
+  EXPECT_EQ(after.round, 5u);
+  EXPECT_NEAR(after.slack_seconds, 13 - 4 / 0.38, 1e-9);
+  // Before any speed is known there is no grid: Eq. 6 (H) and no round.
+  LocalWorkPlanner fresh({.mode = Mode::kDyLU, .local_steps = 20, .align_rounds = true});
+  const LocalWorkPlanner::Plan unknown = fresh.PlanFor(1, {.at = At(0), .ungated = true});
+  EXPECT_EQ(unknown.steps, 20u);
+  EXPECT_EQ(unknown.round, 0u);
+  EXPECT_EQ(fresh.round(), 0u);
+}
+
 TEST(LocalWorkPlannerTest, AlignmentNeedsAMeasuredSpeedAndDyLU) {
   LocalWorkPlanner planner({.mode = Mode::kDyLU, .local_steps = 20, .align_rounds = true});
   // Nobody measured: no period; H steps (paper 002: H until measured) in round 1, whose end is
