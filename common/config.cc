@@ -193,10 +193,15 @@ absl::Status ValidatePartialSync(const v1::ServerConfig& c) {
         "partial_sync.fill_bubbles needs aggregation.mode ASYNC: a sync round takes one push per "
         "worker and group");
   }
-  if (p.groups() > 1 && c.shard_processes() > 0) {
-    return absl::InvalidArgumentError(
-        "partial_sync.groups > 1 is not supported with shard_processes > 0 yet: run the "
-        "layer groups on a single-process server");
+  if (p.groups() > 1 && c.shard_processes() > 0 && c.aggregation().mode() == v1::AGGREGATION_SYNC &&
+      static_cast<uint64_t>(c.aggregation().min_workers()) * p.groups() > c.max_staged_updates()) {
+    // Each trainer may have an update of every group staged while the groups' rounds wait.
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "aggregation.min_workers (%d) x partial_sync.groups (%d) exceeds max_staged_updates "
+        "(%d): in a layer-sharded sync server each trainer may have an update of every layer "
+        "group staged while the rounds wait, so the rounds could stop; raise "
+        "max_staged_updates to at least trainers x groups",
+        c.aggregation().min_workers(), p.groups(), c.max_staged_updates()));
   }
   return absl::OkStatus();
 }

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/imported_model.h"
+#include "common/layer_groups.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/app/process_support.h"
@@ -81,13 +82,17 @@ absl::Status ShardProcess::Start() {
   const v1::ModelSpec spec = model.spec;
   const std::string fingerprint = ShardedModelFingerprint(config, spec, model.fingerprint);
   executor_ = std::make_unique<ThreadPoolExecutor>(static_cast<int>(config.apply_threads()) - 1);
+  std::vector<uint32_t> layer_groups;
+  if (config.partial_sync().groups() > 1) {
+    ALOE_ASSIGN_OR_RETURN(layer_groups, AssignLayerGroups(spec, config.partial_sync().groups()));
+  }
   auto make_state =
-      [spec, index, config, executor = executor_.get()](
+      [spec, index, config, layer_groups, executor = executor_.get()](
           std::vector<std::vector<float>> initial) -> absl::StatusOr<std::unique_ptr<ShardState>> {
-    ALOE_ASSIGN_OR_RETURN(
-        std::unique_ptr<ShardState> state,
-        ShardState::Create(spec, index, std::move(initial), config.outer_optimizer(),
-                           config.apply_threads(), config.max_staged_updates(), *executor));
+    ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ShardState> state,
+                          ShardState::Create(spec, index, std::move(initial),
+                                             config.outer_optimizer(), config.apply_threads(),
+                                             config.max_staged_updates(), *executor, layer_groups));
     if (config.penalty().enabled()) ALOE_RETURN_IF_ERROR(state->EnablePenalty(config.penalty()));
     return state;
   };

@@ -74,6 +74,13 @@ absl::StatusOr<v1::ServerCheckpoint> JoinShardCheckpoints(const v1::ModelSpec& s
           absl::StrFormat("shard %d's checkpoint is of version %d, the coordinator's of %d", i,
                           shard.version(), coordinator.version()));
     }
+    if (!std::equal(shard.group_versions().begin(), shard.group_versions().end(),
+                    coordinator.group_versions().begin(), coordinator.group_versions().end())) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "shard %d's checkpoint has layer group versions [%s], the coordinator's [%s]", i,
+          absl::StrJoin(shard.group_versions(), ", "),
+          absl::StrJoin(coordinator.group_versions(), ", ")));
+    }
     const std::vector<uint32_t>& owned = layers_of[i];
     if (!std::equal(shard.layer_ids().begin(), shard.layer_ids().end(), owned.begin(),
                     owned.end())) {
@@ -151,6 +158,7 @@ absl::StatusOr<ShardedCheckpoint> SplitCheckpoint(const v1::ModelSpec& spec,
     shard.set_shard_index(static_cast<uint32_t>(i));
     shard.set_shard_processes(static_cast<uint32_t>(layers_of.size()));
     shard.set_version(whole.version());
+    *shard.mutable_group_versions() = whole.group_versions();
     std::vector<ModuleStats> modules;
     for (uint32_t l : layers_of[i]) {
       shard.add_layer_ids(l);

@@ -36,7 +36,8 @@ struct ShardedCheckpoint {
 // count; one at another version than the coordinator; layer ids other than the layers spec
 // assigns that shard process; parameter buffers that are not num_elements float32 values; a
 // missing optimizer state; penalty statistics of another module count or malformed; a
-// coordinator holding layers.
+// coordinator holding layers; layer group versions (partial synchronization) other than the
+// coordinator's.
 absl::StatusOr<v1::ServerCheckpoint> JoinShardCheckpoints(const v1::ModelSpec& spec,
                                                           const ShardedCheckpoint& in);
 

@@ -42,7 +42,7 @@ class LocalParameters final : public ParameterBackend {
   absl::Status ApplyOuterStep(ApplyBatch& batch) override;
   absl::StatusOr<bool> Admit(const v1::PushHeader& header) override;
   absl::StatusOr<uint32_t> StagePart(uint32_t part, const v1::PushHeader& header) override;
-  uint32_t parts() const override { return 0; }
+  uint32_t PartsOf(uint32_t) const override { return 0; }
   void Discard(uint64_t, uint64_t) override {}
   void DropUnsubmitted(uint64_t) override {}
   void ForgetWorker(uint64_t worker) override;

@@ -74,11 +74,14 @@ class ParameterBackend {
   // did not reach every shard process.
   virtual absl::StatusOr<bool> Admit(const v1::PushHeader& header) = 0;
   // Part `part` of the update `header` names is staged. Returns how many parts are now, which is
-  // parts() once the update is complete (the update then stays admitted until its COMMIT or
-  // Discard). kInvalidArgument for a bad part; kFailedPrecondition when not admitted;
+  // PartsOf(header.group()) once the update is complete (the update then stays admitted until
+  // its COMMIT or Discard). kInvalidArgument for a bad part (with layer groups: a shard process
+  // that owns no layer of the header's group); kFailedPrecondition when not admitted;
   // kResourceExhausted when a lone shard process admits it itself (Admit's false).
   virtual absl::StatusOr<uint32_t> StagePart(uint32_t part, const v1::PushHeader& header) = 0;
-  virtual uint32_t parts() const = 0;
+  // How many parts an update of layer group `group` has (group 0 without layer groups): the
+  // shard processes that own a layer of it.
+  virtual uint32_t PartsOf(uint32_t group) const = 0;
   // The update of `worker` with `update_id` will never be applied: its staged parts are dropped.
   virtual void Discard(uint64_t worker, uint64_t update_id) = 0;
 

@@ -11,7 +11,7 @@ namespace aloe::server {
 absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
     v1::ModelSpec spec, std::vector<std::vector<float>> initial,
     const v1::OuterOptimizerConfig& optimizer, Executor& executor,
-    std::vector<uint32_t> layer_groups) {
+    std::vector<uint32_t> layer_groups, uint32_t num_layer_groups) {
   if (initial.size() != static_cast<size_t>(spec.layers_size())) {
     return absl::InvalidArgumentError(
         absl::StrFormat("initial parameters have %d layers, the model spec %d", initial.size(),
@@ -47,12 +47,19 @@ absl::StatusOr<std::unique_ptr<ParameterStore>> ParameterStore::Create(
     return absl::InvalidArgumentError(absl::StrFormat("%d layer groups given for %d layers",
                                                       layer_groups.size(), store->layers_.size()));
   }
-  const uint32_t num_layer_groups =
-      store->layers_.empty() ? 1 : *std::max_element(layer_groups.begin(), layer_groups.end()) + 1;
-  std::vector<bool> used(num_layer_groups, false);
-  for (uint32_t g : layer_groups) used[g] = true;
-  if (std::find(used.begin(), used.end(), false) != used.end()) {
-    return absl::InvalidArgumentError("layer groups must be numbered from 0 without gaps");
+  if (num_layer_groups == 0) {
+    num_layer_groups = store->layers_.empty()
+                           ? 1
+                           : *std::max_element(layer_groups.begin(), layer_groups.end()) + 1;
+    std::vector<bool> used(num_layer_groups, false);
+    for (uint32_t g : layer_groups) used[g] = true;
+    if (std::find(used.begin(), used.end(), false) != used.end()) {
+      return absl::InvalidArgumentError("layer groups must be numbered from 0 without gaps");
+    }
+  } else if (std::any_of(layer_groups.begin(), layer_groups.end(),
+                         [&](uint32_t g) { return g >= num_layer_groups; })) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a layer is in a layer group past the %d groups", num_layer_groups));
   }
   store->layer_group_ = std::move(layer_groups);
   store->group_versions_.assign(num_layer_groups, 0);
@@ -136,6 +143,20 @@ absl::Status ParameterStore::ApplyOuterStep(const std::vector<const PendingUpdat
   } else {
     for (uint64_t& v : group_versions_) ++v;
   }
+  return absl::OkStatus();
+}
+
+absl::Status ParameterStore::CountEmptyGroupStep(uint32_t group) {
+  if (group >= num_layer_groups()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("step of layer group %d, the model has %d", group, num_layer_groups()));
+  }
+  if (std::find(layer_group_.begin(), layer_group_.end(), group) != layer_group_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer group %d holds layers here: its step needs updates", group));
+  }
+  ++version_;
+  ++group_versions_[group];
   return absl::OkStatus();
 }
 

@@ -48,12 +48,14 @@ class ParameterStore {
   // initial: one buffer per spec layer with exactly its num_elements; each layer's `shard` names
   // its apply group, < max(spec.num_shards, 1). kInvalidArgument for a size mismatch, a layer
   // outside the apply groups or an invalid optimizer config. `executor` must outlive the store.
-  // layer_groups: the layer group of each layer (empty = one group); groups numbered from 0
-  // without gaps. kInvalidArgument for a layer group list that does not fit.
+  // layer_groups: the layer group of each layer (empty = one group); with num_layer_groups 0,
+  // groups numbered from 0 without gaps. num_layer_groups > 0 names the count, and a group may
+  // then hold no layer here (a shard process's part of the model): its steps only count.
+  // kInvalidArgument for a layer group list that does not fit.
   static absl::StatusOr<std::unique_ptr<ParameterStore>> Create(
       v1::ModelSpec spec, std::vector<std::vector<float>> initial,
       const v1::OuterOptimizerConfig& optimizer, Executor& executor,
-      std::vector<uint32_t> layer_groups = {});
+      std::vector<uint32_t> layer_groups = {}, uint32_t num_layer_groups = 0);
 
   const v1::ModelSpec& spec() const { return spec_; }
   uint64_t version() const { return version_; }
@@ -76,6 +78,11 @@ class ParameterStore {
   // layers and advance its version; whole-model updates advance every group's.
   absl::Status ApplyOuterStep(const std::vector<const PendingUpdate*>& updates,
                               LayerAggregation& aggregation);
+
+  // An outer step of layer group `group` where it holds no layer (a shard process that owns none
+  // of the group's layers): advances the version and the group's, nothing else changes.
+  // kInvalidArgument for a group past num_layer_groups() or one that holds a layer here.
+  absl::Status CountEmptyGroupStep(uint32_t group);
 
   // The same with g = sum_i weights[i] * g_i for every layer (FixedWeightsAggregation).
   // kInvalidArgument unless there is one weight per update.

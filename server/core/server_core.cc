@@ -1095,7 +1095,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitShardPart(uint32_t shard,
     return status;
   }
   ALOE_ASSIGN_OR_RETURN(const uint32_t staged, backend_->StagePart(shard, header));
-  if (staged < backend_->parts()) {
+  if (staged < backend_->PartsOf(header.group())) {
     v1::PushReply reply;
     reply.set_staged(true);
     reply.set_slices_received(staged);

@@ -20,6 +20,10 @@ std::string ShardedModelFingerprint(const v1::ServerConfig& config, const v1::Mo
   if (!model_fingerprint.empty()) absl::StrAppend(&f, "model=", model_fingerprint);
   // The shards hold the penalty statistics: every process must agree on whether there are any.
   if (config.penalty().enabled()) absl::StrAppend(&f, ";penalty");
+  // Every process must count the same layer groups (their versions are in the checkpoints).
+  if (config.partial_sync().groups() > 1) {
+    absl::StrAppend(&f, ";layer_groups=", config.partial_sync().groups());
+  }
   return f;
 }
 

@@ -3,22 +3,42 @@
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 
 namespace aloe::server {
 
-ShardCommitLog::ShardCommitLog(const v1::ServerConfig& config)
+ShardCommitLog::ShardCommitLog(const v1::ServerConfig& config, const v1::ModelSpec& spec,
+                               std::vector<uint32_t> layer_groups)
     : shard_processes_(config.shard_processes()),
       max_staged_(config.max_staged_updates()),
       sync_(config.aggregation().mode() == v1::AGGREGATION_SYNC),
       penalty_(config.penalty().enabled()),
       lease_seconds_(config.lease_seconds()),
       shard_addresses_(config.shard_processes()),
-      shard_push_addresses_(config.shard_processes()) {}
+      shard_push_addresses_(config.shard_processes()) {
+  const uint32_t groups =
+      layer_groups.empty() ? 1 : *std::max_element(layer_groups.begin(), layer_groups.end()) + 1;
+  group_versions_.assign(groups, 0);
+  group_parts_.assign(groups, std::vector<bool>(shard_processes_, layer_groups.empty()));
+  if (layer_groups.empty()) return;
+  for (int l = 0; l < spec.layers_size() && static_cast<size_t>(l) < layer_groups.size(); ++l) {
+    if (spec.layers(l).shard() < shard_processes_) {
+      group_parts_[layer_groups[l]][spec.layers(l).shard()] = true;
+    }
+  }
+}
 
 ModelSnapshot ShardCommitLog::Snapshot() const {
   ModelSnapshot snapshot;
   snapshot.version = commit_version_;
+  snapshot.group_versions = group_versions_;
   return snapshot;
+}
+
+uint32_t ShardCommitLog::PartsOf(uint32_t group) const {
+  if (group >= group_parts_.size()) return shard_processes_;
+  return static_cast<uint32_t>(
+      std::count(group_parts_[group].begin(), group_parts_[group].end(), true));
 }
 
 void ShardCommitLog::SetAddress(uint32_t part, std::string address, std::string push_address) {
@@ -40,13 +60,23 @@ absl::Status ShardCommitLog::CheckJoin(v1::Role role, size_t live_trainers) cons
                                       [](const std::string& a) { return !a.empty(); }),
                         shard_addresses_.size()));
   }
-  if (sync_ && role != v1::ROLE_EVALUATOR && live_trainers >= max_staged_) {
+  const size_t groups = group_versions_.size();
+  if (sync_ && role != v1::ROLE_EVALUATOR && (live_trainers + 1) * groups > max_staged_) {
+    if (groups == 1) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "this layer-sharded sync server has %d trainers, as many as max_staged_updates (%d): "
+          "a sync round commits only once every trainer's update is staged on every shard, so "
+          "one more trainer would stop every round; raise max_staged_updates, train in async "
+          "mode, or join once a trainer has left (or its lease of %.0f s has run out)",
+          live_trainers, max_staged_, lease_seconds_));
+    }
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "this layer-sharded sync server has %d trainers, as many as max_staged_updates (%d): "
-        "a sync round commits only once every trainer's update is staged on every shard, so "
-        "one more trainer would stop every round; raise max_staged_updates, train in async "
-        "mode, or join once a trainer has left (or its lease of %.0f s has run out)",
-        live_trainers, max_staged_, lease_seconds_));
+        "this layer-sharded sync server has %d trainers and %d layer groups, and "
+        "max_staged_updates is %d: a round commits only once every trainer's update is staged, "
+        "and each trainer may have an update of every group waiting, so one more trainer could "
+        "stop the rounds; raise max_staged_updates to at least (trainers + 1) x groups, train in "
+        "async mode, or join once a trainer has left (or its lease of %.0f s has run out)",
+        live_trainers, groups, max_staged_, lease_seconds_));
   }
   return absl::OkStatus();
 }
@@ -64,6 +94,16 @@ absl::Status ShardCommitLog::ApplyOuterStep(ApplyBatch& batch) {
   v1::ShardOrder order;
   order.set_kind(v1::ShardOrder::COMMIT);
   order.set_version(commit_version_ + 1);
+  const bool by_group = !batch.updates.empty() && batch.updates[0].by_group;
+  if (by_group) {
+    const uint32_t group = batch.updates[0].group;
+    if (group >= group_versions_.size()) {
+      return absl::InternalError(absl::StrFormat("outer step of layer group %d, the model has %d",
+                                                 group, group_versions_.size()));
+    }
+    order.set_by_group(true);
+    order.set_layer_group(group);
+  }
   for (size_t i = 0; i < batch.updates.size(); ++i) {
     v1::CommitEntry* entry = order.add_entries();
     entry->set_worker_id(batch.updates[i].worker_id);
@@ -72,6 +112,11 @@ absl::Status ShardCommitLog::ApplyOuterStep(ApplyBatch& batch) {
     entry->set_weight(batch.weights[i] * batch.updates[i].weight_scale);
     entry->set_discount(batch.updates[i].weight_scale);
     admitted_.erase({batch.updates[i].worker_id, batch.updates[i].update_id});
+  }
+  if (by_group) {
+    ++group_versions_[order.layer_group()];
+  } else {
+    for (uint64_t& v : group_versions_) ++v;
   }
   orders_.push_back(std::move(order));
   ++commit_version_;
@@ -97,6 +142,11 @@ absl::StatusOr<uint32_t> ShardCommitLog::StagePart(uint32_t part, const v1::Push
     return absl::InvalidArgumentError(absl::StrFormat(
         "shard %d reported a staged update, but this coordinator has %d shard processes", part,
         shard_processes_));
+  }
+  if (header.group() >= group_parts_.size() || !group_parts_[header.group()][part]) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "shard %d reported a staged update of layer group %d, of which it owns no layer", part,
+        header.group()));
   }
   auto admitted = admitted_.find({header.worker_id(), header.update_id()});
   if (admitted == admitted_.end() && shard_processes_ == 1) {
@@ -134,7 +184,7 @@ absl::StatusOr<uint32_t> ShardCommitLog::StagePart(uint32_t part, const v1::Push
     ++parts.count;
   }
   const uint32_t count = parts.count;
-  if (count == shard_processes_) {
+  if (count == PartsOf(header.group())) {
     parts_.erase(it);
     admitted->second = true;  // staged on every shard: released by its COMMIT or DISCARD
   }
@@ -180,12 +230,29 @@ void ShardCommitLog::ForgetWorker(uint64_t worker) {
   orders_.push_back(std::move(forget));
 }
 
+void ShardCommitLog::SaveTo(v1::ServerCheckpoint& checkpoint) const {
+  if (group_versions_.size() <= 1) return;
+  for (uint64_t v : group_versions_) checkpoint.add_group_versions(v);
+}
+
 absl::Status ShardCommitLog::RestoreFrom(const v1::ServerCheckpoint& c) {
   if (c.layer_params_size() > 0 || c.optimizer_state_size() > 0) {
     return absl::FailedPreconditionError(
         "the checkpoint holds parameters: it was written by a single-process server, and this "
         "one is sharded across processes");
   }
+  std::vector<uint64_t> group_versions(c.group_versions().begin(), c.group_versions().end());
+  if (group_versions.empty()) group_versions.assign(group_versions_.size(), c.version());
+  if (group_versions.size() != group_versions_.size() ||
+      std::any_of(group_versions.begin(), group_versions.end(),
+                  [&](uint64_t v) { return v > c.version(); })) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "checkpoint of version %d has %d layer group versions [%s]; this server has %d layer "
+        "groups, each at most at the checkpoint's version",
+        c.version(), c.group_versions_size(), absl::StrJoin(c.group_versions(), ", "),
+        group_versions_.size()));
+  }
+  group_versions_ = std::move(group_versions);
   commit_version_ = c.version();
   orders_.clear();
   orders_base_version_ = c.version();

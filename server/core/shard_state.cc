@@ -18,7 +18,7 @@ namespace aloe::server {
 absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(
     v1::ModelSpec spec, uint32_t shard_index, std::vector<std::vector<float>> initial,
     const v1::OuterOptimizerConfig& optimizer, uint32_t apply_groups, uint32_t max_staged,
-    Executor& executor) {
+    Executor& executor, std::vector<uint32_t> layer_groups) {
   const uint32_t processes = spec.num_shards();
   if (shard_index >= processes) {
     return absl::InvalidArgumentError(
@@ -67,6 +67,17 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(
         absl::StrFormat("shard %d of %d owns no layer: more shard processes than layers (%d)",
                         shard_index, processes, spec.layers_size()));
   }
+  uint32_t num_layer_groups = 1;
+  std::vector<uint32_t> local_groups;
+  if (!layer_groups.empty()) {
+    if (layer_groups.size() != static_cast<size_t>(spec.layers_size())) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%d layer groups given for a model of %d layers", layer_groups.size(),
+                          spec.layers_size()));
+    }
+    num_layer_groups = *std::max_element(layer_groups.begin(), layer_groups.end()) + 1;
+    for (uint32_t g : owned) local_groups.push_back(layer_groups[g]);
+  }
   // More groups than layers would only add idle work items to every step. In the local spec,
   // LayerSpec.shard names a layer's apply group, not a shard process.
   const uint32_t groups =
@@ -74,20 +85,22 @@ absl::StatusOr<std::unique_ptr<ShardState>> ShardState::Create(
   AssignShards(groups, &local_spec);
   ALOE_ASSIGN_OR_RETURN(
       std::unique_ptr<ParameterStore> store,
-      ParameterStore::Create(std::move(local_spec), std::move(local_initial), optimizer, executor));
+      ParameterStore::Create(std::move(local_spec), std::move(local_initial), optimizer, executor,
+                             std::move(local_groups), num_layer_groups));
   return std::unique_ptr<ShardState>(new ShardState(std::move(spec), shard_index, max_staged,
                                                     std::move(owned), std::move(local_of_global),
-                                                    std::move(store)));
+                                                    std::move(layer_groups), std::move(store)));
 }
 
 ShardState::ShardState(v1::ModelSpec spec, uint32_t shard_index, uint32_t max_staged,
                        std::vector<uint32_t> owned, std::vector<int> local_of_global,
-                       std::unique_ptr<ParameterStore> store)
+                       std::vector<uint32_t> layer_groups, std::unique_ptr<ParameterStore> store)
     : spec_(std::move(spec)),
       shard_index_(shard_index),
       max_staged_(max_staged),
       owned_(std::move(owned)),
       local_of_global_(std::move(local_of_global)),
+      layer_groups_(std::move(layer_groups)),
       store_(std::move(store)) {
   size_t bytes = 0;
   for (uint32_t g : owned_)
@@ -107,8 +120,27 @@ absl::Status ShardState::CheckPart(const PendingUpdate& part) const {
     return absl::InvalidArgumentError(absl::StrFormat("update %d has slice %d of %d slices",
                                                       part.update_id, part.slice, part.slices));
   }
+  if (!layer_groups_.empty()) {
+    if (part.group >= num_layer_groups() || !OwnsLayerOf(part.group)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "update %d of worker %d is of layer group %d, of which shard %d owns no layer (the "
+          "model has %d groups)",
+          part.update_id, part.worker_id, part.group, shard_index_, num_layer_groups()));
+    }
+    if (part.slices > 1) {
+      return absl::InvalidArgumentError("sliced pushes of layer groups are not supported");
+    }
+  }
   for (size_t l = 0; l < part.layers.size(); ++l) {
     const v1::LayerSpec& layer = spec_.layers(static_cast<int>(l));
+    if (!layer_groups_.empty() && layer_groups_[l] != part.group) {
+      if (!part.layers[l].empty()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "layer %d (%s) is in layer group %d, not in group %d: %d elements pushed", l,
+            layer.name(), layer_groups_[l], part.group, part.layers[l].size()));
+      }
+      continue;
+    }
     if (local_of_global_[l] < 0) {
       if (!part.layers[l].empty()) {
         return absl::InvalidArgumentError(absl::StrFormat(
@@ -124,7 +156,17 @@ absl::Status ShardState::CheckPart(const PendingUpdate& part) const {
   return absl::OkStatus();
 }
 
+bool ShardState::OwnsLayerOf(uint32_t group) const {
+  if (layer_groups_.empty()) return group == 0;
+  for (uint32_t g : owned_) {
+    if (layer_groups_[g] == group) return true;
+  }
+  return false;
+}
+
 absl::StatusOr<StageResult> ShardState::Stage(PendingUpdate part) {
+  // With layer groups every push carries one group (as on a single-process server).
+  part.by_group = !layer_groups_.empty();
   ALOE_RETURN_IF_ERROR(CheckPart(part));
   const UpdateKey key(part.worker_id, part.update_id);
   auto it = staged_.find(key);
@@ -233,6 +275,17 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
     return absl::InvalidArgumentError(
         absl::StrFormat("commit of version %d has no updates", order.version()));
   }
+  if (order.by_group() != !layer_groups_.empty() ||
+      (order.by_group() && order.layer_group() >= num_layer_groups())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "commit of version %d %s, but the model has %d layer groups", order.version(),
+        order.by_group() ? absl::StrFormat("is of layer group %d", order.layer_group())
+                         : std::string("names no layer group"),
+        num_layer_groups()));
+  }
+  // A group's updates go only to the shards that own its layers: elsewhere the commit only
+  // counts (nothing is staged for it).
+  const bool counts_only = order.by_group() && !OwnsLayerOf(order.layer_group());
   std::vector<PendingUpdate*> updates;
   std::vector<float> weights;
   std::set<UpdateKey> seen;
@@ -249,12 +302,19 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
           absl::StrFormat("commit of version %d: update %d of worker %d has weight %f, discount %f",
                           order.version(), e.update_id(), e.worker_id(), e.weight(), e.discount()));
     }
+    if (counts_only) continue;
     auto it = staged_.find(key);
     if (it == staged_.end() || !it->second.complete()) {
       return absl::FailedPreconditionError(
           absl::StrFormat("commit of version %d: update %d of worker %d is %s on shard %d",
                           order.version(), e.update_id(), e.worker_id(),
                           it == staged_.end() ? "not staged" : "incomplete", shard_index_));
+    }
+    if (order.by_group() && it->second.merged.group != order.layer_group()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "commit of version %d is of layer group %d, but update %d of worker %d is of group %d",
+          order.version(), order.layer_group(), e.update_id(), e.worker_id(),
+          it->second.merged.group));
     }
     updates.push_back(&it->second.merged);
     weights.push_back(e.weight());
@@ -266,6 +326,11 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
   const auto& keep_versions = order.keep_versions();
   if (std::find(keep_versions.begin(), keep_versions.end(), old_version) != keep_versions.end()) {
     keep = store_->Snapshot();
+  }
+  if (counts_only) {
+    ALOE_RETURN_IF_ERROR(store_->CountEmptyGroupStep(order.layer_group()));
+    RetainFor(order, std::move(keep));
+    return absl::OkStatus();
   }
   // Staged updates were checked against the spec when staged, so a failure here is an invariant
   // violation.
@@ -286,8 +351,14 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
   } else {
     ALOE_RETURN_IF_ERROR(store_->ApplyOuterStep(inputs, weights));
   }
-  if (keep.has_value()) retained_[old_version] = *std::move(keep);
   for (const v1::CommitEntry& e : order.entries()) Discard(e.worker_id(), e.update_id());
+  RetainFor(order, std::move(keep));
+  return absl::OkStatus();
+}
+
+void ShardState::RetainFor(const v1::ShardOrder& order, std::optional<ModelSnapshot> old) {
+  if (old.has_value()) retained_[old->version] = *std::move(old);
+  const auto& keep_versions = order.keep_versions();
   for (auto it = retained_.begin(); it != retained_.end();) {
     if (std::find(keep_versions.begin(), keep_versions.end(), it->first) == keep_versions.end()) {
       it = retained_.erase(it);
@@ -295,12 +366,12 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
       ++it;
     }
   }
-  return absl::OkStatus();
 }
 
 ModelSnapshot ShardState::Globalize(const ModelSnapshot& local) const {
   ModelSnapshot global;
   global.version = local.version;
+  global.group_versions = local.group_versions;
   global.layers.resize(spec_.layers_size());
   for (size_t i = 0; i < owned_.size(); ++i) global.layers[owned_[i]] = local.layers[i];
   return global;
@@ -342,6 +413,9 @@ v1::ShardCheckpoint ShardState::Capture(const std::string& fingerprint) const {
     store_->SaveOptimizerState(i, c.add_optimizer_state());
   }
   if (penalty_ != nullptr) penalty_->SaveState(c.mutable_penalty_state());
+  if (!layer_groups_.empty()) {
+    for (uint64_t v : snapshot.group_versions) c.add_group_versions(v);
+  }
   return c;
 }
 
@@ -411,7 +485,8 @@ absl::Status ShardState::Restore(const v1::ShardCheckpoint& c, const std::string
     }
   }
   // Its messages name the layer by its local index and its (global) name.
-  absl::Status restored = store_->Restore(c.version(), params, states);
+  const std::vector<uint64_t> group_versions(c.group_versions().begin(), c.group_versions().end());
+  absl::Status restored = store_->Restore(c.version(), params, states, group_versions);
   if (!restored.ok()) {
     if (penalty_ != nullptr) (void)penalty_->LoadState(old_penalty);
     return absl::Status(restored.code(),

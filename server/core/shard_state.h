@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,10 +50,13 @@ class ShardState {
   // kInvalidArgument for shard_index >= num_shards, a malformed spec, a size mismatch of an
   // owned layer, a shard owning no layer (more shard processes than layers), max_staged == 0 or
   // a bad optimizer config.
+  // layer_groups (partial synchronization): the layer group of every GLOBAL spec layer,
+  // numbered from 0 without gaps (common/layer_groups.h AssignLayerGroups); empty = the whole
+  // model is one group. A group may hold no owned layer. kInvalidArgument when it does not fit.
   static absl::StatusOr<std::unique_ptr<ShardState>> Create(
       v1::ModelSpec spec, uint32_t shard_index, std::vector<std::vector<float>> initial,
       const v1::OuterOptimizerConfig& optimizer, uint32_t apply_groups, uint32_t max_staged,
-      Executor& executor);
+      Executor& executor, std::vector<uint32_t> layer_groups = {});
 
   ShardState(const ShardState&) = delete;
   ShardState& operator=(const ShardState&) = delete;
@@ -73,6 +77,13 @@ class ShardState {
   // The version of the owned parameters: 0 at start, then the version of the last COMMIT
   // applied or of the checkpoint restored.
   uint64_t version() const { return store_->version(); }
+  // Layer groups: how many (1 without), the version of each (its commits, counted also where no
+  // layer of it is owned here), and whether one owns a layer here.
+  uint32_t num_layer_groups() const { return store_->num_layer_groups(); }
+  uint64_t group_version(uint32_t group) const { return store_->group_version(group); }
+  bool OwnsLayerOf(uint32_t group) const;
+  // The layer group of each GLOBAL spec layer; empty without groups.
+  const std::vector<uint32_t>& layer_groups() const { return layer_groups_; }
   // ParameterStore::layer_steps / copied_layer_steps of the owned layers (since this state was
   // created or restored from version 0).
   uint64_t layer_steps() const { return store_->layer_steps(); }
@@ -93,6 +104,9 @@ class ShardState {
   //     wrong size; for a bad slice/slices pair; for a part of an already staged
   //     (worker_id, update_id) that disagrees with it on task_id, steps_done, tokens_learned or
   //     slices (one update id names one update);
+  //   with layer groups: kInvalidArgument for a part of a group past the groups, of a group
+  //     with no layer owned here (it goes only to the shards that own its layers), with data
+  //     in an owned layer of another group, or sliced (group pushes are whole);
   //   kResourceExhausted "staging full: S of S updates staged" for a new update when !HasRoom
   //     (the service waits for room before reading a push, so this is a safety net).
   absl::StatusOr<StageResult> Stage(PendingUpdate part);
@@ -116,7 +130,10 @@ class ShardState {
   //   kFailedPrecondition "commit of version X on a shard at version Y" unless
   //     order.version() == version() + 1; kFailedPrecondition naming the worker and update when
   //     an entry is not staged completely;
-  //   kInvalidArgument for no entries, a repeated entry or a non-finite weight.
+  //   kInvalidArgument for no entries, a repeated entry or a non-finite weight;
+  //   with layer groups: kInvalidArgument unless the order names a group (by_group) of the
+  //     model; kFailedPrecondition when a staged entry is of another group. A commit of a group
+  //     with no layer owned here needs nothing staged: it advances the version and the group's.
   //   All checked before anything changes. On success the committed updates leave staging, the
   //   old version is retained when it is in order.keep_versions(), and every retained version
   //   not in keep_versions is dropped.
@@ -168,19 +185,23 @@ class ShardState {
 
   ShardState(v1::ModelSpec spec, uint32_t shard_index, uint32_t max_staged,
              std::vector<uint32_t> owned, std::vector<int> local_of_global,
-             std::unique_ptr<ParameterStore> store);
+             std::vector<uint32_t> layer_groups, std::unique_ptr<ParameterStore> store);
 
   absl::Status CheckPart(const PendingUpdate& part) const;
   absl::Status Commit(const v1::ShardOrder& order);
+  // After a commit: `old` (the version before it, when the order keeps it) is retained, and
+  // every retained version the order does not keep is dropped.
+  void RetainFor(const v1::ShardOrder& order, std::optional<ModelSnapshot> old);
   // Expands a snapshot of the owned layers (local order) to one entry per global layer.
   ModelSnapshot Globalize(const ModelSnapshot& local) const;
 
   const v1::ModelSpec spec_;  // the full spec
   const uint32_t shard_index_;
   const uint32_t max_staged_;
-  const std::vector<uint32_t> owned_;       // global ids of the owned layers, ascending
-  const std::vector<int> local_of_global_;  // local index of each global layer, -1 if foreign
-  std::unique_ptr<ParameterStore> store_;   // the owned layers only, re-indexed 0..owned-1
+  const std::vector<uint32_t> owned_;         // global ids of the owned layers, ascending
+  const std::vector<int> local_of_global_;    // local index of each global layer, -1 if foreign
+  const std::vector<uint32_t> layer_groups_;  // layer group of each global layer; empty = none
+  std::unique_ptr<ParameterStore> store_;     // the owned layers only, re-indexed 0..owned-1
   std::map<UpdateKey, StagedUpdate> staged_;
   std::map<uint64_t, ModelSnapshot> retained_;      // older versions (local order) kept for pulls
   std::unique_ptr<PseudoGradientPenalty> penalty_;  // null = off; modules = owned layers

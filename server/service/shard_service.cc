@@ -41,6 +41,7 @@ ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, 
                          Authenticator& auth, MetricsSink& metrics)
     : PushIngestService(auth, metrics, spec, options.shard_index),
       spec_(std::move(spec)),
+      layer_groups_(state->layer_groups()),
       options_(std::move(options)),
       auth_(auth),
       metrics_(metrics),
@@ -71,10 +72,16 @@ grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::Pull
   absl::StatusOr<ModelSnapshot> snapshot;
   {
     absl::MutexLock lock(&mu_);
+    if (request->by_group() &&
+        (layer_groups_.empty() || request->group() >= state_->num_layer_groups())) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrFormat(
+          "pull of layer group %d, but this server has %d layer groups (partial_sync.groups)",
+          request->group(), layer_groups_.empty() ? 1 : state_->num_layer_groups())));
+    }
     const absl::Time deadline = absl::Now() + kVersionWait;
     const uint64_t restores = restores_;
     while (true) {
-      snapshot = state_->SnapshotAt(request->latest() ? state_->version() : request->version());
+      snapshot = SnapshotFor(*request);
       if (snapshot.status().code() != absl::StatusCode::kUnavailable) break;
       if (restores_ != restores) {
         // The processes went back to a common version: the one asked for, if it comes again,
@@ -89,8 +96,28 @@ grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::Pull
     }
   }
   if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
-  return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer,
-                        metrics_);
+  if (!request->by_group()) {
+    return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer,
+                          metrics_);
+  }
+  const GroupPull group{layer_groups_, request->group(),
+                        snapshot->group_versions[request->group()]};
+  return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer, metrics_,
+                        &group);
+}
+
+absl::StatusOr<ModelSnapshot> ShardServer::SnapshotFor(const v1::PullRequest& request) const {
+  if (!request.by_group()) {
+    return state_->SnapshotAt(request.latest() ? state_->version() : request.version());
+  }
+  // A layer group at its current version, once this shard has applied the group's commit of
+  // the version asked for.
+  if (state_->group_version(request.group()) < request.version()) {
+    return absl::UnavailableError(absl::StrFormat(
+        "layer group %d is at version %d on shard %d, %d was asked for", request.group(),
+        state_->group_version(request.group()), options_.shard_index, request.version()));
+  }
+  return state_->SnapshotAt(state_->version());
 }
 
 absl::Status ShardServer::Rejected(const absl::Status& status) {
@@ -116,7 +143,9 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
     }
   } release{this};
 
-  UpdateAssembler assembler(spec_, header, options_.shard_index, *std::move(buffers));
+  // The layer groups never change after the start.
+  UpdateAssembler assembler(spec_, header, options_.shard_index, *std::move(buffers),
+                            /*sum_squares=*/false, layer_groups_);
   if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();

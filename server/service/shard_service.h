@@ -122,6 +122,10 @@ class ShardServer final : public PushIngestService, private FollowedState {
   absl::Status Apply(const v1::ShardOrder& order) override ABSL_LOCKS_EXCLUDED(mu_);
   void MarkFresh() override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Restore(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a pull streams: the version it names (kUnavailable while not committed here), or for a
+  // pull by layer group the current version once the group reached the version it names.
+  absl::StatusOr<ModelSnapshot> SnapshotFor(const v1::PullRequest& request) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies a COMMIT, DISCARD or FORGET to the state and counts it; sets *due to the checkpoint
   // a COMMIT makes due (checkpoint.every_versions), to be written outside the lock.
   absl::Status ApplyLogOrder(const v1::ShardOrder& order, std::optional<v1::ShardCheckpoint>* due)
@@ -160,6 +164,7 @@ class ShardServer final : public PushIngestService, private FollowedState {
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::ModelSpec spec_;
+  const std::vector<uint32_t> layer_groups_;  // of each spec layer; empty without layer groups
   const Options options_;
   Authenticator& auth_;
   MetricsSink& metrics_;

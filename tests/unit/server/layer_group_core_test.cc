@@ -11,6 +11,7 @@
 #include "common/layer_groups.h"
 #include "common/status_matchers.h"
 #include "server/core/server_core.h"
+#include "tests/testing/server_core_calls.h"
 
 namespace aloe::server {
 namespace {
@@ -40,13 +41,7 @@ v1::ServerConfig GroupConfig(uint32_t groups, v1::AggregationMode mode) {
 
 // RequestTask with start_group.
 v1::Task TakeGroup(ServerCore& core, uint64_t worker, uint32_t group) {
-  v1::TaskRequest request;
-  request.set_worker_id(worker);
-  request.set_start_group(true);
-  request.set_group(group);
-  auto task = core.RequestTask(request);
-  EXPECT_THAT(task, IsOk());
-  return *task;
+  return ::aloe::testing::RequestTaskOf(core, worker, group);
 }
 
 class LayerGroupCoreTest : public ::testing::Test {
@@ -58,22 +53,8 @@ class LayerGroupCoreTest : public ::testing::Test {
     core_ = *std::move(core);
   }
 
-  uint64_t Join() {
-    v1::JoinRequest request;
-    request.set_name("w");
-    request.set_role(v1::ROLE_TRAINER);
-    auto reply = core_->Join(request);
-    EXPECT_THAT(reply, IsOk());
-    return reply->worker_id();
-  }
-
-  v1::Task Request(uint64_t worker) {
-    v1::TaskRequest request;
-    request.set_worker_id(worker);
-    auto task = core_->RequestTask(request);
-    EXPECT_THAT(task, IsOk());
-    return *task;
-  }
+  uint64_t Join() { return ::aloe::testing::JoinTrainer(*core_); }
+  v1::Task Request(uint64_t worker) { return ::aloe::testing::RequestTaskOf(*core_, worker); }
 
   v1::Task StartGroup(uint64_t worker, uint32_t group) { return TakeGroup(*core_, worker, group); }
 
@@ -143,11 +124,19 @@ TEST(LayerGroupsTest, SplitsContiguouslyBalancedByElementsAndFillsEveryGroup) {
   EXPECT_EQ(LayersOfGroups({0, 1, 1, 2}), (std::vector<std::vector<uint32_t>>{{0}, {1, 2}, {3}}));
 }
 
-TEST(LayerGroupConfigTest, RefusesWhatLayerGroupsCannotDoYet) {
-  v1::ServerConfig config = GroupConfig(2, v1::AGGREGATION_SYNC);
+TEST(LayerGroupConfigTest, RefusesWhatLayerGroupsCannotDo) {
+  // Layer-sharded: a sync round may wait with an update of every group per trainer staged.
+  v1::ServerConfig config = GroupConfig(4, v1::AGGREGATION_SYNC);
   config.set_shard_processes(2);
+  config.set_max_staged_updates(8);  // 2 trainers x 4 groups
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
+  config.set_max_staged_updates(7);
   EXPECT_THAT(ValidateServerConfig(config),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard_processes")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("min_workers (2) x partial_sync.groups (4) exceeds "
+                                 "max_staged_updates (7)")));
+  config.mutable_aggregation()->set_mode(v1::AGGREGATION_ASYNC);
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
   config = GroupConfig(2, v1::AGGREGATION_SYNC);
   config.mutable_partial_sync()->set_fill_bubbles(true);
   EXPECT_THAT(ValidateServerConfig(config),

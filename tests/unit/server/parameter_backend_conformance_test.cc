@@ -16,6 +16,7 @@
 #include "common/status_matchers.h"
 #include "server/core/server_core.h"
 #include "server/core/server_metrics.h"
+#include "tests/testing/server_core_calls.h"
 
 namespace aloe::server {
 namespace {
@@ -57,22 +58,8 @@ class Deployment {
   ServerCore& core() { return *core_; }
   RecordingMetrics& metrics() { return metrics_; }
 
-  uint64_t Join() {
-    v1::JoinRequest request;
-    request.set_name("w");
-    request.set_role(v1::ROLE_TRAINER);
-    absl::StatusOr<v1::JoinReply> reply = core_->Join(request);
-    EXPECT_THAT(reply, IsOk());
-    return reply.ok() ? reply->worker_id() : 0;
-  }
-
-  v1::Task Request(uint64_t worker) {
-    v1::TaskRequest request;
-    request.set_worker_id(worker);
-    absl::StatusOr<v1::Task> task = core_->RequestTask(request);
-    EXPECT_THAT(task, IsOk());
-    return task.ok() ? *task : v1::Task();
-  }
+  uint64_t Join() { return ::aloe::testing::JoinTrainer(*core_); }
+  v1::Task Request(uint64_t worker) { return ::aloe::testing::RequestTaskOf(*core_, worker); }
 
   void Leave(uint64_t worker) {
     v1::LeaveRequest request;
