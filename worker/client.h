@@ -228,10 +228,11 @@ class ServerClient final : public ServerApi {
   std::shared_ptr<const Shard> ServerRaw() const;
 
   // One raw push of `layers`' ranges to shard `index` (nullopt: every layer, to a single-process
-  // server). *unreachable = true (and nothing sent)
-  // when its listener cannot be connected, now or within kRawPushRetry of the last failure: the
-  // caller pushes over gRPC instead. Under TLS a failed handshake is the push's error (as a
-  // gRPC push's would be), naming the reason; so is a refusal of this client's certificate.
+  // server), with layer_groups only those of group header.group() (RawPushRanges). *unreachable =
+  // true (and nothing sent) when its listener cannot be connected, now or within kRawPushRetry of
+  // the last failure: the caller pushes over gRPC instead. Under TLS a failed handshake is the
+  // push's error (as a gRPC push's would be), naming the reason; so is a refusal of this client's
+  // certificate.
   absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, std::optional<uint32_t> index,
                                             const v1::PushHeader& header, const v1::ModelSpec& spec,
                                             const std::vector<std::vector<float>>& layers,
