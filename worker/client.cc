@@ -466,6 +466,55 @@ absl::StatusOr<v1::PushReply> CombineShardReplies(
 
 }  // namespace
 
+std::vector<uint32_t> ShardsOfGroup(const v1::ModelSpec& spec,
+                                    absl::Span<const uint32_t> layer_groups, uint32_t group) {
+  std::vector<uint32_t> shards;
+  for (int l = 0; l < spec.layers_size() && static_cast<size_t>(l) < layer_groups.size(); ++l) {
+    if (layer_groups[l] == group) shards.push_back(spec.layers(l).shard());
+  }
+  std::sort(shards.begin(), shards.end());
+  shards.erase(std::unique(shards.begin(), shards.end()), shards.end());
+  return shards;
+}
+
+absl::StatusOr<uint64_t> PullAgreedGroupVersion(absl::Span<const uint32_t> shards, uint32_t group,
+                                                uint64_t min_version, const GroupShardPull& pull) {
+  std::vector<absl::StatusOr<std::optional<uint64_t>>> got(shards.size());
+  std::vector<size_t> ask(shards.size());
+  for (size_t i = 0; i < ask.size(); ++i) ask[i] = i;
+  uint64_t version = min_version;
+  for (int round = 1;; ++round) {
+    RunInParallel(ask.size(), [&](size_t k) { got[ask[k]] = pull(shards[ask[k]], version); });
+    for (const absl::StatusOr<std::optional<uint64_t>>& sent : got) {
+      if (!sent.ok()) return sent.status();  // the first failure in shard order
+    }
+    uint64_t newest = 0;
+    for (const absl::StatusOr<std::optional<uint64_t>>& sent : got) {
+      if (sent->has_value()) newest = std::max(newest, **sent);
+    }
+    ask.clear();
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i]->has_value() && **got[i] < newest) ask.push_back(i);
+    }
+    if (ask.empty()) return newest;
+    if (round == kGroupPullRounds) {
+      std::string versions;
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (!got[i]->has_value()) continue;
+        absl::StrAppendFormat(&versions, "%sshard %d at %d", versions.empty() ? "" : ", ",
+                              shards[i], **got[i]);
+      }
+      return absl::DataLossError(
+          absl::StrFormat("layer group %d: the shards still sent different group versions after "
+                          "%d pulls: %s",
+                          group, kGroupPullRounds, versions));
+    }
+    // Each shard process applies a commit of the group on its own: those behind wait for the
+    // newest version one of them already sent.
+    version = newest;
+  }
+}
+
 absl::StatusOr<uint64_t> ServerClient::Pull(uint64_t worker_id, uint64_t version, bool latest,
                                             const v1::ModelSpec& spec,
                                             std::vector<std::vector<float>>* layers,
@@ -642,21 +691,22 @@ absl::StatusOr<v1::Task> ServerClient::StartGroup(uint64_t worker_id, uint32_t g
 }
 
 absl::StatusOr<uint64_t> ServerClient::PullGroup(uint64_t worker_id, uint32_t group,
+                                                 uint64_t min_group_version,
                                                  const v1::ModelSpec& spec,
                                                  absl::Span<const uint32_t> layer_groups,
                                                  std::vector<std::vector<float>>* layers,
                                                  uint64_t* bytes) {
-  if (!Shards()->empty()) {
-    return absl::FailedPreconditionError("a layer-sharded server has no layer groups");
-  }
   if (layer_groups.size() != static_cast<size_t>(spec.layers_size())) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%d layer groups given for a model of %d layers", layer_groups.size(), spec.layers_size()));
   }
+  const std::shared_ptr<const ShardSet> shards = Shards();
+  if (!shards->empty()) ALOE_RETURN_IF_ERROR(CheckLayerOwners(spec, shards->size()));
   v1::PullRequest request;
   request.set_worker_id(worker_id);
   request.set_by_group(true);
   request.set_group(group);
+  request.set_version(min_group_version);
   // The group's layers only: a chunk of any other layer overflows its empty window.
   layers->resize(spec.layers_size());
   PullWindows windows;
@@ -668,16 +718,44 @@ absl::StatusOr<uint64_t> ServerClient::PullGroup(uint64_t worker_id, uint32_t gr
     if (in_group) (*layers)[i].resize(spec.layers(i).num_elements());
   }
   std::vector<uint64_t> filled(spec.layers_size(), 0);
-  absl::StatusOr<PulledStream> got = ReadPullStream(*this, channel_, request, spec, windows,
-                                                    /*owner=*/-1, "", layers, &filled, bytes);
-  if (!got.ok()) return got.status();
+  uint64_t version = 0;
+  if (shards->empty()) {
+    absl::StatusOr<PulledStream> got = ReadPullStream(*this, channel_, request, spec, windows,
+                                                      /*owner=*/-1, "", layers, &filled, bytes);
+    if (!got.ok()) return got.status();
+    version = got->group_version;
+  } else {
+    // Per shard: the payload bytes it sent over all its pulls (a pull again counts as well).
+    std::vector<uint64_t> received(shards->size(), 0);
+    const GroupShardPull pull = [&](uint32_t s,
+                                    uint64_t at) -> absl::StatusOr<std::optional<uint64_t>> {
+      // A pull again replaces what this shard sent before; the other shards' layers stay.
+      for (int l = 0; l < spec.layers_size(); ++l) {
+        if (spec.layers(l).shard() == s) filled[l] = 0;
+      }
+      v1::PullRequest shard_request = request;
+      shard_request.set_version(at);
+      const Shard& shard = (*shards)[s];
+      absl::StatusOr<PulledStream> got = ReadPullStream(
+          *this, shard.channel, shard_request, spec, windows, static_cast<int>(s),
+          StreamLabel(static_cast<int>(s), shard.address), layers, &filled, &received[s]);
+      if (!got.ok()) return got.status();
+      if (!got->have_version) return std::nullopt;
+      return got->group_version;
+    };
+    absl::StatusOr<uint64_t> agreed = PullAgreedGroupVersion(
+        ShardsOfGroup(spec, layer_groups, group), group, min_group_version, pull);
+    for (uint64_t n : received) *bytes += n;
+    if (!agreed.ok()) return agreed.status();
+    version = *agreed;
+  }
   for (int i = 0; i < spec.layers_size(); ++i) {
     if (filled[i] != windows.length[i]) {
       return absl::DataLossError(
           absl::StrFormat("pull of layer group %d: layer %d incomplete", group, i));
     }
   }
-  return got->group_version;
+  return version;
 }
 
 absl::StatusOr<v1::PushReply> ServerClient::Push(
@@ -692,9 +770,6 @@ absl::StatusOr<v1::PushReply> ServerClient::PushGroup(
     absl::Span<const uint32_t> layer_groups, const std::vector<std::vector<float>>& layers,
     const std::vector<v1::Codec>& codecs, size_t int8_block_size,
     std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
-  if (!Shards()->empty()) {
-    return absl::FailedPreconditionError("a layer-sharded server has no layer groups");
-  }
   if (layer_groups.size() != static_cast<size_t>(spec.layers_size()) ||
       layers.size() != layer_groups.size()) {
     return absl::InvalidArgumentError(
@@ -714,6 +789,9 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
     return layer_groups.empty() || layer_groups[layer] == header.group();
   };
   const std::shared_ptr<const ShardSet> shards = Shards();
+  // The shards the push goes to: every one, or with layer groups those that own a layer of the
+  // group (the others take no part in the group's update).
+  std::vector<uint32_t> targets;
   if (!shards->empty()) {
     // Every buffer needs an owner before anything is sent.
     if (layers.size() != static_cast<size_t>(spec.layers_size())) {
@@ -721,6 +799,15 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
                                                         layers.size(), spec.layers_size()));
     }
     ALOE_RETURN_IF_ERROR(CheckLayerOwners(spec, shards->size()));
+    if (layer_groups.empty()) {
+      for (uint32_t s = 0; s < shards->size(); ++s) targets.push_back(s);
+    } else {
+      targets = ShardsOfGroup(spec, layer_groups, header.group());
+      if (targets.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("layer group %d has no layers", header.group()));
+      }
+    }
   }
   if (residuals != nullptr) {
     residuals->resize(layers.size());
@@ -767,7 +854,7 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
       }
     }
   }
-  // Every stream carries the header, even one without chunks.
+  // Every stream sent carries the header, even one without chunks.
   for (std::vector<OutgoingChunk>& chunks : streams) {
     if (chunks.empty()) chunks.emplace_back();
   }
@@ -788,27 +875,29 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
     return SendPush(*this, channel_, header, streams[0], bytes);
   }
 
-  std::vector<absl::StatusOr<v1::PushReply>> replies(streams.size());
-  std::vector<uint64_t> sent(streams.size(), 0);
-  RunInParallel(streams.size(), [&](size_t i) {
+  // replies[k] and sent[k] are shard targets[k]'s.
+  std::vector<absl::StatusOr<v1::PushReply>> replies(targets.size());
+  std::vector<uint64_t> sent(targets.size(), 0);
+  RunInParallel(targets.size(), [&](size_t k) {
+    const uint32_t i = targets[k];
     const Shard& shard = (*shards)[i];
     // Raw when the shard offers it and every layer it gets is float32.
     bool raw = raw_push_ && shard.raw != nullptr;
     for (size_t l = 0; raw && l < layers.size(); ++l) {
       const v1::Codec codec = l < codecs.size() ? codecs[l] : v1::CODEC_FP32;
-      raw = spec.layers(static_cast<int>(l)).shard() != i || codec == v1::CODEC_FP32 ||
-            codec == v1::CODEC_UNSPECIFIED;
+      raw = spec.layers(static_cast<int>(l)).shard() != i || !carried(l) ||
+            codec == v1::CODEC_FP32 || codec == v1::CODEC_UNSPECIFIED;
     }
     bool unreachable = false;
     if (raw) {
-      replies[i] = SendRawPush(shard, static_cast<uint32_t>(i), header, spec, layers, &sent[i],
-                               &unreachable);
+      replies[k] =
+          SendRawPush(shard, i, header, spec, layers, &sent[k], &unreachable, layer_groups);
     }
     if (!raw || unreachable) {
-      replies[i] = SendPush(*this, shard.channel, header, streams[i], &sent[i]);
+      replies[k] = SendPush(*this, shard.channel, header, streams[i], &sent[k]);
     }
-    if (!replies[i].ok()) {
-      replies[i] = Labelled(replies[i].status(), StreamLabel(static_cast<int>(i), shard.address));
+    if (!replies[k].ok()) {
+      replies[k] = Labelled(replies[k].status(), StreamLabel(static_cast<int>(i), shard.address));
     }
   });
   for (uint64_t n : sent) *bytes += n;

@@ -1,12 +1,14 @@
 // gRPC client of aloe-server for one worker: control calls with deadlines, Pull into per-layer
 // buffers with full validation of what arrives, Push of a pseudo-gradient as a stream of
 // <= 1 MiB layer chunks. Against a layer-sharded server (SetShards) Pull and Push talk to every
-// shard process in parallel, each about the layers it owns. Thread-safe (gRPC stubs are; the
+// shard process in parallel, each about the layers it owns; PullGroup and PushGroup to those
+// that own a layer of the group. Thread-safe (gRPC stubs are; the
 // shard set is swapped under a lock), but one Pull/Push at a time per buffer.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -58,6 +60,28 @@ struct ClientFiles {
 // Reads `files` into options' token (first line, trimmed), tls_ca_pem, tls_cert_pem and
 // tls_key_pem. kNotFound naming the flag and path of a file that cannot be opened.
 absl::Status LoadClientFiles(const ClientFiles& files, ClientOptions* options);
+
+// The shard processes that own at least one layer of layer group `group` (layer_groups[l] ==
+// group and spec.layers(l).shard() == s), in ascending order: where a group's pushes and
+// pulls go. layer_groups has one entry per spec layer.
+std::vector<uint32_t> ShardsOfGroup(const v1::ModelSpec& spec,
+                                    absl::Span<const uint32_t> layer_groups, uint32_t group);
+
+// One shard's part of a pull of a layer group: pulls shard `shard`'s layers of the group at
+// group version `version` or later into the caller's buffers (replacing what an earlier pull
+// of the same shard wrote) and returns the group version it sent; nullopt when it sent no chunk
+// (its layers of the group are empty). Called for several shards at once.
+using GroupShardPull =
+    std::function<absl::StatusOr<std::optional<uint64_t>>(uint32_t shard, uint64_t version)>;
+
+// Pulls a layer group from every shard of `shards` in parallel, first at min_version, then
+// those behind the newest group version any of them sent at that version again, until they
+// agree, for at most kGroupPullRounds rounds. Returns the agreed version (0 when no shard sent
+// a chunk). The first failed pull in shard order is the error; kDataLoss naming each shard and
+// its version when they still disagree after the last round.
+inline constexpr int kGroupPullRounds = 4;
+absl::StatusOr<uint64_t> PullAgreedGroupVersion(absl::Span<const uint32_t> shards, uint32_t group,
+                                                uint64_t min_version, const GroupShardPull& pull);
 
 class ServerClient final : public ServerApi {
  public:
@@ -129,20 +153,30 @@ class ServerClient final : public ServerApi {
                                      std::vector<std::vector<float>>* residuals,
                                      uint64_t* bytes) override;
 
-  // Partial synchronization (JoinReply.layer_groups), against a single-process server only
-  // (kFailedPrecondition with shards). StartGroup: TaskRequest.start_group for `group`.
+  // Partial synchronization (JoinReply.layer_groups). StartGroup: TaskRequest.start_group for
+  // `group`, asked of the coordinator (or the single server).
   absl::StatusOr<v1::Task> StartGroup(uint64_t worker_id, uint32_t group) override;
-  // Pulls the current version of layer group `group` (PullRequest.by_group) into the group's
-  // layers of *layers (resized per spec; the other layers are left as they are) and returns
-  // the group's version. kDataLoss as Pull's, and for a chunk of a layer outside the group;
-  // kInvalidArgument when layer_groups does not have one entry per spec layer.
-  absl::StatusOr<uint64_t> PullGroup(uint64_t worker_id, uint32_t group, const v1::ModelSpec& spec,
+  // Pulls the current version of layer group `group` (PullRequest.by_group, with
+  // min_group_version as its least version) into the group's layers of *layers (resized per
+  // spec; the other layers are left as they are) and returns the group's version. kDataLoss as
+  // Pull's, and for a chunk of a layer outside the group; kInvalidArgument when layer_groups
+  // does not have one entry per spec layer. With shards only the shard processes that own a
+  // layer of the group are asked (ShardsOfGroup), in parallel; each waits until its version of
+  // the group is at least min_group_version and streams its own layers of the group. They must
+  // send the same group version: shards behind the newest one sent are pulled again at it
+  // (each applies a group's commit on its own), a few rounds at most, then kDataLoss naming
+  // every shard and its version.
+  absl::StatusOr<uint64_t> PullGroup(uint64_t worker_id, uint32_t group, uint64_t min_group_version,
+                                     const v1::ModelSpec& spec,
                                      absl::Span<const uint32_t> layer_groups,
                                      std::vector<std::vector<float>>* layers,
                                      uint64_t* bytes) override;
   // Push's contract for the layers of group header.group() (layer_groups[l] == group): only
   // they are encoded and sent (raw when they are all float32), and only their residuals
-  // change; the other buffers are ignored and may be empty.
+  // change; the other buffers are ignored and may be empty. With shards only the shard
+  // processes that own a layer of the group get the push (ShardsOfGroup), each its own layers
+  // of the group under the same header; the others get nothing, not even the header. The
+  // replies combine as Push's; kInvalidArgument (nothing sent) for a group without layers.
   absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader& header, const v1::ModelSpec& spec,
                                           absl::Span<const uint32_t> layer_groups,
                                           const std::vector<std::vector<float>>& layers,
@@ -194,10 +228,11 @@ class ServerClient final : public ServerApi {
   std::shared_ptr<const Shard> ServerRaw() const;
 
   // One raw push of `layers`' ranges to shard `index` (nullopt: every layer, to a single-process
-  // server). *unreachable = true (and nothing sent)
-  // when its listener cannot be connected, now or within kRawPushRetry of the last failure: the
-  // caller pushes over gRPC instead. Under TLS a failed handshake is the push's error (as a
-  // gRPC push's would be), naming the reason; so is a refusal of this client's certificate.
+  // server), with layer_groups only those of group header.group() (RawPushRanges). *unreachable =
+  // true (and nothing sent) when its listener cannot be connected, now or within kRawPushRetry of
+  // the last failure: the caller pushes over gRPC instead. Under TLS a failed handshake is the
+  // push's error (as a gRPC push's would be), naming the reason; so is a refusal of this client's
+  // certificate.
   absl::StatusOr<v1::PushReply> SendRawPush(const Shard& shard, std::optional<uint32_t> index,
                                             const v1::PushHeader& header, const v1::ModelSpec& spec,
                                             const std::vector<std::vector<float>>& layers,

@@ -39,7 +39,7 @@ class ServerApi {
   // Partial synchronization (JoinReply.layer_groups).
   virtual absl::StatusOr<v1::Task> StartGroup(uint64_t worker_id, uint32_t group) = 0;
   virtual absl::StatusOr<uint64_t> PullGroup(uint64_t worker_id, uint32_t group,
-                                             const v1::ModelSpec& spec,
+                                             uint64_t min_group_version, const v1::ModelSpec& spec,
                                              absl::Span<const uint32_t> layer_groups,
                                              std::vector<std::vector<float>>* layers,
                                              uint64_t* bytes) = 0;

@@ -145,11 +145,11 @@ absl::StatusOr<v1::Task> ServerSession::StartGroup(uint32_t group) {
   return server_.StartGroup(joined_.worker_id(), group);
 }
 
-absl::StatusOr<uint64_t> ServerSession::PullGroup(uint32_t group,
+absl::StatusOr<uint64_t> ServerSession::PullGroup(uint32_t group, uint64_t min_group_version,
                                                   std::vector<std::vector<float>>* layers,
                                                   uint64_t* bytes) {
-  return server_.PullGroup(joined_.worker_id(), group, joined_.model_spec(), layer_groups_, layers,
-                           bytes);
+  return server_.PullGroup(joined_.worker_id(), group, min_group_version, joined_.model_spec(),
+                           layer_groups_, layers, bytes);
 }
 
 absl::StatusOr<v1::PushReply> ServerSession::PushGroup(const v1::PushHeader& header,

@@ -66,9 +66,10 @@ class ServerSession {
   const std::vector<uint32_t>& layer_groups() const { return layer_groups_; }
   // TaskRequest.start_group for `group`.
   absl::StatusOr<v1::Task> StartGroup(uint32_t group);
-  // Pulls layer group `group` into its layers of *layers; returns the group's version.
-  absl::StatusOr<uint64_t> PullGroup(uint32_t group, std::vector<std::vector<float>>* layers,
-                                     uint64_t* bytes);
+  // Pulls layer group `group` at version min_group_version or later (the version StartGroup
+  // granted) into its layers of *layers; returns the group's version.
+  absl::StatusOr<uint64_t> PullGroup(uint32_t group, uint64_t min_group_version,
+                                     std::vector<std::vector<float>>* layers, uint64_t* bytes);
   // Pushes the layers of group header.group() of `delta` (the others may be empty), with error
   // feedback on those layers as Push has on all.
   absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader& header,

@@ -162,6 +162,9 @@ absl::StatusOr<StreamingRounds::Taken> StreamingRounds::Take(
     uint32_t group, std::vector<std::vector<float>>* layers) {
   ServerSession& session = *env_.session;
   Taken taken;
+  // The group version StartGroup granted: the pull waits for a shard process that has not yet
+  // applied that commit of the group.
+  uint64_t granted = 0;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -180,6 +183,7 @@ absl::StatusOr<StreamingRounds::Taken> StreamingRounds::Take(
     if (answer.kind() == v1::Task::TRAIN) {
       // An answer at once is a round trip (a WAIT is held by the server first).
       const double seconds = absl::ToDoubleSeconds(env_.clock->Now() - asked);
+      if (answer.group_versions_size() > 0) granted = answer.group_versions(0);
       absl::MutexLock lock(&mu_);
       round_trip_ = std::min(round_trip_, seconds);
       break;
@@ -190,7 +194,7 @@ absl::StatusOr<StreamingRounds::Taken> StreamingRounds::Take(
   const absl::Time start = env_.clock->Now();
   ALOE_ASSIGN_OR_RETURN(taken.version, session.Retry<uint64_t>([&]() -> absl::StatusOr<uint64_t> {
     taken.bytes = 0;
-    return session.PullGroup(group, layers, &taken.bytes);
+    return session.PullGroup(group, granted, layers, &taken.bytes);
   }));
   NoteTransfer(taken.bytes, absl::ToDoubleSeconds(env_.clock->Now() - start));
   return taken;

@@ -7,13 +7,14 @@
 // new global values into its own: local = alpha * local + (1 - alpha) * global.
 //
 // Per group the exchange is: take the group (RequestTask with start_group, asked again while
-// the answer is WAIT: a sync round's barrier; then Pull by_group) and keep its values as the
-// group's global copy with its version; push g = global copy - local (the group's layers only)
-// against that version; take it again and merge. The take after a push runs on the background
-// thread as soon as the push is acknowledged, so the tau steps in between hide it; the merge
-// waits for it when it is late. A push the server refuses (too stale, say) is followed by a
-// take that replaces the group's local values; kNotFound (this worker is unknown) ends the
-// task with that status, and the agent joins again.
+// the answer is WAIT: a sync round's barrier; then Pull by_group at least at the group version
+// the answer granted, which shard processes may not all have applied yet) and keep its values
+// as the group's global copy with its version; push g = global copy - local (the group's
+// layers only) against that version; take it again and merge. The take after a push runs on
+// the background thread as soon as the push is acknowledged, so the tau steps in between hide
+// it; the merge waits for it when it is late. A push the server refuses (too stale, say) is
+// followed by a take that replaces the group's local values; kNotFound (this worker is
+// unknown) ends the task with that status, and the agent joins again.
 //
 // A task of H steps (Task.local_steps; with a time budget, the budget at the measured speed)
 // ends with a push without task_continues, carrying the task's steps, tokens and loss; its

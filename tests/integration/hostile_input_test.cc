@@ -534,8 +534,8 @@ TEST_F(HostileInputTest, GroupPushesCarryExactlyTheirGroupsLayers) {
   // A pull of group 0: its layers only, at its version.
   std::vector<std::vector<float>> pulled(spec_.layers_size());
   uint64_t bytes = 0;
-  absl::StatusOr<uint64_t> group_version =
-      client.PullGroup(joined.worker_id(), 0, spec_, groups, &pulled, &bytes);
+  absl::StatusOr<uint64_t> group_version = client.PullGroup(
+      joined.worker_id(), 0, granted->group_versions(0), spec_, groups, &pulled, &bytes);
   ASSERT_TRUE(group_version.ok()) << group_version.status();
   EXPECT_EQ(*group_version, 0u);
   uint64_t group0_values = 0;
@@ -548,7 +548,7 @@ TEST_F(HostileInputTest, GroupPushesCarryExactlyTheirGroupsLayers) {
     }
   }
   EXPECT_EQ(bytes, group0_values * sizeof(float));
-  EXPECT_FALSE(client.PullGroup(joined.worker_id(), 7, spec_, groups, &pulled, &bytes).ok());
+  EXPECT_FALSE(client.PullGroup(joined.worker_id(), 7, 0, spec_, groups, &pulled, &bytes).ok());
 
   // g = 0.001 everywhere; the payload of group 0, and of the whole model.
   std::string group0, whole;
@@ -613,7 +613,7 @@ TEST_F(HostileInputTest, GroupPushesCarryExactlyTheirGroupsLayers) {
       ASSERT_EQ(after[l][i], expected) << "layer " << l << " element " << i;
     }
   }
-  group_version = client.PullGroup(joined.worker_id(), 0, spec_, groups, &pulled, &bytes);
+  group_version = client.PullGroup(joined.worker_id(), 0, 1, spec_, groups, &pulled, &bytes);
   ASSERT_TRUE(group_version.ok()) << group_version.status();
   EXPECT_EQ(*group_version, 1u);
 
@@ -692,7 +692,7 @@ TEST_F(HostileInputTest, GroupPushesAndPullsToAWholeModelServerAreRefused) {
   uint64_t bytes = 0;
   const std::vector<uint32_t> groups(spec_.layers_size(), 0);
   const absl::StatusOr<uint64_t> by_group =
-      client.PullGroup(joined.worker_id(), 0, spec_, groups, &pulled, &bytes);
+      client.PullGroup(joined.worker_id(), 0, 0, spec_, groups, &pulled, &bytes);
   EXPECT_EQ(by_group.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(by_group.status().message(), "synchronizes the whole model"))
       << by_group.status();

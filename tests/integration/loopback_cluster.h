@@ -323,6 +323,66 @@ class LoopbackTest : public ::testing::Test {
   std::unique_ptr<Subprocess> server_;
 };
 
+// The version a shard process said it stopped at ("shard I stops at version N"), or -1.
+inline int StoppedAt(const std::string& log) {
+  const size_t at = log.rfind("stops at version ");
+  int version = -1;
+  if (at != std::string::npos) {
+    absl::SimpleAtoi(log.substr(at + 17, log.find('\n', at) - at - 17), &version);
+  }
+  return version;
+}
+
+// A layer-sharded server: the coordinator is StartServer's (with --role=coordinator and
+// shard_processes 2 in its config), the shard processes are StartShard's.
+class ShardedLoopbackTest : public LoopbackTest {
+ protected:
+  // Starts shard process `index` of the coordinator at `coordinator_port`, listening on
+  // shard_ports_[index] (and with raw_pushes_ on push_ports_[index]); its log is
+  // shard<index>.log, or shard<index>-resumed.log with `resume`. `extra_flags` follow, e.g.
+  // --advertise.
+  std::unique_ptr<Subprocess> StartShard(int index, int coordinator_port, bool resume,
+                                         const std::vector<std::string>& extra_flags = {}) {
+    std::vector<std::string> argv = {Bin("aloe-server"),
+                                     "--config=" + dir_ + "/server.textproto",
+                                     "--role=shard",
+                                     absl::StrCat("--shard_index=", index),
+                                     absl::StrCat("--listen=127.0.0.1:", shard_ports_[index]),
+                                     absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
+                                     absl::StrCat("--port_file=", dir_, "/shard", index, ".ports"),
+                                     "--metrics=127.0.0.1:0"};
+    if (resume) argv.push_back("--resume");
+    if (raw_pushes_) argv.push_back(absl::StrCat("--push_listen=127.0.0.1:", push_ports_[index]));
+    argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+    return std::make_unique<Subprocess>(
+        argv, absl::StrCat(dir_, "/shard", index, resume ? "-resumed" : "", ".log"));
+  }
+
+  // Logs() and the shard processes' logs.
+  std::string ShardLogs() {
+    std::string all = Logs();
+    for (const char* f : {"shard0.log", "shard1.log", "shard0-resumed.log", "shard1-resumed.log"}) {
+      all += absl::StrCat("==== ", f, "\n", ReadFile(dir_ + "/" + f));
+    }
+    return all;
+  }
+
+  // The coordinator ends the job (exit 0 within 300 s), then every one of `processes` exits 0.
+  void ExpectJobEnds(const std::vector<Subprocess*>& processes) {
+    std::optional<int> code = server_->Wait(absl::Seconds(300));
+    ASSERT_TRUE(code.has_value()) << "coordinator did not finish\n" << ShardLogs();
+    ASSERT_EQ(*code, 0) << ShardLogs();
+    for (Subprocess* p : processes) {
+      EXPECT_EQ(p->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
+    }
+  }
+
+  int shard_ports_[2] = {FreePort(), FreePort()};
+  std::unique_ptr<Subprocess> shards_[2];  // the shard processes a test started
+  bool raw_pushes_ = false;                // the shards also take raw pushes
+  int push_ports_[2] = {FreePort(), FreePort()};
+};
+
 // A raw client joins as a trainer and sends malformed pushes over real gRPC.
 class RawClientTest : public LoopbackTest {
  protected:

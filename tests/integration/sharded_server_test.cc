@@ -53,33 +53,8 @@
 namespace aloe::testing {
 namespace {
 
-// The version a shard process said it stopped at ("shard I stops at version N"), or -1.
-int StoppedAt(const std::string& log) {
-  const size_t at = log.rfind("stops at version ");
-  int version = -1;
-  if (at != std::string::npos) {
-    absl::SimpleAtoi(log.substr(at + 17, log.find('\n', at) - at - 17), &version);
-  }
-  return version;
-}
-
-class ShardedServerTest : public LoopbackTest {
+class ShardedServerTest : public ShardedLoopbackTest {
  protected:
-  std::unique_ptr<Subprocess> StartShard(int index, int coordinator_port, bool resume) {
-    std::vector<std::string> argv = {Bin("aloe-server"),
-                                     "--config=" + dir_ + "/server.textproto",
-                                     "--role=shard",
-                                     absl::StrCat("--shard_index=", index),
-                                     absl::StrCat("--listen=127.0.0.1:", shard_ports_[index]),
-                                     absl::StrCat("--coordinator=127.0.0.1:", coordinator_port),
-                                     absl::StrCat("--port_file=", dir_, "/shard", index, ".ports"),
-                                     "--metrics=127.0.0.1:0"};
-    if (resume) argv.push_back("--resume");
-    if (raw_pushes_) argv.push_back(absl::StrCat("--push_listen=127.0.0.1:", push_ports_[index]));
-    return std::make_unique<Subprocess>(
-        argv, absl::StrCat(dir_, "/shard", index, resume ? "-resumed" : "", ".log"));
-  }
-
   // The metrics port shard process `index` wrote to its port file (0 if none yet).
   int ShardMetricsPort(int index) {
     const std::string ports = ReadFile(absl::StrCat(dir_, "/shard", index, ".ports"));
@@ -90,15 +65,6 @@ class ShardedServerTest : public LoopbackTest {
     return port;
   }
 
-  std::string ShardLogs() {
-    std::string all = Logs();
-    for (const char* f : {"shard0.log", "shard1.log", "shard0-resumed.log", "shard1-resumed.log"}) {
-      all += absl::StrCat("==== ", f, "\n", ReadFile(dir_ + "/" + f));
-    }
-    return all;
-  }
-
-  int shard_ports_[2] = {FreePort(), FreePort()};
   // A coordinator (plain async, 2 staging slots, `outer_optimizer`) and both shard processes
   // (shards_); the coordinator's port, or 0 when it did not start.
   int StartAsyncCluster(const std::string& outer_optimizer) {
@@ -128,26 +94,12 @@ class ShardedServerTest : public LoopbackTest {
     return port;
   }
 
-  // The coordinator ends the job (exit 0 within 300 s), then every one of `processes` exits 0.
-  void ExpectJobEnds(const std::vector<Subprocess*>& processes) {
-    std::optional<int> code = server_->Wait(absl::Seconds(300));
-    ASSERT_TRUE(code.has_value()) << "coordinator did not finish\n" << ShardLogs();
-    ASSERT_EQ(*code, 0) << ShardLogs();
-    for (Subprocess* p : processes) {
-      EXPECT_EQ(p->Wait(absl::Seconds(30)), std::optional<int>(0)) << ShardLogs();
-    }
-  }
-
   // SIGTERMs the coordinator and both shard processes; expects the shards to exit 0.
   void StopAsyncCluster() {
     server_->Signal(SIGTERM);
     for (auto& shard : shards_) shard->Signal(SIGTERM);
     for (auto& shard : shards_) EXPECT_EQ(shard->Wait(absl::Seconds(30)), std::optional<int>(0));
   }
-
-  std::unique_ptr<Subprocess> shards_[2];  // StartAsyncCluster's or StartSyncCluster's
-  bool raw_pushes_ = false;                // the shards also take raw pushes
-  int push_ports_[2] = {FreePort(), FreePort()};
 };
 
 uint64_t SplitMix64(uint64_t x) {

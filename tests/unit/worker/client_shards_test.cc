@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -454,6 +455,301 @@ TEST_F(ClientShardsTest, AShardWithoutAnAddressIsRefused) {
   EXPECT_THAT(client_.Pull(3, 7, false, spec_, &layers, &bytes), IsOk());
 }
 
+// Layer groups over the spec's three layers: group 0 = layers 0 (shard 0) and 1 (shard 1),
+// group 1 = layer 2 (shard 0 only).
+const std::vector<uint32_t> kGroups = {0, 0, 1};
+
+// The Pull chunks of one layer of a by-group pull: model version `version`, the group's
+// version `group_version`.
+std::vector<v1::ParamChunk> GroupChunks(uint32_t id, const std::vector<float>& values,
+                                        uint64_t version, uint64_t group_version) {
+  std::vector<v1::ParamChunk> chunks = LayerChunks(id, values, version);
+  for (v1::ParamChunk& chunk : chunks) chunk.set_group_version(group_version);
+  return chunks;
+}
+
+v1::PushHeader GroupHeader(uint32_t group) {
+  v1::PushHeader header = Header();
+  header.set_group(group);
+  header.set_task_continues(true);
+  return header;
+}
+
+// The spec's values with only the layers of `group` filled (the others empty, as a streaming
+// round pushes them).
+Layers GroupValues(const v1::ModelSpec& spec, uint32_t group) {
+  Layers layers = Values(spec);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (kGroups[l] != group) layers[l].clear();
+  }
+  return layers;
+}
+
+// `stream` is one push under `header` of layer `id` alone, with its Values.
+void ExpectLayerAlone(const std::vector<v1::PushChunk>& stream, const v1::ModelSpec& spec,
+                      const v1::PushHeader& header, uint32_t id) {
+  ASSERT_FALSE(stream.empty());
+  EXPECT_EQ(stream[0].header().SerializeAsString(), header.SerializeAsString());
+  const std::map<uint32_t, std::vector<float>> got = Decode(stream, spec);
+  ASSERT_EQ(got.size(), 1u);
+  ASSERT_EQ(got.count(id), 1u) << "layer " << id;
+  EXPECT_EQ(got.at(id), Values(spec)[id]);
+}
+
+TEST(ShardsOfGroupTest, NamesEachShardOwningALayerOfTheGroupOnceInOrder) {
+  v1::ModelSpec spec;
+  const uint32_t owners[] = {1, 0, 1, 2, 1};
+  for (uint32_t l = 0; l < 5; ++l) {
+    v1::LayerSpec* layer = spec.add_layers();
+    layer->set_id(l);
+    layer->set_num_elements(4);
+    layer->set_shard(owners[l]);
+  }
+  const std::vector<uint32_t> groups = {0, 0, 1, 1, 1};
+  EXPECT_THAT(ShardsOfGroup(spec, groups, 0), ElementsAre(0, 1));
+  EXPECT_THAT(ShardsOfGroup(spec, groups, 1), ElementsAre(1, 2));
+  EXPECT_TRUE(ShardsOfGroup(spec, groups, 2).empty());
+  EXPECT_THAT(ShardsOfGroup(Spec(), kGroups, 1), ElementsAre(0));
+}
+
+// A scripted pull of a layer group from shards: shard s answers its calls with the versions
+// queued for it, in order (the last one repeated); a status queued instead is its error.
+// Records every call. Thread-safe (shards are pulled in parallel).
+class ScriptedGroupPull {
+ public:
+  ScriptedGroupPull(std::map<uint32_t, std::vector<absl::StatusOr<std::optional<uint64_t>>>> sent)
+      : sent_(std::move(sent)) {}
+  GroupShardPull fn() {
+    return [this](uint32_t shard, uint64_t version) -> absl::StatusOr<std::optional<uint64_t>> {
+      absl::MutexLock lock(&mu_);
+      calls_[shard].push_back(version);
+      const auto& answers = sent_.at(shard);
+      return answers[std::min(calls_[shard].size(), answers.size()) - 1];
+    };
+  }
+  // The versions shard `shard` was asked for, in order.
+  std::vector<uint64_t> calls(uint32_t shard) {
+    absl::MutexLock lock(&mu_);
+    return calls_[shard];
+  }
+
+ private:
+  const std::map<uint32_t, std::vector<absl::StatusOr<std::optional<uint64_t>>>> sent_;
+  absl::Mutex mu_;
+  std::map<uint32_t, std::vector<uint64_t>> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(PullAgreedGroupVersionTest, ShardsThatAgreeArePulledOnceAtTheLeastVersion) {
+  ScriptedGroupPull pull({{0, {5}}, {2, {5}}});
+  const std::vector<uint32_t> shards = {0, 2};
+  absl::StatusOr<uint64_t> version = PullAgreedGroupVersion(shards, 1, 4, pull.fn());
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 5u);
+  EXPECT_THAT(pull.calls(0), ElementsAre(4));
+  EXPECT_THAT(pull.calls(2), ElementsAre(4));
+}
+
+TEST(PullAgreedGroupVersionTest, ShardsBehindArePulledAgainAtTheNewestUntilAllAgree) {
+  // Shard 1 sent 6 before shards 0 and 2 applied that commit; shard 0 had applied 7 by the time
+  // it was asked again, so shards 1 and 2 go once more, to 7. Shard 3's layers of the group are
+  // empty: it sends no version and agrees with any.
+  ScriptedGroupPull pull({{0, {5, 7}}, {1, {6, 7}}, {2, {5, 6, 7}}, {3, {std::nullopt}}});
+  const std::vector<uint32_t> shards = {0, 1, 2, 3};
+  absl::StatusOr<uint64_t> version = PullAgreedGroupVersion(shards, 0, 5, pull.fn());
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 7u);
+  EXPECT_THAT(pull.calls(0), ElementsAre(5, 6));
+  EXPECT_THAT(pull.calls(1), ElementsAre(5, 7));
+  EXPECT_THAT(pull.calls(2), ElementsAre(5, 6, 7));
+  EXPECT_THAT(pull.calls(3), ElementsAre(5));
+}
+
+TEST(PullAgreedGroupVersionTest, ShardsStillApartAfterTheLastRoundAreDataLossNamingEach) {
+  ScriptedGroupPull pull({{0, {3}}, {1, {4}}});
+  const std::vector<uint32_t> shards = {0, 1};
+  EXPECT_THAT(PullAgreedGroupVersion(shards, 2, 3, pull.fn()),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("layer group 2"), HasSubstr("shard 0 at 3, shard 1 at 4"))));
+  EXPECT_THAT(pull.calls(0), ElementsAre(3, 4, 4, 4));
+  EXPECT_EQ(pull.calls(0).size(), static_cast<size_t>(kGroupPullRounds));
+  EXPECT_THAT(pull.calls(1), ElementsAre(3));
+}
+
+TEST(PullAgreedGroupVersionTest, TheFirstFailedShardInOrderIsTheError) {
+  ScriptedGroupPull pull({{0, {4}},
+                          {1, {absl::UnavailableError("shard 1 down")}},
+                          {2, {absl::DataLossError("shard 2 bad chunk")}}});
+  const std::vector<uint32_t> shards = {0, 1, 2};
+  EXPECT_THAT(PullAgreedGroupVersion(shards, 0, 4, pull.fn()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("shard 1 down")));
+  // A failure in a later round as well.
+  ScriptedGroupPull later({{0, {3, absl::DeadlineExceededError("waited 10 s")}}, {1, {4}}});
+  const std::vector<uint32_t> two = {0, 1};
+  EXPECT_THAT(PullAgreedGroupVersion(two, 0, 3, later.fn()),
+              StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("waited 10 s")));
+  EXPECT_THAT(later.calls(0), ElementsAre(3, 4));
+}
+
+TEST_F(ClientShardsTest, PushGroupGoesOnlyToTheShardsOwningTheGroupEachWithItsLayers) {
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(false, 9));
+  shards_[1].service.SetPushAnswer(grpc::Status::OK, Reply(false, 10));
+  const Layers values = Values(spec_);
+  uint64_t bytes = 0;
+  // Group 1 is layer 2 alone, on shard 0: shard 1 gets nothing, not even the header.
+  absl::StatusOr<v1::PushReply> reply = client_.PushGroup(
+      GroupHeader(1), spec_, kGroups, GroupValues(spec_, 1), {}, 256, nullptr, &bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_EQ(reply->version(), 9u);
+  EXPECT_EQ(bytes, values[2].size() * sizeof(float));
+  EXPECT_TRUE(shards_[1].service.Pushes().empty());
+  std::vector<std::vector<v1::PushChunk>> pushes = shards_[0].service.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  ExpectLayerAlone(pushes[0], spec_, GroupHeader(1), 2);
+
+  // Group 0: layer 0 to shard 0, layer 1 to shard 1, under the same header; shard 1's reply
+  // completed the update.
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 9));
+  v1::PushReply completed = Reply(false, 10);
+  completed.set_group_version(4);
+  shards_[1].service.SetPushAnswer(grpc::Status::OK, completed);
+  bytes = 0;
+  reply = client_.PushGroup(GroupHeader(0), spec_, kGroups, GroupValues(spec_, 0), {}, 256, nullptr,
+                            &bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_FALSE(reply->staged());
+  EXPECT_EQ(reply->group_version(), 4u);
+  EXPECT_EQ(bytes, (values[0].size() + values[1].size()) * sizeof(float));
+  pushes = shards_[0].service.Pushes();
+  ASSERT_EQ(pushes.size(), 2u);
+  ExpectLayerAlone(pushes[1], spec_, GroupHeader(0), 0);
+  pushes = shards_[1].service.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  ExpectLayerAlone(pushes[0], spec_, GroupHeader(0), 1);
+  EXPECT_TRUE(main_.service.Pushes().empty());
+}
+
+TEST_F(ClientShardsTest, PushGroupCombinesOnlyTheAskedShardsReplies) {
+  // Shard 1 would refuse, but takes no part in group 1.
+  shards_[0].service.SetPushAnswer(grpc::Status::OK, Reply(true, 6, 1));
+  shards_[1].service.SetPushAnswer(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown worker"),
+                                   v1::PushReply());
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> reply = client_.PushGroup(
+      GroupHeader(1), spec_, kGroups, GroupValues(spec_, 1), {}, 256, nullptr, &bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_TRUE(reply->staged());
+  EXPECT_EQ(reply->slices_received(), 1u);
+  EXPECT_EQ(reply->version(), 6u);
+  // Group 0 involves it: its error is the push's.
+  EXPECT_THAT(client_.PushGroup(GroupHeader(0), spec_, kGroups, GroupValues(spec_, 0), {}, 256,
+                                nullptr, &bytes),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr("shard 1"), HasSubstr("unknown worker"))));
+  // A group without layers goes nowhere.
+  EXPECT_THAT(
+      client_.PushGroup(GroupHeader(2), spec_, kGroups, Layers(3), {}, 256, nullptr, &bytes),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer group 2")));
+  EXPECT_EQ(shards_[0].service.Pushes().size(), 2u);
+  EXPECT_EQ(shards_[1].service.Pushes().size(), 1u);
+}
+
+TEST_F(ClientShardsTest, PullGroupAsksOnlyTheGroupsShardsForTheirLayersAtTheLeastVersion) {
+  const Layers values = Values(spec_);
+  // Group 1 (layer 2): shard 0 only.
+  shards_[0].service.SetPullChunks(GroupChunks(2, values[2], 11, 5));
+  shards_[1].service.SetPullChunks(GroupChunks(1, values[1], 12, 3));
+  Layers layers;
+  uint64_t bytes = 0;
+  absl::StatusOr<uint64_t> version = client_.PullGroup(3, 1, 5, spec_, kGroups, &layers, &bytes);
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 5u);
+  ASSERT_EQ(layers.size(), 3u);
+  EXPECT_TRUE(layers[0].empty());
+  EXPECT_TRUE(layers[1].empty());
+  EXPECT_EQ(layers[2], values[2]);
+  EXPECT_EQ(bytes, values[2].size() * sizeof(float));
+  EXPECT_EQ(shards_[1].service.Pulls(), 0);
+  std::vector<v1::PullRequest> asked = shards_[0].service.PullRequests();
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0].worker_id(), 3u);
+  EXPECT_TRUE(asked[0].by_group());
+  EXPECT_EQ(asked[0].group(), 1u);
+  EXPECT_EQ(asked[0].version(), 5u);
+  EXPECT_FALSE(asked[0].latest());
+
+  // Group 0 (layers 0 and 1): both shards, each its own layer; the model versions may differ
+  // (other groups' commits), the group's must not. Layer 2 keeps what it had.
+  shards_[0].service.SetPullChunks(GroupChunks(0, values[0], 11, 3));
+  bytes = 0;
+  version = client_.PullGroup(3, 0, 2, spec_, kGroups, &layers, &bytes);
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 3u);
+  EXPECT_EQ(layers, values);
+  EXPECT_EQ(bytes, (values[0].size() + values[1].size()) * sizeof(float));
+  asked = shards_[1].service.PullRequests();
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0].group(), 0u);
+  EXPECT_EQ(asked[0].version(), 2u);
+  EXPECT_EQ(main_.service.Pulls(), 0);
+}
+
+TEST_F(ClientShardsTest, PullGroupPullsAShardBehindAgainAtTheNewerGroupVersion) {
+  // Shard 1 applied group 0's commit 4; shard 0 still streams 3, and 4 once asked for it.
+  const Layers values = Values(spec_);
+  Layers newer = values;
+  for (float& v : newer[0]) v += 1.0f;
+  shards_[0].service.SetPullChunks(GroupChunks(0, values[0], 7, 3));
+  shards_[0].service.SetPullChunksAt(4, GroupChunks(0, newer[0], 8, 4));
+  shards_[1].service.SetPullChunks(GroupChunks(1, values[1], 8, 4));
+  Layers layers;
+  uint64_t bytes = 0;
+  absl::StatusOr<uint64_t> version = client_.PullGroup(3, 0, 3, spec_, kGroups, &layers, &bytes);
+  ASSERT_THAT(version, IsOk());
+  EXPECT_EQ(*version, 4u);
+  EXPECT_EQ(layers[0], newer[0]);
+  EXPECT_EQ(layers[1], values[1]);
+  const std::vector<v1::PullRequest> asked = shards_[0].service.PullRequests();
+  ASSERT_EQ(asked.size(), 2u);
+  EXPECT_EQ(asked[0].version(), 3u);
+  EXPECT_EQ(asked[1].version(), 4u);
+  EXPECT_TRUE(asked[1].by_group());
+  EXPECT_EQ(shards_[1].service.Pulls(), 1);
+  // Every float received counts, the replaced stream too.
+  EXPECT_EQ(bytes, (2 * values[0].size() + values[1].size()) * sizeof(float));
+
+  // A shard that never catches up: kDataLoss naming both, after kGroupPullRounds pulls of it.
+  shards_[0].service.SetPullChunksAt(4, GroupChunks(0, values[0], 7, 3));
+  EXPECT_THAT(client_.PullGroup(3, 0, 3, spec_, kGroups, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("shard 0 at 3, shard 1 at 4")));
+  EXPECT_EQ(shards_[0].service.Pulls(), 2 + kGroupPullRounds);
+}
+
+TEST_F(ClientShardsTest, PullGroupRefusesChunksOfOtherGroupsAndOtherShards) {
+  const Layers values = Values(spec_);
+  Layers layers;
+  uint64_t bytes = 0;
+  // Shard 0 streams layer 2 (group 1) in a pull of group 0.
+  shards_[0].service.SetPullChunks(
+      Concat(GroupChunks(0, values[0], 7, 3), GroupChunks(2, values[2], 7, 3)));
+  shards_[1].service.SetPullChunks(GroupChunks(1, values[1], 7, 3));
+  EXPECT_THAT(client_.PullGroup(3, 0, 3, spec_, kGroups, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("shard 0"), HasSubstr("bad chunk for layer 2"))));
+  // Shard 0 streams shard 1's layer 1.
+  shards_[0].service.SetPullChunks(
+      Concat(GroupChunks(0, values[0], 7, 3), GroupChunks(1, values[1], 7, 3)));
+  EXPECT_THAT(client_.PullGroup(3, 0, 3, spec_, kGroups, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("shard 0"), HasSubstr("layer 1 belongs to shard 1"))));
+  // Shard 1 leaves its layer short.
+  shards_[0].service.SetPullChunks(GroupChunks(0, values[0], 7, 3));
+  std::vector<v1::ParamChunk> short_layer = GroupChunks(1, values[1], 7, 3);
+  short_layer.pop_back();
+  shards_[1].service.SetPullChunks(short_layer);
+  EXPECT_THAT(client_.PullGroup(3, 0, 3, spec_, kGroups, &layers, &bytes),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("layer 1 incomplete")));
+}
+
 // A shard's raw push listener (common/raw_push.h) on a loopback port: serves one connection at a
 // time (a client pushes to a shard one push at a time), records every push and answers as set.
 class FakeRawShard {
@@ -699,6 +995,36 @@ TEST_F(ClientRawPushTest, ASingleServersListenerGetsEveryLayerAndEncodedPushesUs
   ASSERT_THAT(client.SetShards({}, {}, nowhere), IsOk());
   ASSERT_THAT(client.Push(Header(), spec_, Values(spec_), {}, 256, nullptr, &bytes), IsOk());
   EXPECT_EQ(main_.service.Pushes().size(), 3u);
+}
+
+TEST_F(ClientRawPushTest, PushGroupSendsTheGroupsLayersRawToItsShardsOnly) {
+  // Group 1 is layer 2 alone, on shard 0 (raw): only its bytes, and shard 1 hears nothing.
+  uint64_t bytes = 0;
+  absl::StatusOr<v1::PushReply> reply = client_.PushGroup(
+      GroupHeader(1), spec_, kGroups, GroupValues(spec_, 1), {}, 256, nullptr, &bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_TRUE(reply->staged());
+  const Layers values = Values(spec_);
+  EXPECT_EQ(bytes, values[2].size() * sizeof(float));
+  std::vector<FakeRawShard::Received> pushes = raw_.Pushes();
+  ASSERT_EQ(pushes.size(), 1u);
+  EXPECT_EQ(pushes[0].header.group(), 1u);
+  EXPECT_EQ(pushes[0].payload, values[2]);
+  EXPECT_TRUE(shards_[1].service.Pushes().empty());
+  EXPECT_TRUE(shards_[0].service.Pushes().empty());
+  // Group 0: layer 0 raw to shard 0 (the bf16 layer 2 is not in the group), layer 1 over gRPC
+  // to shard 1, which completes the update.
+  const std::vector<v1::Codec> codecs = {v1::CODEC_FP32, v1::CODEC_FP32, v1::CODEC_BF16};
+  reply = client_.PushGroup(GroupHeader(0), spec_, kGroups, GroupValues(spec_, 0), codecs, 256,
+                            nullptr, &bytes);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_TRUE(reply->applied());
+  pushes = raw_.Pushes();
+  ASSERT_EQ(pushes.size(), 2u);
+  EXPECT_EQ(pushes[1].header.group(), 0u);
+  EXPECT_EQ(pushes[1].payload, values[0]);
+  ASSERT_EQ(shards_[1].service.Pushes().size(), 1u);
+  EXPECT_EQ(raw_.connections(), 1);
 }
 
 // A CA certificate whose key is gone: the client can load it, nobody can present a certificate

@@ -175,7 +175,7 @@ class FakeServer final : public ServerApi {
   absl::StatusOr<v1::Task> StartGroup(uint64_t, uint32_t) override {
     return absl::UnimplementedError("FakeServer has no layer groups");
   }
-  absl::StatusOr<uint64_t> PullGroup(uint64_t, uint32_t, const v1::ModelSpec&,
+  absl::StatusOr<uint64_t> PullGroup(uint64_t, uint32_t, uint64_t, const v1::ModelSpec&,
                                      absl::Span<const uint32_t>, std::vector<std::vector<float>>*,
                                      uint64_t*) override {
     return absl::UnimplementedError("FakeServer has no layer groups");

@@ -143,14 +143,18 @@ class GroupServer final : public ServerApi {
     task.set_kind(v1::Task::TRAIN);
     task.add_group_versions(versions_[group]);
     granted_[group] = true;
+    granted_versions_[group] = versions_[group];
     return task;
   }
-  absl::StatusOr<uint64_t> PullGroup(uint64_t, uint32_t group, const v1::ModelSpec&,
-                                     absl::Span<const uint32_t> layer_groups,
+  absl::StatusOr<uint64_t> PullGroup(uint64_t, uint32_t group, uint64_t min_group_version,
+                                     const v1::ModelSpec&, absl::Span<const uint32_t> layer_groups,
                                      std::vector<std::vector<float>>* layers,
                                      uint64_t* bytes) override {
     absl::MutexLock lock(&mu_);
     EXPECT_EQ(layer_groups.size(), groups_);
+    // The pull asks for at least the version the StartGroup answer granted.
+    EXPECT_EQ(min_group_version, granted_versions_[group]) << "group " << group;
+    pull_versions_.push_back(min_group_version);
     layers->resize(groups_);
     (*layers)[group] = params_[group];
     *bytes += kElements * sizeof(float);
@@ -200,6 +204,11 @@ class GroupServer final : public ServerApi {
     absl::MutexLock lock(&mu_);
     return starts_;
   }
+  // The min_group_version of every PullGroup, in order.
+  std::vector<uint64_t> pull_versions() {
+    absl::MutexLock lock(&mu_);
+    return pull_versions_;
+  }
   std::vector<float> params(uint32_t group) {
     absl::MutexLock lock(&mu_);
     return params_[group];
@@ -216,11 +225,13 @@ class GroupServer final : public ServerApi {
   std::vector<std::vector<float>> params_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> versions_ ABSL_GUARDED_BY(mu_);
   std::map<uint32_t, bool> granted_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, uint64_t> granted_versions_ ABSL_GUARDED_BY(mu_);  // last TRAIN answers
   std::map<uint32_t, int> waits_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::Task> tasks_ ABSL_GUARDED_BY(mu_);
   std::deque<absl::Status> push_errors_ ABSL_GUARDED_BY(mu_);
   std::vector<PushCall> pushes_ ABSL_GUARDED_BY(mu_);
   std::vector<uint32_t> starts_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> pull_versions_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   int leaves_ ABSL_GUARDED_BY(mu_) = 0;
   FakeClock* clock_ ABSL_GUARDED_BY(mu_) = nullptr;
@@ -333,8 +344,10 @@ TEST_F(StreamingRoundsTest, StridedTasksPushEachGroupAfterItsStepAndMergeTheGlob
   EXPECT_TRUE(first->ended);
   EXPECT_EQ(first->stats.steps, 8u);
   EXPECT_EQ(first->stats.tokens, 80u);
-  // Cold start: every group taken once, in order; then each taken again after its push.
+  // Cold start: every group taken once, in order; then each taken again after its push, and
+  // pulled at least at the version granted: 0, then 1 after its push.
   EXPECT_THAT(server_->starts(), ElementsAre(0, 1, 2, 3, 0, 1, 2, 3));
+  EXPECT_THAT(server_->pull_versions(), ElementsAre(0, 0, 0, 0, 1, 1, 1, 1));
   std::vector<GroupServer::PushCall> pushes = server_->pushes();
   ASSERT_EQ(pushes.size(), 4u);
   for (uint32_t g = 0; g < 4; ++g) {
