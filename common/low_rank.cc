@@ -141,11 +141,12 @@ constexpr double kVanishingColumn = 1e-5;
 
 // Orthonormalises the r columns (length n, column-major, double) in place by modified
 // Gram-Schmidt, run twice per column so that orthogonality holds to double rounding even after
-// heavy cancellation ("twice is enough"). Householder QR would be as accurate but forms the
-// explicit factor at twice the flops; with r << n both cost O(n r^2), far below the products
-// with M. A vanishing column becomes the unit vector e_t (t <= k, the first with the largest
-// part outside the span of the earlier columns), orthonormalised the same way: among
-// e_0..e_k at least one keeps a squared norm >= 1/(k+1) outside a k-dimensional span.
+// heavy cancellation ("twice is enough"). Householder QR would be as accurate at about the
+// same O(n r^2) cost once its explicit factor is formed; column by column, Gram-Schmidt makes
+// replacing a vanishing column a local step. A vanishing column becomes the unit vector e_t (t <=
+// k, the first with the largest part outside the span of the earlier columns), orthonormalised the
+// same way: among e_0..e_k at least one keeps a squared norm >= 1/(k+1) outside a k-dimensional
+// span.
 void Orthonormalize(double* cols, size_t n, size_t r) {
   std::vector<double> candidate(n);
   for (size_t k = 0; k < r; ++k) {
@@ -176,19 +177,23 @@ void Orthonormalize(double* cols, size_t n, size_t r) {
   }
 }
 
+// Q (cols x r) transposed to r x cols: each k then adds a contiguous row segment.
+std::vector<float> TransposeQ(absl::Span<const float> q, size_t cols, size_t r) {
+  std::vector<float> qt(r * cols);
+  for (size_t j = 0; j < cols; ++j) {
+    for (size_t k = 0; k < r; ++k) qt[k * cols + j] = q[j * r + k];
+  }
+  return qt;
+}
+
 // Calls emit(offset, values, len) for consecutive pieces of (P Q^T)[begin, begin + count), where
-// offset counts from begin. Each element is sum_k P[i,k] Q[j,k] accumulated in k order, alone,
+// offset counts from begin, p holds the rows the range touches (row 0 = the row of flat index
+// 0) and qt is Q transposed. Each element is sum_k P[i,k] Q[j,k] accumulated in k order, alone,
 // so the bits do not depend on how a range is split.
 template <typename Emit>
-void DecodeRange(const LowRankFactors& f, uint64_t begin, uint64_t count, Emit emit) {
-  if (count == 0) return;
-  const size_t cols = f.cols, r = f.rank;
-  // Q transposed (rank x cols): each k then adds a contiguous row segment.
-  std::vector<float> qt(static_cast<size_t>(r) * cols);
-  for (size_t j = 0; j < cols; ++j) {
-    for (size_t k = 0; k < r; ++k) qt[k * cols + j] = f.q[j * r + k];
-  }
-  std::vector<float> acc(cols);
+void DecodeRange(const float* p, const float* qt, size_t cols, size_t r, uint64_t begin,
+                 uint64_t count, Emit emit) {
+  std::vector<float> acc(std::min<uint64_t>(cols, count));
   uint64_t pos = begin;
   const uint64_t end = begin + count;
   while (pos < end) {
@@ -197,16 +202,30 @@ void DecodeRange(const LowRankFactors& f, uint64_t begin, uint64_t count, Emit e
     const size_t len = static_cast<size_t>(std::min<uint64_t>(cols - j0, end - pos));
     float* __restrict a = acc.data();
     std::fill(a, a + len, 0.0f);
-    const float* pi = f.p.data() + i * r;
+    const float* pi = p + i * r;
     for (size_t k = 0; k < r; ++k) {
       const float pik = pi[k];
-      const float* __restrict row = qt.data() + k * cols + j0;
+      const float* __restrict row = qt + k * cols + j0;
 #pragma omp simd
       for (size_t t = 0; t < len; ++t) a[t] += pik * row[t];
     }
     emit(static_cast<size_t>(pos - begin), a, len);
     pos += len;
   }
+}
+
+template <typename Emit>
+void DecodeRange(const LowRankFactors& f, uint64_t begin, uint64_t count, Emit emit) {
+  if (count == 0) return;
+  const std::vector<float> qt = TransposeQ(f.q, f.cols, f.rank);
+  DecodeRange(f.p.data(), qt.data(), f.cols, f.rank, begin, count, emit);
+}
+
+// out[t] += scale * values[t].
+void AddScaled(const float* values, size_t len, float scale, float* out) {
+  float* __restrict o = out;
+#pragma omp simd
+  for (size_t t = 0; t < len; ++t) o[t] += scale * values[t];
 }
 
 }  // namespace
@@ -328,10 +347,52 @@ absl::Status AccumulateLowRankRange(const LowRankFactors& f, uint64_t begin, flo
                         begin + out.size(), f.rows, f.cols));
   }
   DecodeRange(f, begin, out.size(), [&](size_t offset, const float* values, size_t len) {
-    float* __restrict o = out.data() + offset;
-#pragma omp simd
-    for (size_t t = 0; t < len; ++t) o[t] += scale * values[t];
+    AddScaled(values, len, scale, out.data() + offset);
   });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LowRankRowDecoder> LowRankRowDecoder::Create(absl::Span<const float> q,
+                                                            uint32_t rows, uint32_t cols,
+                                                            uint32_t rank) {
+  ALOE_RETURN_IF_ERROR(CheckShape(rows, cols, rank));
+  if (q.size() != static_cast<uint64_t>(cols) * rank) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "low-rank: q has %d values, not cols * rank = %d * %d", q.size(), cols, rank));
+  }
+  ALOE_RETURN_IF_ERROR(CheckFiniteNamed(q, "q"));
+  LowRankRowDecoder decoder;
+  decoder.rows_ = rows;
+  decoder.cols_ = cols;
+  decoder.rank_ = rank;
+  decoder.qt_ = TransposeQ(q, cols, rank);
+  return decoder;
+}
+
+absl::Status LowRankRowDecoder::AccumulateRows(uint32_t row_begin, absl::Span<const float> p_rows,
+                                               float scale, absl::Span<float> out) const {
+  if (p_rows.size() % rank_ != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "low-rank: %d values of p are not whole rows of rank %d", p_rows.size(), rank_));
+  }
+  const uint64_t n = p_rows.size() / rank_;
+  if (row_begin > rows_ || n > rows_ - row_begin) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "low-rank: rows [%d, %d) end past the %d rows", row_begin, row_begin + n, rows_));
+  }
+  if (out.size() != n * cols_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "low-rank: output has %d values, not %d rows * %d cols", out.size(), n, cols_));
+  }
+  if (!std::isfinite(scale)) {
+    return absl::InvalidArgumentError(absl::StrFormat("low-rank: scale %f is not finite", scale));
+  }
+  ALOE_RETURN_IF_ERROR(CheckFiniteNamed(p_rows, "p"));
+  if (n == 0) return absl::OkStatus();
+  DecodeRange(p_rows.data(), qt_.data(), cols_, rank_, 0, out.size(),
+              [&](size_t offset, const float* values, size_t len) {
+                AddScaled(values, len, scale, out.data() + offset);
+              });
   return absl::OkStatus();
 }
 

@@ -74,6 +74,32 @@ absl::Status DecompressLowRank(const LowRankFactors& factors, absl::Span<float> 
 absl::Status AccumulateLowRankRange(const LowRankFactors& factors, uint64_t begin, float scale,
                                     absl::Span<float> out);
 
+// Streaming decode of a push whose Q arrives before P: Q is checked and transposed once, then
+// P arrives in blocks of whole rows, each decoded straight into the staging rows it describes.
+// Holds cols * rank floats. Gives the same bits as DecompressLowRank. Thread-compatible: const
+// methods may run concurrently.
+class LowRankRowDecoder {
+ public:
+  // kInvalidArgument for a bad shape (as CompressLowRank), q.size() != cols * rank, or a
+  // non-finite value in q.
+  static absl::StatusOr<LowRankRowDecoder> Create(absl::Span<const float> q, uint32_t rows,
+                                                  uint32_t cols, uint32_t rank);
+
+  // out += scale * P_rows Q^T, where p_rows holds rows [row_begin, row_begin + n) of P (n x
+  // rank) and out the same rows of the matrix (n x cols). kInvalidArgument, with nothing
+  // written, when p_rows is not whole rows, the rows end past `rows`, out has another size,
+  // scale or a value of p_rows is not finite.
+  absl::Status AccumulateRows(uint32_t row_begin, absl::Span<const float> p_rows, float scale,
+                              absl::Span<float> out) const;
+
+ private:
+  LowRankRowDecoder() = default;
+  uint32_t rows_ = 0;
+  uint32_t cols_ = 0;
+  uint32_t rank_ = 0;
+  std::vector<float> qt_;  // Q transposed, rank x cols
+};
+
 // Error feedback: residual = M - P Q^T, which the worker keeps and adds to the next round's
 // pseudo-gradient of this tensor. m and residual have rows * cols elements and may be the same
 // buffer (in place). kInvalidArgument on malformed factors or sizes.
@@ -82,7 +108,7 @@ absl::Status LowRankResidual(absl::Span<const float> m, const LowRankFactors& fa
 
 // Singular values of a rows x cols matrix (row-major, double), descending, by one-sided Jacobi
 // (Hestenes) rotations in double. Meant for small matrices: cost per sweep is about
-// 3 min(rows, cols)^2 max(rows, cols) flops, and it takes 5 to 10 sweeps. kInvalidArgument
+// 6 min(rows, cols)^2 max(rows, cols) flops, and it takes 5 to 10 sweeps. kInvalidArgument
 // for a size mismatch or a non-finite value.
 absl::StatusOr<std::vector<double>> SingularValues(absl::Span<const double> a, size_t rows,
                                                    size_t cols);
@@ -149,8 +175,9 @@ class AdaptiveRank {
   absl::StatusOr<uint32_t> Observe(std::string_view layer, const LowRankFactors& factors,
                                    double total_energy);
 
-  // The rank for the layer's next compression: initial_rank before any observation, then the
-  // ceiling of the window's mean, clamped to [min_rank, max_rank] and to min(rows, cols).
+  // The rank for the layer's next compression: initial_rank before any observation (its shape
+  // is not known yet, so the caller bounds it by min(rows, cols)), then the ceiling of the
+  // window's mean, clamped to [min_rank, max_rank] and to min(rows, cols).
   uint32_t NextRank(std::string_view layer) const;
 
   // H for the next round: round(H_0 * sum_l (rows_l + cols_l) NextRank(l) /

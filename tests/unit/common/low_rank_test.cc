@@ -254,12 +254,23 @@ TEST(LowRankCompressTest, ErrorFeedbackKeepsTheSumOfDecodedUpdatesOnTheSumOfTrue
   EXPECT_LT(drift_ef, 0.45 * drift_plain);
 }
 
-TEST(LowRankDecodeTest, RangeDecodesEqualTheFullDecodeBitForBit) {
-  constexpr uint32_t kRows = 37, kCols = 53, kRank = 5;
-  const std::vector<float> m = RandomMatrix(kRows, kCols, 4);
-  auto f = CompressLowRank(m, kRows, kCols, kRank, {}, 2);
-  ASSERT_THAT(f, IsOk());
-  const std::vector<float> full = Decode(*f);
+// A 37 x 53 matrix compressed at rank 5, and its full decode.
+class LowRankDecodeTest : public ::testing::Test {
+ protected:
+  static constexpr uint32_t kRows = 37, kCols = 53, kRank = 5;
+  void SetUp() override {
+    auto compressed = CompressLowRank(RandomMatrix(kRows, kCols, 4), kRows, kCols, kRank, {}, 2);
+    ASSERT_THAT(compressed, IsOk());
+    factors_ = *std::move(compressed);
+    full_ = Decode(factors_);
+  }
+  LowRankFactors factors_;
+  std::vector<float> full_;
+};
+
+TEST_F(LowRankDecodeTest, RangeDecodesEqualTheFullDecodeBitForBit) {
+  const LowRankFactors* f = &factors_;
+  const std::vector<float>& full = full_;
 
   // Row ranges [a, b), as the server decodes a push chunk by chunk.
   std::vector<float> by_rows(full.size(), 0.0f);
@@ -291,7 +302,45 @@ TEST(LowRankDecodeTest, RangeDecodesEqualTheFullDecodeBitForBit) {
   }
 }
 
-TEST(LowRankDecodeTest, ResidualIsTheMatrixMinusTheDecodeAndWorksInPlace) {
+TEST_F(LowRankDecodeTest, StreamedRowBlocksEqualTheFullDecodeBitForBit) {
+  const LowRankFactors* f = &factors_;
+  const std::vector<float>& full = full_;
+  auto decoder = LowRankRowDecoder::Create(f->q, kRows, kCols, kRank);
+  ASSERT_THAT(decoder, IsOk());
+  std::vector<float> streamed(full.size(), 0.0f);
+  const uint32_t cuts[] = {0, 1, 9, 10, 36, 37};
+  for (size_t c = 0; c + 1 < std::size(cuts); ++c) {
+    const uint32_t a = cuts[c], b = cuts[c + 1];
+    ASSERT_THAT(
+        decoder->AccumulateRows(a, absl::MakeConstSpan(f->p.data() + a * kRank, (b - a) * kRank),
+                                1.0f, absl::MakeSpan(streamed.data() + a * kCols, (b - a) * kCols)),
+        IsOk());
+  }
+  EXPECT_EQ(std::memcmp(streamed.data(), full.data(), full.size() * sizeof(float)), 0);
+
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  std::vector<float> out(2 * kCols, 3.0f);
+  std::vector<float> p_rows(f->p.begin(), f->p.begin() + 2 * kRank);
+  EXPECT_THAT(
+      decoder->AccumulateRows(0, absl::MakeConstSpan(p_rows.data(), 7), 1.0f, absl::MakeSpan(out)),
+      StatusIs(kInvalid, HasSubstr("not whole rows")));
+  EXPECT_THAT(decoder->AccumulateRows(36, p_rows, 1.0f, absl::MakeSpan(out)),
+              StatusIs(kInvalid, HasSubstr("rows [36, 38) end past the 37 rows")));
+  EXPECT_THAT(decoder->AccumulateRows(0, p_rows, 1.0f, absl::MakeSpan(out.data(), kCols)),
+              StatusIs(kInvalid, HasSubstr("output has 53 values")));
+  p_rows[6] = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(decoder->AccumulateRows(0, p_rows, 1.0f, absl::MakeSpan(out)),
+              StatusIs(kInvalid, HasSubstr("p[6]")));
+  for (float v : out) EXPECT_EQ(v, 3.0f);
+  std::vector<float> bad_q = f->q;
+  bad_q[2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT(LowRankRowDecoder::Create(bad_q, kRows, kCols, kRank),
+              StatusIs(kInvalid, HasSubstr("q[2]")));
+  EXPECT_THAT(LowRankRowDecoder::Create(f->q, kRows, kCols, kRank + 1),
+              StatusIs(kInvalid, HasSubstr("q has 265 values")));
+}
+
+TEST(LowRankResidualTest, IsTheMatrixMinusTheDecodeAndWorksInPlace) {
   constexpr uint32_t kRows = 16, kCols = 24;
   const std::vector<float> m = RandomMatrix(kRows, kCols, 6);
   auto f = CompressLowRank(m, kRows, kCols, 3, {}, 2);
