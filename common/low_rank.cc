@@ -135,6 +135,23 @@ void ProjectOut(const double* cols, size_t k, size_t n, double* v) {
   }
 }
 
+// Scales each nonzero column of q (n x r, row-major) to unit norm. The span of M Q0, all that the
+// orthonormalisation keeps, does not change; a warm start that carries ||M|| would otherwise
+// make M Q0 of order ||M||^2 and overflow or underflow float sooner.
+void NormalizeColumns(float* q, size_t n, size_t r) {
+  std::vector<double> norm(r, 0.0);
+  for (size_t j = 0; j < n; ++j) {
+    for (size_t k = 0; k < r; ++k) norm[k] += static_cast<double>(q[j * r + k]) * q[j * r + k];
+  }
+  std::vector<float> inv(r, 1.0f);
+  for (size_t k = 0; k < r; ++k) {
+    if (norm[k] > 0) inv[k] = static_cast<float>(1.0 / std::sqrt(norm[k]));
+  }
+  for (size_t j = 0; j < n; ++j) {
+    for (size_t k = 0; k < r; ++k) q[j * r + k] *= inv[k];
+  }
+}
+
 // Below this share of its norm before projection, a column is taken as lying in the span of the
 // earlier ones: float data cannot resolve directions much weaker than that.
 constexpr double kVanishingColumn = 1e-5;
@@ -283,6 +300,7 @@ absl::StatusOr<LowRankFactors> CompressLowRank(absl::Span<const float> m, uint32
   f.rank = rank;
   std::vector<float> q0 = warm_q.empty() ? SeededLowRankInit(cols, rank, seed)
                                          : std::vector<float>(warm_q.begin(), warm_q.end());
+  NormalizeColumns(q0.data(), cols, rank);
   f.p.resize(static_cast<size_t>(rows) * rank);
   MultiplyMQ(m.data(), rows, cols, q0.data(), rank, f.p.data());
   if (FirstNonFinite(f.p) != f.p.size()) {

@@ -37,11 +37,12 @@ uint64_t LowRankFactorFloats(uint32_t rows, uint32_t cols, uint32_t rank);
 
 // One power iteration with warm start (paper 001 Alg. 1, PowerSGD): P = M Q0, P orthonormalised
 // (modified Gram-Schmidt, twice), Q = M^T P. Q0 is warm_q (cols x rank, last round's q of this
-// tensor) or, when warm_q is empty, a seeded pseudo-random matrix. Columns that vanish (M of
-// rank below `rank`, or a zero M) are replaced by unit vectors orthogonal to the others, so P
-// stays orthonormal and no NaN comes out. kInvalidArgument, naming the problem, when a
-// dimension or rank is 0, rank > min(rows, cols), m.size() != rows * cols,
-// warm_q.size() != cols * rank, m or warm_q holds NaN or Inf, or the products overflow float.
+// tensor) or, when warm_q is empty, a seeded pseudo-random matrix; its columns are scaled to unit
+// norm first, which leaves the span of M Q0 as it is. Columns that vanish (M of rank below
+// `rank`, or a zero M) are replaced by unit vectors orthogonal to the others, so P stays
+// orthonormal and no NaN comes out. kInvalidArgument, naming the problem, when a dimension or
+// rank is 0, rank > min(rows, cols), m.size() != rows * cols, warm_q.size() != cols * rank, m or
+// warm_q holds NaN or Inf, or the products overflow float.
 absl::StatusOr<LowRankFactors> CompressLowRank(absl::Span<const float> m, uint32_t rows,
                                                uint32_t cols, uint32_t rank,
                                                absl::Span<const float> warm_q, uint64_t seed);
