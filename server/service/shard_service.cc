@@ -39,9 +39,8 @@ ShardFollower::Options FollowerOptions(const ShardServer::Options& options) {
 
 ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, Options options,
                          Authenticator& auth, MetricsSink& metrics)
-    : PushIngestService(auth, metrics, spec, options.shard_index),
+    : PushIngestService(auth, metrics, spec, options.shard_index, state->layer_groups()),
       spec_(std::move(spec)),
-      layer_groups_(state->layer_groups()),
       options_(std::move(options)),
       auth_(auth),
       metrics_(metrics),
@@ -73,10 +72,10 @@ grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::Pull
   {
     absl::MutexLock lock(&mu_);
     if (request->by_group() &&
-        (layer_groups_.empty() || request->group() >= state_->num_layer_groups())) {
+        (layer_groups().empty() || request->group() >= state_->num_layer_groups())) {
       return ToGrpcStatus(absl::InvalidArgumentError(absl::StrFormat(
           "pull of layer group %d, but this server has %d layer groups (partial_sync.groups)",
-          request->group(), layer_groups_.empty() ? 1 : state_->num_layer_groups())));
+          request->group(), layer_groups().empty() ? 1 : state_->num_layer_groups())));
     }
     const absl::Time deadline = absl::Now() + kVersionWait;
     const uint64_t restores = restores_;
@@ -100,7 +99,7 @@ grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::Pull
     return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer,
                           metrics_);
   }
-  const GroupPull group{layer_groups_, request->group(),
+  const GroupPull group{layer_groups(), request->group(),
                         snapshot->group_versions[request->group()]};
   return StreamSnapshot(*context, *snapshot, request->slice(), request->slices(), *writer, metrics_,
                         &group);
@@ -145,7 +144,7 @@ absl::StatusOr<v1::PushReply> ShardServer::AcceptPush(
 
   // The layer groups never change after the start.
   UpdateAssembler assembler(spec_, header, options_.shard_index, *std::move(buffers),
-                            /*sum_squares=*/false, layer_groups_);
+                            /*sum_squares=*/false, layer_groups());
   if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
   const uint64_t bytes = assembler.bytes_received();

@@ -164,7 +164,6 @@ class ShardServer final : public PushIngestService, private FollowedState {
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::ModelSpec spec_;
-  const std::vector<uint32_t> layer_groups_;  // of each spec layer; empty without layer groups
   const Options options_;
   Authenticator& auth_;
   MetricsSink& metrics_;

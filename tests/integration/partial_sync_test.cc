@@ -167,9 +167,15 @@ TEST_F(PartialSyncTest, SyncFourGroupsReachTheirVersionsThroughALink) {
 }
 
 TEST_F(PartialSyncTest, AsyncFourGroupsOnShardProcessesTrainThroughALinkAndEvalLossFalls) {
+  raw_pushes_ = true;  // group pushes go raw where a shard process takes them
   ASSERT_NO_FATAL_FAILURE(TrainThroughALink(absl::StrCat(kAsyncConfig, kShards), kDelayedNesterov,
                                             /*sharded=*/true));
   ExpectShardsStoppedAt(ExpectAsyncJobTrained());
+  for (int i = 0; i < 2; ++i) {
+    const std::string log = ReadFile(absl::StrCat(dir_, "/shard", i, ".log"));
+    EXPECT_NE(log.find("MB raw)"), std::string::npos) << log;
+    EXPECT_EQ(log.find("(0.0 MB raw)"), std::string::npos) << "no raw group push\n" << log;
+  }
 }
 
 TEST_F(PartialSyncTest, SyncFourGroupsOnShardProcessesReachTheirVersionsThroughALink) {
