@@ -247,8 +247,9 @@ absl::StatusOr<std::shared_ptr<StreamingRounds::Job>> StreamingRounds::Push(
     job->header.set_base_version(version_[g]);
     job->header.set_group(g);
     job->header.set_task_continues(!last);
-    // The reply that ends the task carries the next one.
-    job->header.set_want_next_task(last);
+    // The reply that ends the task carries the next one (unless that one is taken ahead).
+    job->header.set_want_next_task(last && !end_ahead_);
+    job->give_up_if_refused = last && end_ahead_;
     job->merge_at = total_steps_ + tau;
     held_[g] = false;
     pending_.push_back(job);
@@ -352,6 +353,18 @@ void StreamingRounds::Communicate() {
     absl::StatusOr<v1::PushReply> reply = session.PushGroup(job->header, job->delta, &bytes);
     NoteTransfer(bytes, absl::ToDoubleSeconds(env_.clock->Now() - start));
     job->delta.clear();
+    const bool refused = !reply.ok() && reply.status().code() != absl::StatusCode::kNotFound;
+    if (refused) {
+      ALOE_LOG_WARNING("worker", "push of layer group %d refused (%s); taking the group again",
+                       job->group, reply.status().message());
+    }
+    // A task's last push left in flight: refused, the task stays open on the server in front of
+    // the one taken ahead. Given up (before its reply is read), that one becomes the open task
+    // before its pushes go.
+    if (refused && job->give_up_if_refused &&
+        !session.RequestTask(/*ahead=*/false, job->header.task_id()).ok()) {
+      ALOE_LOG_WARNING("worker", "could not give task %d up", job->header.task_id());
+    }
     {
       absl::MutexLock lock(&mu_);
       job->reply = reply;
@@ -362,10 +375,6 @@ void StreamingRounds::Communicate() {
         job->taken = true;
         continue;
       }
-    }
-    if (!reply.ok()) {
-      ALOE_LOG_WARNING("worker", "push of layer group %d refused (%s); taking the group again",
-                       job->group, reply.status().message());
     }
     std::vector<std::vector<float>> layers(layer_groups_.size());
     absl::StatusOr<Taken> taken = Take(job->group, &layers);
@@ -387,9 +396,29 @@ bool StreamingRounds::Stopping(const absl::Status& status) const {
   return status.code() == absl::StatusCode::kCancelled && env_.stop->load();
 }
 
-absl::StatusOr<StreamingTask> StreamingRounds::Run(const v1::Task& task, const TokenSource* data) {
+absl::StatusOr<v1::PushReply> StreamingRounds::AwaitEnd(RoundCosts* costs) {
+  if (ending_.empty()) return absl::FailedPreconditionError("no task's last push is in flight");
+  const std::shared_ptr<Job> last = std::move(ending_.front());
+  ending_.pop_front();
+  return AwaitJob(last, costs);
+}
+
+absl::StatusOr<v1::PushReply> StreamingRounds::AwaitJob(const std::shared_ptr<Job>& last,
+                                                        RoundCosts* costs) {
+  const absl::Time t0 = env_.clock->Now();
+  AwaitPushed(*last);
+  costs->network_s += absl::ToDoubleSeconds(env_.clock->Now() - t0);
+  absl::MutexLock lock(&mu_);
+  costs->pushed_bytes += last->pushed_bytes;
+  last->pushed_bytes = 0;  // counted here, not again at its merge
+  return last->reply;
+}
+
+absl::StatusOr<StreamingTask> StreamingRounds::Run(const v1::Task& task, const TokenSource* data,
+                                                   bool await_end) {
   StreamingTask result;
   RoundCosts& costs = result.costs;
+  end_ahead_ = !await_end;
   const absl::Time start = env_.clock->Now();
   if (cold_) {
     const absl::Time t0 = env_.clock->Now();
@@ -473,19 +502,16 @@ absl::StatusOr<StreamingTask> StreamingRounds::Run(const v1::Task& task, const T
       if (held_[g]) held.push_back(g);
     }
     if (!held.empty()) {
+      end_ahead_ = false;  // stopping: no task follows
       ALOE_ASSIGN_OR_RETURN(last, Push(task, held, total, /*ends_task=*/true, 0));
     }
   }
-  if (last != nullptr) {
-    const absl::Time t0 = env_.clock->Now();
-    AwaitPushed(*last);
-    costs.network_s += absl::ToDoubleSeconds(env_.clock->Now() - t0);
-    absl::MutexLock lock(&mu_);
-    if (!last->reply.ok()) return last->reply.status();
-    result.reply = *last->reply;
+  if (last != nullptr && last->give_up_if_refused) {
+    ending_.push_back(std::move(last));
+    result.end_in_flight = true;
+  } else if (last != nullptr) {
+    ALOE_ASSIGN_OR_RETURN(result.reply, AwaitJob(last, &costs));
     result.ended = true;
-    costs.pushed_bytes += last->pushed_bytes;
-    last->pushed_bytes = 0;  // counted here, not again at its merge
   }
   if (result.server_stopped) {
     // Training is over: whatever is pending is not merged; a later task starts cold.
