@@ -233,8 +233,23 @@ absl::StatusOr<std::vector<std::vector<float>>> StreamingRounds::Local() {
 absl::StatusOr<std::shared_ptr<StreamingRounds::Job>> StreamingRounds::Push(
     const v1::Task& task, const std::vector<uint32_t>& groups, const TrainStats& stats,
     bool ends_task, uint32_t tau) {
-  std::vector<std::vector<float>> delta;
-  ALOE_RETURN_IF_ERROR(env_.trainer->PseudoGradient(global_, &delta));
+  // The groups' layers alone where the trainer reads them layer-wise, else the whole model.
+  std::vector<uint32_t> ids;
+  for (uint32_t g : groups)
+    ids.insert(ids.end(), layers_of_group_[g].begin(), layers_of_group_[g].end());
+  std::vector<std::vector<float>> delta(global_.size());
+  const absl::Status got = env_.trainer->GetLayers(ids, &delta);
+  if (got.ok()) {
+    for (uint32_t l : ids) {
+      std::vector<float>& d = delta[l];
+      const std::vector<float>& base = global_[l];
+      for (size_t i = 0; i < d.size(); ++i) d[i] = base[i] - d[i];
+    }
+  } else if (absl::IsUnimplemented(got)) {
+    ALOE_RETURN_IF_ERROR(env_.trainer->PseudoGradient(global_, &delta));
+  } else {
+    return got;
+  }
   std::shared_ptr<Job> job;
   for (size_t i = 0; i < groups.size(); ++i) {
     const uint32_t g = groups[i];
@@ -284,8 +299,17 @@ absl::Status StreamingRounds::MergeOldest(RoundCosts& costs, bool* server_stoppe
 
 absl::Status StreamingRounds::Merge(uint32_t group, std::vector<std::vector<float>>& global,
                                     uint64_t version, float alpha) {
-  ALOE_ASSIGN_OR_RETURN(std::vector<std::vector<float>> local, Local());
-  for (uint32_t l : layers_of_group_[group]) {
+  // The group's layers alone where the trainer takes them layer-wise, else the whole model.
+  const std::vector<uint32_t>& ids = layers_of_group_[group];
+  std::vector<std::vector<float>> local(global_.size());
+  absl::Status got = env_.trainer->GetLayers(ids, &local);
+  const bool layerwise = got.ok();
+  if (absl::IsUnimplemented(got)) {
+    ALOE_ASSIGN_OR_RETURN(local, Local());
+  } else if (!got.ok()) {
+    return got;
+  }
+  for (uint32_t l : ids) {
     std::vector<float>& mine = local[l];
     const std::vector<float>& theirs = global[l];
     if (alpha == 0.0f) {
@@ -299,7 +323,7 @@ absl::Status StreamingRounds::Merge(uint32_t group, std::vector<std::vector<floa
   }
   version_[group] = version;
   held_[group] = true;
-  return env_.trainer->SetParameters(local);
+  return layerwise ? env_.trainer->SetLayers(ids, local) : env_.trainer->SetParameters(local);
 }
 
 absl::Status StreamingRounds::MergeDue(const std::vector<uint32_t>& groups, RoundCosts& costs,

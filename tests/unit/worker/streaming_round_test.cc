@@ -264,6 +264,21 @@ class StepTrainer final : public TrainerInterface {
   };
   absl::Status SetParameters(const std::vector<std::vector<float>>& layers) override {
     params_ = layers;
+    ++set_parameters_calls;
+    return absl::OkStatus();
+  }
+  // Layer-wise access only with `layerwise` (else the whole-model fallback is used).
+  absl::Status GetLayers(absl::Span<const uint32_t> ids,
+                         std::vector<std::vector<float>>* layers) const override {
+    if (!layerwise) return absl::UnimplementedError("whole model only");
+    for (uint32_t l : ids) (*layers)[l] = params_[l];
+    return absl::OkStatus();
+  }
+  absl::Status SetLayers(absl::Span<const uint32_t> ids,
+                         const std::vector<std::vector<float>>& layers) override {
+    if (!layerwise) return absl::UnimplementedError("whole model only");
+    for (uint32_t l : ids) params_[l] = layers[l];
+    ++set_layers_calls;
     return absl::OkStatus();
   }
   absl::StatusOr<TrainStats> Train(const TrainRequest& request) override {
@@ -298,6 +313,9 @@ class StepTrainer final : public TrainerInterface {
   const std::vector<std::vector<float>>& params() const { return params_; }
 
   std::vector<Call> calls;
+  bool layerwise = false;
+  int set_parameters_calls = 0;
+  int set_layers_calls = 0;
   uint64_t stop_after = 0;
   std::atomic<bool>* stop = nullptr;
   FakeClock* clock = nullptr;  // advanced 1 s per step when set
@@ -401,6 +419,34 @@ TEST_F(StreamingRoundsTest, StridedTasksPushEachGroupAfterItsStepAndMergeTheGlob
   EXPECT_EQ(pushes[4].header.base_version(), 1u);
   EXPECT_THAT(pushes[4].layers[0], Each(8.0f));  // steps 2..9 since its merge
   EXPECT_THAT(server_->starts(), ::testing::SizeIs(12));
+}
+
+// A trainer with layer-wise access gets only each group's layers at its push and merge, and
+// ends exactly where the whole-model path ends.
+TEST_F(StreamingRoundsTest, LayerWiseTrainersMoveOnlyTheGroupsLayers) {
+  v1::PartialSyncConfig config;
+  config.set_merge_delay_steps(1);
+  config.set_mixing_alpha(0.5);
+  std::vector<std::vector<std::vector<float>>> pushed[2];
+  std::vector<std::vector<float>> final_params[2];
+  for (int layerwise = 0; layerwise < 2; ++layerwise) {
+    trainer_ = StepTrainer();
+    trainer_.layerwise = layerwise == 1;
+    Start(4, config);
+    ASSERT_THAT(rounds_->Run(TrainTask(1, 8), &data_), IsOk());
+    ASSERT_THAT(rounds_->Run(TrainTask(2, 8), &data_), IsOk());
+    for (const GroupServer::PushCall& p : server_->pushes()) pushed[layerwise].push_back(p.layers);
+    final_params[layerwise] = trainer_.params();
+    if (layerwise == 1) {
+      // 8 pushes, each merged one step later but the last (still pending).
+      EXPECT_EQ(trainer_.set_parameters_calls, 1) << "the cold start only";
+      EXPECT_EQ(trainer_.set_layers_calls, 7);
+    } else {
+      EXPECT_EQ(trainer_.set_parameters_calls, 8);
+    }
+  }
+  EXPECT_EQ(pushed[1], pushed[0]);
+  EXPECT_EQ(final_params[1], final_params[0]);
 }
 
 TEST_F(StreamingRoundsTest, MergeDelayDefersTheMergeAndMixesWithAlpha) {
