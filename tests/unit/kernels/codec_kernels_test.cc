@@ -989,38 +989,60 @@ class CodecKernelsCudaTest : public ::testing::TestWithParam<std::tuple<size_t, 
   size_t Count() const { return SizeOf(std::get<1>(GetParam()), BlockSize()); }
 };
 
-TEST_P(CodecKernelsCudaTest, MatchesCpuReferenceBitExact) {
-  const size_t n = Count();
-  const size_t b = BlockSize();
-  const std::vector<float> x = WideRange(n, 91 + static_cast<unsigned>(n));
-  const std::vector<float> acc0 = Normal(n, 92 + static_cast<unsigned>(n));
+// The CUDA kernels of a blockwise codec and the CPU codec they must match.
+struct CudaBlockwiseCodec {
+  const BlockwiseCodec* cpu;
+  std::string (*encode)(const float* x, size_t n, size_t block_size, void* out, float* residual,
+                        void* stream);
+  std::string (*decode)(const void* in, size_t n, size_t block_size, float* out, void* stream);
+  std::string (*decode_accumulate)(const void* in, size_t n, size_t block_size, float w, float* acc,
+                                   void* stream);
+};
 
-  // int8 encode (with residual), decode, decode-accumulate.
-  Bytes ref_enc(Int8EncodedSize(n, b));
+const CudaBlockwiseCodec kCudaInt8 = {&kInt8, CudaInt8BlockwiseEncode, CudaInt8BlockwiseDecode,
+                                      CudaInt8BlockwiseDecodeAccumulate};
+const CudaBlockwiseCodec kCudaInt4 = {&kInt4, CudaInt4BlockwiseEncode, CudaInt4BlockwiseDecode,
+                                      CudaInt4BlockwiseDecodeAccumulate};
+
+// Encode (with residual), decode and decode-accumulate of x on the device give the CPU
+// reference's bytes and floats, bit for bit.
+void ExpectCudaMatchesReference(const CudaBlockwiseCodec& codec, const std::vector<float>& x,
+                                size_t b) {
+  const size_t n = x.size();
+  const BlockwiseCodec& cpu = *codec.cpu;
+  const std::vector<float> acc0 = Normal(n, 92 + static_cast<unsigned>(n));
+  Bytes ref_enc(cpu.encoded_size(n, b));
   std::vector<float> ref_residual(n);
-  ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), n, b, ref_enc.data(), ref_residual.data()),
-              IsOk());
+  ASSERT_THAT(cpu.ref_encode(x.data(), n, b, ref_enc.data(), ref_residual.data()), IsOk());
   std::vector<float> ref_out(n);
-  ASSERT_THAT(reference::Int8BlockwiseDecode(ref_enc.data(), ref_enc.size(), ref_out.data(), n),
-              IsOk());
+  ASSERT_THAT(cpu.ref_decode(ref_enc.data(), ref_enc.size(), ref_out.data(), n), IsOk());
   std::vector<float> ref_acc = acc0;
-  ASSERT_THAT(reference::Int8BlockwiseDecodeAccumulate(ref_enc.data(), ref_enc.size(), 0.37f,
-                                                       ref_acc.data(), n),
+  ASSERT_THAT(cpu.ref_decode_accumulate(ref_enc.data(), ref_enc.size(), 0.37f, ref_acc.data(), n),
               IsOk());
   const std::vector<float> zeros(n, 0.0f);
   DeviceVector<float> d_x(x), d_residual(zeros), d_out(zeros), d_acc(acc0);
   DeviceVector<uint8_t> d_enc(Bytes(ref_enc.size(), 0xAA));
   ASSERT_TRUE(d_x.Valid() && d_residual.Valid() && d_out.Valid() && d_acc.Valid() && d_enc.Valid());
-  EXPECT_EQ(CudaInt8BlockwiseEncode(d_x.Data(), n, b, d_enc.Data(), d_residual.Data(), nullptr),
-            "");
-  EXPECT_EQ(CudaInt8BlockwiseDecode(d_enc.Data(), n, b, d_out.Data(), nullptr), "");
-  EXPECT_EQ(CudaInt8BlockwiseDecodeAccumulate(d_enc.Data(), n, b, 0.37f, d_acc.Data(), nullptr),
-            "");
+  EXPECT_EQ(codec.encode(d_x.Data(), n, b, d_enc.Data(), d_residual.Data(), nullptr), "");
+  EXPECT_EQ(codec.decode(d_enc.Data(), n, b, d_out.Data(), nullptr), "");
+  EXPECT_EQ(codec.decode_accumulate(d_enc.Data(), n, b, 0.37f, d_acc.Data(), nullptr), "");
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(d_enc.ToHost(), ref_enc);
-  ExpectSameBits(d_residual.ToHost(), ref_residual, "cuda int8 residual");
-  ExpectSameBits(d_out.ToHost(), ref_out, "cuda int8 decode");
-  ExpectSameBits(d_acc.ToHost(), ref_acc, "cuda int8 decode-accumulate");
+  ExpectSameBits(d_residual.ToHost(), ref_residual, std::string("cuda residual ") + cpu.name);
+  ExpectSameBits(d_out.ToHost(), ref_out, std::string("cuda decode ") + cpu.name);
+  ExpectSameBits(d_acc.ToHost(), ref_acc, std::string("cuda decode-accumulate ") + cpu.name);
+}
+
+TEST_P(CodecKernelsCudaTest, MatchesCpuReferenceBitExact) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  const std::vector<float> x = WideRange(n, 91 + static_cast<unsigned>(n));
+  ExpectCudaMatchesReference(kCudaInt8, x, b);
+  std::vector<float> ref_residual(n);
+  std::vector<float> ref_out(n);
+  const std::vector<float> zeros(n, 0.0f);
+  DeviceVector<float> d_x(x), d_residual(zeros), d_out(zeros);
+  ASSERT_TRUE(d_x.Valid() && d_residual.Valid() && d_out.Valid());
 
   // bf16 encode (with residual) and decode.
   Bytes ref_bf16(Bf16EncodedSize(n));
@@ -1059,6 +1081,37 @@ TEST_P(CodecKernelsCudaTest, NonFiniteInputYieldsABufferTheCpuDecoderRejects) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("encoded value " + std::to_string(n / 2) + " is NaN")));
 }
+
+using CodecKernelsCudaInt4Test = CodecKernelsCudaTest;
+
+TEST_P(CodecKernelsCudaInt4Test, MatchesCpuReferenceBitExact) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  const std::vector<float> x = WideRange(n, 94 + static_cast<unsigned>(n));
+  ExpectCudaMatchesReference(kCudaInt4, x, b);
+
+  // A NaN makes its block's scale NaN, which the CPU decoder refuses.
+  if (n == 0) return;
+  std::vector<float> poisoned = x;
+  poisoned[n / 2] = std::numeric_limits<float>::quiet_NaN();
+  DeviceVector<float> d_x(x), d_poisoned(poisoned);
+  DeviceVector<uint8_t> d_enc(Bytes(Int4EncodedSize(n, b)));
+  ASSERT_TRUE(d_x.Valid() && d_poisoned.Valid() && d_enc.Valid());
+  EXPECT_EQ(CudaInt4BlockwiseEncode(d_poisoned.Data(), n, b, d_enc.Data(), nullptr, nullptr), "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Bytes enc = d_enc.ToHost();
+  std::vector<float> out(n);
+  EXPECT_THAT(Int4BlockwiseDecode(enc.data(), enc.size(), out.data(), n),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("for block " + std::to_string(n / 2 / b))));
+  EXPECT_NE(CudaInt4BlockwiseEncode(d_x.Data(), n, b + 1, d_enc.Data(), nullptr, nullptr), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(BlocksAndSizes, CodecKernelsCudaInt4Test,
+                         ::testing::Combine(::testing::Values(size_t{2}, size_t{64}, size_t{256},
+                                                              size_t{4096}),
+                                            kSizeKinds),
+                         Int8ParamName);
 
 INSTANTIATE_TEST_SUITE_P(
     BlocksAndSizes, CodecKernelsCudaTest,
