@@ -22,6 +22,8 @@ double BytesPerValue(v1::Codec codec) {
       return 2;
     case v1::CODEC_INT8_BLOCKWISE:
       return 1;
+    case v1::CODEC_INT4_BLOCKWISE:
+      return 0.5;
     default:
       return 4;
   }

@@ -130,7 +130,7 @@ class GroupServer final : public ServerApi {
   }
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader&, const v1::ModelSpec&,
                                      const std::vector<std::vector<float>>&,
-                                     const std::vector<v1::Codec>&, size_t,
+                                     const std::vector<v1::Codec>&, const BlockSizes&,
                                      std::vector<std::vector<float>>*, uint64_t*) override {
     return absl::UnimplementedError("whole-model push under layer groups");
   }
@@ -171,7 +171,7 @@ class GroupServer final : public ServerApi {
   absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader& header, const v1::ModelSpec&,
                                           absl::Span<const uint32_t>,
                                           const std::vector<std::vector<float>>& layers,
-                                          const std::vector<v1::Codec>&, size_t,
+                                          const std::vector<v1::Codec>&, const BlockSizes&,
                                           std::vector<std::vector<float>>*,
                                           uint64_t* bytes) override {
     absl::MutexLock lock(&mu_);
