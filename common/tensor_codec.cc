@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "common/low_rank_wire.h"
 #include "kernels/cpu/codec_kernels.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -88,6 +89,10 @@ absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t
       out->resize(old + kernels::Int8EncodedSize(values.size(), int8_block_size));
       return kernels::Int8BlockwiseEncode(values.data(), values.size(), int8_block_size,
                                           out->data() + old, residual);
+    case v1::CODEC_LOWRANK:
+      return absl::InvalidArgumentError(
+          "CODEC_LOWRANK encodes the factors of a whole 2-D tensor (EncodeLowRankFactors), not a "
+          "run of values");
     default:
       return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
   }
@@ -114,6 +119,8 @@ absl::StatusOr<size_t> EncodedElementCount(v1::Codec codec, std::string_view pay
       if (!info.ok()) return info.status();
       return info->n;
     }
+    case v1::CODEC_LOWRANK:
+      return LowRankChunkElements(payload);
     default:
       return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
   }
@@ -128,6 +135,8 @@ absl::Status DecodeChunk(v1::Codec codec, std::string_view payload, absl::Span<f
       return kernels::Bf16Decode(payload.data(), payload.size(), out.data(), out.size());
     case v1::CODEC_INT8_BLOCKWISE:
       return kernels::Int8BlockwiseDecode(payload.data(), payload.size(), out.data(), out.size());
+    case v1::CODEC_LOWRANK:
+      return DecodeLowRankChunk(payload, out);
     default:
       return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
   }
