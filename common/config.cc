@@ -299,6 +299,7 @@ void FillServerDefaults(v1::ServerConfig* c) {
   auto* transport = c->mutable_transport();
   if (transport->codec() == v1::CODEC_UNSPECIFIED) transport->set_codec(v1::CODEC_FP32);
   if (transport->int8_block_size() == 0) transport->set_int8_block_size(256);
+  if (transport->int4_block_size() == 0) transport->set_int4_block_size(64);
   auto* penalty = c->mutable_penalty();
   if (penalty->ema_alpha() == 0) penalty->set_ema_alpha(0.02f);
   if (penalty->z_threshold() == 0) penalty->set_z_threshold(3.0f);
@@ -359,6 +360,12 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (transport.int8_block_size() < 1 || transport.int8_block_size() > 65536) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "transport.int8_block_size must be in [1, 65536], got %d", transport.int8_block_size()));
+  }
+  if (transport.int4_block_size() < 2 || transport.int4_block_size() > 65536 ||
+      transport.int4_block_size() % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("transport.int4_block_size must be even and in [2, 65536], got %d",
+                        transport.int4_block_size()));
   }
   if (transport.codec() == v1::CODEC_LOWRANK) {
     return absl::InvalidArgumentError(

@@ -28,7 +28,7 @@ uint64_t TensorSeed(uint32_t layer_id, int tensor) {
 void LowRankPushEncoder::Configure(const v1::TransportConfig& transport,
                                    const v1::ModelSpec& spec) {
   absl::MutexLock lock(&mu_);
-  int8_block_size_ = std::max<uint32_t>(1, transport.int8_block_size());
+  block_sizes_ = TransportBlockSizes(transport);
   std::vector<Layer> layers(spec.layers_size());
   for (int l = 0; l < spec.layers_size(); ++l) {
     Layer& layer = layers[l];
@@ -93,8 +93,8 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const
         EncodedChunk& chunk = out.emplace_back();
         chunk.offset = offset + b;
         chunk.codec = fallback;
-        absl::Status s = EncodeChunk(fallback, m.subspan(b, e - b), int8_block_size_,
-                                     &chunk.payload, r != nullptr ? r + b : nullptr);
+        absl::Status s = EncodeChunk(fallback, m.subspan(b, e - b), 0, &chunk.payload,
+                                     r != nullptr ? r + b : nullptr);
         if (!s.ok()) {
           return absl::InvalidArgumentError(absl::StrFormat("layer %d (%s), tensor %s: %s",
                                                             layer_id, layer.spec.name(),
@@ -110,8 +110,8 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const
         m, shape->first, shape->second, rank,
         warm_fits ? absl::MakeConstSpan(warm) : absl::Span<const float>(), TensorSeed(layer_id, t));
     absl::StatusOr<LowRankEncoding> encoding =
-        factors.ok() ? EncodeLowRankFactors(*factors, offset, layer.factor_codec, int8_block_size_,
-                                            max_chunk_bytes)
+        factors.ok() ? EncodeLowRankFactors(*factors, offset, layer.factor_codec,
+                                            block_sizes_.Of(layer.factor_codec), max_chunk_bytes)
                      : factors.status();
     if (!encoding.ok()) {
       return absl::InvalidArgumentError(absl::StrFormat("layer %d (%s), tensor %s, rank %d: %s",

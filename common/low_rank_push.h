@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/tensor_codec.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe {
@@ -65,7 +66,7 @@ class LowRankPushEncoder {
   };
   mutable absl::Mutex mu_;
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);
-  size_t int8_block_size_ ABSL_GUARDED_BY(mu_) = 256;
+  BlockSizes block_sizes_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace aloe

@@ -47,6 +47,8 @@ size_t FactorBytes(v1::Codec codec, size_t n, size_t block_size) {
       return kernels::Bf16EncodedSize(n);
     case v1::CODEC_INT8_BLOCKWISE:
       return kernels::Int8EncodedSize(n, std::max<size_t>(1, block_size));
+    case v1::CODEC_INT4_BLOCKWISE:
+      return kernels::Int4EncodedSize(n, std::max<size_t>(2, block_size));
     default:
       return n * sizeof(float);
   }
@@ -76,7 +78,8 @@ absl::Status DecodeFactor(v1::Codec codec, std::string_view bytes, size_t expect
 }  // namespace
 
 bool IsLowRankFactorCodec(v1::Codec codec) {
-  return codec == v1::CODEC_FP32 || codec == v1::CODEC_BF16 || codec == v1::CODEC_INT8_BLOCKWISE;
+  return codec == v1::CODEC_FP32 || codec == v1::CODEC_BF16 || codec == v1::CODEC_INT8_BLOCKWISE ||
+         codec == v1::CODEC_INT4_BLOCKWISE;
 }
 
 v1::Codec LowRankFallbackCodec(v1::Codec factor_codec) {

@@ -4,7 +4,7 @@
 //
 //   bytes [0, 4)    uint32 magic kLowRankWireMagic ("ALRK")
 //   bytes [4, 6)    uint16 version kLowRankWireVersion
-//   bytes [6, 8)    uint16 factor codec (v1::Codec: FP32, BF16, INT8_BLOCKWISE)
+//   bytes [6, 8)    uint16 factor codec (v1::Codec: FP32, BF16, INT8_BLOCKWISE, INT4_BLOCKWISE)
 //   bytes [8, 16)   uint64 offset: the tensor's first element in the layer
 //   bytes [16, 20)  uint32 rows
 //   bytes [20, 24)  uint32 cols
@@ -54,7 +54,7 @@ struct LowRankChunkHeader {
   uint32_t q_bytes = 0;
 };
 
-// Whether `codec` may encode low-rank factors: FP32, BF16, INT8_BLOCKWISE.
+// Whether `codec` may encode low-rank factors: FP32, BF16, INT8_BLOCKWISE, INT4_BLOCKWISE.
 bool IsLowRankFactorCodec(v1::Codec codec);
 
 // The codec of the tensors of a low-rank layer that are not compressed (1-D tensors, and 2-D
@@ -101,7 +101,7 @@ struct LowRankEncoding {
 
 // Encodes the factors of the tensor that begins at `tensor_offset` in its layer, in chunks of at
 // most max_chunk_bytes: Q in every chunk, P's rows split across them. block_size is the factor
-// codec's (int8 blockwise). kInvalidArgument when the factors are malformed, the codec cannot
+// codec's (BlockSizes::Of). kInvalidArgument when the factors are malformed, the codec cannot
 // encode factors, or one chunk cannot hold Q and a row of P (the message names the rank and
 // the limit).
 absl::StatusOr<LowRankEncoding> EncodeLowRankFactors(const LowRankFactors& factors,

@@ -39,14 +39,37 @@ absl::Status DecodeFloats(std::string_view bytes, absl::Span<float> out) {
   return absl::OkStatus();
 }
 
-size_t MaxChunkElements(v1::Codec codec, size_t int8_block_size) {
+size_t BlockSizes::Of(v1::Codec codec) const {
+  switch (codec) {
+    case v1::CODEC_INT8_BLOCKWISE:
+      return int8;
+    case v1::CODEC_INT4_BLOCKWISE:
+      return int4;
+    default:
+      return 0;
+  }
+}
+
+BlockSizes TransportBlockSizes(const v1::TransportConfig& transport) {
+  return BlockSizes(std::max<uint32_t>(1, transport.int8_block_size()),
+                    transport.int4_block_size() == 0 ? kernels::kInt4DefaultBlockSize
+                                                     : transport.int4_block_size());
+}
+
+size_t MaxChunkElements(v1::Codec codec, size_t block_size) {
   switch (codec) {
     case v1::CODEC_BF16:
       return kMaxChunkBytes / 2;
     case v1::CODEC_INT8_BLOCKWISE: {
       // 1 byte per value + 4 bytes per block + the header; whole blocks only.
-      const size_t b = std::max<size_t>(1, int8_block_size);
+      const size_t b = std::max<size_t>(1, block_size);
       const size_t blocks = (kMaxChunkBytes - kernels::kInt8HeaderBytes) / (b + 4);
+      return std::max<size_t>(1, blocks) * b;
+    }
+    case v1::CODEC_INT4_BLOCKWISE: {
+      // Half a byte per value (b is even) + 4 bytes per block + the header; whole blocks only.
+      const size_t b = std::max<size_t>(2, block_size);
+      const size_t blocks = (kMaxChunkBytes - kernels::kInt4HeaderBytes) / (b / 2 + 4);
       return std::max<size_t>(1, blocks) * b;
     }
     default:
@@ -65,7 +88,7 @@ absl::Status CheckFinite(absl::Span<const float> values) {
   return absl::OkStatus();
 }
 
-absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t int8_block_size,
+absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t block_size,
                          std::string* out, float* residual) {
   const size_t old = out->size();
   switch (codec) {
@@ -80,14 +103,22 @@ absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t
       return kernels::Bf16Encode(values.data(), values.size(), out->data() + old, residual);
     case v1::CODEC_INT8_BLOCKWISE:
       // Checked before sizing the output: Int8EncodedSize divides by the block size.
-      if (int8_block_size < kernels::kInt8MinBlockSize ||
-          int8_block_size > kernels::kInt8MaxBlockSize) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("int8 block size %d outside [%d, %d]", int8_block_size,
-                            kernels::kInt8MinBlockSize, kernels::kInt8MaxBlockSize));
+      if (block_size < kernels::kInt8MinBlockSize || block_size > kernels::kInt8MaxBlockSize) {
+        return absl::InvalidArgumentError(absl::StrFormat("int8 block size %d outside [%d, %d]",
+                                                          block_size, kernels::kInt8MinBlockSize,
+                                                          kernels::kInt8MaxBlockSize));
       }
-      out->resize(old + kernels::Int8EncodedSize(values.size(), int8_block_size));
-      return kernels::Int8BlockwiseEncode(values.data(), values.size(), int8_block_size,
+      out->resize(old + kernels::Int8EncodedSize(values.size(), block_size));
+      return kernels::Int8BlockwiseEncode(values.data(), values.size(), block_size,
+                                          out->data() + old, residual);
+    case v1::CODEC_INT4_BLOCKWISE:
+      if (!kernels::Int4BlockSizeValid(block_size)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("int4 block size %d is not an even number in [%d, %d]", block_size,
+                            kernels::kInt4MinBlockSize, kernels::kInt4MaxBlockSize));
+      }
+      out->resize(old + kernels::Int4EncodedSize(values.size(), block_size));
+      return kernels::Int4BlockwiseEncode(values.data(), values.size(), block_size,
                                           out->data() + old, residual);
     case v1::CODEC_LOWRANK:
       return absl::InvalidArgumentError(
@@ -113,9 +144,12 @@ absl::StatusOr<size_t> EncodedElementCount(v1::Codec codec, std::string_view pay
             absl::StrFormat("payload of %d bytes is not bf16", payload.size()));
       }
       return payload.size() / 2;
-    case v1::CODEC_INT8_BLOCKWISE: {
-      absl::StatusOr<kernels::Int8EncodedInfo> info =
-          kernels::Int8BlockwiseInspect(payload.data(), payload.size());
+    case v1::CODEC_INT8_BLOCKWISE:
+    case v1::CODEC_INT4_BLOCKWISE: {
+      absl::StatusOr<kernels::BlockwiseEncodedInfo> info =
+          codec == v1::CODEC_INT8_BLOCKWISE
+              ? kernels::Int8BlockwiseInspect(payload.data(), payload.size())
+              : kernels::Int4BlockwiseInspect(payload.data(), payload.size());
       if (!info.ok()) return info.status();
       return info->n;
     }
@@ -135,6 +169,8 @@ absl::Status DecodeChunk(v1::Codec codec, std::string_view payload, absl::Span<f
       return kernels::Bf16Decode(payload.data(), payload.size(), out.data(), out.size());
     case v1::CODEC_INT8_BLOCKWISE:
       return kernels::Int8BlockwiseDecode(payload.data(), payload.size(), out.data(), out.size());
+    case v1::CODEC_INT4_BLOCKWISE:
+      return kernels::Int4BlockwiseDecode(payload.data(), payload.size(), out.data(), out.size());
     case v1::CODEC_LOWRANK:
       return DecodeLowRankChunk(payload, out);
     default:

@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/token_source.h"
 
 namespace aloe {
@@ -78,6 +79,21 @@ class TrainerInterface {
   // not fit the parameters.
   virtual absl::Status PseudoGradient(const std::vector<std::vector<float>>& base,
                                       std::vector<std::vector<float>>* out) const = 0;
+
+  // Layer-wise access (partial synchronization moves one layer group at a time). `layers` has
+  // one entry per spec layer; GetLayers writes the current values of the layers `ids` into
+  // their entries (resized) and leaves the others as they are; SetLayers replaces the layers
+  // `ids` by their entries (the others and the inner optimizer state are kept). kInvalidArgument
+  // for an id or size that does not fit (nothing changed). The defaults answer kUnimplemented:
+  // the caller then goes through the whole model (PseudoGradient, SetParameters).
+  virtual absl::Status GetLayers(absl::Span<const uint32_t> ids,
+                                 std::vector<std::vector<float>>* layers) const {
+    return absl::UnimplementedError("this trainer has no layer-wise access");
+  }
+  virtual absl::Status SetLayers(absl::Span<const uint32_t> ids,
+                                 const std::vector<std::vector<float>>& layers) {
+    return absl::UnimplementedError("this trainer has no layer-wise access");
+  }
 
   // Held-out loss of the current parameters (lower is better; for an LM the mean per-token
   // cross-entropy in nats). Deterministic; changes neither parameters nor inner state.

@@ -84,7 +84,7 @@ uint64_t PullBytes(const v1::ModelSpec& spec, absl::Span<const size_t> layers) {
 
 uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport,
                    absl::Span<const size_t> layers) {
-  const size_t block = std::max<uint32_t>(1, transport.int8_block_size());
+  const BlockSizes blocks = TransportBlockSizes(transport);
   uint64_t bytes = 0;
   for (const v1::LayerSpec* selected : Selected(spec, layers)) {
     const v1::LayerSpec& layer = *selected;
@@ -92,6 +92,7 @@ uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transpo
     for (const v1::LayerCodec& o : transport.layer_codecs()) {
       if (o.layer() == layer.name()) codec = o.codec();
     }
+    const size_t block = blocks.Of(codec);
     for (auto [begin, end] : ChunkRanges(layer.num_elements(), MaxChunkElements(codec, block))) {
       const size_t n = end - begin;
       switch (codec) {
@@ -100,6 +101,9 @@ uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transpo
           break;
         case v1::CODEC_INT8_BLOCKWISE:
           bytes += kernels::Int8EncodedSize(n, block);
+          break;
+        case v1::CODEC_INT4_BLOCKWISE:
+          bytes += kernels::Int4EncodedSize(n, block);
           break;
         default:
           bytes += n * sizeof(float);

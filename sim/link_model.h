@@ -47,8 +47,8 @@ uint64_t PullBytes(const v1::ModelSpec& spec, absl::Span<const size_t> layers = 
 // Bytes of a push of the pseudo-gradient of the layers at `layers` (empty = every layer) as the
 // workers encode it: each layer with its codec from `transport` (layer_codecs override the
 // default codec; UNSPECIFIED = FP32), in the chunks the worker sends (common/tensor_codec.h):
-// FP32 4 bytes per value, BF16 2, INT8 blockwise 1 plus a 4-byte scale per block and a 16-byte
-// header per chunk. Payload bytes only.
+// FP32 4 bytes per value, BF16 2, INT8 blockwise 1 and INT4 blockwise 1/2 (rounded up) plus a
+// 4-byte scale per block and a 16-byte header per chunk. Payload bytes only.
 uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport,
                    absl::Span<const size_t> layers = {});
 

@@ -49,10 +49,12 @@ double Agent::SecondsSince(absl::Time start) const {
 
 absl::Status Agent::Joined(const v1::JoinReply& joined) {
   next_task_.reset();  // a task of the previous membership
+  next_task_ahead_ = false;
   ALOE_RETURN_IF_ERROR(session_.Adopt(joined));
   if (trainer_ == nullptr) {
     ALOE_ASSIGN_OR_RETURN(trainer_, env_.make_trainer(joined));
   }
+  ending_.reset();     // of the previous membership: never reported
   streaming_.reset();  // a new membership takes its layer groups anew
   if (!joined.layer_groups().empty() && !options_.evaluator) {
     if (env_.node != nullptr) {
@@ -210,9 +212,11 @@ absl::StatusOr<v1::Task> Agent::RequestNextTask() {
   if (next_task_.has_value() && drops_.given_up() == 0) {
     v1::Task task = *std::move(next_task_);
     next_task_.reset();
-    reporter_.TaskFromPushReply();
+    if (!next_task_ahead_) reporter_.TaskFromPushReply();
+    next_task_ahead_ = false;
     return task;
   }
+  next_task_ahead_ = false;
   next_task_.reset();
   absl::StatusOr<v1::Task> task = session_.RequestTask(/*ahead=*/false, drops_.given_up());
   if (task.ok()) drops_.ClearGivenUp();
@@ -260,6 +264,12 @@ void Agent::Leave() {
 }
 
 absl::Status Agent::Finish() {
+  if (streaming_ != nullptr) {
+    // The last task's push is answered (and reported) before this worker leaves.
+    if (absl::Status s = FinishStreamingTask(); !s.ok()) {
+      ALOE_LOG_WARNING("worker", "the last task's push: %s", s.message());
+    }
+  }
   Leave();
   reporter_.Summary();
   return absl::OkStatus();

@@ -111,8 +111,13 @@ class Agent {
                    const RoundCosts& costs);
   absl::Status Evaluate(const v1::Task& task);
   // A task under partial synchronization (StreamingRounds): its groups pushed and merged while
-  // it trains.
+  // it trains. With overlap the next task is taken ahead while the task's last push travels
+  // (ending_ then waits to be reported).
   absl::Status TrainStreaming(const v1::Task& task);
+  // Waits for the last push of the streaming task that ended in flight (if any) and reports its
+  // round. A refused push leaves that task open on the server, with the task taken ahead behind
+  // it: the task is given up, which makes the one ahead the open task (next_task_ keeps it).
+  absl::Status FinishStreamingTask();
   // A multi-rank node acts on `status` only together: OK when every rank's was; else this
   // rank's error, or kUnavailable when only another rank failed. One process: `status`.
   absl::Status AgreeAcrossRanks(absl::Status status);
@@ -147,9 +152,17 @@ class Agent {
   // A trainer's rounds when the server has layer groups (JoinReply.layer_groups); one per
   // membership.
   std::unique_ptr<StreamingRounds> streaming_;
+  // The streaming task whose last push is still on its way (overlap), to be reported.
+  struct EndingTask {
+    v1::Task task;
+    TrainStats stats;
+    RoundCosts costs;
+  };
+  std::optional<EndingTask> ending_;
   bool server_draining_ = false;
   // The task the reply of the last push carried (PushHeader.want_next_task); cleared at joins.
   std::optional<v1::Task> next_task_;
+  bool next_task_ahead_ = false;  // next_task_ was taken ahead (streaming overlap)
   std::vector<std::vector<float>> base_;
   std::vector<std::vector<float>> delta_;
 };

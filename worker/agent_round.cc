@@ -95,10 +95,45 @@ void Agent::ReportRound(const v1::Task& task, const TrainStats& stats, const v1:
   if (leader()) heartbeat_->SetSpeed(costs.train_s > 0 ? stats.steps / costs.train_s : 0);
 }
 
+absl::Status Agent::FinishStreamingTask() {
+  if (!ending_.has_value()) return absl::OkStatus();
+  EndingTask ending = *std::move(ending_);
+  ending_.reset();
+  absl::StatusOr<v1::PushReply> reply = streaming_->AwaitEnd(&ending.costs);
+  if (reply.ok()) {
+    ReportRound(ending.task, ending.stats, *reply, ending.costs);
+    return absl::OkStatus();
+  }
+  // kNotFound: the server does not know this worker (the agent joins again). Any other
+  // refusal: the background thread gave the task up, and the task ahead goes on.
+  if (reply.status().code() == absl::StatusCode::kNotFound) return reply.status();
+  ALOE_LOG_WARNING("worker", "the last push of task %d was refused (%s); the task was given up",
+                   ending.task.task_id(), reply.status().message());
+  return absl::OkStatus();
+}
+
 absl::Status Agent::TrainStreaming(const v1::Task& task) {
   ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
   reporter_.RoundStarted();
-  ALOE_ASSIGN_OR_RETURN(StreamingTask done, streaming_->Run(task, data));
+  // With overlap the next task trains while this one's last push travels.
+  const bool ahead = options_.overlap != AgentOptions::Overlap::kOff;
+  absl::StatusOr<StreamingTask> run = streaming_->Run(task, data, /*await_end=*/!ahead);
+  // The previous task's last push went before this task's pushes: it is answered by now, or
+  // soon.
+  ALOE_RETURN_IF_ERROR(FinishStreamingTask());
+  ALOE_ASSIGN_OR_RETURN(StreamingTask done, std::move(run));
+  if (done.end_in_flight) {
+    absl::StatusOr<v1::Task> next = session_.RequestTask(/*ahead=*/true, /*given_up_task_id=*/0);
+    ending_ = EndingTask{task, done.stats, done.costs};
+    if (next.ok() && next->kind() == v1::Task::TRAIN) {
+      next_task_ = *std::move(next);
+      next_task_ahead_ = true;
+      reporter_.TaskTakenAhead();
+      return absl::OkStatus();
+    }
+    // No task ahead (stopping, draining, an error): the task ends as without overlap.
+    return FinishStreamingTask();
+  }
   if (done.server_stopped && !done.ended) {
     // Training is over while the task was open: give it up; the answer (STOP) comes next.
     absl::StatusOr<v1::Task> next = session_.RequestTask(/*ahead=*/false, task.task_id());

@@ -787,14 +787,14 @@ absl::StatusOr<uint64_t> ServerClient::PullGroup(uint64_t worker_id, uint32_t gr
 absl::StatusOr<v1::PushReply> ServerClient::Push(
     const v1::PushHeader& header, const v1::ModelSpec& spec,
     const std::vector<std::vector<float>>& layers, const std::vector<v1::Codec>& codecs,
-    size_t int8_block_size, std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
-  return PushLayers(header, spec, {}, layers, codecs, int8_block_size, residuals, bytes);
+    const BlockSizes& block_sizes, std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
+  return PushLayers(header, spec, {}, layers, codecs, block_sizes, residuals, bytes);
 }
 
 absl::StatusOr<v1::PushReply> ServerClient::PushGroup(
     const v1::PushHeader& header, const v1::ModelSpec& spec,
     absl::Span<const uint32_t> layer_groups, const std::vector<std::vector<float>>& layers,
-    const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+    const std::vector<v1::Codec>& codecs, const BlockSizes& block_sizes,
     std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
   if (layer_groups.size() != static_cast<size_t>(spec.layers_size()) ||
       layers.size() != layer_groups.size()) {
@@ -802,13 +802,13 @@ absl::StatusOr<v1::PushReply> ServerClient::PushGroup(
         absl::StrFormat("%d layers and %d layer groups to push, the model has %d layers",
                         layers.size(), layer_groups.size(), spec.layers_size()));
   }
-  return PushLayers(header, spec, layer_groups, layers, codecs, int8_block_size, residuals, bytes);
+  return PushLayers(header, spec, layer_groups, layers, codecs, block_sizes, residuals, bytes);
 }
 
 absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
     const v1::PushHeader& header, const v1::ModelSpec& spec,
     absl::Span<const uint32_t> layer_groups, const std::vector<std::vector<float>>& layers,
-    const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+    const std::vector<v1::Codec>& codecs, const BlockSizes& block_sizes,
     std::vector<std::vector<float>>* residuals, uint64_t* bytes) {
   // With layer groups only the header's group is sent; the other layers are not touched.
   auto carried = [&](size_t layer) {
@@ -847,7 +847,7 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
   for (size_t layer = 0; layer < layers.size(); ++layer) {
     if (!carried(layer)) continue;
     const v1::Codec codec = layer < codecs.size() ? codecs[layer] : v1::CODEC_FP32;
-    const size_t max_elements = MaxChunkElements(codec, int8_block_size);
+    const size_t max_elements = MaxChunkElements(codec, block_sizes.Of(codec));
     // Where this buffer starts in the layer: a slice's first element, or 0.
     uint64_t first = 0;
     if (header.slices() > 1 && layer < static_cast<size_t>(spec.layers_size())) {
@@ -882,7 +882,7 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
         chunk.floats = values;
         if (residual != nullptr) std::fill(residual, residual + values.size(), 0.0f);
       } else {
-        s = EncodeChunk(codec, values, int8_block_size, &chunk.encoded, residual);
+        s = EncodeChunk(codec, values, block_sizes.Of(codec), &chunk.encoded, residual);
       }
       if (!s.ok()) {
         return absl::InvalidArgumentError(

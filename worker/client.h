@@ -138,10 +138,10 @@ class ServerClient final : public ServerApi {
   // without one). With header.slices() > 1, layers[l]
   // is slice header.slice() of layer l and the chunk offsets are placed accordingly. When
   // residuals is not null it receives, per layer, layers - decode(encode(layers)) for error
-  // feedback. kInvalidArgument (nothing sent) when a value cannot be encoded (NaN or Inf in a
-  // bf16 or int8 layer); float32 values are sent as they are, and the server refuses a NaN or
-  // Inf among them (kInvalidArgument naming the layer and element). *bytes grows by the
-  // payload bytes sent.
+  // feedback; block_sizes gives the int8 and int4 blocks. kInvalidArgument (nothing sent) when a
+  // value cannot be encoded (NaN or Inf in a bf16, int8 or int4 layer); float32 values are sent as
+  // they are, and the server refuses a NaN or Inf among them (kInvalidArgument naming the layer and
+  // element). *bytes grows by the payload bytes sent.
   //
   // With shards every shard gets, in parallel, a stream of the chunks of its own layers under
   // the same header (a header-only message when it has none) and answers staged = true until
@@ -156,7 +156,8 @@ class ServerClient final : public ServerApi {
   // a spec layer names a shard that does not exist or layers does not match the spec.
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header, const v1::ModelSpec& spec,
                                      const std::vector<std::vector<float>>& layers,
-                                     const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+                                     const std::vector<v1::Codec>& codecs,
+                                     const BlockSizes& block_sizes,
                                      std::vector<std::vector<float>>* residuals,
                                      uint64_t* bytes) override;
 
@@ -188,7 +189,7 @@ class ServerClient final : public ServerApi {
                                           absl::Span<const uint32_t> layer_groups,
                                           const std::vector<std::vector<float>>& layers,
                                           const std::vector<v1::Codec>& codecs,
-                                          size_t int8_block_size,
+                                          const BlockSizes& block_sizes,
                                           std::vector<std::vector<float>>* residuals,
                                           uint64_t* bytes) override;
 
@@ -198,7 +199,7 @@ class ServerClient final : public ServerApi {
                                            absl::Span<const uint32_t> layer_groups,
                                            const std::vector<std::vector<float>>& layers,
                                            const std::vector<v1::Codec>& codecs,
-                                           size_t int8_block_size,
+                                           const BlockSizes& block_sizes,
                                            std::vector<std::vector<float>>* residuals,
                                            uint64_t* bytes);
   // Pull of whole layers from the single server in pull_streams_ concurrent slice streams

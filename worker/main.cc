@@ -62,7 +62,9 @@ ABSL_FLAG(std::string, overlap, "off",
           "off | delayed | eager: push round r and pull the next model in the background while "
           "round r+1 trains (one-step delay); eager also applies round r's pseudo-gradient "
           "locally at once until the global model with it arrives (paper 004). Any aggregation "
-          "policy; with --nproc N every rank does this for its slices");
+          "policy; with --nproc N every rank does this for its slices. With layer groups "
+          "(partial_sync), the next task is taken ahead and trains while the last group push "
+          "of a task travels");
 ABSL_FLAG(std::string, autocast, "off",
           "off | bf16: forward passes of training steps under LibTorch's bf16 autocast; "
           "parameters, gradients, AdamW state, pseudo-gradients and evaluation stay float32");

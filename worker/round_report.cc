@@ -83,10 +83,10 @@ void RoundReporter::Summary() const {
   ALOE_LOG_INFO("worker",
                 "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
                 "network_seconds=%.2f tokens_per_second=%.1f pushed_bytes=%d "
-                "blocked_on_network=%.4f tasks_from_push_replies=%d",
+                "blocked_on_network=%.4f tasks_from_push_replies=%d tasks_taken_ahead=%d",
                 rounds_, steps_, tokens_, wall, compute_s_, network_s_,
                 wall > 0 ? static_cast<double>(tokens_) / wall : 0.0, pushed_bytes_,
-                wall > 0 ? network_s_ / wall : 0.0, tasks_from_push_replies_);
+                wall > 0 ? network_s_ / wall : 0.0, tasks_from_push_replies_, tasks_taken_ahead_);
 }
 
 }  // namespace aloe::worker

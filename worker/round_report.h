@@ -40,6 +40,8 @@ class RoundReporter {
   void RoundStarted();
   // The next task came with a push reply instead of a RequestTask.
   void TaskFromPushReply() { ++tasks_from_push_replies_; }
+  // The next task was taken ahead while the last one's last push travels (streaming overlap).
+  void TaskTakenAhead() { ++tasks_taken_ahead_; }
   // Time spent waiting for the network outside a reported round (task requests, lost pushes).
   void AddNetwork(double seconds) { network_s_ += seconds; }
   // A round whose push `reply` answered. Counts it in the totals; with `publish` (this process
@@ -60,6 +62,7 @@ class RoundReporter {
   double flops_per_token_ = 0;
   uint64_t rounds_ = 0, steps_ = 0, tokens_ = 0, pushed_bytes_ = 0;
   uint64_t tasks_from_push_replies_ = 0;
+  uint64_t tasks_taken_ahead_ = 0;
   double compute_s_ = 0, network_s_ = 0;
   std::optional<absl::Time> first_round_;
 };

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/tensor_codec.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe {
@@ -41,10 +42,13 @@ class ServerApi {
                                         const v1::ModelSpec& spec,
                                         std::vector<std::vector<float>>* layers, uint64_t* bytes,
                                         uint32_t slice, uint32_t slices) = 0;
-  virtual absl::StatusOr<v1::PushReply> Push(
-      const v1::PushHeader& header, const v1::ModelSpec& spec,
-      const std::vector<std::vector<float>>& layers, const std::vector<v1::Codec>& codecs,
-      size_t int8_block_size, std::vector<std::vector<float>>* residuals, uint64_t* bytes) = 0;
+  virtual absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header,
+                                             const v1::ModelSpec& spec,
+                                             const std::vector<std::vector<float>>& layers,
+                                             const std::vector<v1::Codec>& codecs,
+                                             const BlockSizes& block_sizes,
+                                             std::vector<std::vector<float>>* residuals,
+                                             uint64_t* bytes) = 0;
   // Partial synchronization (JoinReply.layer_groups).
   virtual absl::StatusOr<v1::Task> StartGroup(uint64_t worker_id, uint32_t group) = 0;
   virtual absl::StatusOr<uint64_t> PullGroup(uint64_t worker_id, uint32_t group,
@@ -55,7 +59,7 @@ class ServerApi {
   virtual absl::StatusOr<v1::PushReply> PushGroup(
       const v1::PushHeader& header, const v1::ModelSpec& spec,
       absl::Span<const uint32_t> layer_groups, const std::vector<std::vector<float>>& layers,
-      const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+      const std::vector<v1::Codec>& codecs, const BlockSizes& block_sizes,
       std::vector<std::vector<float>>* residuals, uint64_t* bytes) = 0;
 };
 

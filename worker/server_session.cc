@@ -146,8 +146,7 @@ absl::StatusOr<v1::PushReply> ServerSession::Push(const v1::PushHeader& header,
       kernels::WeightedAccumulate(residual_[l].data(), 1.0f, delta[l].data(), delta[l].size());
     }
   }
-  return server_.Push(header, joined_.model_spec(), delta, codecs_,
-                      std::max<uint32_t>(1, transport.int8_block_size()),
+  return server_.Push(header, joined_.model_spec(), delta, codecs_, TransportBlockSizes(transport),
                       transport.error_feedback() ? &residual_ : nullptr, pushed);
 }
 
@@ -174,7 +173,7 @@ absl::StatusOr<v1::PushReply> ServerSession::PushGroup(const v1::PushHeader& hea
     }
   }
   return server_.PushGroup(header, joined_.model_spec(), layer_groups_, delta, codecs_,
-                           std::max<uint32_t>(1, transport.int8_block_size()),
+                           TransportBlockSizes(transport),
                            transport.error_feedback() ? &residual_ : nullptr, pushed);
 }
 

@@ -24,7 +24,8 @@
 namespace aloe::worker {
 
 // Not thread-safe, except that one background thread may Push, RequestTask, Pull and
-// ReportPulled while the caller's thread makes none of these calls.
+// ReportPulled while the caller's thread makes none of these calls, or (streaming rounds) only
+// RequestTask: the ServerApi behind it is thread-safe.
 class ServerSession {
  public:
   // `options` and env's pointers must outlive this. `name` is the JoinRequest's; this process

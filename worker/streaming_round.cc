@@ -22,6 +22,8 @@ double BytesPerValue(v1::Codec codec) {
       return 2;
     case v1::CODEC_INT8_BLOCKWISE:
       return 1;
+    case v1::CODEC_INT4_BLOCKWISE:
+      return 0.5;
     default:
       return 4;
   }
@@ -233,8 +235,23 @@ absl::StatusOr<std::vector<std::vector<float>>> StreamingRounds::Local() {
 absl::StatusOr<std::shared_ptr<StreamingRounds::Job>> StreamingRounds::Push(
     const v1::Task& task, const std::vector<uint32_t>& groups, const TrainStats& stats,
     bool ends_task, uint32_t tau) {
-  std::vector<std::vector<float>> delta;
-  ALOE_RETURN_IF_ERROR(env_.trainer->PseudoGradient(global_, &delta));
+  // The groups' layers alone where the trainer reads them layer-wise, else the whole model.
+  std::vector<uint32_t> ids;
+  for (uint32_t g : groups)
+    ids.insert(ids.end(), layers_of_group_[g].begin(), layers_of_group_[g].end());
+  std::vector<std::vector<float>> delta(global_.size());
+  const absl::Status got = env_.trainer->GetLayers(ids, &delta);
+  if (got.ok()) {
+    for (uint32_t l : ids) {
+      std::vector<float>& d = delta[l];
+      const std::vector<float>& base = global_[l];
+      for (size_t i = 0; i < d.size(); ++i) d[i] = base[i] - d[i];
+    }
+  } else if (absl::IsUnimplemented(got)) {
+    ALOE_RETURN_IF_ERROR(env_.trainer->PseudoGradient(global_, &delta));
+  } else {
+    return got;
+  }
   std::shared_ptr<Job> job;
   for (size_t i = 0; i < groups.size(); ++i) {
     const uint32_t g = groups[i];
@@ -247,8 +264,9 @@ absl::StatusOr<std::shared_ptr<StreamingRounds::Job>> StreamingRounds::Push(
     job->header.set_base_version(version_[g]);
     job->header.set_group(g);
     job->header.set_task_continues(!last);
-    // The reply that ends the task carries the next one.
-    job->header.set_want_next_task(last);
+    // The reply that ends the task carries the next one (unless that one is taken ahead).
+    job->header.set_want_next_task(last && !end_ahead_);
+    job->give_up_if_refused = last && end_ahead_;
     job->merge_at = total_steps_ + tau;
     held_[g] = false;
     pending_.push_back(job);
@@ -283,8 +301,17 @@ absl::Status StreamingRounds::MergeOldest(RoundCosts& costs, bool* server_stoppe
 
 absl::Status StreamingRounds::Merge(uint32_t group, std::vector<std::vector<float>>& global,
                                     uint64_t version, float alpha) {
-  ALOE_ASSIGN_OR_RETURN(std::vector<std::vector<float>> local, Local());
-  for (uint32_t l : layers_of_group_[group]) {
+  // The group's layers alone where the trainer takes them layer-wise, else the whole model.
+  const std::vector<uint32_t>& ids = layers_of_group_[group];
+  std::vector<std::vector<float>> local(global_.size());
+  absl::Status got = env_.trainer->GetLayers(ids, &local);
+  const bool layerwise = got.ok();
+  if (absl::IsUnimplemented(got)) {
+    ALOE_ASSIGN_OR_RETURN(local, Local());
+  } else if (!got.ok()) {
+    return got;
+  }
+  for (uint32_t l : ids) {
     std::vector<float>& mine = local[l];
     const std::vector<float>& theirs = global[l];
     if (alpha == 0.0f) {
@@ -298,7 +325,7 @@ absl::Status StreamingRounds::Merge(uint32_t group, std::vector<std::vector<floa
   }
   version_[group] = version;
   held_[group] = true;
-  return env_.trainer->SetParameters(local);
+  return layerwise ? env_.trainer->SetLayers(ids, local) : env_.trainer->SetParameters(local);
 }
 
 absl::Status StreamingRounds::MergeDue(const std::vector<uint32_t>& groups, RoundCosts& costs,
@@ -352,6 +379,18 @@ void StreamingRounds::Communicate() {
     absl::StatusOr<v1::PushReply> reply = session.PushGroup(job->header, job->delta, &bytes);
     NoteTransfer(bytes, absl::ToDoubleSeconds(env_.clock->Now() - start));
     job->delta.clear();
+    const bool refused = !reply.ok() && reply.status().code() != absl::StatusCode::kNotFound;
+    if (refused) {
+      ALOE_LOG_WARNING("worker", "push of layer group %d refused (%s); taking the group again",
+                       job->group, reply.status().message());
+    }
+    // A task's last push left in flight: refused, the task stays open on the server in front of
+    // the one taken ahead. Given up (before its reply is read), that one becomes the open task
+    // before its pushes go.
+    if (refused && job->give_up_if_refused &&
+        !session.RequestTask(/*ahead=*/false, job->header.task_id()).ok()) {
+      ALOE_LOG_WARNING("worker", "could not give task %d up", job->header.task_id());
+    }
     {
       absl::MutexLock lock(&mu_);
       job->reply = reply;
@@ -362,10 +401,6 @@ void StreamingRounds::Communicate() {
         job->taken = true;
         continue;
       }
-    }
-    if (!reply.ok()) {
-      ALOE_LOG_WARNING("worker", "push of layer group %d refused (%s); taking the group again",
-                       job->group, reply.status().message());
     }
     std::vector<std::vector<float>> layers(layer_groups_.size());
     absl::StatusOr<Taken> taken = Take(job->group, &layers);
@@ -387,9 +422,29 @@ bool StreamingRounds::Stopping(const absl::Status& status) const {
   return status.code() == absl::StatusCode::kCancelled && env_.stop->load();
 }
 
-absl::StatusOr<StreamingTask> StreamingRounds::Run(const v1::Task& task, const TokenSource* data) {
+absl::StatusOr<v1::PushReply> StreamingRounds::AwaitEnd(RoundCosts* costs) {
+  if (ending_.empty()) return absl::FailedPreconditionError("no task's last push is in flight");
+  const std::shared_ptr<Job> last = std::move(ending_.front());
+  ending_.pop_front();
+  return AwaitJob(last, costs);
+}
+
+absl::StatusOr<v1::PushReply> StreamingRounds::AwaitJob(const std::shared_ptr<Job>& last,
+                                                        RoundCosts* costs) {
+  const absl::Time t0 = env_.clock->Now();
+  AwaitPushed(*last);
+  costs->network_s += absl::ToDoubleSeconds(env_.clock->Now() - t0);
+  absl::MutexLock lock(&mu_);
+  costs->pushed_bytes += last->pushed_bytes;
+  last->pushed_bytes = 0;  // counted here, not again at its merge
+  return last->reply;
+}
+
+absl::StatusOr<StreamingTask> StreamingRounds::Run(const v1::Task& task, const TokenSource* data,
+                                                   bool await_end) {
   StreamingTask result;
   RoundCosts& costs = result.costs;
+  end_ahead_ = !await_end;
   const absl::Time start = env_.clock->Now();
   if (cold_) {
     const absl::Time t0 = env_.clock->Now();
@@ -473,19 +528,16 @@ absl::StatusOr<StreamingTask> StreamingRounds::Run(const v1::Task& task, const T
       if (held_[g]) held.push_back(g);
     }
     if (!held.empty()) {
+      end_ahead_ = false;  // stopping: no task follows
       ALOE_ASSIGN_OR_RETURN(last, Push(task, held, total, /*ends_task=*/true, 0));
     }
   }
-  if (last != nullptr) {
-    const absl::Time t0 = env_.clock->Now();
-    AwaitPushed(*last);
-    costs.network_s += absl::ToDoubleSeconds(env_.clock->Now() - t0);
-    absl::MutexLock lock(&mu_);
-    if (!last->reply.ok()) return last->reply.status();
-    result.reply = *last->reply;
+  if (last != nullptr && last->give_up_if_refused) {
+    ending_.push_back(std::move(last));
+    result.end_in_flight = true;
+  } else if (last != nullptr) {
+    ALOE_ASSIGN_OR_RETURN(result.reply, AwaitJob(last, &costs));
     result.ended = true;
-    costs.pushed_bytes += last->pushed_bytes;
-    last->pushed_bytes = 0;  // counted here, not again at its merge
   }
   if (result.server_stopped) {
     // Training is over: whatever is pending is not merged; a later task starts cold.

@@ -52,6 +52,9 @@ struct StreamingTask {
   // Whether the task's last push was sent and answered (reply then holds its answer).
   bool ended = false;
   v1::PushReply reply;
+  // Run without awaiting the end: the task's last push was sent and is still on its way
+  // (AwaitEnd answers it).
+  bool end_in_flight = false;
   RoundCosts costs;
   // The server said STOP while a group was being taken: training is over.
   bool server_stopped = false;
@@ -79,7 +82,17 @@ class StreamingRounds {
   // Runs the TRAIN task `task` on `data`. Errors: kNotFound when the server does not know this
   // worker; the status of a failed last push (the task is then dropped as a whole-model task
   // whose push failed); a trainer's error.
-  absl::StatusOr<StreamingTask> Run(const v1::Task& task, const TokenSource* data);
+  // await_end false: Run returns once the task's last push is queued (end_in_flight), so that
+  // the next task (taken ahead) trains while it travels: the agent's overlap. Such a last push
+  // that the server refuses (but for kNotFound) leaves its task open there, in front of the
+  // task taken ahead: the background thread then gives the task up (RequestTask with its id),
+  // which makes the task ahead the open one before its own pushes go.
+  absl::StatusOr<StreamingTask> Run(const v1::Task& task, const TokenSource* data,
+                                    bool await_end = true);
+  // Waits for the oldest last push that Run left in flight and returns its reply (its error
+  // when refused); adds the wait and the push's bytes to *costs. kFailedPrecondition when none
+  // is in flight.
+  absl::StatusOr<v1::PushReply> AwaitEnd(RoundCosts* costs);
 
   // The schedule of a task of `steps` steps as Run would use it now (for tests and the log).
   absl::StatusOr<SyncSchedule> ScheduleFor(uint32_t steps) const;
@@ -101,6 +114,9 @@ class StreamingRounds {
     absl::Status take_status;
     bool server_stopped = false;
     bool replace = false;  // the push failed: the take replaces the local values
+    // A task's last push left in flight (Run without await_end): refused, the task is given up.
+    // Set before the job is queued.
+    bool give_up_if_refused = false;
     uint64_t version = 0;
     std::vector<std::vector<float>> global;  // the group's new global values
     uint64_t pulled_bytes = 0;
@@ -134,6 +150,13 @@ class StreamingRounds {
   // of the group into the global copy) and holds the group at `version`.
   absl::Status Merge(uint32_t group, std::vector<std::vector<float>>& global, uint64_t version,
                      float alpha);
+  // The task Run trains now ends with its last push in flight (Run's !await_end).
+  bool end_ahead_ = false;
+  // The last pushes of tasks Run left in flight, oldest first.
+  std::deque<std::shared_ptr<Job>> ending_;
+  // Waits for `last` (a task's last push) and returns its reply; adds the wait and its bytes to
+  // *costs.
+  absl::StatusOr<v1::PushReply> AwaitJob(const std::shared_ptr<Job>& last, RoundCosts* costs);
   // Merges, oldest first, every pending push due by total_steps_, and as many as it takes for
   // every group of `groups` to be held again (taking a group anew that is not even pending).
   absl::Status MergeDue(const std::vector<uint32_t>& groups, RoundCosts& costs,

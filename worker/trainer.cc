@@ -238,6 +238,18 @@ absl::Status LocalTrainer::GetParameters(std::vector<std::vector<float>>* layers
   return CopyParametersIntoLayers(impl_->params, impl_->spec, layers);
 }
 
+absl::Status LocalTrainer::GetLayers(absl::Span<const uint32_t> ids,
+                                     std::vector<std::vector<float>>* layers) const {
+  if (ids.empty()) return absl::OkStatus();
+  return CopyParametersIntoLayers(impl_->params, impl_->spec, layers, ids);
+}
+
+absl::Status LocalTrainer::SetLayers(absl::Span<const uint32_t> ids,
+                                     const std::vector<std::vector<float>>& layers) {
+  if (ids.empty()) return absl::OkStatus();
+  return CopyLayersIntoParameters(layers, impl_->spec, impl_->params, ids);
+}
+
 absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>& base,
                                           std::vector<std::vector<float>>* out) const {
   const v1::ModelSpec& spec = impl_->spec;

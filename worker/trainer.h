@@ -107,6 +107,11 @@ class LocalTrainer final : public TrainerInterface {
 
   // Copies the model's parameters out, one flat buffer per spec layer (resizes `layers`).
   absl::Status GetParameters(std::vector<std::vector<float>>* layers) const;
+  // Only the layers `ids` (TrainerInterface): their tensors alone are copied.
+  absl::Status GetLayers(absl::Span<const uint32_t> ids,
+                         std::vector<std::vector<float>>* layers) const override;
+  absl::Status SetLayers(absl::Span<const uint32_t> ids,
+                         const std::vector<std::vector<float>>& layers) override;
 
   // out[l][i] = base[l][i] - current[l][i] in float32 (the DiLoCo pseudo-gradient sign: the
   // outer optimizer descends along it). kInvalidArgument when `base` does not fit the spec.

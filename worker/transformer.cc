@@ -174,19 +174,59 @@ absl::Status CheckLayerSizes(const std::vector<std::vector<float>>& layers,
   return absl::OkStatus();
 }
 
+namespace {
+
+// The index in `params` (spec order) of each spec layer's first tensor.
+std::vector<size_t> FirstTensorOfLayers(const v1::ModelSpec& spec) {
+  std::vector<size_t> first(spec.layers_size());
+  size_t index = 0;
+  for (int l = 0; l < spec.layers_size(); ++l) {
+    first[l] = index;
+    index += spec.layers(l).tensors_size();
+  }
+  return first;
+}
+
+// `only`, or every spec layer when empty; kInvalidArgument for an id past the spec.
+absl::StatusOr<std::vector<uint32_t>> LayersToCopy(const v1::ModelSpec& spec,
+                                                   absl::Span<const uint32_t> only) {
+  std::vector<uint32_t> ids(only.begin(), only.end());
+  if (ids.empty()) {
+    for (int l = 0; l < spec.layers_size(); ++l) ids.push_back(static_cast<uint32_t>(l));
+  }
+  for (uint32_t l : ids) {
+    if (l >= static_cast<uint32_t>(spec.layers_size())) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d: the model spec has %d layers", l, spec.layers_size()));
+    }
+  }
+  return ids;
+}
+
+}  // namespace
+
 absl::Status CopyLayersIntoParameters(const std::vector<std::vector<float>>& layers,
                                       const v1::ModelSpec& spec,
-                                      const std::vector<torch::Tensor>& params) {
-  ALOE_RETURN_IF_ERROR(CheckLayerSizes(layers, spec));
+                                      const std::vector<torch::Tensor>& params,
+                                      absl::Span<const uint32_t> only) {
+  if (only.empty()) ALOE_RETURN_IF_ERROR(CheckLayerSizes(layers, spec));
+  ALOE_ASSIGN_OR_RETURN(const std::vector<uint32_t> ids, LayersToCopy(spec, only));
+  for (uint32_t l : ids) {
+    if (l >= layers.size() || layers[l].size() != spec.layers(l).num_elements()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d \"%s\" has %d elements, the model spec has %d", l, spec.layers(l).name(),
+          l < layers.size() ? layers[l].size() : 0, spec.layers(l).num_elements()));
+    }
+  }
+  const std::vector<size_t> first = FirstTensorOfLayers(spec);
   try {
     torch::NoGradGuard no_grad;
-    size_t index = 0;
-    for (int l = 0; l < spec.layers_size(); ++l) {
+    for (uint32_t l : ids) {
       // from_blob does not copy or write: the const_cast only satisfies its signature.
       float* data = const_cast<float*>(layers[l].data());
       int64_t offset = 0;
-      for (int t = 0; t < spec.layers(l).tensors_size(); ++t, ++index) {
-        const torch::Tensor& p = params[index];
+      for (int t = 0; t < spec.layers(l).tensors_size(); ++t) {
+        const torch::Tensor& p = params[first[l] + t];
         p.copy_(torch::from_blob(data + offset, p.sizes(), torch::kFloat32));
         offset += p.numel();
       }
@@ -210,17 +250,19 @@ absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
 
 absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
                                       const v1::ModelSpec& spec,
-                                      std::vector<std::vector<float>>* layers) {
+                                      std::vector<std::vector<float>>* layers,
+                                      absl::Span<const uint32_t> only) {
+  ALOE_ASSIGN_OR_RETURN(const std::vector<uint32_t> ids, LayersToCopy(spec, only));
+  const std::vector<size_t> first = FirstTensorOfLayers(spec);
   try {
     torch::NoGradGuard no_grad;
     layers->resize(spec.layers_size());
-    size_t index = 0;
-    for (int l = 0; l < spec.layers_size(); ++l) {
+    for (uint32_t l : ids) {
       std::vector<float>& out = (*layers)[l];
       out.resize(spec.layers(l).num_elements());
       size_t offset = 0;
-      for (int t = 0; t < spec.layers(l).tensors_size(); ++t, ++index) {
-        const torch::Tensor p = params[index].detach().to(torch::kCPU).contiguous();
+      for (int t = 0; t < spec.layers(l).tensors_size(); ++t) {
+        const torch::Tensor p = params[first[l] + t].detach().to(torch::kCPU).contiguous();
         std::memcpy(out.data() + offset, p.data_ptr<float>(), p.numel() * sizeof(float));
         offset += p.numel();
       }

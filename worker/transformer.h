@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe::worker {
@@ -101,15 +102,20 @@ absl::Status CheckLayerSizes(const std::vector<std::vector<float>>& layers,
 // Copies `layers` into `params` (the spec's tensors in spec order), without autograd history.
 // kInvalidArgument (nothing copied) when CheckLayerSizes fails; kInternal on a LibTorch error.
 // Precondition: params match the spec (CheckParametersMatchSpec or equivalent).
+// only: copy just these spec layers (their sizes checked instead; empty = every layer).
 absl::Status CopyLayersIntoParameters(const std::vector<std::vector<float>>& layers,
                                       const v1::ModelSpec& spec,
-                                      const std::vector<torch::Tensor>& params);
+                                      const std::vector<torch::Tensor>& params,
+                                      absl::Span<const uint32_t> only = {});
 
 // The reverse: layers[l] = the concatenated values of spec layer l's tensors (params in spec
 // order, as CopyLayersIntoParameters takes them). kInternal on a LibTorch error.
+// only: just these spec layers (the other entries are left as they are; empty = every layer;
+// kInvalidArgument for an id past the spec).
 absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
                                       const v1::ModelSpec& spec,
-                                      std::vector<std::vector<float>>* layers);
+                                      std::vector<std::vector<float>>* layers,
+                                      absl::Span<const uint32_t> only = {});
 
 // Copies `layers` (one flat float32 buffer per spec layer, tensors concatenated in spec order)
 // into the parameters of `module`, without recording autograd history. Returns

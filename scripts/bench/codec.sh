@@ -1,4 +1,4 @@
-# scripts/bench.sh codec: GB/s of fp32 input of the bf16 / int8-blockwise codecs vs memcpy
+# scripts/bench.sh codec: GB/s of fp32 input of the bf16 / int8 / int4-blockwise codecs vs memcpy
 # (256 MiB tensor, 2 threads over 1 MiB chunks), compression ratio and measured max error.
 # Sourced by scripts/bench.sh (lib.sh loaded, cwd = repository root).
 # shellcheck shell=bash
@@ -7,7 +7,7 @@ bench_main() {
   # Timings on a shared host depend on what else runs: record the load next to them.
   echo "load average (1/5/15 min): $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores"
   "$ALOE_BIN_DIR/aloe-bench-codec" --mib=256 --threads=2 --reps=10 --block_size=256 \
-    --chunk_values=262144
+    --int4_block_size=64 --chunk_values=262144
 }
 
 bench_main

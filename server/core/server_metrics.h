@@ -86,7 +86,8 @@ inline constexpr const char* kRejectReasons[] = {
 };
 // The reason label of a rejected push's status.
 const char* RejectReason(const absl::Status& status);
-// Label value of a codec in aloe_{received,sent}_bytes_total{codec}: fp32, bf16, int8_blockwise.
+// Label value of a codec in aloe_{received,sent}_bytes_total{codec}: fp32, bf16, int8_blockwise,
+// int4_blockwise.
 std::string CodecLabel(v1::Codec codec);
 
 std::vector<MetricDef> ServerMetricCatalogue();

@@ -236,7 +236,7 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
           "layer %d (%s): value %g at element %d exceeds the pseudo-gradient magnitude limit %g",
           layer_id, layer.name(), out[i], offset + i, kMaxPushMagnitude));
     }
-    // Decoded through the cache (bf16, int8): still there.
+    // Decoded through the cache (bf16, int8, int4): still there.
     if (!squares_.empty()) squares = kernels::SquaredL2Norm(out.data(), out.size());
   }
   if (!squares_.empty()) squares_[layer_id] += squares;

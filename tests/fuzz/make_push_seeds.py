@@ -8,7 +8,7 @@ import struct
 import sys
 
 SIZES = [3, 40, 257]  # the fuzzer's fixed ModelSpec
-FP32, BF16, INT8 = 1, 2, 3
+FP32, BF16, INT8, INT4 = 1, 2, 3, 4
 
 
 def head(codec, slices=0, slice_=0):
@@ -43,6 +43,14 @@ def int8(layer, n, block, scales, q, corruption=0):
             struct.pack("<%df" % len(scales), *scales) + bytes(x & 0xff for x in q))
 
 
+def int4(layer, n, block, scales, q, corruption=0):
+    """A framed int4 buffer of n levels q (two per byte, value 2j in the low nibble)."""
+    q = list(q) + [0] * (n % 2)
+    packed = bytes((q[i] & 0xf) | ((q[i + 1] & 0xf) << 4) for i in range(0, n, 2))
+    return (op(layer, False, INT4, 1) + struct.pack("<IHB", block, n, corruption) +
+            struct.pack("<%df" % len(scales), *scales) + packed)
+
+
 def bf16(values):
     return b"".join(struct.pack("<f", v)[2:] for v in values)
 
@@ -60,11 +68,16 @@ def factor_bytes(values, codec):
         return struct.pack("<%df" % len(values), *values)
     if codec == BF16:
         return bf16(values)
-    # INT8: one block covering every value.
+    # INT8 and INT4: one block covering every value (an even one for int4).
     m = max(abs(v) for v in values) or 1.0
-    scale = m / 127
-    return (b"AQ8\x01" + struct.pack("<IQf", len(values), len(values), scale) +
-            bytes(int(round(v / scale)) & 0xff for v in values))
+    if codec == INT8:
+        scale = m / 127
+        return (b"AQ8\x01" + struct.pack("<IQf", len(values), len(values), scale) +
+                bytes(int(round(v / scale)) & 0xff for v in values))
+    scale = m / 7
+    q = [int(round(v / scale)) for v in values] + [0] * (len(values) % 2)
+    return (b"AQ4\x01" + struct.pack("<IQf", len(q), len(values), scale) +
+            bytes((q[i] & 0xf) | ((q[i + 1] & 0xf) << 4) for i in range(0, len(q), 2)))
 
 
 def lowrank_payload(offset, rows, cols, rank, a, b, codec=FP32, q=None, p=None, q_bytes=None,
@@ -99,6 +112,12 @@ def seeds():
     yield "valid_int8_builder", head(INT8) + int8(0, 3, 4, [0.01], [1, -2, 127]) + \
         int8(1, 40, 16, [0.1, 0.2, 0.3], list(range(-20, 20))) + \
         int8(2, 257, 256, [1e-3, 2e-3], [i % 255 - 127 for i in range(257)])
+    yield "valid_int4_builder", head(INT4) + int4(0, 3, 4, [0.01], [1, -2, 7]) + \
+        int4(1, 40, 16, [0.1, 0.2, 0.3], [i % 15 - 7 for i in range(40)]) + \
+        int4(2, 257, 64, [1e-3, 2e-3, 3e-3, 4e-3, 5e-3], [i % 15 - 7 for i in range(257)])
+    yield "valid_encoded_int4", head(0) + encoded(0, ramp(3), INT4, 2) + \
+        encoded(1, ramp(40), INT4, 16) + encoded(2, ramp(200), INT4, 64) + \
+        encoded(2, ramp(57), INT4, 64)
     yield "chunks_split", head(0) + fill(2, 100, 1.0) + fill(2, 100, -1.0) + fill(2, 57, 0.5) + \
         fill(0, 3, 0.0) + fill(1, 39, 2.0) + fill(1, 1, 3.0)
     # Malformed: each of these is rejected somewhere.
@@ -112,6 +131,13 @@ def seeds():
         int8(0, 3, 2, [-1.0, 1.0], [1, 2, 3]) + int8(0, 3, 2, [3e38, 1.0], [1, 2, 3])
     yield "int8_corrupt", head(0) + b"".join(
         int8(1, 40, 16, [0.1, 0.2, 0.3], [1] * 40, corruption=c) for c in range(1, 5))
+    yield "nan_scale_int4", head(0) + int4(0, 3, 2, [float("nan"), 1.0], [1, 2, 3]) + \
+        int4(0, 3, 2, [-1.0, 1.0], [1, 2, 3]) + int4(0, 3, 2, [1.0, float("inf")], [1, 2, 3]) + \
+        int4(0, 3, 2, [5e37, 1.0], [1, 2, 3])
+    yield "int4_corrupt", head(0) + b"".join(
+        int4(0, 3, 2, [0.1, 0.2], [1, -8, 3], corruption=c) for c in range(1, 6))
+    yield "int4_odd_block", head(INT4) + int4(1, 40, 15, [0.1, 0.2, 0.3], [1] * 40) + \
+        encoded(1, ramp(40), INT4, 15)
     yield "huge_finite", head(0) + fill(0, 3, 3.0e38) + raw(0, bf16([1.0, 3.0e38, 1.0]), BF16)
     yield "unknown_codec", head(0x7f) + fill(0, 3, 1.0) + op(0, False, 7, 0) + \
         struct.pack("<iH", -5, 4) + b"\0" * 4
@@ -130,7 +156,7 @@ def seeds():
     # CODEC_LOWRANK: blocks.0 is b [4] then w [6, 6] at offset 4; head is b [1] then w [16, 16]
     # at offset 1. Valid: w of blocks.0 in one chunk, w of head in two (rows [0, 9) and
     # [9, 16)), with each factor codec.
-    for name, codec in (("fp32", FP32), ("bf16", BF16), ("int8", INT8)):
+    for name, codec in (("fp32", FP32), ("bf16", BF16), ("int8", INT8), ("int4", INT4)):
         yield "valid_lowrank_" + name, head(0) + fill(0, 3, 0.25) + fill(1, 4, 0.5) + \
             lowrank(1, lowrank_payload(4, 6, 6, 2, 0, 6, codec)) + fill(2, 1, 0.5) + \
             lowrank(2, lowrank_payload(1, 16, 16, 3, 0, 9, codec)) + \

@@ -23,20 +23,21 @@
 //
 // Input format (little-endian; reading past the end yields zero bytes, so every input is
 // valid; tests/fuzz/make_push_seeds.py writes the seeds):
-//   u8 header codec (as a signed byte: negative and > 3 are unknown codec values)
+//   u8 header codec (as a signed byte: negative and > 4 are unknown codec values)
 //   u8 slices (0 and 1 = an unsliced push), u8 slice (taken modulo slices: the service checks
 //      slice < slices <= kMaxSlices before it builds an assembler)
 //   records until the input ends, each:
 //     u8 op: bits 0-1 layer (0-2 = that layer, 3 = a raw u32 layer id follows)
 //            bit  2   offset (0 = the expected offset, 1 = a raw u64 offset follows)
-//            bits 3-5 codec (0-3 = that Codec value, 4-6 = 0-2, 7 = a raw i32 follows)
+//            bits 3-5 codec (0-4 = that Codec value, 5-6 = 0-1, 7 = a raw i32 follows)
 //            bits 6-7 payload kind:
 //              0 raw:       u16 length (at most kMaxRawBytes), then that many payload bytes
-//              1 int8:      u32 block size, u16 n (at most kMaxElements), u8 corruption,
-//                           then ceil(n / B) f32 scales
-//                           and n int8 values: a framed int8 buffer with arbitrary scales;
+//              1 blockwise: u32 block size, u16 n (at most kMaxElements), u8 corruption,
+//                           then ceil(n / B) f32 scales and the levels: n int8 values, or
+//                           ceil(n / 2) bytes of int4 pairs when the record's codec is
+//                           CODEC_INT4_BLOCKWISE. A framed buffer with arbitrary scales;
 //                           corruption 1 = bad magic, 2 = n + 1 in the header, 3 = drop the
-//                           last byte, 4 = one extra byte
+//                           last byte, 4 = one extra byte, 5 = (int4, odd n) a padding nibble
 //              2 encoded:   u16 count (at most kMaxElements), u16 block size, count raw f32
 //                           values, encoded with EncodeChunk (with a residual buffer); the raw
 //                           bytes when it fails
@@ -135,20 +136,27 @@ class Reader {
   size_t pos_ = 0;
 };
 
-std::string Int8Payload(Reader& in) {
+// A framed int8 buffer, or an int4 one when `int4`, with arbitrary scales and levels.
+std::string BlockwisePayload(Reader& in, bool int4) {
   const uint32_t block = in.Read<uint32_t>();
   const uint16_t n = std::min(in.Read<uint16_t>(), kMaxElements);
   const uint8_t corruption = in.Read<uint8_t>();
-  // A zero or absurd block size still gets a framed buffer (one scale per element), so that
-  // the decoder's own block-size check is what rejects it.
-  const size_t b = block == 0 || block > 65536 ? 1 : block;
-  const size_t blocks = kernels::Int8BlockCount(n, b);
-  std::string out(reinterpret_cast<const char*>(kernels::kInt8Magic), 4);
+  // A block size the codec refuses still gets a framed buffer (the smallest block size's
+  // scales), so that the decoder's own block-size check is what rejects it.
+  const bool valid = int4 ? kernels::Int4BlockSizeValid(block) : block >= 1 && block <= 65536;
+  const size_t b = valid ? block : (int4 ? 2 : 1);
+  const size_t blocks = (n + b - 1) / b;
+  std::string out(reinterpret_cast<const char*>(int4 ? kernels::kInt4Magic : kernels::kInt8Magic),
+                  4);
   uint64_t header_n = n + (corruption == 2 ? 1 : 0);
   out.append(reinterpret_cast<const char*>(&block), 4);
   out.append(reinterpret_cast<const char*>(&header_n), 8);
   out += in.Bytes(4 * blocks);
-  out += in.Bytes(n);
+  out += in.Bytes(int4 ? (n + 1) / 2 : n);
+  if (int4 && n % 2 == 1 && out.size() > kernels::kInt4HeaderBytes + 4 * blocks) {
+    // The padding nibble is 0 unless corruption 5 asks otherwise.
+    out.back() = static_cast<char>((out.back() & 0x0f) | (corruption == 5 ? 0x50 : 0));
+  }
   if (corruption == 1) out[3] = 0x02;
   if (corruption == 3 && !out.empty()) out.pop_back();
   if (corruption == 4) out.push_back('\x7f');
@@ -210,17 +218,20 @@ bool ReferenceValues(v1::Codec codec, std::string_view payload, std::vector<floa
       }
       break;
     }
-    case v1::CODEC_INT8_BLOCKWISE: {
+    case v1::CODEC_INT8_BLOCKWISE:
+    case v1::CODEC_INT4_BLOCKWISE: {
+      const bool int4 = codec == v1::CODEC_INT4_BLOCKWISE;
       if (payload.size() < kernels::kInt8HeaderBytes) return false;
       uint64_t n;
       std::memcpy(&n, payload.data() + 8, 8);
-      if (n > payload.size()) return false;
+      if ((int4 ? n / 2 : n) > payload.size()) return false;
       out->resize(n);
-      if (!kernels::reference::Int8BlockwiseDecode(payload.data(), payload.size(), out->data(),
-                                                   out->size())
-               .ok()) {
-        return false;
-      }
+      const absl::Status decoded =
+          int4 ? kernels::reference::Int4BlockwiseDecode(payload.data(), payload.size(),
+                                                         out->data(), out->size())
+               : kernels::reference::Int8BlockwiseDecode(payload.data(), payload.size(),
+                                                         out->data(), out->size());
+      if (!decoded.ok()) return false;
       break;
     }
     default:
@@ -262,7 +273,8 @@ bool ReferenceLowRank(const v1::LayerSpec& layer, uint64_t offset, std::string_v
   const uint64_t rows = u32(16), cols = u32(20), rank = u32(24), a = u32(28), b = u32(32);
   const uint64_t q_bytes = u32(36);
   if (u32(0) != 0x4B524C41 || version != 1) return false;
-  if (codec != v1::CODEC_FP32 && codec != v1::CODEC_BF16 && codec != v1::CODEC_INT8_BLOCKWISE) {
+  if (codec != v1::CODEC_FP32 && codec != v1::CODEC_BF16 && codec != v1::CODEC_INT8_BLOCKWISE &&
+      codec != v1::CODEC_INT4_BLOCKWISE) {
     return false;
   }
   if (rank == 0 || rank > rows || rank > cols || rank > 4096 || a >= b || b > rows) return false;
@@ -393,7 +405,7 @@ void Run(const uint8_t* data, size_t size) {
     uint64_t offset = known_layer ? filled[layer_id] : 0;
     if (op & 4) offset = in.Read<uint64_t>();
     int32_t codec_value = (op >> 3) & 7;
-    if (codec_value >= 4 && codec_value <= 6) codec_value -= 4;
+    if (codec_value >= 5 && codec_value <= 6) codec_value -= 5;
     if (codec_value == 7) codec_value = in.Read<int32_t>();
     const v1::Codec codec = static_cast<v1::Codec>(codec_value);
     const v1::Codec effective = codec == v1::CODEC_UNSPECIFIED ? default_codec : codec;
@@ -404,7 +416,7 @@ void Run(const uint8_t* data, size_t size) {
         payload = in.Bytes(std::min(in.Read<uint16_t>(), kMaxRawBytes));
         break;
       case 1:
-        payload = Int8Payload(in);
+        payload = BlockwisePayload(in, effective == v1::CODEC_INT4_BLOCKWISE);
         break;
       case 2:
         payload = EncodedPayload(in, v1::Codec_IsValid(effective) ? effective : v1::CODEC_FP32);

@@ -1,4 +1,4 @@
-// Hostile input over real gRPC: 1,000 malformed pushes, drawn deterministically from 21 kinds of
+// Hostile input over real gRPC: 1,000 malformed pushes, drawn deterministically from 23 kinds of
 // damage (bad layer ids, offsets, sizes, codecs, encodings, NaN/Inf and oversized values,
 // stale or foreign headers, broken stream framing), each sent to a live aloe-server by a raw
 // client. Every one must be rejected with the right status code and a message naming the
@@ -84,7 +84,7 @@ class HostileInputTest : public RawClientTest {
     chunk->mutable_data()->replace(index * 4, 4, reinterpret_cast<const char*>(&value), 4);
   }
 
-  // The i-th malformed push, damaging a well-formed one (`header` + `chunks`) with kind i % 21.
+  // The i-th malformed push, damaging a well-formed one (`header` + `chunks`) with kind i % 23.
   Malformed Make(int i, std::mt19937_64& rng, const v1::PushHeader& header,
                  const std::vector<v1::PushChunk>& good) {
     Malformed m;
@@ -94,7 +94,7 @@ class HostileInputTest : public RawClientTest {
     const size_t r = pick(c.size());
     const size_t elements = c[r].data().size() / 4;
     bool with_header = true;
-    switch (i % 21) {
+    switch (i % 23) {
       case 0:
         m.what = "unknown layer id";
         c[r].set_layer_id(spec_.layers_size() + static_cast<uint32_t>(pick(1000000)));
@@ -157,12 +157,12 @@ class HostileInputTest : public RawClientTest {
         break;
       case 11:
         m.what = "unknown chunk codec";
-        c[r].set_codec(static_cast<v1::Codec>(4 + pick(1000)));
+        c[r].set_codec(static_cast<v1::Codec>(v1::Codec_ARRAYSIZE + pick(1000)));
         m.message = "unknown codec";
         break;
       case 12:
         m.what = "unknown header codec";
-        h.set_codec(static_cast<v1::Codec>(4 + pick(1000)));
+        h.set_codec(static_cast<v1::Codec>(v1::Codec_ARRAYSIZE + pick(1000)));
         m.message = "unsupported codec";
         break;
       case 13:
@@ -218,6 +218,35 @@ class HostileInputTest : public RawClientTest {
         c[r].mutable_data()->resize(2 * pick(elements) + 1);
         m.message = "BF16";
         break;
+      case 21: {
+        m.what = "int4 payload that is not a framed int4 buffer";
+        std::string junk(1 + pick(64), '\0');
+        for (char& b : junk) b = static_cast<char>(rng());
+        c[r].set_codec(v1::CODEC_INT4_BLOCKWISE);
+        *c[r].mutable_data() = junk;
+        m.message = "INT4";
+        break;
+      }
+      case 22: {
+        m.what = "int4 chunk with a NaN, Inf or negative scale, or cut short";
+        std::vector<float> g(elements);
+        std::memcpy(g.data(), c[r].data().data(), elements * sizeof(float));
+        std::string encoded;
+        EXPECT_TRUE(EncodeChunk(v1::CODEC_INT4_BLOCKWISE, g, 64, &encoded, nullptr).ok());
+        const float bad_scales[] = {NAN, INFINITY, -0.5f};
+        const size_t bad = pick(4);
+        if (bad < 3) {
+          const size_t block = pick((elements + 63) / 64);
+          encoded.replace(16 + 4 * block, 4, reinterpret_cast<const char*>(&bad_scales[bad]), 4);
+          m.message = "invalid scale";
+        } else {
+          encoded.resize(pick(encoded.size()));
+          m.message = "int4 buffer";
+        }
+        c[r].set_codec(v1::CODEC_INT4_BLOCKWISE);
+        *c[r].mutable_data() = encoded;
+        break;
+      }
     }
     if (with_header) {
       v1::PushChunk first;
@@ -285,8 +314,8 @@ TEST_F(HostileInputTest, AThousandMalformedPushesAreRejectedAndChangeNothing) {
       ASSERT_NO_FATAL_FAILURE(Heartbeat(joined.worker_id()));  // keep the lease
     }
   }
-  EXPECT_EQ(rejected_by_kind.size(), 21u);
-  for (const auto& [what, n] : rejected_by_kind) EXPECT_GE(n, kPushes / 21) << what;
+  EXPECT_EQ(rejected_by_kind.size(), 23u);
+  for (const auto& [what, n] : rejected_by_kind) EXPECT_GE(n, kPushes / 23) << what;
   EXPECT_EQ(RejectedTotal(), kPushes);
   EXPECT_EQ(Scraped("aloe_model_version"), 0);
   EXPECT_EQ(Scraped("aloe_updates_applied_total"), 0);

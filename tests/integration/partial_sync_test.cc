@@ -89,7 +89,7 @@ class PartialSyncTest : public ShardedLoopbackTest {
     }
     auto evaluator = StartJoinedEvaluator(port);
     auto near = StartWorker(port, "trainer", 0, /*slowdown=*/2.0);
-    auto far = StartWorker((*link)->port(0), "trainer", 1);
+    auto far = StartWorker((*link)->port(0), "trainer", 1, 1.0, far_flags_);
     std::vector<Subprocess*> processes = {near.get(), far.get(), evaluator.get()};
     for (int i = 0; sharded && i < 2; ++i) processes.push_back(shards_[i].get());
     ASSERT_NO_FATAL_FAILURE(ExpectJobEnds(processes));
@@ -153,12 +153,17 @@ class PartialSyncTest : public ShardedLoopbackTest {
         << ShardLogs();
   }
 
-  TrainingRun run_;  // the summary; scrape stays empty
+  TrainingRun run_;                     // the summary; scrape stays empty
+  std::vector<std::string> far_flags_;  // aloe-worker flags of trainer 1, behind the link
 };
 
 TEST_F(PartialSyncTest, AsyncFourGroupsTrainThroughALinkAndEvalLossFalls) {
+  // The far trainer overlaps: its next task trains while a task's last push crosses the link.
+  far_flags_ = {"--overlap=delayed"};
   ASSERT_NO_FATAL_FAILURE(TrainThroughALink(kAsyncConfig, kDelayedNesterov));
   ExpectAsyncJobTrained();
+  EXPECT_GT(SummaryValue(ReadFile(dir_ + "/trainer1.log"), "tasks_taken_ahead"), 0) << Logs();
+  EXPECT_EQ(SummaryValue(ReadFile(dir_ + "/trainer0.log"), "tasks_taken_ahead"), 0) << Logs();
 }
 
 TEST_F(PartialSyncTest, SyncFourGroupsReachTheirVersionsThroughALink) {

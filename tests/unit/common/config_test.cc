@@ -42,6 +42,8 @@ TEST(ConfigTest, TextFormatLoadsWithDefaults) {
   EXPECT_EQ(config->receive_window_kib(), 2048u);
   EXPECT_EQ(config->max_retained_versions(), 1u);
   EXPECT_EQ(config->security().shard_identity(), "shards");
+  EXPECT_EQ(config->transport().int8_block_size(), 256u);
+  EXPECT_EQ(config->transport().int4_block_size(), 64u);
 }
 
 TEST(ConfigTest, JsonLoads) {
@@ -145,6 +147,9 @@ TEST(ConfigTest, ErrorsNameTheField) {
       {"corpus_dir: 'c' receive_window_kib: 63", "receive_window_kib must be in [64, 262144]"},
       {"corpus_dir: 'c' receive_window_kib: 262145", "receive_window_kib must be in [64, 262144]"},
       {"corpus_dir: 'c' max_retained_versions: 4097", "max_retained_versions must be in [1, 4096]"},
+      {"corpus_dir: 'c' transport { int4_block_size: 63 }",
+       "transport.int4_block_size must be even and in [2, 65536], got 63"},
+      {"corpus_dir: 'c' transport { int4_block_size: 65538 }", "transport.int4_block_size"},
       {"corpus_dir: 'c' shard_processes: 2 max_staged_updates: 3 aggregation { min_workers: 4 }",
        "aggregation.min_workers (4) exceeds max_staged_updates (3)"},
   };
@@ -165,6 +170,9 @@ TEST(ConfigTest, LowRankLayerCodecsNeedARankAndAFactorCodec) {
       {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 16 }", ""},
       {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 4096 "
        "factor_codec: CODEC_INT8_BLOCKWISE }",
+       ""},
+      {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 1 "
+       "factor_codec: CODEC_INT4_BLOCKWISE }",
        ""},
       {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK }", "rank must be in [1, 4096], got 0"},
       {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 4097 }",

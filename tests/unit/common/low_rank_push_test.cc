@@ -134,7 +134,8 @@ TEST(LowRankPushTest, ErrorFeedbackMakesTheDecodedSumTrackTheTrueSum) {
   const v1::ModelSpec spec = Spec();
   const size_t n = spec.layers(0).num_elements();
   constexpr int kRounds = 20;
-  for (const v1::Codec factor_codec : {v1::CODEC_FP32, v1::CODEC_INT8_BLOCKWISE}) {
+  for (const v1::Codec factor_codec :
+       {v1::CODEC_FP32, v1::CODEC_INT8_BLOCKWISE, v1::CODEC_INT4_BLOCKWISE}) {
     SCOPED_TRACE(v1::Codec_Name(factor_codec));
     double drift[2] = {0, 0};  // ||sum true - sum decoded|| / ||sum true||, without and with
     double residual_half = 0;  // ||residual|| after half the rounds

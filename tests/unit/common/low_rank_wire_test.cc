@@ -40,7 +40,8 @@ void Patch(std::string* payload, size_t at, T value) {
 }
 
 TEST(LowRankWireTest, RoundTripIsDecompressOfTheDecodedFactorsBitForBit) {
-  for (const v1::Codec codec : {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE}) {
+  for (const v1::Codec codec :
+       {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE, v1::CODEC_INT4_BLOCKWISE}) {
     SCOPED_TRACE(v1::Codec_Name(codec));
     const LowRankFactors f = Factors(37, 23, 5, 1);
     absl::StatusOr<LowRankEncoding> enc = EncodeLowRankFactors(f, 100, codec, 16, kMaxChunkBytes);
@@ -68,7 +69,8 @@ TEST(LowRankWireTest, RoundTripIsDecompressOfTheDecodedFactorsBitForBit) {
 }
 
 TEST(LowRankWireTest, RowSplitChunksDecodeToTheSameBitsAsOne) {
-  for (const v1::Codec codec : {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE}) {
+  for (const v1::Codec codec :
+       {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE, v1::CODEC_INT4_BLOCKWISE}) {
     SCOPED_TRACE(v1::Codec_Name(codec));
     const LowRankFactors f = Factors(50, 20, 4, 2);
     absl::StatusOr<LowRankEncoding> one = EncodeLowRankFactors(f, 0, codec, 8, kMaxChunkBytes);
@@ -99,11 +101,15 @@ TEST(LowRankWireTest, RowSplitChunksDecodeToTheSameBitsAsOne) {
       next += *n;
     }
     EXPECT_EQ(next, 50u * 20u);
-    EXPECT_TRUE(SameBits(pieces, whole));
-    // Blockwise codecs quantise P per chunk: the split factors decode alike only for FP32 and
-    // BF16, whose values do not depend on their neighbours.
-    if (codec != v1::CODEC_INT8_BLOCKWISE) {
+    // The chunks decode to the decode of the factors as they were quantised, whatever the split.
+    std::vector<float> expected(50 * 20);
+    ASSERT_THAT(DecompressLowRank(split->decoded, absl::MakeSpan(expected)), IsOk());
+    EXPECT_TRUE(SameBits(pieces, expected));
+    // FP32 and BF16 quantise each value alone: split or not, the same factors and bits. The
+    // blockwise codecs quantise P per chunk (a block's scale depends on its neighbours).
+    if (codec == v1::CODEC_FP32 || codec == v1::CODEC_BF16) {
       EXPECT_TRUE(SameBits(split->decoded.p, one->decoded.p));
+      EXPECT_TRUE(SameBits(pieces, whole));
     }
   }
 }
@@ -250,6 +256,7 @@ TEST(LowRankWireTest, MatrixShapeFlattensTrailingDimensions) {
   EXPECT_EQ(LowRankMatrixShape(t), std::make_pair(7u, 15u));
   EXPECT_EQ(LowRankFallbackCodec(v1::CODEC_BF16), v1::CODEC_BF16);
   EXPECT_EQ(LowRankFallbackCodec(v1::CODEC_INT8_BLOCKWISE), v1::CODEC_FP32);
+  EXPECT_EQ(LowRankFallbackCodec(v1::CODEC_INT4_BLOCKWISE), v1::CODEC_FP32);
 }
 
 }  // namespace

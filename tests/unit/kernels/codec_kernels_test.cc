@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "common/status_matchers.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -39,6 +40,9 @@ const double kBf16SubnormalAbsBound = std::ldexp(1.0, -134);
 // int8: |x' - x| <= m / 254 * (1 + 2^-12) + 2^-149 (codec_kernels.h).
 const double kInt8Slack = 1.0 + std::ldexp(1.0, -12);
 const double kInt8AbsFloor = std::ldexp(1.0, -149);
+// int4: |x' - x| <= m / 14 * (1 + 2^-16) + 2^-149 (codec_kernels.h).
+const double kInt4Slack = 1.0 + std::ldexp(1.0, -16);
+const double kInt4AbsFloor = std::ldexp(1.0, -149);
 
 uint32_t Bits(float v) {
   uint32_t b;
@@ -117,32 +121,123 @@ void ExpectBf16WithinBound(const std::vector<float>& x, const std::vector<float>
   }
 }
 
-// Per-element int8 bound, with m = max |x| over the element's block computed here in double.
-// Returns the largest err / (m / 254) seen, so tests can also check the bound is tight.
-double ExpectInt8WithinBound(const std::vector<float>& x, const std::vector<float>& decoded,
-                             size_t block_size) {
+// The int8 and int4 blockwise codecs behind one interface, for the tests they share.
+struct BlockwiseCodec {
+  const char* name;
+  double max_level;  // 127 or 7: the round-trip bound is m / (2 max_level) * slack + 2^-149
+  double slack;
+  size_t (*encoded_size)(size_t n, size_t block_size);
+  absl::StatusOr<BlockwiseEncodedInfo> (*inspect)(const void* in, size_t in_bytes);
+  absl::Status (*encode)(const float* x, size_t n, size_t block_size, void* out, float* residual);
+  absl::Status (*ref_encode)(const float* x, size_t n, size_t block_size, void* out,
+                             float* residual);
+  absl::Status (*decode)(const void* in, size_t in_bytes, float* out, size_t n);
+  absl::Status (*ref_decode)(const void* in, size_t in_bytes, float* out, size_t n);
+  absl::Status (*decode_accumulate)(const void* in, size_t in_bytes, float w, float* acc, size_t n);
+  absl::Status (*ref_decode_accumulate)(const void* in, size_t in_bytes, float w, float* acc,
+                                        size_t n);
+};
+
+const BlockwiseCodec kInt8 = {"Int8",
+                              127.0,
+                              kInt8Slack,
+                              Int8EncodedSize,
+                              Int8BlockwiseInspect,
+                              Int8BlockwiseEncode,
+                              reference::Int8BlockwiseEncode,
+                              Int8BlockwiseDecode,
+                              reference::Int8BlockwiseDecode,
+                              Int8BlockwiseDecodeAccumulate,
+                              reference::Int8BlockwiseDecodeAccumulate};
+
+const BlockwiseCodec kInt4 = {"Int4",
+                              7.0,
+                              kInt4Slack,
+                              Int4EncodedSize,
+                              Int4BlockwiseInspect,
+                              Int4BlockwiseEncode,
+                              reference::Int4BlockwiseEncode,
+                              Int4BlockwiseDecode,
+                              reference::Int4BlockwiseDecode,
+                              Int4BlockwiseDecodeAccumulate,
+                              reference::Int4BlockwiseDecodeAccumulate};
+
+// Per-element bound of `codec`, with m = max |x| over the element's block computed here in
+// double. Returns the largest err / half-step (m / (2 max_level)) seen, so tests can also check
+// that the bound is tight.
+double ExpectWithinBound(const BlockwiseCodec& codec, const std::vector<float>& x,
+                         const std::vector<float>& decoded, size_t block_size) {
   EXPECT_EQ(x.size(), decoded.size());
   double worst = 0.0;
   for (size_t begin = 0; begin < x.size(); begin += block_size) {
     const size_t end = std::min(x.size(), begin + block_size);
     double m = 0.0;
     for (size_t i = begin; i < end; ++i) m = std::max(m, std::fabs(static_cast<double>(x[i])));
+    const double half_step = m / (2.0 * codec.max_level);
+    const double bound = half_step * codec.slack + std::ldexp(1.0, -149);
     for (size_t i = begin; i < end; ++i) {
       const double err = std::fabs(static_cast<double>(decoded[i]) - static_cast<double>(x[i]));
-      EXPECT_LE(err, m / 254.0 * kInt8Slack + kInt8AbsFloor)
-          << "x[" << i << "] = " << x[i] << " decoded " << decoded[i] << " block max " << m;
-      if (err > m / 254.0 * kInt8Slack + kInt8AbsFloor) return worst;
-      if (m > 0) worst = std::max(worst, err / (m / 254.0));
+      EXPECT_LE(err, bound) << codec.name << " x[" << i << "] = " << x[i] << " decoded "
+                            << decoded[i] << " block max " << m;
+      if (err > bound) return worst;
+      if (m > 0) worst = std::max(worst, err / half_step);
     }
   }
   return worst;
 }
 
-std::vector<float> Int8RoundTrip(const std::vector<float>& x, size_t block_size) {
-  Bytes enc(Int8EncodedSize(x.size(), block_size));
+std::vector<float> RoundTrip(const BlockwiseCodec& codec, const std::vector<float>& x,
+                             size_t block_size) {
+  Bytes enc(codec.encoded_size(x.size(), block_size));
   std::vector<float> out(x.size());
-  EXPECT_THAT(Int8BlockwiseEncode(x.data(), x.size(), block_size, enc.data(), nullptr), IsOk());
-  EXPECT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  EXPECT_THAT(codec.encode(x.data(), x.size(), block_size, enc.data(), nullptr), IsOk());
+  EXPECT_THAT(codec.decode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  return out;
+}
+
+// Encodes and decodes x with both the fused kernels and the references and checks everything
+// they promise: the same bytes and floats bit for bit, with or without a residual and in place;
+// the header read back; finite decoded values; residual == x - decode exactly; the round-trip
+// bound. Returns the decoded values.
+std::vector<float> CheckedRoundTrip(const BlockwiseCodec& codec, const std::vector<float>& x,
+                                    size_t b) {
+  const size_t n = x.size();
+  Bytes enc(codec.encoded_size(n, b), 0xAA);
+  Bytes ref_enc(codec.encoded_size(n, b), 0x55);
+  std::vector<float> residual(n, 99.0f);
+  std::vector<float> ref_residual(n, -99.0f);
+  std::vector<float> out(n, 7.0f);
+  EXPECT_THAT(codec.encode(x.data(), n, b, enc.data(), residual.data()), IsOk());
+  EXPECT_THAT(codec.ref_encode(x.data(), n, b, ref_enc.data(), ref_residual.data()), IsOk());
+  EXPECT_EQ(enc, ref_enc);
+  ExpectSameBits(residual, ref_residual, "residual");
+
+  Bytes enc_no_residual(codec.encoded_size(n, b));
+  EXPECT_THAT(codec.encode(x.data(), n, b, enc_no_residual.data(), nullptr), IsOk());
+  EXPECT_EQ(enc_no_residual, enc);
+
+  absl::StatusOr<BlockwiseEncodedInfo> info = codec.inspect(enc.data(), enc.size());
+  EXPECT_THAT(info, IsOk());
+  if (!info.ok()) return out;
+  EXPECT_EQ(info->n, n);
+  EXPECT_EQ(info->block_size, b);
+
+  std::vector<float> ref_out(n, -7.0f);
+  EXPECT_THAT(codec.decode(enc.data(), enc.size(), out.data(), n), IsOk());
+  EXPECT_THAT(codec.ref_decode(enc.data(), enc.size(), ref_out.data(), n), IsOk());
+  ExpectSameBits(out, ref_out, "decode");
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_TRUE(std::isfinite(out[i])) << i;  // FLT_MAX blocks do not overflow on decode
+    EXPECT_EQ(Bits(residual[i]), Bits(x[i] - out[i])) << i;
+    if (!std::isfinite(out[i]) || Bits(residual[i]) != Bits(x[i] - out[i])) return out;
+  }
+  std::vector<float> in_place = x;
+  Bytes enc_in_place(codec.encoded_size(n, b));
+  EXPECT_THAT(codec.encode(in_place.data(), n, b, enc_in_place.data(), in_place.data()), IsOk());
+  EXPECT_EQ(enc_in_place, enc);
+  ExpectSameBits(in_place, residual, "in-place residual");
+
+  ExpectWithinBound(codec, x, out, b);
   return out;
 }
 
@@ -357,95 +452,115 @@ size_t SizeOf(SizeKind kind, size_t block_size) {
   return 0;
 }
 
-std::string Int8ParamName(const ::testing::TestParamInfo<std::tuple<size_t, SizeKind>>& info) {
+std::string SizeKindName(SizeKind kind) {
   static const char* const kKinds[] = {"Zero",  "One",          "BlockMinusOne",
                                        "Block", "BlockPlusOne", "Large"};
-  return "B" + std::to_string(std::get<0>(info.param)) + "_" +
-         kKinds[static_cast<int>(std::get<1>(info.param))];
+  return kKinds[static_cast<int>(kind)];
 }
 
-class Int8SizeTest : public ::testing::TestWithParam<std::tuple<size_t, SizeKind>> {
+std::string Int8ParamName(const ::testing::TestParamInfo<std::tuple<size_t, SizeKind>>& info) {
+  return "B" + std::to_string(std::get<0>(info.param)) + "_" +
+         SizeKindName(std::get<1>(info.param));
+}
+
+// Values that stress the vectorised blockwise paths against the scalar ones: exact zeros and -0,
+// ties half an int4 level apart, subnormals, +-FLT_MAX and runs shorter and longer than one
+// SIMD step.
+std::vector<float> EdgeValues(size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch ((i / 29) % 7) {
+      case 0:
+        v[i] = i % 3 == 0 ? -0.0f : 0.0f;
+        break;
+      case 1:  // ties: (k + 0.5) steps with the block max 7 (int4 scale 1)
+        v[i] = i % 29 == 0 ? 7.0f : static_cast<float>(static_cast<int>(i % 15) - 7) + 0.5f;
+        break;
+      case 2:
+        v[i] = std::ldexp(static_cast<float>(i % 5) - 2.0f, -140 - static_cast<int>(i % 9));
+        break;
+      case 3:
+        v[i] = i % 2 == 0 ? kFloatMax : -kFloatMax / static_cast<float>(1 + i % 13);
+        break;
+      case 4:
+        v[i] = kFloatMin * static_cast<float>(static_cast<int>(i % 11) - 5);
+        break;
+      default:
+        v[i] = std::sin(static_cast<float>(i)) * 1e-3f;
+        break;
+    }
+  }
+  return v;
+}
+
+using BlockwiseParam = std::tuple<const BlockwiseCodec*, size_t, SizeKind>;
+
+std::string BlockwiseParamName(const ::testing::TestParamInfo<BlockwiseParam>& info) {
+  return std::string(std::get<0>(info.param)->name) + "_B" +
+         std::to_string(std::get<1>(info.param)) + "_" + SizeKindName(std::get<2>(info.param));
+}
+
+class BlockwiseSizeTest : public ::testing::TestWithParam<BlockwiseParam> {
  protected:
-  size_t BlockSize() const { return std::get<0>(GetParam()); }
-  size_t Count() const { return SizeOf(std::get<1>(GetParam()), BlockSize()); }
+  const BlockwiseCodec& Codec() const { return *std::get<0>(GetParam()); }
+  size_t BlockSize() const { return std::get<1>(GetParam()); }
+  size_t Count() const { return SizeOf(std::get<2>(GetParam()), BlockSize()); }
 };
 
-TEST_P(Int8SizeTest, FusedMatchesReferenceBitExact) {
+TEST_P(BlockwiseSizeTest, FusedMatchesReferenceBitExact) {
   const size_t n = Count();
   const size_t b = BlockSize();
-  for (const unsigned seed : {1u, 2u, 3u}) {
-    const std::vector<float> x = seed == 1   ? Normal(n, 31 + static_cast<unsigned>(n))
-                                 : seed == 2 ? HeavyTailed(n, 32 + static_cast<unsigned>(n))
-                                             : WideRange(n, 33 + static_cast<unsigned>(n));
-    SCOPED_TRACE(::testing::Message() << "n=" << n << " B=" << b << " data " << seed);
-    Bytes enc(Int8EncodedSize(n, b), 0xAA);
-    Bytes ref_enc(Int8EncodedSize(n, b), 0x55);
-    std::vector<float> residual(n, 99.0f);
-    std::vector<float> ref_residual(n, -99.0f);
-    ASSERT_THAT(Int8BlockwiseEncode(x.data(), n, b, enc.data(), residual.data()), IsOk());
-    ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), n, b, ref_enc.data(), ref_residual.data()),
-                IsOk());
-    ASSERT_EQ(enc, ref_enc);
-    ExpectSameBits(residual, ref_residual, "residual");
-
-    Bytes enc_no_residual(Int8EncodedSize(n, b));
-    ASSERT_THAT(Int8BlockwiseEncode(x.data(), n, b, enc_no_residual.data(), nullptr), IsOk());
-    EXPECT_EQ(enc_no_residual, enc);
-
-    absl::StatusOr<Int8EncodedInfo> info = Int8BlockwiseInspect(enc.data(), enc.size());
-    ASSERT_THAT(info, IsOk());
-    EXPECT_EQ(info->n, n);
-    EXPECT_EQ(info->block_size, b);
-
-    std::vector<float> out(n, 7.0f);
-    std::vector<float> ref_out(n, -7.0f);
-    ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), n), IsOk());
-    ASSERT_THAT(reference::Int8BlockwiseDecode(enc.data(), enc.size(), ref_out.data(), n), IsOk());
-    ExpectSameBits(out, ref_out, "decode");
-    for (size_t i = 0; i < n; ++i) ASSERT_TRUE(std::isfinite(out[i])) << i;
-
-    // Error feedback: residual is exactly x - decode(encode(x)); also in place.
-    for (size_t i = 0; i < n; ++i) ASSERT_EQ(Bits(residual[i]), Bits(x[i] - out[i])) << i;
-    std::vector<float> in_place = x;
-    Bytes enc_in_place(Int8EncodedSize(n, b));
-    ASSERT_THAT(Int8BlockwiseEncode(in_place.data(), n, b, enc_in_place.data(), in_place.data()),
-                IsOk());
-    EXPECT_EQ(enc_in_place, enc);
-    ExpectSameBits(in_place, residual, "in-place residual");
-
-    ExpectInt8WithinBound(x, out, b);
+  for (const unsigned data : {1u, 2u, 3u, 4u}) {
+    const std::vector<float> x = data == 1   ? Normal(n, 31 + static_cast<unsigned>(n))
+                                 : data == 2 ? HeavyTailed(n, 32 + static_cast<unsigned>(n))
+                                 : data == 3 ? WideRange(n, 33 + static_cast<unsigned>(n))
+                                             : EdgeValues(n);
+    SCOPED_TRACE(::testing::Message() << "n=" << n << " B=" << b << " data " << data);
+    CheckedRoundTrip(Codec(), x, b);
+    if (HasFailure()) return;
   }
 }
 
-TEST_P(Int8SizeTest, DecodeAccumulateEqualsDecodeThenWeightedAccumulate) {
+TEST_P(BlockwiseSizeTest, DecodeAccumulateEqualsDecodeThenWeightedAccumulate) {
+  const BlockwiseCodec& codec = Codec();
   const size_t n = Count();
   const size_t b = BlockSize();
   const std::vector<float> x = HeavyTailed(n, 41 + static_cast<unsigned>(n));
   const std::vector<float> acc0 = Normal(n, 42 + static_cast<unsigned>(n));
-  Bytes enc(Int8EncodedSize(n, b));
-  ASSERT_THAT(Int8BlockwiseEncode(x.data(), n, b, enc.data(), nullptr), IsOk());
+  Bytes enc(codec.encoded_size(n, b));
+  ASSERT_THAT(codec.encode(x.data(), n, b, enc.data(), nullptr), IsOk());
   std::vector<float> decoded(n);
-  ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), decoded.data(), n), IsOk());
+  ASSERT_THAT(codec.decode(enc.data(), enc.size(), decoded.data(), n), IsOk());
   std::vector<float> expected = acc0;
   WeightedAccumulate(decoded.data(), -0.37f, expected.data(), n);
 
   std::vector<float> acc = acc0;
-  ASSERT_THAT(Int8BlockwiseDecodeAccumulate(enc.data(), enc.size(), -0.37f, acc.data(), n), IsOk());
+  ASSERT_THAT(codec.decode_accumulate(enc.data(), enc.size(), -0.37f, acc.data(), n), IsOk());
   ExpectSameBits(acc, expected, "fused");
   std::vector<float> ref_acc = acc0;
-  ASSERT_THAT(
-      reference::Int8BlockwiseDecodeAccumulate(enc.data(), enc.size(), -0.37f, ref_acc.data(), n),
-      IsOk());
+  ASSERT_THAT(codec.ref_decode_accumulate(enc.data(), enc.size(), -0.37f, ref_acc.data(), n),
+              IsOk());
   ExpectSameBits(ref_acc, expected, "reference");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    BlocksAndSizes, Int8SizeTest,
-    ::testing::Combine(::testing::Values(size_t{1}, size_t{64}, size_t{256}, size_t{4096}),
-                       ::testing::Values(SizeKind::kZero, SizeKind::kOne, SizeKind::kBlockMinusOne,
-                                         SizeKind::kBlock, SizeKind::kBlockPlusOne,
-                                         SizeKind::kLarge)),
-    Int8ParamName);
+const auto kSizeKinds =
+    ::testing::Values(SizeKind::kZero, SizeKind::kOne, SizeKind::kBlockMinusOne, SizeKind::kBlock,
+                      SizeKind::kBlockPlusOne, SizeKind::kLarge);
+
+INSTANTIATE_TEST_SUITE_P(Int8, BlockwiseSizeTest,
+                         ::testing::Combine(::testing::Values(&kInt8),
+                                            ::testing::Values(size_t{1}, size_t{64}, size_t{256},
+                                                              size_t{4096}),
+                                            kSizeKinds),
+                         BlockwiseParamName);
+
+// int4 block sizes are even; 32 is one SIMD step.
+INSTANTIATE_TEST_SUITE_P(Int4, BlockwiseSizeTest,
+                         ::testing::Combine(::testing::Values(&kInt4),
+                                            ::testing::Values(size_t{2}, size_t{32}, size_t{64},
+                                                              size_t{256}, size_t{4096}),
+                                            kSizeKinds),
+                         BlockwiseParamName);
 
 TEST(Int8CodecTest, WireLayoutByteByByte) {
   // B = 4, n = 10: blocks {127, 0.5, 1.5, -2.5}, {0, -0, 0, 0}, {0.25, -0.0625}.
@@ -491,70 +606,71 @@ TEST(Int8CodecTest, WireLayoutByteByByte) {
   EXPECT_EQ(ref_enc, enc);
 }
 
-TEST(Int8CodecTest, RoundTripWithinBlockBoundOnNormalAndHeavyTailedData) {
-  for (const size_t b : {size_t{64}, size_t{256}, size_t{4096}}) {
-    SCOPED_TRACE(::testing::Message() << "B=" << b);
-    const std::vector<float> normal = Normal(200000, 51, 0.01f);
-    const double worst_normal = ExpectInt8WithinBound(normal, Int8RoundTrip(normal, b), b);
-    // The bound is tight: some element lands half a step away.
-    EXPECT_GT(worst_normal, 0.99);
-    const std::vector<float> heavy = HeavyTailed(200000, 52);
-    ExpectInt8WithinBound(heavy, Int8RoundTrip(heavy, b), b);
-    const std::vector<float> wide = WideRange(200000, 53);
-    ExpectInt8WithinBound(wide, Int8RoundTrip(wide, b), b);
+TEST(BlockwiseCodecTest, RoundTripWithinBlockBoundOnNormalAndHeavyTailedData) {
+  for (const BlockwiseCodec* codec : {&kInt8, &kInt4}) {
+    for (const size_t b : {size_t{2}, size_t{64}, size_t{256}, size_t{4096}}) {
+      SCOPED_TRACE(::testing::Message() << codec->name << " B=" << b);
+      const std::vector<float> normal = Normal(200001, 51, 0.01f);
+      const double worst_normal =
+          ExpectWithinBound(*codec, normal, RoundTrip(*codec, normal, b), b);
+      // The bound is tight: some element lands half a step away.
+      EXPECT_GT(worst_normal, 0.99);
+      const std::vector<float> heavy = HeavyTailed(200001, 52);
+      ExpectWithinBound(*codec, heavy, RoundTrip(*codec, heavy, b), b);
+      const std::vector<float> wide = WideRange(200001, 53);
+      ExpectWithinBound(*codec, wide, RoundTrip(*codec, wide, b), b);
+    }
   }
 }
 
-TEST(Int8CodecTest, RoundTripWithinBlockBoundOnAdversarialBlocks) {
-  const size_t b = 256;
+// Blocks of `b` values (each zero-padded to a full block) that stress the round-trip bound:
+// levels of max_level apart.
+std::vector<float> AdversarialBlocks(size_t b, float max_level) {
   std::vector<float> x;
   auto add_block = [&](const std::vector<float>& block) {
-    ASSERT_LE(block.size(), b);
-    x.insert(x.end(), block.begin(), block.end());
+    x.insert(x.end(), block.begin(), block.begin() + std::min(block.size(), b));
     x.resize((x.size() + b - 1) / b * b, 0.0f);
   };
   // One huge value and tiny ones: the tiny ones all quantise to 0 (error = their magnitude).
   std::vector<float> outlier = Normal(b, 61, 1e-3f);
-  outlier[100] = 1e6f;
+  outlier[10] = 1e6f;
   add_block(outlier);
   // Values exactly half a step apart from levels: the worst case of rounding.
   std::vector<float> half_steps;
-  for (int k = -127; k < 127; ++k) half_steps.push_back((k + 0.5f) * (3.0f / 127.0f));
+  const int levels = static_cast<int>(max_level);
+  for (int k = -levels; k < levels; ++k) half_steps.push_back((k + 0.5f) * (3.0f / max_level));
   half_steps.push_back(3.0f);
   add_block(half_steps);
   // The extremes of the float range.
   add_block({kFloatMax, -kFloatMax, kFloatMax / 3.0f, 1.0f});
   add_block({-kFloatMax, 1e38f, -1e30f});
+  add_block({kFloatMax / max_level, -kFloatMax / (max_level - 1.0f)});
   add_block({std::ldexp(1.0f, -120), -std::ldexp(1.0f, -121), 1e-37f});
-  // Subnormal scales: max |x| < 127 * 2^-126 (the division path) and tiny subnormal blocks.
-  add_block({1e-37f, -3e-38f, 1e-40f, 5e-39f});
+  // Subnormal scales: max |x| < max_level * 2^-126 (the division path) and tiny subnormal blocks.
+  add_block({max_level * 1e-38f, -3e-38f, 1e-40f, 5e-39f});
   add_block({1e-40f, -1e-41f, 2e-42f});
   add_block({std::ldexp(1.0f, -142), std::ldexp(-1.0f, -143), std::ldexp(1.0f, -149)});
   add_block({std::ldexp(1.0f, -149), -std::ldexp(1.0f, -149)});
   add_block({std::ldexp(3.0f, -148)});
   // A lone nonzero among zeros, and a sign flip of the max.
   add_block({0.0f, 0.0f, -7.0f});
-  ASSERT_EQ(x.size() % b, 0u);
+  return x;
+}
 
-  Bytes enc(Int8EncodedSize(x.size(), b));
-  std::vector<float> residual(x.size());
-  ASSERT_THAT(Int8BlockwiseEncode(x.data(), x.size(), b, enc.data(), residual.data()), IsOk());
-  Bytes ref_enc(enc.size());
-  ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), x.size(), b, ref_enc.data(), nullptr),
-              IsOk());
-  EXPECT_EQ(enc, ref_enc);
-  std::vector<float> out(x.size());
-  ASSERT_THAT(Int8BlockwiseDecode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
-  for (size_t i = 0; i < x.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(out[i])) << i;  // FLT_MAX blocks do not overflow on decode
-    ASSERT_EQ(Bits(residual[i]), Bits(x[i] - out[i])) << i;
+TEST(BlockwiseCodecTest, RoundTripWithinBlockBoundOnAdversarialBlocks) {
+  for (const BlockwiseCodec* codec : {&kInt8, &kInt4}) {
+    for (const size_t b : {size_t{64}, size_t{256}}) {
+      SCOPED_TRACE(::testing::Message() << codec->name << " B=" << b);
+      const std::vector<float> x = AdversarialBlocks(b, static_cast<float>(codec->max_level));
+      const std::vector<float> out = CheckedRoundTrip(*codec, x, b);
+      ASSERT_FALSE(HasFailure());
+      // The block max itself decodes to within one float step, signs kept.
+      EXPECT_FLOAT_EQ(out[10], 1e6f);
+      EXPECT_GT(out[2 * b], 0.99999f * kFloatMax);
+      EXPECT_LT(out[2 * b + 1], -0.99999f * kFloatMax);
+      EXPECT_FLOAT_EQ(out[11 * b + 2], -7.0f);
+    }
   }
-  ExpectInt8WithinBound(x, out, b);
-  // The block max itself decodes to within one float step, signs kept.
-  EXPECT_FLOAT_EQ(out[100], 1e6f);
-  EXPECT_GT(out[2 * b], 0.99999f * kFloatMax);
-  EXPECT_LT(out[2 * b + 1], -0.99999f * kFloatMax);
-  EXPECT_FLOAT_EQ(out[10 * b + 2], -7.0f);
 }
 
 TEST(Int8CodecTest, EncodeRejectsNonFiniteNamingTheFirstIndex) {
@@ -601,39 +717,92 @@ struct Malformed {
   std::string text;
 };
 
-std::vector<Malformed> MalformedBuffers(const Bytes& good) {
-  // good: n = 1000, B = 64, 16 blocks.
+// `good` with `patch` written at `offset`.
+Bytes Patched(const Bytes& good, size_t offset, const std::vector<uint8_t>& patch) {
+  Bytes b = good;
+  std::copy(patch.begin(), patch.end(), b.begin() + offset);
+  return b;
+}
+
+// The int8/int4 buffer `good` with the scale of `block` replaced.
+Bytes WithScale(const Bytes& good, size_t block, float scale) {
+  std::vector<uint8_t> patch(4);
+  std::memcpy(patch.data(), &scale, 4);
+  return Patched(good, 16 + 4 * block, patch);
+}
+
+// Malformed variants of `good`, a well-formed int8 or int4 buffer of n values in 16 blocks of
+// 64, that both formats refuse. too_large_scale is just above the format's largest scale.
+std::vector<Malformed> MalformedBlockwiseBuffers(const Bytes& good, size_t n,
+                                                 float too_large_scale) {
   auto with = [&good](size_t offset, std::vector<uint8_t> patch) {
-    Bytes b = good;
-    std::copy(patch.begin(), patch.end(), b.begin() + offset);
-    return b;
+    return Patched(good, offset, patch);
   };
-  auto with_scale = [&](size_t block, float scale) {
-    std::vector<uint8_t> patch(4);
-    std::memcpy(patch.data(), &scale, 4);
-    return with(16 + 4 * block, patch);
-  };
+  auto with_scale = [&good](size_t block, float scale) { return WithScale(good, block, scale); };
+  const std::string header = absl::StrFormat("header (n=%d, block size 64)", n);
+  std::vector<uint8_t> other_n(8);
+  const uint64_t n2 = n + 2;
+  std::memcpy(other_n.data(), &n2, sizeof(n2));
   std::vector<Malformed> cases;
-  cases.push_back({"short", Bytes(good.begin(), good.end() - 1), "header (n=1000, block size 64)"});
+  cases.push_back({"truncated block", Bytes(good.begin(), good.end() - 1),
+                   absl::StrFormat("%s implies %d bytes", header, good.size())});
   Bytes long_buffer = good;
   long_buffer.push_back(0);
-  cases.push_back({"long", long_buffer, "header (n=1000, block size 64)"});
+  cases.push_back({"long", long_buffer, header});
   cases.push_back({"header only partly there", Bytes(good.begin(), good.begin() + 10),
                    "shorter than its 16-byte header"});
   cases.push_back({"empty", Bytes(), "shorter than its 16-byte header"});
-  cases.push_back({"bad magic", with(0, {'A', 'Q', '4'}), "bad magic"});
+  cases.push_back({"bad magic", with(2, {'X'}), "bad magic"});
   cases.push_back({"bad version", with(3, {0x02}), "bad magic/version"});
   cases.push_back({"block size 0", with(4, {0, 0, 0, 0}), "block size 0"});
-  cases.push_back({"block size too big", with(4, {0x01, 0x00, 0x01, 0x00}), "block size 65537"});
-  cases.push_back({"n disagrees with length", with(8, {0xe9, 0x03}), "n=1001"});
+  cases.push_back({"block size too big", with(4, {0x02, 0x00, 0x01, 0x00}), "block size 65538"});
+  cases.push_back({"n disagrees with length", with(8, other_n), absl::StrFormat("n=%d", n2)});
   cases.push_back({"huge n", with(8, {0, 0, 0, 0, 0, 0, 0, 0x80}), "implies more bytes"});
   cases.push_back(
       {"NaN scale", with_scale(3, std::numeric_limits<float>::quiet_NaN()), "for block 3"});
   cases.push_back(
       {"+Inf scale", with_scale(15, std::numeric_limits<float>::infinity()), "for block 15"});
   cases.push_back({"negative scale", with_scale(0, -0.5f), "invalid scale -0.5"});
-  cases.push_back({"scale too large", with_scale(7, kFloatMax / 100.0f), "for block 7"});
+  cases.push_back({"-0 scale", with_scale(2, -0.0f), "for block 2"});
+  cases.push_back({"scale too large", with_scale(7, too_large_scale), "for block 7"});
   return cases;
+}
+
+// Every malformed buffer is refused by Inspect, Decode and DecodeAccumulate (fused and
+// reference) with its text, and leaves the destination as it was.
+void ExpectMalformedRejected(const BlockwiseCodec& codec, const std::vector<Malformed>& cases,
+                             const std::vector<float>& acc0) {
+  for (const Malformed& m : cases) {
+    SCOPED_TRACE(m.name);
+    EXPECT_THAT(codec.inspect(m.bytes.data(), m.bytes.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    std::vector<float> out = acc0;
+    EXPECT_THAT(codec.decode(m.bytes.data(), m.bytes.size(), out.data(), out.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    EXPECT_THAT(codec.ref_decode(m.bytes.data(), m.bytes.size(), out.data(), out.size()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    ExpectSameBits(out, acc0, "decode output");
+    std::vector<float> acc = acc0;
+    EXPECT_THAT(
+        codec.decode_accumulate(m.bytes.data(), m.bytes.size(), 0.5f, acc.data(), acc.size()),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    EXPECT_THAT(
+        codec.ref_decode_accumulate(m.bytes.data(), m.bytes.size(), 0.5f, acc.data(), acc.size()),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
+    ExpectSameBits(acc, acc0, "accumulator");
+  }
+}
+
+// A well-formed buffer of n values is refused for a destination of n - 1.
+void ExpectWrongDestinationRejected(const BlockwiseCodec& codec, const Bytes& good, size_t n) {
+  std::vector<float> wrong(n - 1);
+  EXPECT_THAT(codec.decode(good.data(), good.size(), wrong.data(), wrong.size()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrFormat(
+                           "buffer holds %d values but the destination has %d", n, n - 1))));
+  EXPECT_THAT(codec.decode_accumulate(good.data(), good.size(), 1.0f, wrong.data(), wrong.size()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrFormat("destination has %d", n - 1))));
 }
 
 TEST(Int8CodecTest, DecodeRejectsMalformedBuffersAndLeavesOutputsAlone) {
@@ -641,37 +810,9 @@ TEST(Int8CodecTest, DecodeRejectsMalformedBuffersAndLeavesOutputsAlone) {
   Bytes good(Int8EncodedSize(x.size(), 64));
   ASSERT_THAT(Int8BlockwiseEncode(x.data(), x.size(), 64, good.data(), nullptr), IsOk());
   ASSERT_THAT(Int8BlockwiseInspect(good.data(), good.size()), IsOk());
-  const std::vector<float> acc0 = Normal(x.size(), 82);
-
-  for (const Malformed& m : MalformedBuffers(good)) {
-    SCOPED_TRACE(m.name);
-    EXPECT_THAT(Int8BlockwiseInspect(m.bytes.data(), m.bytes.size()),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
-    std::vector<float> out = acc0;
-    EXPECT_THAT(Int8BlockwiseDecode(m.bytes.data(), m.bytes.size(), out.data(), out.size()),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
-    EXPECT_THAT(
-        reference::Int8BlockwiseDecode(m.bytes.data(), m.bytes.size(), out.data(), out.size()),
-        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
-    ExpectSameBits(out, acc0, "decode output");
-    std::vector<float> acc = acc0;
-    EXPECT_THAT(
-        Int8BlockwiseDecodeAccumulate(m.bytes.data(), m.bytes.size(), 0.5f, acc.data(), acc.size()),
-        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
-    EXPECT_THAT(reference::Int8BlockwiseDecodeAccumulate(m.bytes.data(), m.bytes.size(), 0.5f,
-                                                         acc.data(), acc.size()),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(m.text)));
-    ExpectSameBits(acc, acc0, "accumulator");
-  }
-
-  // A well-formed buffer for a different destination size.
-  std::vector<float> wrong(999);
-  EXPECT_THAT(Int8BlockwiseDecode(good.data(), good.size(), wrong.data(), wrong.size()),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("buffer holds 1000 values but the destination has 999")));
-  EXPECT_THAT(
-      Int8BlockwiseDecodeAccumulate(good.data(), good.size(), 1.0f, wrong.data(), wrong.size()),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("destination has 999")));
+  ExpectMalformedRejected(kInt8, MalformedBlockwiseBuffers(good, 1000, kFloatMax / 100.0f),
+                          Normal(x.size(), 82));
+  ExpectWrongDestinationRejected(kInt8, good, x.size());
 }
 
 TEST(Int8CodecTest, DecodeReadsMinus128AsMinus127) {
@@ -690,6 +831,121 @@ TEST(Int8CodecTest, DecodeReadsMinus128AsMinus127) {
   std::vector<float> acc(3, 1.0f);
   ASSERT_THAT(Int8BlockwiseDecodeAccumulate(enc.data(), enc.size(), 0.5f, acc.data(), 3), IsOk());
   EXPECT_EQ(acc[1], 1.0f + 0.5f * (-127.0f * scale));
+}
+
+// ---- int4 blockwise -------------------------------------------------------------------------
+
+TEST(Int4CodecTest, WireLayoutByteByByte) {
+  // B = 4, n = 7: blocks {7, 0.5, 1.5, -2.5}, {0.875, -0.125, 0.4375}.
+  const std::vector<float> x = {7.0f, 0.5f, 1.5f, -2.5f, 0.875f, -0.125f, 0.4375f};
+  ASSERT_EQ(Int4EncodedSize(7, 4), 16u + 2 * 4 + 4);
+  Bytes enc(Int4EncodedSize(7, 4), 0xAA);
+  ASSERT_THAT(Int4BlockwiseEncode(x.data(), x.size(), 4, enc.data(), nullptr), IsOk());
+  const Bytes header = {'A', 'Q', '4', 0x01, 4, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0};
+  EXPECT_EQ(Bytes(enc.begin(), enc.begin() + 16), header);
+
+  float scales[2];
+  std::memcpy(scales, enc.data() + 16, sizeof(scales));
+  EXPECT_EQ(scales[0], 1.0f);    // 7 / 7
+  EXPECT_EQ(scales[1], 0.125f);  // 0.875 / 7
+  // Block 0, scale 1: levels 7, 0 (tie to even), 2, -2 (tie to even). Block 1, scale 1/8:
+  // levels 7, -1, 4 (3.5, a tie, to even). Value 2j in the low nibble, 2j + 1 in the high one;
+  // the seventh value's byte has a zero high nibble.
+  const Bytes expected_q = {0x07, 0xe2, 0xf7, 0x04};
+  EXPECT_EQ(Bytes(enc.begin() + 24, enc.end()), expected_q);
+
+  std::vector<float> out(7);
+  ASSERT_THAT(Int4BlockwiseDecode(enc.data(), enc.size(), out.data(), out.size()), IsOk());
+  ExpectSameBits(out, {7.0f, 0.0f, 2.0f, -2.0f, 0.875f, -0.125f, 0.5f}, "decode");
+
+  Bytes ref_enc(enc.size(), 0x55);
+  ASSERT_THAT(reference::Int4BlockwiseEncode(x.data(), x.size(), 4, ref_enc.data(), nullptr),
+              IsOk());
+  EXPECT_EQ(ref_enc, enc);
+}
+
+TEST(Int4CodecTest, EncodeRejectsNonFiniteNamingTheFirstIndex) {
+  std::vector<float> x = Normal(1000, 171);
+  x[777] = -std::numeric_limits<float>::infinity();
+  x[800] = std::numeric_limits<float>::quiet_NaN();  // a later bad value is not reported
+  Bytes enc(Int4EncodedSize(x.size(), 64));
+  std::vector<float> residual(x.size());
+  EXPECT_THAT(Int4BlockwiseEncode(x.data(), x.size(), 64, enc.data(), residual.data()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Int4BlockwiseEncode: x[777] is -Inf")));
+  EXPECT_THAT(reference::Int4BlockwiseEncode(x.data(), x.size(), 64, enc.data(), nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("Int4BlockwiseEncode: x[777] is -Inf")));
+}
+
+TEST(Int4CodecTest, EncodeRejectsOddOrOutOfRangeBlockSizes) {
+  const std::vector<float> x = Normal(10, 172);
+  Bytes enc(Int4EncodedSize(x.size(), 2));
+  for (const size_t b : {size_t{0}, size_t{1}, size_t{63}, kInt4MaxBlockSize + 2}) {
+    SCOPED_TRACE(b);
+    EXPECT_FALSE(Int4BlockSizeValid(b));
+    EXPECT_THAT(Int4BlockwiseEncode(x.data(), x.size(), b, enc.data(), nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block size")));
+    EXPECT_THAT(reference::Int4BlockwiseEncode(x.data(), x.size(), b, enc.data(), nullptr),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block size")));
+  }
+  EXPECT_THAT(Int4BlockwiseEncode(x.data(), x.size(), kInt4MaxBlockSize, enc.data(), nullptr),
+              IsOk());
+}
+
+// int8's malformed buffers and those only int4 has. good: n = 999, B = 64.
+std::vector<Malformed> MalformedInt4Buffers(const Bytes& good) {
+  std::vector<Malformed> cases = MalformedBlockwiseBuffers(good, 999, kFloatMax / 5.0f);
+  cases.push_back({"int8 magic", Patched(good, 0, {'A', 'Q', '8'}), "bad magic"});
+  cases.push_back({"odd block size", Patched(good, 4, {63}), "block size 63, not an even number"});
+  cases.push_back(
+      {"scale above FLT_MAX / 7", WithScale(good, 1, kFloatMax / 6.5f), "at most FLT_MAX / 7"});
+  Bytes padded = good;
+  padded.back() = static_cast<uint8_t>(padded.back() | 0x30);
+  cases.push_back({"padding nibble", padded, "padding nibble 0x3"});
+  return cases;
+}
+
+TEST(Int4CodecTest, DecodeRejectsMalformedBuffersAndLeavesOutputsAlone) {
+  const std::vector<float> x = Normal(999, 181);
+  Bytes good(Int4EncodedSize(x.size(), 64));
+  ASSERT_EQ(good.size(), 16u + 16 * 4 + 500);
+  ASSERT_THAT(Int4BlockwiseEncode(x.data(), x.size(), 64, good.data(), nullptr), IsOk());
+  ASSERT_THAT(Int4BlockwiseInspect(good.data(), good.size()), IsOk());
+  ExpectMalformedRejected(kInt4, MalformedInt4Buffers(good), Normal(x.size(), 182));
+  ExpectWrongDestinationRejected(kInt4, good, x.size());
+  // An int8 buffer is no int4 one, nor the other way round.
+  Bytes int8(Int8EncodedSize(x.size(), 64));
+  ASSERT_THAT(Int8BlockwiseEncode(x.data(), x.size(), 64, int8.data(), nullptr), IsOk());
+  EXPECT_THAT(Int4BlockwiseInspect(int8.data(), int8.size()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad magic")));
+  EXPECT_THAT(Int8BlockwiseInspect(good.data(), good.size()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad magic")));
+}
+
+TEST(Int4CodecTest, DecodeReadsMinus8AsMinus7) {
+  // Nibble 0x8 (-8) is never written by the encoder; a decoder reads it as -7. Exercised in the
+  // vectorised loop (n = 64) and in the scalar tail (n = 3).
+  for (const size_t n : {size_t{3}, size_t{64}}) {
+    SCOPED_TRACE(n);
+    std::vector<float> x(n, 0.5f);
+    x[0] = 2.0f;
+    x[1] = -1.0f;
+    Bytes enc(Int4EncodedSize(n, 64));
+    ASSERT_THAT(Int4BlockwiseEncode(x.data(), n, 64, enc.data(), nullptr), IsOk());
+    enc[16 + 4] = static_cast<uint8_t>((enc[16 + 4] & 0x0f) | 0x80);  // value 1 = -8
+    std::vector<float> out(n);
+    std::vector<float> ref_out(n);
+    ASSERT_THAT(Int4BlockwiseDecode(enc.data(), enc.size(), out.data(), n), IsOk());
+    ASSERT_THAT(reference::Int4BlockwiseDecode(enc.data(), enc.size(), ref_out.data(), n), IsOk());
+    const float scale = 2.0f / 7.0f;
+    EXPECT_EQ(out[0], 7.0f * scale);
+    EXPECT_EQ(out[1], -7.0f * scale);
+    ExpectSameBits(out, ref_out, "decode");
+    std::vector<float> acc(n, 1.0f);
+    ASSERT_THAT(Int4BlockwiseDecodeAccumulate(enc.data(), enc.size(), 0.5f, acc.data(), n), IsOk());
+    EXPECT_EQ(acc[1], 1.0f + 0.5f * (-7.0f * scale));
+  }
 }
 
 #ifdef ALOE_HAVE_CUDA
@@ -733,38 +989,60 @@ class CodecKernelsCudaTest : public ::testing::TestWithParam<std::tuple<size_t, 
   size_t Count() const { return SizeOf(std::get<1>(GetParam()), BlockSize()); }
 };
 
-TEST_P(CodecKernelsCudaTest, MatchesCpuReferenceBitExact) {
-  const size_t n = Count();
-  const size_t b = BlockSize();
-  const std::vector<float> x = WideRange(n, 91 + static_cast<unsigned>(n));
-  const std::vector<float> acc0 = Normal(n, 92 + static_cast<unsigned>(n));
+// The CUDA kernels of a blockwise codec and the CPU codec they must match.
+struct CudaBlockwiseCodec {
+  const BlockwiseCodec* cpu;
+  std::string (*encode)(const float* x, size_t n, size_t block_size, void* out, float* residual,
+                        void* stream);
+  std::string (*decode)(const void* in, size_t n, size_t block_size, float* out, void* stream);
+  std::string (*decode_accumulate)(const void* in, size_t n, size_t block_size, float w, float* acc,
+                                   void* stream);
+};
 
-  // int8 encode (with residual), decode, decode-accumulate.
-  Bytes ref_enc(Int8EncodedSize(n, b));
+const CudaBlockwiseCodec kCudaInt8 = {&kInt8, CudaInt8BlockwiseEncode, CudaInt8BlockwiseDecode,
+                                      CudaInt8BlockwiseDecodeAccumulate};
+const CudaBlockwiseCodec kCudaInt4 = {&kInt4, CudaInt4BlockwiseEncode, CudaInt4BlockwiseDecode,
+                                      CudaInt4BlockwiseDecodeAccumulate};
+
+// Encode (with residual), decode and decode-accumulate of x on the device give the CPU
+// reference's bytes and floats, bit for bit.
+void ExpectCudaMatchesReference(const CudaBlockwiseCodec& codec, const std::vector<float>& x,
+                                size_t b) {
+  const size_t n = x.size();
+  const BlockwiseCodec& cpu = *codec.cpu;
+  const std::vector<float> acc0 = Normal(n, 92 + static_cast<unsigned>(n));
+  Bytes ref_enc(cpu.encoded_size(n, b));
   std::vector<float> ref_residual(n);
-  ASSERT_THAT(reference::Int8BlockwiseEncode(x.data(), n, b, ref_enc.data(), ref_residual.data()),
-              IsOk());
+  ASSERT_THAT(cpu.ref_encode(x.data(), n, b, ref_enc.data(), ref_residual.data()), IsOk());
   std::vector<float> ref_out(n);
-  ASSERT_THAT(reference::Int8BlockwiseDecode(ref_enc.data(), ref_enc.size(), ref_out.data(), n),
-              IsOk());
+  ASSERT_THAT(cpu.ref_decode(ref_enc.data(), ref_enc.size(), ref_out.data(), n), IsOk());
   std::vector<float> ref_acc = acc0;
-  ASSERT_THAT(reference::Int8BlockwiseDecodeAccumulate(ref_enc.data(), ref_enc.size(), 0.37f,
-                                                       ref_acc.data(), n),
+  ASSERT_THAT(cpu.ref_decode_accumulate(ref_enc.data(), ref_enc.size(), 0.37f, ref_acc.data(), n),
               IsOk());
   const std::vector<float> zeros(n, 0.0f);
   DeviceVector<float> d_x(x), d_residual(zeros), d_out(zeros), d_acc(acc0);
   DeviceVector<uint8_t> d_enc(Bytes(ref_enc.size(), 0xAA));
   ASSERT_TRUE(d_x.Valid() && d_residual.Valid() && d_out.Valid() && d_acc.Valid() && d_enc.Valid());
-  EXPECT_EQ(CudaInt8BlockwiseEncode(d_x.Data(), n, b, d_enc.Data(), d_residual.Data(), nullptr),
-            "");
-  EXPECT_EQ(CudaInt8BlockwiseDecode(d_enc.Data(), n, b, d_out.Data(), nullptr), "");
-  EXPECT_EQ(CudaInt8BlockwiseDecodeAccumulate(d_enc.Data(), n, b, 0.37f, d_acc.Data(), nullptr),
-            "");
+  EXPECT_EQ(codec.encode(d_x.Data(), n, b, d_enc.Data(), d_residual.Data(), nullptr), "");
+  EXPECT_EQ(codec.decode(d_enc.Data(), n, b, d_out.Data(), nullptr), "");
+  EXPECT_EQ(codec.decode_accumulate(d_enc.Data(), n, b, 0.37f, d_acc.Data(), nullptr), "");
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(d_enc.ToHost(), ref_enc);
-  ExpectSameBits(d_residual.ToHost(), ref_residual, "cuda int8 residual");
-  ExpectSameBits(d_out.ToHost(), ref_out, "cuda int8 decode");
-  ExpectSameBits(d_acc.ToHost(), ref_acc, "cuda int8 decode-accumulate");
+  ExpectSameBits(d_residual.ToHost(), ref_residual, std::string("cuda residual ") + cpu.name);
+  ExpectSameBits(d_out.ToHost(), ref_out, std::string("cuda decode ") + cpu.name);
+  ExpectSameBits(d_acc.ToHost(), ref_acc, std::string("cuda decode-accumulate ") + cpu.name);
+}
+
+TEST_P(CodecKernelsCudaTest, MatchesCpuReferenceBitExact) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  const std::vector<float> x = WideRange(n, 91 + static_cast<unsigned>(n));
+  ExpectCudaMatchesReference(kCudaInt8, x, b);
+  std::vector<float> ref_residual(n);
+  std::vector<float> ref_out(n);
+  const std::vector<float> zeros(n, 0.0f);
+  DeviceVector<float> d_x(x), d_residual(zeros), d_out(zeros);
+  ASSERT_TRUE(d_x.Valid() && d_residual.Valid() && d_out.Valid());
 
   // bf16 encode (with residual) and decode.
   Bytes ref_bf16(Bf16EncodedSize(n));
@@ -803,6 +1081,37 @@ TEST_P(CodecKernelsCudaTest, NonFiniteInputYieldsABufferTheCpuDecoderRejects) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("encoded value " + std::to_string(n / 2) + " is NaN")));
 }
+
+using CodecKernelsCudaInt4Test = CodecKernelsCudaTest;
+
+TEST_P(CodecKernelsCudaInt4Test, MatchesCpuReferenceBitExact) {
+  const size_t n = Count();
+  const size_t b = BlockSize();
+  const std::vector<float> x = WideRange(n, 94 + static_cast<unsigned>(n));
+  ExpectCudaMatchesReference(kCudaInt4, x, b);
+
+  // A NaN makes its block's scale NaN, which the CPU decoder refuses.
+  if (n == 0) return;
+  std::vector<float> poisoned = x;
+  poisoned[n / 2] = std::numeric_limits<float>::quiet_NaN();
+  DeviceVector<float> d_x(x), d_poisoned(poisoned);
+  DeviceVector<uint8_t> d_enc(Bytes(Int4EncodedSize(n, b)));
+  ASSERT_TRUE(d_x.Valid() && d_poisoned.Valid() && d_enc.Valid());
+  EXPECT_EQ(CudaInt4BlockwiseEncode(d_poisoned.Data(), n, b, d_enc.Data(), nullptr, nullptr), "");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Bytes enc = d_enc.ToHost();
+  std::vector<float> out(n);
+  EXPECT_THAT(Int4BlockwiseDecode(enc.data(), enc.size(), out.data(), n),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("for block " + std::to_string(n / 2 / b))));
+  EXPECT_NE(CudaInt4BlockwiseEncode(d_x.Data(), n, b + 1, d_enc.Data(), nullptr, nullptr), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(BlocksAndSizes, CodecKernelsCudaInt4Test,
+                         ::testing::Combine(::testing::Values(size_t{2}, size_t{64}, size_t{256},
+                                                              size_t{4096}),
+                                            kSizeKinds),
+                         Int8ParamName);
 
 INSTANTIATE_TEST_SUITE_P(
     BlocksAndSizes, CodecKernelsCudaTest,

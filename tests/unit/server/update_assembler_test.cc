@@ -20,6 +20,7 @@ namespace {
 using ::aloe::testing::CutAt;
 using ::aloe::testing::IsOk;
 using ::aloe::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 v1::ModelSpec OneLayer(uint64_t n) {
@@ -225,6 +226,71 @@ TEST(UpdateAssemblerTest, MalformedEncodedChunkNamesTheLayerAndCodec) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("CODEC_INT8_BLOCKWISE")));
   EXPECT_THAT(assembler.AddChunk(0, 0, std::string(3, '\0'), v1::CODEC_BF16),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 0 (only)")));
+}
+
+TEST(UpdateAssemblerTest, Int4ChunksDecodeAndHostileOnesAreRefusedNamingTheProblem) {
+  const v1::ModelSpec spec = OneLayer(1001);
+  std::vector<float> g(1001);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.001f * static_cast<float>(i) - 0.5f;
+  std::string a, b;
+  const auto first = absl::MakeConstSpan(g.data(), 640);
+  const auto rest = absl::MakeConstSpan(g.data() + 640, 361);  // odd: a padding nibble
+  ASSERT_THAT(EncodeChunk(v1::CODEC_INT4_BLOCKWISE, first, 64, &a, nullptr), IsOk());
+  ASSERT_THAT(EncodeChunk(v1::CODEC_INT4_BLOCKWISE, rest, 64, &b, nullptr), IsOk());
+  v1::PushHeader header;
+  header.set_codec(v1::CODEC_INT4_BLOCKWISE);
+  {
+    UpdateAssembler assembler(spec, header);
+    ASSERT_THAT(assembler.AddChunk(0, 0, a), IsOk());
+    ASSERT_THAT(assembler.AddChunk(0, 640, b), IsOk());
+    EXPECT_EQ(assembler.bytes_received(), a.size() + b.size());
+    auto update = std::move(assembler).Finish();
+    ASSERT_THAT(update, IsOk());
+    // Half a step of each block: its max |g| / 14.
+    for (size_t k = 0; k < g.size(); k += 64) {
+      float m = 0;
+      for (size_t i = k; i < std::min(g.size(), k + 64); ++i) m = std::max(m, std::abs(g[i]));
+      for (size_t i = k; i < std::min(g.size(), k + 64); ++i) {
+        ASSERT_NEAR(update->layers[0][i], g[i], m / 14 * 1.0001f) << i;
+      }
+    }
+  }
+  auto with_scale = [](std::string bytes, size_t block, float scale) {
+    bytes.replace(16 + 4 * block, 4, reinterpret_cast<const char*>(&scale), 4);
+    return bytes;
+  };
+  std::string other_n = a;
+  other_n[8] = static_cast<char>(other_n[8] + 2);  // n = 642 in a buffer sized for 640
+  struct Hostile {
+    std::string bytes;
+    std::string text;
+  };
+  const Hostile hostile[] = {
+      {a.substr(0, a.size() - 1), "int4 buffer is 375 bytes but its header (n=640"},
+      {"AQ8" + a.substr(3), "bad magic"},
+      {with_scale(a, 2, std::numeric_limits<float>::quiet_NaN()), "for block 2"},
+      {with_scale(a, 9, std::numeric_limits<float>::infinity()), "for block 9"},
+      {with_scale(a, 0, -0.25f), "invalid scale -0.25"},
+      {other_n, "n=642"},
+  };
+  for (const Hostile& h : hostile) {
+    UpdateAssembler assembler(spec, header);
+    EXPECT_THAT(assembler.AddChunk(0, 0, h.bytes),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("layer 0 (only)"), HasSubstr("CODEC_INT4_BLOCKWISE"),
+                               HasSubstr(h.text))));
+    EXPECT_EQ(assembler.bytes_received(), 0u) << h.text;
+  }
+  // A well-formed chunk that runs past the layer's end.
+  UpdateAssembler assembler(spec, header);
+  ASSERT_THAT(assembler.AddChunk(0, 0, a), IsOk());
+  std::string too_long;
+  ASSERT_THAT(EncodeChunk(v1::CODEC_INT4_BLOCKWISE, absl::MakeConstSpan(g.data(), 362), 64,
+                          &too_long, nullptr),
+              IsOk());
+  EXPECT_THAT(assembler.AddChunk(0, 640, too_long),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("chunk [640, 1002) exceeds the layer's 1001 elements")));
 }
 
 TEST(UpdateAssemblerTest, PayloadInPiecesDecodesAsTheWholeWhereverItIsCut) {

@@ -130,6 +130,11 @@ TEST(WireBytesTest, PullIsFloat32AndPushFollowsTheCodecs) {
   EXPECT_EQ(PushBytes(spec, transport, head_only),
             (16u + 4u * 4028u + 1031168u) + (16u + 4u * 269u + 68832u));
   EXPECT_EQ(PullBytes(spec, head_only), 4u * 1100000u);
+  // int4 in blocks of 64: "head" fits one chunk of 17188 blocks (the last one short) and
+  // 550000 bytes of levels.
+  transport.set_codec(v1::CODEC_INT4_BLOCKWISE);
+  transport.set_int4_block_size(64);
+  EXPECT_EQ(PushBytes(spec, transport, head_only), 16u + 4u * 17188u + 550000u);
 }
 
 TEST(ParseLinksTest, ParsesSymmetricAsymmetricAndInfiniteLinks) {

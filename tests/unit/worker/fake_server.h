@@ -154,7 +154,8 @@ class FakeServer final : public ServerApi {
   }
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header, const v1::ModelSpec& spec,
                                      const std::vector<std::vector<float>>& layers,
-                                     const std::vector<v1::Codec>& codecs, size_t int8_block_size,
+                                     const std::vector<v1::Codec>& codecs,
+                                     const BlockSizes& block_sizes,
                                      std::vector<std::vector<float>>* residuals,
                                      uint64_t* bytes) override {
     absl::MutexLock lock(&mu_);
@@ -183,7 +184,7 @@ class FakeServer final : public ServerApi {
   absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader&, const v1::ModelSpec&,
                                           absl::Span<const uint32_t>,
                                           const std::vector<std::vector<float>>&,
-                                          const std::vector<v1::Codec>&, size_t,
+                                          const std::vector<v1::Codec>&, const BlockSizes&,
                                           std::vector<std::vector<float>>*, uint64_t*) override {
     return absl::UnimplementedError("FakeServer has no layer groups");
   }

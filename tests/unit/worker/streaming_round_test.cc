@@ -29,6 +29,7 @@ using ::aloe::testing::IsOk;
 using ::aloe::testing::StatusIs;
 using ::testing::Each;
 using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 constexpr size_t kElements = 2;  // per layer
 constexpr float kStart = 5.0f;   // every initial parameter
@@ -59,6 +60,11 @@ class GroupServer final : public ServerApi {
   void AddPushError(absl::Status error) {
     absl::MutexLock lock(&mu_);
     push_errors_.push_back(std::move(error));
+  }
+  // The next push that ends a task (no task_continues) is refused with `error`.
+  void AddEndError(absl::Status error) {
+    absl::MutexLock lock(&mu_);
+    end_errors_.push_back(std::move(error));
   }
   // The next `n` StartGroup calls of `group` answer WAIT.
   void AddWaits(uint32_t group, int n) {
@@ -97,8 +103,9 @@ class GroupServer final : public ServerApi {
   absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest&) override {
     return v1::HeartbeatReply();
   }
-  absl::StatusOr<v1::Task> RequestTask(uint64_t, bool, uint64_t) override {
+  absl::StatusOr<v1::Task> RequestTask(uint64_t, bool ahead, uint64_t given_up) override {
     absl::MutexLock lock(&mu_);
+    requests_.emplace_back(ahead, given_up);
     v1::Task task;
     task.set_kind(v1::Task::STOP);
     if (tasks_.empty()) return task;
@@ -123,7 +130,7 @@ class GroupServer final : public ServerApi {
   }
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader&, const v1::ModelSpec&,
                                      const std::vector<std::vector<float>>&,
-                                     const std::vector<v1::Codec>&, size_t,
+                                     const std::vector<v1::Codec>&, const BlockSizes&,
                                      std::vector<std::vector<float>>*, uint64_t*) override {
     return absl::UnimplementedError("whole-model push under layer groups");
   }
@@ -164,16 +171,18 @@ class GroupServer final : public ServerApi {
   absl::StatusOr<v1::PushReply> PushGroup(const v1::PushHeader& header, const v1::ModelSpec&,
                                           absl::Span<const uint32_t>,
                                           const std::vector<std::vector<float>>& layers,
-                                          const std::vector<v1::Codec>&, size_t,
+                                          const std::vector<v1::Codec>&, const BlockSizes&,
                                           std::vector<std::vector<float>>*,
                                           uint64_t* bytes) override {
     absl::MutexLock lock(&mu_);
     pushes_.push_back({header, layers});
     if (clock_ != nullptr) clock_->Advance(transfer_);
     const uint32_t g = header.group();
-    if (!push_errors_.empty()) {
-      absl::Status error = push_errors_.front();
-      push_errors_.pop_front();
+    std::deque<absl::Status>& errors =
+        !header.task_continues() && !end_errors_.empty() ? end_errors_ : push_errors_;
+    if (!errors.empty()) {
+      absl::Status error = errors.front();
+      errors.pop_front();
       granted_[g] = false;
       return error;
     }
@@ -217,6 +226,11 @@ class GroupServer final : public ServerApi {
     absl::MutexLock lock(&mu_);
     return leaves_;
   }
+  // Every RequestTask: (ahead, given_up_task_id).
+  std::vector<std::pair<bool, uint64_t>> requests() {
+    absl::MutexLock lock(&mu_);
+    return requests_;
+  }
 
  private:
   const uint32_t groups_;
@@ -229,6 +243,8 @@ class GroupServer final : public ServerApi {
   std::map<uint32_t, int> waits_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::Task> tasks_ ABSL_GUARDED_BY(mu_);
   std::deque<absl::Status> push_errors_ ABSL_GUARDED_BY(mu_);
+  std::deque<absl::Status> end_errors_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<bool, uint64_t>> requests_ ABSL_GUARDED_BY(mu_);
   std::vector<PushCall> pushes_ ABSL_GUARDED_BY(mu_);
   std::vector<uint32_t> starts_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pull_versions_ ABSL_GUARDED_BY(mu_);
@@ -248,6 +264,21 @@ class StepTrainer final : public TrainerInterface {
   };
   absl::Status SetParameters(const std::vector<std::vector<float>>& layers) override {
     params_ = layers;
+    ++set_parameters_calls;
+    return absl::OkStatus();
+  }
+  // Layer-wise access only with `layerwise` (else the whole-model fallback is used).
+  absl::Status GetLayers(absl::Span<const uint32_t> ids,
+                         std::vector<std::vector<float>>* layers) const override {
+    if (!layerwise) return absl::UnimplementedError("whole model only");
+    for (uint32_t l : ids) (*layers)[l] = params_[l];
+    return absl::OkStatus();
+  }
+  absl::Status SetLayers(absl::Span<const uint32_t> ids,
+                         const std::vector<std::vector<float>>& layers) override {
+    if (!layerwise) return absl::UnimplementedError("whole model only");
+    for (uint32_t l : ids) params_[l] = layers[l];
+    ++set_layers_calls;
     return absl::OkStatus();
   }
   absl::StatusOr<TrainStats> Train(const TrainRequest& request) override {
@@ -282,6 +313,9 @@ class StepTrainer final : public TrainerInterface {
   const std::vector<std::vector<float>>& params() const { return params_; }
 
   std::vector<Call> calls;
+  bool layerwise = false;
+  int set_parameters_calls = 0;
+  int set_layers_calls = 0;
   uint64_t stop_after = 0;
   std::atomic<bool>* stop = nullptr;
   FakeClock* clock = nullptr;  // advanced 1 s per step when set
@@ -387,6 +421,34 @@ TEST_F(StreamingRoundsTest, StridedTasksPushEachGroupAfterItsStepAndMergeTheGlob
   EXPECT_THAT(server_->starts(), ::testing::SizeIs(12));
 }
 
+// A trainer with layer-wise access gets only each group's layers at its push and merge, and
+// ends exactly where the whole-model path ends.
+TEST_F(StreamingRoundsTest, LayerWiseTrainersMoveOnlyTheGroupsLayers) {
+  v1::PartialSyncConfig config;
+  config.set_merge_delay_steps(1);
+  config.set_mixing_alpha(0.5);
+  std::vector<std::vector<std::vector<float>>> pushed[2];
+  std::vector<std::vector<float>> final_params[2];
+  for (int layerwise = 0; layerwise < 2; ++layerwise) {
+    trainer_ = StepTrainer();
+    trainer_.layerwise = layerwise == 1;
+    Start(4, config);
+    ASSERT_THAT(rounds_->Run(TrainTask(1, 8), &data_), IsOk());
+    ASSERT_THAT(rounds_->Run(TrainTask(2, 8), &data_), IsOk());
+    for (const GroupServer::PushCall& p : server_->pushes()) pushed[layerwise].push_back(p.layers);
+    final_params[layerwise] = trainer_.params();
+    if (layerwise == 1) {
+      // 8 pushes, each merged one step later but the last (still pending).
+      EXPECT_EQ(trainer_.set_parameters_calls, 1) << "the cold start only";
+      EXPECT_EQ(trainer_.set_layers_calls, 7);
+    } else {
+      EXPECT_EQ(trainer_.set_parameters_calls, 8);
+    }
+  }
+  EXPECT_EQ(pushed[1], pushed[0]);
+  EXPECT_EQ(final_params[1], final_params[0]);
+}
+
 TEST_F(StreamingRoundsTest, MergeDelayDefersTheMergeAndMixesWithAlpha) {
   v1::PartialSyncConfig config;
   config.set_merge_delay_steps(1);
@@ -427,6 +489,42 @@ TEST_F(StreamingRoundsTest, RefusedPushTakesTheGroupAgainAndReplacesIt) {
   const std::vector<GroupServer::PushCall> pushes = server_->pushes();
   ASSERT_EQ(pushes.size(), 2u);
   EXPECT_FALSE(pushes[1].header.task_continues());
+}
+
+// Overlap: Run leaves the task's last push in flight (the next task is taken ahead meanwhile)
+// and AwaitEnd answers it; a refused one is given up on the background thread first.
+TEST_F(StreamingRoundsTest, AnEndLeftInFlightIsAnsweredLaterAndARefusedOneGivenUp) {
+  Start(2);
+  absl::StatusOr<StreamingTask> first = rounds_->Run(TrainTask(1, 4), &data_, /*await_end=*/false);
+  ASSERT_THAT(first, IsOk());
+  EXPECT_TRUE(first->end_in_flight);
+  EXPECT_FALSE(first->ended);
+  RoundCosts costs;
+  absl::StatusOr<v1::PushReply> reply = rounds_->AwaitEnd(&costs);
+  ASSERT_THAT(reply, IsOk());
+  EXPECT_EQ(reply->group_version(), 1u);  // group 1's first push
+  // Both pushes' bytes are counted once: at a merge during Run, or here.
+  EXPECT_EQ(first->costs.pushed_bytes + costs.pushed_bytes, 2 * kElements * sizeof(float));
+  EXPECT_THAT(rounds_->AwaitEnd(&costs),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no task's last push")));
+  const std::vector<GroupServer::PushCall> pushes = server_->pushes();
+  ASSERT_EQ(pushes.size(), 2u);
+  EXPECT_FALSE(pushes[1].header.task_continues());
+  EXPECT_FALSE(pushes[1].header.want_next_task()) << "the next task is taken ahead instead";
+
+  // Task 2's last push is refused: the task is given up (RequestTask naming it) before AwaitEnd
+  // returns the refusal.
+  server_->AddEndError(absl::FailedPreconditionError("too stale"));
+  absl::StatusOr<StreamingTask> second = rounds_->Run(TrainTask(2, 4), &data_, false);
+  ASSERT_THAT(second, IsOk());
+  EXPECT_THAT(rounds_->AwaitEnd(&costs),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("too stale")));
+  EXPECT_THAT(server_->requests(), ElementsAre(std::make_pair(false, uint64_t{2})));
+  // Awaited (the default), a refused last push is Run's error, and nothing is given up here.
+  server_->AddEndError(absl::FailedPreconditionError("too stale"));
+  EXPECT_THAT(rounds_->Run(TrainTask(3, 4), &data_),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("too stale")));
+  EXPECT_EQ(server_->requests().size(), 1u);
 }
 
 TEST_F(StreamingRoundsTest, UnknownWorkerEndsTheTaskWithNotFound) {

@@ -156,6 +156,35 @@ TEST(LocalTrainerTest, SetParametersRejectsWrongShapes) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layers")));
 }
 
+TEST(LocalTrainerTest, LayersAreReadAndWrittenOneByOne) {
+  auto trainer = MakeTrainer(/*seed=*/9);
+  ASSERT_NE(trainer, nullptr);
+  const Layers before = Params(*trainer);
+  const Layers other = InitializeParameters(trainer->spec(), 1234);
+  ASSERT_GE(other.size(), 3u);
+  // Layers 0 and 2 replaced, the others kept exactly.
+  ASSERT_THAT(trainer->SetLayers({0, 2}, other), IsOk());
+  const Layers now = Params(*trainer);
+  for (size_t l = 0; l < now.size(); ++l) {
+    EXPECT_EQ(now[l], l == 0 || l == 2 ? other[l] : before[l]) << "layer " << l;
+  }
+  // GetLayers fills only the entries named; the rest stay as they were.
+  Layers out(now.size(), std::vector<float>{-1.0f});
+  ASSERT_THAT(trainer->GetLayers({1}, &out), IsOk());
+  EXPECT_EQ(out[1], now[1]);
+  EXPECT_EQ(out[0], std::vector<float>{-1.0f});
+  // A wrong id or size changes nothing.
+  Layers shorter = other;
+  shorter[2].pop_back();
+  EXPECT_THAT(trainer->SetLayers({2}, shorter),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocks.1")));
+  EXPECT_THAT(trainer->SetLayers({99}, other),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 99")));
+  EXPECT_THAT(trainer->GetLayers({99}, &out),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 99")));
+  EXPECT_EQ(Params(*trainer), now);
+}
+
 TEST(LocalTrainerTest, PseudoGradientIsBaseMinusEnd) {
   auto trainer = MakeTrainer();
   ASSERT_NE(trainer, nullptr);
