@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/low_rank_wire.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
@@ -88,6 +89,31 @@ absl::Status CheckDelayedNesterov(const v1::OuterOptimizerConfig& c) {
         absl::StrFormat("outer_optimizer.dn_momentum_activation must be in [0, 1/N] with N = "
                         "dn_buffer_size = %d, got %.9g",
                         n, activation));
+  }
+  return absl::OkStatus();
+}
+
+// CODEC_LOWRANK needs a rank and a codec that can encode factors; the other codecs take neither.
+absl::Status CheckLowRankLayerCodec(const v1::LayerCodec& layer) {
+  if (layer.codec() != v1::CODEC_LOWRANK) {
+    if (layer.rank() != 0 || layer.factor_codec() != v1::CODEC_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "transport.layer_codecs: layer \"%s\": rank and factor_codec are for CODEC_LOWRANK",
+          layer.layer()));
+    }
+    return absl::OkStatus();
+  }
+  if (layer.rank() < 1 || layer.rank() > kMaxLowRank) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("transport.layer_codecs: layer \"%s\": rank must be in [1, %d], got %d",
+                        layer.layer(), kMaxLowRank, layer.rank()));
+  }
+  const v1::Codec factor = layer.factor_codec();
+  if (factor != v1::CODEC_UNSPECIFIED &&
+      (!v1::Codec_IsValid(factor) || !IsLowRankFactorCodec(factor))) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "transport.layer_codecs: layer \"%s\": factor_codec %d cannot encode low-rank factors",
+        layer.layer(), factor));
   }
   return absl::OkStatus();
 }
@@ -341,11 +367,16 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
         absl::StrFormat("transport.int4_block_size must be even and in [2, 65536], got %d",
                         transport.int4_block_size()));
   }
+  if (transport.codec() == v1::CODEC_LOWRANK) {
+    return absl::InvalidArgumentError(
+        "transport.codec: CODEC_LOWRANK is chosen per layer (transport.layer_codecs, with a rank)");
+  }
   for (const auto& layer : transport.layer_codecs()) {
     if (!v1::Codec_IsValid(layer.codec()) || layer.codec() == v1::CODEC_UNSPECIFIED) {
       return absl::InvalidArgumentError(
           absl::StrFormat("transport.layer_codecs: layer \"%s\" needs a codec", layer.layer()));
     }
+    ALOE_RETURN_IF_ERROR(CheckLowRankLayerCodec(layer));
   }
   ALOE_RETURN_IF_ERROR(ValidatePenaltyConfig(c.penalty()));
   if (!v1::AggregationMode_IsValid(c.aggregation().mode())) {

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "common/low_rank_wire.h"
 #include "kernels/cpu/codec_kernels.h"
 #include "kernels/cpu/outer_kernels.h"
 
@@ -119,6 +120,10 @@ absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t
       out->resize(old + kernels::Int4EncodedSize(values.size(), block_size));
       return kernels::Int4BlockwiseEncode(values.data(), values.size(), block_size,
                                           out->data() + old, residual);
+    case v1::CODEC_LOWRANK:
+      return absl::InvalidArgumentError(
+          "CODEC_LOWRANK encodes the factors of a whole 2-D tensor (EncodeLowRankFactors), not a "
+          "run of values");
     default:
       return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
   }
@@ -148,6 +153,8 @@ absl::StatusOr<size_t> EncodedElementCount(v1::Codec codec, std::string_view pay
       if (!info.ok()) return info.status();
       return info->n;
     }
+    case v1::CODEC_LOWRANK:
+      return LowRankChunkElements(payload);
     default:
       return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
   }
@@ -164,6 +171,8 @@ absl::Status DecodeChunk(v1::Codec codec, std::string_view payload, absl::Span<f
       return kernels::Int8BlockwiseDecode(payload.data(), payload.size(), out.data(), out.size());
     case v1::CODEC_INT4_BLOCKWISE:
       return kernels::Int4BlockwiseDecode(payload.data(), payload.size(), out.data(), out.size());
+    case v1::CODEC_LOWRANK:
+      return DecodeLowRankChunk(payload, out);
     default:
       return absl::InvalidArgumentError(absl::StrFormat("unknown codec %d", codec));
   }

@@ -70,7 +70,8 @@ absl::Status CheckFinite(absl::Span<const float> values);
 absl::Status EncodeChunk(v1::Codec codec, absl::Span<const float> values, size_t block_size,
                          std::string* out, float* residual);
 
-// Elements an encoded payload holds; kInvalidArgument when its framing is malformed.
+// Elements an encoded payload holds; kInvalidArgument when its framing is malformed. For
+// CODEC_LOWRANK (common/low_rank_wire.h), which EncodeChunk refuses, from the chunk's header.
 absl::StatusOr<size_t> EncodedElementCount(v1::Codec codec, std::string_view payload);
 
 // Decodes a payload of exactly out.size() elements. kInvalidArgument for malformed payloads and

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "common/logging.h"
+#include "common/low_rank_push.h"
 #include "common/model_spec.h"
 #include "common/push_wire.h"
 #include "common/raw_push.h"
@@ -400,6 +401,31 @@ class SliceLoans {
   absl::Mutex mu_;
   int lent_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// Appends the chunks of low-rank layer `layer` (whole, or the push is refused: a tensor's
+// factors need all of it) to *chunks, and its error-feedback residual to (*residuals)[layer].
+absl::Status EncodeLowRankLayer(LowRankPushEncoder* encoder, const v1::PushHeader& header,
+                                size_t layer, const std::vector<float>& values,
+                                std::vector<std::vector<float>>* residuals,
+                                std::vector<OutgoingChunk>* chunks) {
+  if (encoder == nullptr || header.slices() > 1) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "layer %d is low-rank, which only whole-layer pushes with a low-rank encoder carry",
+        layer));
+  }
+  std::vector<EncodedChunk> encoded;
+  ALOE_RETURN_IF_ERROR(encoder->EncodeLayer(
+      static_cast<uint32_t>(layer), values,
+      residuals != nullptr ? (*residuals)[layer].data() : nullptr, &encoded, kMaxChunkBytes));
+  for (EncodedChunk& e : encoded) {
+    OutgoingChunk& chunk = chunks->emplace_back();
+    chunk.layer_id = static_cast<uint32_t>(layer);
+    chunk.offset = e.offset;
+    chunk.codec = e.codec;
+    chunk.encoded = std::move(e.payload);
+  }
+  return absl::OkStatus();
+}
 
 // Streams `chunks` to `channel` as one Push, the header in the first message; *bytes grows by
 // the payload bytes written. Each message is framed by hand (common/push_wire.h): a few bytes of
@@ -829,6 +855,16 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
     }
     std::vector<OutgoingChunk>& chunks =
         streams[shards->empty() ? 0 : spec.layers(static_cast<int>(layer)).shard()];
+    if (codec == v1::CODEC_LOWRANK) {
+      std::shared_ptr<LowRankPushEncoder> encoder;
+      {
+        absl::MutexLock lock(&low_rank_mu_);
+        encoder = low_rank_;
+      }
+      ALOE_RETURN_IF_ERROR(
+          EncodeLowRankLayer(encoder.get(), header, layer, layers[layer], residuals, &chunks));
+      continue;
+    }
     for (auto [begin, end] : ChunkRanges(layers[layer].size(), max_elements)) {
       OutgoingChunk& chunk = chunks.emplace_back();
       chunk.layer_id = static_cast<uint32_t>(layer);

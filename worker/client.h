@@ -127,8 +127,15 @@ class ServerClient final : public ServerApi {
                                 const v1::ModelSpec& spec, std::vector<std::vector<float>>* layers,
                                 uint64_t* bytes, uint32_t slice = 0, uint32_t slices = 1) override;
 
+  void SetLowRankEncoder(std::shared_ptr<LowRankPushEncoder> encoder) override {
+    absl::MutexLock lock(&low_rank_mu_);
+    low_rank_ = std::move(encoder);
+  }
+
   // Pushes a pseudo-gradient (one buffer per spec layer) under `header`, layer l encoded with
-  // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB. With header.slices() > 1, layers[l]
+  // codecs[l] (empty: FP32 everywhere) in chunks of <= 1 MiB; a CODEC_LOWRANK layer by the
+  // SetLowRankEncoder encoder, whole layers only (kFailedPrecondition for a sliced push or
+  // without one). With header.slices() > 1, layers[l]
   // is slice header.slice() of layer l and the chunk offsets are placed accordingly. When
   // residuals is not null it receives, per layer, layers - decode(encode(layers)) for error
   // feedback; block_sizes gives the int8 and int4 blocks. kInvalidArgument (nothing sent) when a
@@ -241,6 +248,8 @@ class ServerClient final : public ServerApi {
                                             absl::Span<const uint32_t> layer_groups = {}) const;
 
   std::string token_;
+  mutable absl::Mutex low_rank_mu_;
+  std::shared_ptr<LowRankPushEncoder> low_rank_ ABSL_GUARDED_BY(low_rank_mu_);
   bool raw_push_ = true;
   uint32_t pull_streams_ = 1;
   std::shared_ptr<const TlsContext> raw_tls_;  // null: raw pushes in plaintext

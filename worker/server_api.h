@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,11 +15,19 @@
 #include "common/tensor_codec.h"
 #include "proto/aloe.pb.h"
 
+namespace aloe {
+class LowRankPushEncoder;  // common/low_rank_push.h
+}  // namespace aloe
+
 namespace aloe::worker {
 
 class ServerApi {
  public:
   virtual ~ServerApi() = default;
+
+  // The encoder that Push and PushGroup use for layers whose codec is CODEC_LOWRANK (null: such
+  // a layer is refused). Implementations that encode nothing themselves ignore it.
+  virtual void SetLowRankEncoder(std::shared_ptr<LowRankPushEncoder> encoder) {}
 
   virtual absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request) = 0;
   virtual absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request) = 0;

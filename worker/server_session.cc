@@ -80,7 +80,17 @@ absl::Status ServerSession::Adopt(const v1::JoinReply& joined) {
       if (o.layer() == layer.name()) codec = o.codec();
     }
     codecs_.push_back(codec);
+    if (codec == v1::CODEC_LOWRANK && slices_ > 1) {
+      // A tensor's factors need the whole tensor, which no rank of an FSDP node holds
+      // (docs/algorithms.md, "Low-rank compression (paper 001)").
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "layer %s is pushed low-rank (transport.layer_codecs), which multi-rank (FSDP) nodes "
+          "cannot do yet: run this node with one rank, or give the layer another codec",
+          layer.name()));
+    }
   }
+  low_rank_->Configure(transport, joined_.model_spec());
+  server_.SetLowRankEncoder(low_rank_);
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/low_rank_push.h"
 #include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
 #include "worker/agent_options.h"
@@ -91,6 +93,8 @@ class ServerSession {
   v1::JoinReply joined_;
   std::vector<v1::Codec> codecs_;             // per layer, from the server's transport
   std::vector<std::vector<float>> residual_;  // error feedback, per layer
+  // The CODEC_LOWRANK layers' warm starts, shared with the server client that encodes pushes.
+  std::shared_ptr<LowRankPushEncoder> low_rank_ = std::make_shared<LowRankPushEncoder>();
   std::vector<uint32_t> layer_groups_;
   uint64_t update_id_ = 0;
 };

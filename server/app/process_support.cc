@@ -137,8 +137,8 @@ absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig
   // The payload counters have a series per codec from the start, at 0: a series born with its
   // first push's bytes in it would hide them from rate() (and put the shards' raw share, raw
   // bytes over received bytes, above 1 for a minute).
-  for (const v1::Codec codec :
-       {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE, v1::CODEC_INT4_BLOCKWISE}) {
+  for (const v1::Codec codec : {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE,
+                                v1::CODEC_INT4_BLOCKWISE, v1::CODEC_LOWRANK}) {
     prometheus->Add(kReceivedBytes, 0, {CodecLabel(codec)});
     prometheus->Add(kSentBytes, 0, {CodecLabel(codec)});
   }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "common/low_rank_wire.h"
 #include "common/model_spec.h"
 #include "common/push_wire.h"
 #include "common/status_macros.h"
@@ -204,6 +205,13 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
     count = *elements;
   }
   ALOE_RETURN_IF_ERROR(CheckRange(layer_id, offset, count));
+  if (codec == v1::CODEC_LOWRANK) {
+    // The factors' matrix must be the spec's tensor at the place the chunk claims.
+    if (absl::Status s = CheckLowRankChunkInLayer(layer, offset, payload); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d (%s): %s", layer_id, layer.name(), s.message()));
+    }
+  }
   const absl::Span<float> out = absl::MakeSpan(Buffer(layer_id).data() + offset, count);
   // float32 (the common case): decode, finiteness and magnitude in one pass, streamed into the
   // staged update (as AddFp32Read); the slow path below runs only for other codecs and to name

@@ -59,6 +59,48 @@ def ramp(n):
     return [0.01 * i - 0.2 for i in range(n)]
 
 
+LOWRANK = 5
+LOWRANK_MAGIC = 0x4B524C41  # "ALRK"
+
+
+def factor_bytes(values, codec):
+    if codec == FP32:
+        return struct.pack("<%df" % len(values), *values)
+    if codec == BF16:
+        return bf16(values)
+    # INT8 and INT4: one block covering every value (an even one for int4).
+    m = max(abs(v) for v in values) or 1.0
+    if codec == INT8:
+        scale = m / 127
+        return (b"AQ8\x01" + struct.pack("<IQf", len(values), len(values), scale) +
+                bytes(int(round(v / scale)) & 0xff for v in values))
+    scale = m / 7
+    q = [int(round(v / scale)) for v in values] + [0] * (len(values) % 2)
+    return (b"AQ4\x01" + struct.pack("<IQf", len(q), len(values), scale) +
+            bytes((q[i] & 0xf) | ((q[i + 1] & 0xf) << 4) for i in range(0, len(q), 2)))
+
+
+def lowrank_payload(offset, rows, cols, rank, a, b, codec=FP32, q=None, p=None, q_bytes=None,
+                    magic=LOWRANK_MAGIC, version=1):
+    """A CODEC_LOWRANK chunk (common/low_rank_wire.h): rows [a, b) of the rows x cols tensor at
+    `offset` of its layer, Q (cols x rank) and P's rows ((b - a) x rank)."""
+    q = q if q is not None else [0.05 * ((j * 7 + k * 3) % 11 - 5) for j in range(cols)
+                                 for k in range(rank)]
+    p = p if p is not None else [0.1 * ((i * 5 + k) % 7 - 3) for i in range(a, b)
+                                 for k in range(rank)]
+    qb = factor_bytes(q, codec)
+    return (struct.pack("<IHHQIIIIII", magic, version, codec, offset, rows, cols, rank, a, b,
+                        len(qb) if q_bytes is None else q_bytes) + qb + factor_bytes(p, codec))
+
+
+def lowrank(layer, payload, offset=None):
+    """A record of codec 7 with the raw value CODEC_LOWRANK and a raw payload."""
+    head = op(layer, offset is not None, 7, 0)
+    if offset is not None:
+        head += struct.pack("<Q", offset)
+    return head + struct.pack("<iH", LOWRANK, len(payload)) + payload
+
+
 def seeds():
     yield "valid_fp32_fill", head(0) + b"".join(fill(i, n, 0.25) for i, n in enumerate(SIZES))
     yield "valid_fp32_raw", head(FP32) + b"".join(
@@ -111,6 +153,38 @@ def seeds():
         fill(0, 1, 1.0) + fill(1, 14, 1.0) + fill(2, 86, 1.0)
     yield "sliced_many", head(BF16, 200, 100) + fill(2, 2, 1.0, FP32) + raw(2, bf16([1.0]))
     yield "oversized", head(0) + fill(0, 4, 1.0) + fill(1, 41, 1.0) + fill(2, 60000, 1.0)
+    # CODEC_LOWRANK: blocks.0 is b [4] then w [6, 6] at offset 4; head is b [1] then w [16, 16]
+    # at offset 1. Valid: w of blocks.0 in one chunk, w of head in two (rows [0, 9) and
+    # [9, 16)), with each factor codec.
+    for name, codec in (("fp32", FP32), ("bf16", BF16), ("int8", INT8), ("int4", INT4)):
+        yield "valid_lowrank_" + name, head(0) + fill(0, 3, 0.25) + fill(1, 4, 0.5) + \
+            lowrank(1, lowrank_payload(4, 6, 6, 2, 0, 6, codec)) + fill(2, 1, 0.5) + \
+            lowrank(2, lowrank_payload(1, 16, 16, 3, 0, 9, codec)) + \
+            lowrank(2, lowrank_payload(1, 16, 16, 3, 9, 16, codec))
+    # The header codec is CODEC_LOWRANK: chunks that do not name theirs are low-rank.
+    yield "lowrank_header_codec", head(LOWRANK) + fill(0, 3, 0.25, FP32) + \
+        fill(1, 4, 0.5, FP32) + raw(1, lowrank_payload(4, 6, 6, 6, 0, 6))
+    # Malformed: each is refused.
+    bad = [
+        lowrank_payload(4, 6, 6, 0, 0, 6),                   # rank 0
+        lowrank_payload(4, 6, 6, 7, 0, 6),                   # rank above min(rows, cols)
+        lowrank_payload(4, 6, 6, 2, 0, 6)[:-4],              # truncated P
+        lowrank_payload(4, 6, 6, 2, 0, 6)[:39],              # truncated header
+        lowrank_payload(4, 6, 6, 2, 0, 6, q_bytes=4000),     # Q past the end
+        lowrank_payload(4, 6, 6, 2, 0, 6, q=[float("nan")] * 12),
+        lowrank_payload(4, 6, 6, 2, 0, 6, p=[float("inf")] * 12),
+        lowrank_payload(4, 6, 6, 2, 0, 6, p=[3e38] * 12),    # the product overflows
+        lowrank_payload(4, 6, 6, 2, 0, 6, q=[1.0] * 10),     # Q of another shape
+        lowrank_payload(4, 6, 6, 2, 0, 6, magic=0x12345678),
+        lowrank_payload(4, 6, 6, 2, 0, 6, version=2),
+        lowrank_payload(4, 6, 6, 2, 0, 6, codec=LOWRANK),
+        lowrank_payload(0, 6, 6, 2, 0, 6),                   # the tensor at 0 is the bias
+        lowrank_payload(4, 6, 7, 2, 0, 6),                   # not the spec's shape
+        lowrank_payload(4, 6, 6, 2, 2, 6),                   # rows that start elsewhere
+        lowrank_payload(4, 6, 6, 2, 4, 4),                   # no rows
+    ]
+    yield "lowrank_malformed", head(0) + fill(0, 3, 0.25) + fill(1, 4, 0.5) + \
+        b"".join(lowrank(1, p) for p in bad) + lowrank(1, lowrank_payload(4, 6, 6, 2, 0, 6))
 
 
 def main():

@@ -15,6 +15,9 @@
 //     what the reference decoders produced for the accepted chunks (zeros outside the slice),
 //     and the header's fields, slice and slices included.
 //   - The slices of every layer are contiguous, in order, and cover it exactly once.
+//   - CODEC_LOWRANK chunks (codec 7 with the raw value 5; seeds in make_push_seeds.py) are
+//     accepted exactly when an independent reading of their header and factors fits the spec's
+//     tensor at their place, and decode to the reference product bit for bit.
 //   - Unsliced pushes decode into recycled buffers pre-filled with NaN (FloatBufferPool, as a
 //     server's staging does), so an element the accepted chunks left uncovered fails the above.
 //
@@ -81,11 +84,24 @@ const v1::ModelSpec& Spec() {
     auto* s = new v1::ModelSpec;
     const uint64_t sizes[] = {3, 40, 257};
     const char* names[] = {"embed", "blocks.0", "head"};
+    // The tensors CODEC_LOWRANK chunks are checked against: a vector, then (but for the first
+    // layer) a square matrix.
+    const int64_t vectors[] = {3, 4, 1};
+    const int64_t matrices[] = {0, 6, 16};
     for (int i = 0; i < 3; ++i) {
       v1::LayerSpec* layer = s->add_layers();
       layer->set_id(i);
       layer->set_name(names[i]);
       layer->set_num_elements(sizes[i]);
+      v1::TensorSpec* vector = layer->add_tensors();
+      vector->set_name("b");
+      vector->add_shape(vectors[i]);
+      if (matrices[i] > 0) {
+        v1::TensorSpec* matrix = layer->add_tensors();
+        matrix->set_name("w");
+        matrix->add_shape(matrices[i]);
+        matrix->add_shape(matrices[i]);
+      }
     }
     s->set_num_shards(1);
     return s;
@@ -184,9 +200,8 @@ std::string FillPayload(Reader& in) {
   return out;
 }
 
-// The reference model of AddChunk: decodes with the scalar reference kernels into `out` and
-// says whether the chunk must be accepted.
-bool ReferenceDecode(v1::Codec codec, std::string_view payload, std::vector<float>* out) {
+// Decodes with the scalar reference kernels into `out`; false when the framing is malformed.
+bool ReferenceValues(v1::Codec codec, std::string_view payload, std::vector<float>* out) {
   switch (codec) {
     case v1::CODEC_FP32: {
       if (payload.size() % 4 != 0) return false;
@@ -222,10 +237,83 @@ bool ReferenceDecode(v1::Codec codec, std::string_view payload, std::vector<floa
     default:
       return false;
   }
-  for (float v : *out) {
+  return true;
+}
+
+bool WithinLimits(const std::vector<float>& values) {
+  for (float v : values) {
     if (!std::isfinite(v) || std::fabs(v) > server::kMaxPushMagnitude) return false;
   }
   return true;
+}
+
+// The reference model of AddChunk: decodes into `out` and says whether the chunk must be
+// accepted.
+bool ReferenceDecode(v1::Codec codec, std::string_view payload, std::vector<float>* out) {
+  return ReferenceValues(codec, payload, out) && WithinLimits(*out);
+}
+
+// The reference model of a CODEC_LOWRANK chunk at `offset` of `layer` (common/low_rank_wire.h,
+// read here on its own): the header's fields in range, the factors of the shapes it names with
+// finite values, the tensor at its offset a rows x cols matrix of the spec, the chunk placed at
+// its rows; out = P[a:b] Q^T summed in k order from 0, which the library must match bit for bit.
+bool ReferenceLowRank(const v1::LayerSpec& layer, uint64_t offset, std::string_view payload,
+                      std::vector<float>* out) {
+  if (payload.size() < 40) return false;
+  auto u32 = [&](size_t at) {
+    uint32_t v;
+    std::memcpy(&v, payload.data() + at, 4);
+    return v;
+  };
+  uint16_t version, codec;
+  uint64_t tensor_offset;
+  std::memcpy(&version, payload.data() + 4, 2);
+  std::memcpy(&codec, payload.data() + 6, 2);
+  std::memcpy(&tensor_offset, payload.data() + 8, 8);
+  const uint64_t rows = u32(16), cols = u32(20), rank = u32(24), a = u32(28), b = u32(32);
+  const uint64_t q_bytes = u32(36);
+  if (u32(0) != 0x4B524C41 || version != 1) return false;
+  if (codec != v1::CODEC_FP32 && codec != v1::CODEC_BF16 && codec != v1::CODEC_INT8_BLOCKWISE &&
+      codec != v1::CODEC_INT4_BLOCKWISE) {
+    return false;
+  }
+  if (rank == 0 || rank > rows || rank > cols || rank > 4096 || a >= b || b > rows) return false;
+  if (q_bytes > payload.size() - 40) return false;
+  // The spec's tensor at tensor_offset, and where the rows begin.
+  uint64_t at = 0;
+  bool found = false;
+  for (const v1::TensorSpec& t : layer.tensors()) {
+    uint64_t n = 1;
+    for (int64_t d : t.shape()) n *= static_cast<uint64_t>(d);
+    if (at == tensor_offset) {
+      found = t.shape_size() == 2 && static_cast<uint64_t>(t.shape(0)) == rows &&
+              static_cast<uint64_t>(t.shape(1)) == cols;
+      break;
+    }
+    at += n;
+  }
+  if (!found || tensor_offset + a * cols != offset) return false;
+  std::vector<float> q, p;
+  const v1::Codec factor = static_cast<v1::Codec>(codec);
+  if (!ReferenceValues(factor, payload.substr(40, q_bytes), &q) || q.size() != cols * rank ||
+      !ReferenceValues(factor, payload.substr(40 + q_bytes), &p) || p.size() != (b - a) * rank) {
+    return false;
+  }
+  for (float v : q) {
+    if (!std::isfinite(v)) return false;
+  }
+  for (float v : p) {
+    if (!std::isfinite(v)) return false;
+  }
+  out->assign((b - a) * cols, 0.0f);
+  for (uint64_t i = 0; i < b - a; ++i) {
+    for (uint64_t j = 0; j < cols; ++j) {
+      float acc = 0.0f;
+      for (uint64_t k = 0; k < rank; ++k) acc += p[i * rank + k] * q[j * rank + k];
+      (*out)[i * cols + j] = acc;
+    }
+  }
+  return WithinLimits(*out);
 }
 
 void CheckRejection(const absl::Status& s, uint32_t layer_id) {
@@ -341,7 +429,9 @@ void Run(const uint8_t* data, size_t size) {
     std::vector<float> ref;
     bool should_accept = known_layer && v1::Codec_IsValid(effective) &&
                          effective != v1::CODEC_UNSPECIFIED &&
-                         ReferenceDecode(effective, payload, &ref);
+                         (effective == v1::CODEC_LOWRANK
+                              ? ReferenceLowRank(spec.layers(layer_id), offset, payload, &ref)
+                              : ReferenceDecode(effective, payload, &ref));
     if (should_accept) {
       should_accept = offset == filled[layer_id] && offset + ref.size() <= end[layer_id];
     }

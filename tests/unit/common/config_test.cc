@@ -161,6 +161,41 @@ TEST(ConfigTest, ErrorsNameTheField) {
   }
 }
 
+TEST(ConfigTest, LowRankLayerCodecsNeedARankAndAFactorCodec) {
+  struct Case {
+    std::string transport;
+    std::string expected;  // "" = accepted
+  };
+  const Case cases[] = {
+      {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 16 }", ""},
+      {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 4096 "
+       "factor_codec: CODEC_INT8_BLOCKWISE }",
+       ""},
+      {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 1 "
+       "factor_codec: CODEC_INT4_BLOCKWISE }",
+       ""},
+      {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK }", "rank must be in [1, 4096], got 0"},
+      {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 4097 }",
+       "rank must be in [1, 4096], got 4097"},
+      {"layer_codecs { layer: 'head' codec: CODEC_LOWRANK rank: 8 factor_codec: CODEC_LOWRANK }",
+       "cannot encode low-rank factors"},
+      {"layer_codecs { layer: 'head' codec: CODEC_INT8_BLOCKWISE rank: 8 }",
+       "rank and factor_codec are for CODEC_LOWRANK"},
+      {"codec: CODEC_LOWRANK", "CODEC_LOWRANK is chosen per layer"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    auto config = LoadServerConfig(WriteFile("lowrank" + std::to_string(i++) + ".textproto",
+                                             "corpus_dir: 'c' transport { " + c.transport + " }"));
+    if (c.expected.empty()) {
+      EXPECT_THAT(config, IsOk()) << c.transport;
+    } else {
+      EXPECT_THAT(config, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.expected)))
+          << c.transport;
+    }
+  }
+}
+
 // c = 1/N as a config writes it parses to the float nearest 1/N, which lies above 1/N for N = 3,
 // 5 and 10: it is the upper end of the range, and the next float up is refused.
 TEST(ConfigTest, DnMomentumActivationAcceptsOneOverNAsWritten) {

@@ -10,22 +10,16 @@
 #include <vector>
 
 #include "common/status_matchers.h"
+#include "tests/testing/low_rank_testing.h"
 
 namespace aloe {
 namespace {
 
 using ::aloe::testing::IsOk;
+using ::aloe::testing::RandomMatrix;
 using ::aloe::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-std::vector<float> RandomMatrix(size_t rows, size_t cols, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0, 1);
-  std::vector<float> m(rows * cols);
-  for (float& v : m) v = normal(rng);
-  return m;
-}
 
 // n x k matrix (row-major, double) with orthonormal columns: Gram-Schmidt of a random matrix,
 // written here independently of the library.
