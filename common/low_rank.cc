@@ -587,39 +587,80 @@ absl::Status ValidateAdaptiveRankConfig(const AdaptiveRankConfig& c) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint32_t> ObservedEffectiveRank(const LowRankFactors& factors, double total_energy,
+                                               double energy_fraction) {
+  ALOE_ASSIGN_OR_RETURN(std::vector<double> sv, LowRankSingularValues(factors));
+  ALOE_ASSIGN_OR_RETURN(uint32_t energy_rank, EnergyRank(sv, total_energy, energy_fraction));
+  // Beyond the factors' rank the spectrum is unseen: ask for twice the rank.
+  return energy_rank > factors.rank ? 2 * factors.rank : energy_rank;
+}
+
 AdaptiveRank::AdaptiveRank(const AdaptiveRankConfig& config) : config_(config) {}
 
-uint32_t AdaptiveRank::Clamp(uint32_t rank, const Layer& layer) const {
-  const uint32_t upper = std::min(config_.max_rank, std::min(layer.rows, layer.cols));
+uint32_t AdaptiveRank::Clamp(uint32_t rank, const LayerState& layer) const {
+  uint32_t upper = std::min(config_.max_rank, std::min(layer.rows, layer.cols));
+  if (layer.rank_cap > 0) upper = std::min(upper, layer.rank_cap);
   return std::max<uint32_t>(1, std::min(std::max(rank, config_.min_rank), upper));
 }
 
 absl::StatusOr<uint32_t> AdaptiveRank::Observe(std::string_view layer,
                                                const LowRankFactors& factors, double total_energy) {
-  ALOE_ASSIGN_OR_RETURN(std::vector<double> sv, LowRankSingularValues(factors));
-  ALOE_ASSIGN_OR_RETURN(uint32_t energy_rank,
-                        EnergyRank(sv, total_energy, config_.energy_fraction));
-  auto [it, inserted] = layers_.try_emplace(std::string(layer));
-  Layer& l = it->second;
-  if (inserted) {
-    l.rows = factors.rows;
-    l.cols = factors.cols;
-  } else if (l.rows != factors.rows || l.cols != factors.cols) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("adaptive rank: layer %s is %d x %d, but was observed as %d x %d", layer,
-                        factors.rows, factors.cols, l.rows, l.cols));
-  }
-  // Beyond the factors' rank the spectrum is unseen: ask for twice the rank.
-  const uint32_t effective = energy_rank > factors.rank ? 2 * factors.rank : energy_rank;
-  l.recent.push_back(effective);
-  if (l.recent.size() > config_.window) l.recent.erase(l.recent.begin());
+  ALOE_ASSIGN_OR_RETURN(uint32_t effective,
+                        ObservedEffectiveRank(factors, total_energy, config_.energy_fraction));
+  ALOE_RETURN_IF_ERROR(Record(layer, factors.rows, factors.cols, config_.initial_rank, effective));
   return effective;
+}
+
+absl::Status AdaptiveRank::CheckRecord(std::string_view layer, uint32_t rows, uint32_t cols,
+                                       uint32_t initial_rank, uint32_t effective_rank) const {
+  if (rows == 0 || cols == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("adaptive rank: layer %s is %d x %d", layer, rows, cols));
+  }
+  const uint64_t most = 2 * static_cast<uint64_t>(std::min(rows, cols));
+  if (effective_rank > most) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("adaptive rank: effective rank %d of layer %s is outside [0, %d]",
+                        effective_rank, layer, most));
+  }
+  if (initial_rank == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("adaptive rank: layer %s has initial rank 0", layer));
+  }
+  auto it = layers_.find(std::string(layer));
+  if (it != layers_.end() && (it->second.rows != rows || it->second.cols != cols ||
+                              it->second.initial_rank != initial_rank)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "adaptive rank: layer %s is %d x %d with initial rank %d, but was observed as %d x %d "
+        "with initial rank %d",
+        layer, rows, cols, initial_rank, it->second.rows, it->second.cols,
+        it->second.initial_rank));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AdaptiveRank::Record(std::string_view layer, uint32_t rows, uint32_t cols,
+                                  uint32_t initial_rank, uint32_t effective_rank,
+                                  uint32_t rank_cap) {
+  ALOE_RETURN_IF_ERROR(CheckRecord(layer, rows, cols, initial_rank, effective_rank));
+  auto [it, inserted] = layers_.try_emplace(std::string(layer));
+  LayerState& l = it->second;
+  if (inserted) {
+    l.name = std::string(layer);
+    l.rows = rows;
+    l.cols = cols;
+    l.initial_rank = initial_rank;
+    l.rank_cap = rank_cap;
+  }
+  l.recent.push_back(effective_rank);
+  if (l.recent.size() > config_.window) l.recent.erase(l.recent.begin());
+  return absl::OkStatus();
 }
 
 uint32_t AdaptiveRank::NextRank(std::string_view layer) const {
   auto it = layers_.find(std::string(layer));
   if (it == layers_.end()) return config_.initial_rank;
-  const Layer& l = it->second;
+  const LayerState& l = it->second;
   uint64_t sum = 0;
   for (uint32_t r : l.recent) sum += r;
   const uint64_t n = l.recent.size();
@@ -632,7 +673,7 @@ uint32_t AdaptiveRank::NextLocalSteps() const {
   for (const auto& [name, l] : layers_) {
     const uint64_t width = static_cast<uint64_t>(l.rows) + l.cols;
     next_floats += width * NextRank(name);
-    initial_floats += width * Clamp(config_.initial_rank, l);
+    initial_floats += width * Clamp(l.initial_rank, l);
   }
   if (initial_floats == 0) return config_.initial_local_steps;
   // round(H_0 * next / initial), half up, in integers.
@@ -641,6 +682,37 @@ uint32_t AdaptiveRank::NextLocalSteps() const {
       (2 * initial_floats);
   return static_cast<uint32_t>(
       std::clamp<uint64_t>(h, config_.min_local_steps, config_.max_local_steps));
+}
+
+std::vector<AdaptiveRank::LayerState> AdaptiveRank::Save() const {
+  std::vector<LayerState> out;
+  out.reserve(layers_.size());
+  for (const auto& [name, l] : layers_) out.push_back(l);
+  std::sort(out.begin(), out.end(),
+            [](const LayerState& a, const LayerState& b) { return a.name < b.name; });
+  return out;
+}
+
+absl::Status AdaptiveRank::Restore(const std::vector<LayerState>& layers) {
+  absl::flat_hash_map<std::string, LayerState> restored;
+  AdaptiveRank check(config_);
+  for (const LayerState& l : layers) {
+    if (l.recent.empty() || l.recent.size() > config_.window) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("adaptive rank: layer %s has %d observations; the window is %d", l.name,
+                          l.recent.size(), config_.window));
+    }
+    if (restored.contains(l.name)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("adaptive rank: layer %s appears twice", l.name));
+    }
+    for (uint32_t r : l.recent) {
+      ALOE_RETURN_IF_ERROR(check.CheckRecord(l.name, l.rows, l.cols, l.initial_rank, r));
+    }
+    restored.emplace(l.name, l);
+  }
+  layers_ = std::move(restored);
+  return absl::OkStatus();
 }
 
 }  // namespace aloe

@@ -640,5 +640,51 @@ TEST(AdaptiveRankTest, InvalidConfigsNameTheField) {
   EXPECT_THAT(ValidateAdaptiveRankConfig({}), IsOk());
 }
 
+TEST(AdaptiveRankTest, RecordedRanksSaveAndRestoreExactly) {
+  AdaptiveRankConfig config{.window = 2, .initial_rank = 4, .initial_local_steps = 60};
+  AdaptiveRank adaptive(config);
+  // r_0 = 6 for "a" (8 x 16, width 24), 2 for "b" (4 x 4, width 8).
+  ASSERT_THAT(adaptive.Record("a", 8, 16, 6, 3), IsOk());
+  ASSERT_THAT(adaptive.Record("a", 8, 16, 6, 6), IsOk());
+  ASSERT_THAT(adaptive.Record("a", 8, 16, 6, 4), IsOk());  // window [6, 4]: 5
+  ASSERT_THAT(adaptive.Record("b", 4, 4, 2, 1), IsOk());
+  EXPECT_TRUE(adaptive.Knows("a"));
+  EXPECT_FALSE(adaptive.Knows("c"));
+  EXPECT_EQ(adaptive.NextRank("a"), 5u);
+  // H = round(60 * (24 * 5 + 8 * 1) / (24 * 6 + 8 * 2)) = round(48) = 48.
+  EXPECT_EQ(adaptive.NextLocalSteps(), 48u);
+  // Refused, nothing recorded: another shape, another r_0, a rank beyond 2 min(rows, cols).
+  EXPECT_THAT(adaptive.Record("a", 8, 15, 6, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("was observed as 8 x 16")));
+  EXPECT_THAT(adaptive.Record("a", 8, 16, 5, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("initial rank 6")));
+  EXPECT_THAT(adaptive.Record("b", 4, 4, 2, 9),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside [0, 8]")));
+  EXPECT_EQ(adaptive.NextRank("a"), 5u);
+
+  const std::vector<AdaptiveRank::LayerState> saved = adaptive.Save();
+  ASSERT_EQ(saved.size(), 2u);
+  EXPECT_EQ(saved[0].name, "a");
+  EXPECT_EQ(saved[0].recent, (std::vector<uint32_t>{6, 4}));
+  AdaptiveRank restored(config);
+  ASSERT_THAT(restored.Restore(saved), IsOk());
+  EXPECT_EQ(restored.NextRank("a"), 5u);
+  EXPECT_EQ(restored.NextRank("b"), 1u);
+  EXPECT_EQ(restored.NextLocalSteps(), 48u);
+  // The next observation drops the oldest of the restored window, as it would have.
+  ASSERT_THAT(restored.Record("a", 8, 16, 6, 8), IsOk());  // [4, 8]: 6
+  EXPECT_EQ(restored.NextRank("a"), 6u);
+
+  std::vector<AdaptiveRank::LayerState> bad = saved;
+  bad[1].recent = {1, 1, 1};
+  EXPECT_THAT(restored.Restore(bad), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("layer b has 3 observations")));
+  bad = saved;
+  bad[1].name = "a";
+  EXPECT_THAT(restored.Restore(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer a appears twice")));
+  EXPECT_EQ(restored.NextRank("a"), 6u);  // unchanged by the refusals
+}
+
 }  // namespace
 }  // namespace aloe
