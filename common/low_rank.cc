@@ -55,39 +55,11 @@ float InitValue(uint64_t seed, uint64_t j, uint64_t k) {
   return static_cast<float>(static_cast<double>(h >> 40) * (2.0 / 16777216.0) - 1.0);
 }
 
-// p (rows x r) = m (rows x cols) q (cols x r). Four rows share each row of q, which keeps q's
-// traffic from the caches at a quarter of the naive loop.
+// p (rows x r) = m (rows x cols) q (cols x r), each element summed over j in order from 0. The
+// same product as the decode's with m in P's place (cols in the rank's) and q in Q^T's, so the
+// decode kernel computes it, with its register tiles.
 void MultiplyMQ(const float* m, size_t rows, size_t cols, const float* q, size_t r, float* p) {
-  std::fill(p, p + rows * r, 0.0f);
-  size_t i = 0;
-  for (; i + 4 <= rows; i += 4) {
-    float* __restrict p0 = p + i * r;
-    float* __restrict p1 = p0 + r;
-    float* __restrict p2 = p1 + r;
-    float* __restrict p3 = p2 + r;
-    const float* m0 = m + i * cols;
-    for (size_t j = 0; j < cols; ++j) {
-      const float* __restrict qj = q + j * r;
-      const float a0 = m0[j], a1 = m0[cols + j], a2 = m0[2 * cols + j], a3 = m0[3 * cols + j];
-#pragma omp simd
-      for (size_t k = 0; k < r; ++k) {
-        p0[k] += a0 * qj[k];
-        p1[k] += a1 * qj[k];
-        p2[k] += a2 * qj[k];
-        p3[k] += a3 * qj[k];
-      }
-    }
-  }
-  for (; i < rows; ++i) {
-    float* __restrict pi = p + i * r;
-    const float* mi = m + i * cols;
-    for (size_t j = 0; j < cols; ++j) {
-      const float* __restrict qj = q + j * r;
-      const float a = mi[j];
-#pragma omp simd
-      for (size_t k = 0; k < r; ++k) pi[k] += a * qj[k];
-    }
-  }
+  kernels::LowRankDecodeRows(m, rows, cols, q, r, 0, r, p);
 }
 
 // q (cols x r) = m^T p, m rows x cols, p rows x r. Four rows of m per pass over q.

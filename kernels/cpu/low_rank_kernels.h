@@ -14,6 +14,9 @@
 // run the same operations lane by lane across t, so they match the scalar references in
 // aloe::kernels::reference bit for bit.
 //
+// Both are general row-major products, out = A B with A = P (rows x rank) and B = Qt
+// (rank x cols): the encoder's M Q0 is LowRankDecodeRows with M as P and Q0 as Qt.
+//
 // Contract shared by both kernels (as in outer_kernels.h): single-threaded, no allocation, no
 // checks (non-finite values propagate; callers validate). rows or len may be 0. REQUIRES:
 // j0 + len <= cols; out does not overlap p or qt; base is null or a buffer of out's layout that
