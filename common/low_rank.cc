@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/low_rank_kernels.h"
 
 namespace aloe {
 namespace {
@@ -54,39 +55,11 @@ float InitValue(uint64_t seed, uint64_t j, uint64_t k) {
   return static_cast<float>(static_cast<double>(h >> 40) * (2.0 / 16777216.0) - 1.0);
 }
 
-// p (rows x r) = m (rows x cols) q (cols x r). Four rows share each row of q, which keeps q's
-// traffic from the caches at a quarter of the naive loop.
+// p (rows x r) = m (rows x cols) q (cols x r), each element summed over j in order from 0. The
+// same product as the decode's with m in P's place (cols in the rank's) and q in Q^T's, so the
+// decode kernel computes it, with its register tiles.
 void MultiplyMQ(const float* m, size_t rows, size_t cols, const float* q, size_t r, float* p) {
-  std::fill(p, p + rows * r, 0.0f);
-  size_t i = 0;
-  for (; i + 4 <= rows; i += 4) {
-    float* __restrict p0 = p + i * r;
-    float* __restrict p1 = p0 + r;
-    float* __restrict p2 = p1 + r;
-    float* __restrict p3 = p2 + r;
-    const float* m0 = m + i * cols;
-    for (size_t j = 0; j < cols; ++j) {
-      const float* __restrict qj = q + j * r;
-      const float a0 = m0[j], a1 = m0[cols + j], a2 = m0[2 * cols + j], a3 = m0[3 * cols + j];
-#pragma omp simd
-      for (size_t k = 0; k < r; ++k) {
-        p0[k] += a0 * qj[k];
-        p1[k] += a1 * qj[k];
-        p2[k] += a2 * qj[k];
-        p3[k] += a3 * qj[k];
-      }
-    }
-  }
-  for (; i < rows; ++i) {
-    float* __restrict pi = p + i * r;
-    const float* mi = m + i * cols;
-    for (size_t j = 0; j < cols; ++j) {
-      const float* __restrict qj = q + j * r;
-      const float a = mi[j];
-#pragma omp simd
-      for (size_t k = 0; k < r; ++k) pi[k] += a * qj[k];
-    }
-  }
+  kernels::LowRankDecodeRows(m, rows, cols, q, r, 0, r, p);
 }
 
 // q (cols x r) = m^T p, m rows x cols, p rows x r. Four rows of m per pass over q.
@@ -203,46 +176,50 @@ std::vector<float> TransposeQ(absl::Span<const float> q, size_t cols, size_t r) 
   return qt;
 }
 
-// Calls emit(offset, values, len) for consecutive pieces of (P Q^T)[begin, begin + count), where
-// offset counts from begin, p holds the rows the range touches (row 0 = the row of flat index
-// 0) and qt is Q transposed. Each element is sum_k P[i,k] Q[j,k] accumulated in k order, alone,
-// so the bits do not depend on how a range is split.
-template <typename Emit>
-void DecodeRange(const float* p, const float* qt, size_t cols, size_t r, uint64_t begin,
-                 uint64_t count, Emit emit) {
-  std::vector<float> acc(std::min<uint64_t>(cols, count));
+// Splits the flat range [begin, begin + count) of a row-major matrix with `cols` columns into a
+// partial first row, a block of whole rows and a partial last row, and calls
+// fn(row, rows, j0, len, offset) for each nonempty piece: rows [row, row + rows) x columns
+// [j0, j0 + len), whose first element is at `offset` from begin. The decode kernels compute each
+// element alone, in k order (kernels/cpu/low_rank_kernels.h), so the bits do not depend on how
+// a range is split.
+template <typename Fn>
+void ForEachRowPiece(size_t cols, uint64_t begin, uint64_t count, Fn fn) {
   uint64_t pos = begin;
   const uint64_t end = begin + count;
-  while (pos < end) {
-    const size_t i = pos / cols;
-    const size_t j0 = pos % cols;
+  if (pos < end && pos % cols != 0) {
+    const size_t j0 = static_cast<size_t>(pos % cols);
     const size_t len = static_cast<size_t>(std::min<uint64_t>(cols - j0, end - pos));
-    float* __restrict a = acc.data();
-    std::fill(a, a + len, 0.0f);
-    const float* pi = p + i * r;
-    for (size_t k = 0; k < r; ++k) {
-      const float pik = pi[k];
-      const float* __restrict row = qt + k * cols + j0;
-#pragma omp simd
-      for (size_t t = 0; t < len; ++t) a[t] += pik * row[t];
-    }
-    emit(static_cast<size_t>(pos - begin), a, len);
+    fn(static_cast<size_t>(pos / cols), size_t{1}, j0, len, static_cast<size_t>(pos - begin));
     pos += len;
+  }
+  const uint64_t whole = (end - pos) / cols;
+  if (whole > 0) {
+    fn(static_cast<size_t>(pos / cols), static_cast<size_t>(whole), size_t{0}, cols,
+       static_cast<size_t>(pos - begin));
+    pos += whole * cols;
+  }
+  if (pos < end) {
+    fn(static_cast<size_t>(pos / cols), size_t{1}, size_t{0}, static_cast<size_t>(end - pos),
+       static_cast<size_t>(pos - begin));
   }
 }
 
-template <typename Emit>
-void DecodeRange(const LowRankFactors& f, uint64_t begin, uint64_t count, Emit emit) {
+// out[t] = base[t] + scale * (P Q^T)[begin + t] for t < count (base may be out), or
+// out[t] = (P Q^T)[begin + t] when base is null.
+void DecodeRange(const LowRankFactors& f, uint64_t begin, uint64_t count, float scale,
+                 const float* base, float* out) {
   if (count == 0) return;
   const std::vector<float> qt = TransposeQ(f.q, f.cols, f.rank);
-  DecodeRange(f.p.data(), qt.data(), f.cols, f.rank, begin, count, emit);
-}
-
-// out[t] += scale * values[t].
-void AddScaled(const float* values, size_t len, float scale, float* out) {
-  float* __restrict o = out;
-#pragma omp simd
-  for (size_t t = 0; t < len; ++t) o[t] += scale * values[t];
+  ForEachRowPiece(
+      f.cols, begin, count, [&](size_t row, size_t rows, size_t j0, size_t len, size_t offset) {
+        const float* p = f.p.data() + row * f.rank;
+        if (base == nullptr) {
+          kernels::LowRankDecodeRows(p, rows, f.rank, qt.data(), f.cols, j0, len, out + offset);
+        } else {
+          kernels::LowRankDecodeAccumulateRows(p, rows, f.rank, qt.data(), f.cols, j0, len, scale,
+                                               base + offset, out + offset);
+        }
+      });
 }
 
 }  // namespace
@@ -346,9 +323,7 @@ absl::Status DecompressLowRank(const LowRankFactors& f, absl::Span<float> out) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "low-rank: output has %d values, not rows * cols = %d", out.size(), elements));
   }
-  DecodeRange(f, 0, elements, [&](size_t offset, const float* values, size_t len) {
-    std::copy(values, values + len, out.data() + offset);
-  });
+  DecodeRange(f, 0, elements, 1.0f, nullptr, out.data());
   return absl::OkStatus();
 }
 
@@ -364,9 +339,7 @@ absl::Status AccumulateLowRankRange(const LowRankFactors& f, uint64_t begin, flo
         absl::StrFormat("low-rank: range [%d, %d) ends past the %d x %d matrix", begin,
                         begin + out.size(), f.rows, f.cols));
   }
-  DecodeRange(f, begin, out.size(), [&](size_t offset, const float* values, size_t len) {
-    AddScaled(values, len, scale, out.data() + offset);
-  });
+  DecodeRange(f, begin, out.size(), scale, out.data(), out.data());
   return absl::OkStatus();
 }
 
@@ -407,10 +380,8 @@ absl::Status LowRankRowDecoder::AccumulateRows(uint32_t row_begin, absl::Span<co
   }
   ALOE_RETURN_IF_ERROR(CheckFiniteNamed(p_rows, "p"));
   if (n == 0) return absl::OkStatus();
-  DecodeRange(p_rows.data(), qt_.data(), cols_, rank_, 0, out.size(),
-              [&](size_t offset, const float* values, size_t len) {
-                AddScaled(values, len, scale, out.data() + offset);
-              });
+  kernels::LowRankDecodeAccumulateRows(p_rows.data(), n, rank_, qt_.data(), cols_, 0, cols_, scale,
+                                       out.data(), out.data());
   return absl::OkStatus();
 }
 
@@ -423,10 +394,9 @@ absl::Status LowRankResidual(absl::Span<const float> m, const LowRankFactors& f,
         absl::StrFormat("low-rank: matrix has %d values and residual %d, not rows * cols = %d",
                         m.size(), residual.size(), elements));
   }
-  // m and residual may alias: element t is read before it is written.
-  DecodeRange(f, 0, elements, [&](size_t offset, const float* values, size_t len) {
-    for (size_t t = 0; t < len; ++t) residual[offset + t] = m[offset + t] - values[t];
-  });
+  // m and residual may be the same buffer (the kernel allows base == out); m + (-1) * s is
+  // m - s bit for bit.
+  DecodeRange(f, 0, elements, -1.0f, m.data(), residual.data());
   return absl::OkStatus();
 }
 

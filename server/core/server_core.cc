@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/config.h"
 #include "common/imported_model.h"
 #include "common/layer_groups.h"
 #include "common/logging.h"
@@ -120,6 +121,8 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
           "transport.layer_codecs: the model has no layer \"%s\"", layer_codec.layer()));
     }
   }
+  // An imported model's tensors are known only now (ValidateServerConfig checks the built-in's).
+  ALOE_RETURN_IF_ERROR(ValidateLowRankLayers(config.transport(), core->spec(), kMaxChunkBytes));
   const uint32_t groups = core->backend_->num_layer_groups();
   if (groups > 1) {
     ALOE_ASSIGN_OR_RETURN(core->layer_groups_, AssignLayerGroups(core->spec_, groups));

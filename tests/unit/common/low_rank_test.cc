@@ -352,6 +352,69 @@ TEST_F(LowRankDecodeTest, StreamedRowBlocksEqualTheFullDecodeBitForBit) {
               StatusIs(kInvalid, HasSubstr("q has 265 values")));
 }
 
+// Every decode path gives, bit for bit, the element-wise definition: 0 + P[i,0] Q[j,0] +
+// P[i,1] Q[j,1] + ... rounded after every float operation, in k order; written, scaled onto a
+// base, or subtracted. Odd shapes, ranks 1..64, ranges cut mid-row and row blocks.
+TEST(LowRankDecodeDefinitionTest, EveryPathMatchesThePlainLoopForRanksUpTo64) {
+  for (uint32_t rank = 1; rank <= 64; rank += (rank < 8 ? 1 : 7)) {
+    const uint32_t rows = 67 + rank % 5, cols = 65 + 2 * (rank % 7);
+    SCOPED_TRACE(::testing::Message() << rows << " x " << cols << " rank " << rank);
+    LowRankFactors f;
+    f.rows = rows;
+    f.cols = cols;
+    f.rank = rank;
+    f.p = RandomMatrix(rows, rank, 100 + rank);
+    f.q = RandomMatrix(cols, rank, 200 + rank);
+    std::vector<float> want(rows * cols);
+    for (size_t i = 0; i < rows; ++i) {
+      for (size_t j = 0; j < cols; ++j) {
+        float s = 0.0f;
+        for (size_t k = 0; k < rank; ++k) {
+          const volatile float product = f.p[i * rank + k] * f.q[j * rank + k];
+          s += product;
+        }
+        want[i * cols + j] = s;
+      }
+    }
+    std::vector<float> got(want.size());
+    ASSERT_THAT(DecompressLowRank(f, absl::MakeSpan(got)), IsOk());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0);
+
+    const std::vector<float> base = RandomMatrix(rows, cols, 300 + rank);
+    const float scale = 0.75f;
+    std::vector<float> want_acc(want.size());
+    for (size_t e = 0; e < want.size(); ++e) {
+      const volatile float scaled = scale * want[e];
+      want_acc[e] = base[e] + scaled;
+    }
+    std::vector<float> acc = base;
+    const size_t cuts[] = {0, 1, cols - 1, 3 * cols + 5, 7 * cols, 7 * cols + 2, want.size()};
+    for (size_t c = 0; c + 1 < std::size(cuts); ++c) {
+      ASSERT_THAT(
+          AccumulateLowRankRange(f, cuts[c], scale,
+                                 absl::MakeSpan(acc.data() + cuts[c], cuts[c + 1] - cuts[c])),
+          IsOk());
+    }
+    EXPECT_EQ(std::memcmp(acc.data(), want_acc.data(), want.size() * sizeof(float)), 0);
+
+    auto decoder = LowRankRowDecoder::Create(f.q, rows, cols, rank);
+    ASSERT_THAT(decoder, IsOk());
+    std::vector<float> streamed = base;
+    for (uint32_t a = 0; a < rows; a += 6) {
+      const uint32_t b = std::min(rows, a + 6);
+      ASSERT_THAT(decoder->AccumulateRows(
+                      a, absl::MakeConstSpan(f.p.data() + a * rank, (b - a) * rank), scale,
+                      absl::MakeSpan(streamed.data() + a * cols, (b - a) * cols)),
+                  IsOk());
+    }
+    EXPECT_EQ(std::memcmp(streamed.data(), want_acc.data(), want.size() * sizeof(float)), 0);
+
+    std::vector<float> residual(want.size());
+    ASSERT_THAT(LowRankResidual(base, f, absl::MakeSpan(residual)), IsOk());
+    for (size_t e = 0; e < want.size(); ++e) ASSERT_EQ(residual[e], base[e] - want[e]) << e;
+  }
+}
+
 TEST(LowRankResidualTest, IsTheMatrixMinusTheDecodeAndWorksInPlace) {
   constexpr uint32_t kRows = 16, kCols = 24;
   const std::vector<float> m = RandomMatrix(kRows, kCols, 6);
