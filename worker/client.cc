@@ -402,16 +402,16 @@ class SliceLoans {
   int lent_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Appends the chunks of low-rank layer `layer` (whole, or the push is refused: a tensor's
-// factors need all of it) to *chunks, and its error-feedback residual to (*residuals)[layer].
-absl::Status EncodeLowRankLayer(LowRankPushEncoder* encoder, const v1::PushHeader& header,
-                                size_t layer, const std::vector<float>& values,
+// Appends the chunks of low-rank layer `layer` (whole, or the slice of a rank of a multi-rank
+// node: the encoder is configured with it) to *chunks, and its error-feedback residual to
+// (*residuals)[layer].
+absl::Status EncodeLowRankLayer(LowRankPushEncoder* encoder, size_t layer,
+                                const std::vector<float>& values,
                                 std::vector<std::vector<float>>* residuals,
                                 std::vector<OutgoingChunk>* chunks) {
-  if (encoder == nullptr || header.slices() > 1) {
+  if (encoder == nullptr) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "layer %d is low-rank, which only whole-layer pushes with a low-rank encoder carry",
-        layer));
+        "layer %d is low-rank, which only pushes with a low-rank encoder carry", layer));
   }
   std::vector<EncodedChunk> encoded;
   ALOE_RETURN_IF_ERROR(encoder->EncodeLayer(
@@ -862,7 +862,7 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
         encoder = low_rank_;
       }
       ALOE_RETURN_IF_ERROR(
-          EncodeLowRankLayer(encoder.get(), header, layer, layers[layer], residuals, &chunks));
+          EncodeLowRankLayer(encoder.get(), layer, layers[layer], residuals, &chunks));
       continue;
     }
     for (auto [begin, end] : ChunkRanges(layers[layer].size(), max_elements)) {
