@@ -254,6 +254,78 @@ absl::StatusOr<std::vector<float>> ResizeWarmStart(absl::Span<const float> q, ui
   return out;
 }
 
+std::vector<float> LowRankStartQ(absl::Span<const float> warm_q, uint32_t cols, uint32_t rank,
+                                 uint64_t seed) {
+  std::vector<float> q0 = warm_q.empty() ? SeededLowRankInit(cols, rank, seed)
+                                         : std::vector<float>(warm_q.begin(), warm_q.end());
+  NormalizeColumns(q0.data(), cols, rank);
+  return q0;
+}
+
+// A range is cut into the pieces of its rows: a partial first row, whole rows, a partial last
+// row; a piece of one row is the 1 x len matrix of columns [j0, j0 + len), whose product with q
+// uses q's rows from j0. The whole rows go to one call, so a whole matrix is one call.
+void LowRankRangeTimesQ(absl::Span<const float> m, uint64_t begin, uint32_t cols,
+                        absl::Span<const float> q, uint32_t rank, absl::Span<float> p) {
+  std::fill(p.begin(), p.end(), 0.0f);
+  const uint64_t end = begin + m.size();
+  for (uint64_t pos = begin; pos < end;) {
+    const uint64_t i = pos / cols;
+    const uint64_t j0 = pos % cols;
+    const uint64_t whole = j0 == 0 ? (end - pos) / cols : 0;
+    const float* piece = m.data() + (pos - begin);
+    if (whole > 0) {
+      MultiplyMQ(piece, whole, cols, q.data(), rank, p.data() + i * rank);
+      pos += whole * cols;
+    } else {
+      const uint64_t len = std::min<uint64_t>(cols - j0, end - pos);
+      MultiplyMQ(piece, 1, len, q.data() + j0 * rank, rank, p.data() + i * rank);
+      pos += len;
+    }
+  }
+}
+
+void LowRankRangeTransposedTimesP(absl::Span<const float> m, uint64_t begin, uint32_t cols,
+                                  absl::Span<const float> p, uint32_t rank, absl::Span<float> q) {
+  const uint64_t end = begin + m.size();
+  // The whole rows write q; the partial rows are added to it.
+  const uint64_t first_whole = (begin + cols - 1) / cols;
+  const uint64_t whole = end / cols > first_whole ? end / cols - first_whole : 0;
+  if (whole > 0) {
+    MultiplyMtP(m.data() + (first_whole * cols - begin), whole, cols, p.data() + first_whole * rank,
+                rank, q.data());
+  } else {
+    std::fill(q.begin(), q.end(), 0.0f);
+  }
+  std::vector<float> partial;
+  for (uint64_t pos = begin; pos < end;) {
+    const uint64_t i = pos / cols;
+    const uint64_t j0 = pos % cols;
+    if (j0 == 0 && end - pos >= cols) {
+      pos += whole * cols;
+      continue;
+    }
+    const uint64_t len = std::min<uint64_t>(cols - j0, end - pos);
+    partial.resize(len * rank);
+    MultiplyMtP(m.data() + (pos - begin), 1, len, p.data() + i * rank, rank, partial.data());
+    float* __restrict out = q.data() + j0 * rank;
+    for (size_t t = 0; t < partial.size(); ++t) out[t] += partial[t];
+    pos += len;
+  }
+}
+
+void OrthonormalizeLowRankColumns(absl::Span<float> p, uint32_t rows, uint32_t rank) {
+  std::vector<double> cols_major(static_cast<size_t>(rows) * rank);
+  for (size_t i = 0; i < rows; ++i) {
+    for (size_t k = 0; k < rank; ++k) cols_major[k * rows + i] = p[i * rank + k];
+  }
+  Orthonormalize(cols_major.data(), rows, rank);
+  for (size_t i = 0; i < rows; ++i) {
+    for (size_t k = 0; k < rank; ++k)
+      p[i * rank + k] = static_cast<float>(cols_major[k * rows + i]);
+  }
+}
+
 absl::StatusOr<LowRankFactors> CompressLowRank(absl::Span<const float> m, uint32_t rows,
                                                uint32_t cols, uint32_t rank,
                                                absl::Span<const float> warm_q, uint64_t seed) {
@@ -275,27 +347,15 @@ absl::StatusOr<LowRankFactors> CompressLowRank(absl::Span<const float> m, uint32
   f.rows = rows;
   f.cols = cols;
   f.rank = rank;
-  std::vector<float> q0 = warm_q.empty() ? SeededLowRankInit(cols, rank, seed)
-                                         : std::vector<float>(warm_q.begin(), warm_q.end());
-  NormalizeColumns(q0.data(), cols, rank);
+  const std::vector<float> q0 = LowRankStartQ(warm_q, cols, rank, seed);
   f.p.resize(static_cast<size_t>(rows) * rank);
-  MultiplyMQ(m.data(), rows, cols, q0.data(), rank, f.p.data());
+  LowRankRangeTimesQ(m, 0, cols, q0, rank, absl::MakeSpan(f.p));
   if (FirstNonFinite(f.p) != f.p.size()) {
     return absl::InvalidArgumentError("low-rank: M * Q overflows float; scale the input down");
   }
-
-  std::vector<double> cols_major(static_cast<size_t>(rows) * rank);
-  for (size_t i = 0; i < rows; ++i) {
-    for (size_t k = 0; k < rank; ++k) cols_major[k * rows + i] = f.p[i * rank + k];
-  }
-  Orthonormalize(cols_major.data(), rows, rank);
-  for (size_t i = 0; i < rows; ++i) {
-    for (size_t k = 0; k < rank; ++k)
-      f.p[i * rank + k] = static_cast<float>(cols_major[k * rows + i]);
-  }
-
+  OrthonormalizeLowRankColumns(absl::MakeSpan(f.p), rows, rank);
   f.q.resize(static_cast<size_t>(cols) * rank);
-  MultiplyMtP(m.data(), rows, cols, f.p.data(), rank, f.q.data());
+  LowRankRangeTransposedTimesP(m, 0, cols, f.p, rank, absl::MakeSpan(f.q));
   if (FirstNonFinite(f.q) != f.q.size()) {
     return absl::InvalidArgumentError("low-rank: M^T * P overflows float; scale the input down");
   }

@@ -58,6 +58,26 @@ absl::StatusOr<std::vector<float>> ResizeWarmStart(absl::Span<const float> q, ui
                                                    uint32_t old_rank, uint32_t new_rank,
                                                    uint64_t seed);
 
+// The steps of CompressLowRank for a matrix whose elements are split across processes in flat
+// ranges (the slices of an FSDP node, common/low_rank_fsdp.h). A range holds the elements
+// [begin, begin + m.size()) of the row-major rows x cols matrix; the products treat every
+// element outside it as 0. Over the whole matrix as one range they give CompressLowRank's bits.
+// REQUIRES: the sizes their shapes imply, and the range within the matrix.
+//
+// Q0 of CompressLowRank: warm_q (cols x rank), or SeededLowRankInit when empty, with each
+// column scaled to unit norm.
+std::vector<float> LowRankStartQ(absl::Span<const float> warm_q, uint32_t cols, uint32_t rank,
+                                 uint64_t seed);
+// p (rows x rank) = M_range q, q cols x rank.
+void LowRankRangeTimesQ(absl::Span<const float> m, uint64_t begin, uint32_t cols,
+                        absl::Span<const float> q, uint32_t rank, absl::Span<float> p);
+// q (cols x rank) = M_range^T p, p rows x rank.
+void LowRankRangeTransposedTimesP(absl::Span<const float> m, uint64_t begin, uint32_t cols,
+                                  absl::Span<const float> p, uint32_t rank, absl::Span<float> q);
+// Orthonormalises the columns of p (rows x rank) in place as CompressLowRank does: modified
+// Gram-Schmidt twice, in double, vanishing columns replaced by unit vectors.
+void OrthonormalizeLowRankColumns(absl::Span<float> p, uint32_t rows, uint32_t rank);
+
 // OK when the factors are well formed: dimensions and rank > 0, rank <= min(rows, cols), p and
 // q of the sizes their shape implies, every value finite. Otherwise kInvalidArgument naming the
 // problem. Every decoder below checks this first and writes nothing on error.

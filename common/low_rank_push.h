@@ -11,10 +11,14 @@
 //     the factors as the server decodes them; the unquantised Q is the next warm start.
 //   - any other tensor (1-D: biases, norms; or a matrix whose factors would not be smaller):
 //     the fallback codec (LowRankFallbackCodec), residual = M - decode(encode(M)).
+//
+// A rank of a multi-rank (FSDP) node encodes only its slice of each layer, with the factors that
+// CompressSlices computed from every rank's slices (common/low_rank_fsdp.h).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +28,8 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/low_rank.h"
+#include "common/low_rank_fsdp.h"
 #include "common/tensor_codec.h"
 #include "proto/aloe.pb.h"
 
@@ -40,9 +46,23 @@ struct EncodedChunk {
 class LowRankPushEncoder {
  public:
   // Takes the low-rank layers of `transport` for the layers of `spec` (by name); the others are
-  // not low-rank. Keeps the warm starts of layers whose settings did not change.
-  void Configure(const v1::TransportConfig& transport, const v1::ModelSpec& spec)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // not low-rank. Keeps the warm starts of layers whose settings did not change. A rank of a
+  // multi-rank node pushes slice `slice` of `slices` of every layer (common/model_spec.h
+  // SliceRange).
+  void Configure(const v1::TransportConfig& transport, const v1::ModelSpec& spec,
+                 uint32_t slice = 0, uint32_t slices = 1) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A rank of a multi-rank node, before each push; a collective: every rank of the node calls
+  // it at the same point. Compresses the 2-D tensors of the low-rank layers from every rank's
+  // slices with two calls of all_reduce in all (CompressLowRankSlices), keeps the factors for
+  // EncodeLayer and each Q as its tensor's next warm start. slices[l] is this rank's slice of
+  // layer l, error feedback added (other layers are not read). kFailedPrecondition when not
+  // configured with slices > 1; kInvalidArgument as CompressLowRankSlices, including a slice of
+  // the wrong size on any rank (every rank fails alike); all_reduce's errors. Holds the
+  // encoder's lock through the all-reduces.
+  // task_id: the push's task, whose ranks (SetTaskRanks) the factors take.
+  absl::Status CompressSlices(uint64_t task_id, const std::vector<std::vector<float>>& slices,
+                              AllReduceFloats all_reduce) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Whether layer `layer_id` of the configured spec is low-rank.
   bool IsLowRank(uint32_t layer_id) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -59,10 +79,13 @@ class LowRankPushEncoder {
   // push of task `task_id` into *chunks (appended, in offset order, each payload <=
   // max_chunk_bytes). When residual is not null it receives values.size() floats: values minus
   // what the chunks decode to. When the transport's adaptive rank is on and observed is not
-  // null, every compressed tensor's effective rank (ObservedEffectiveRank) is appended to
-  // *observed. kInvalidArgument, with nothing appended, when the layer is not low-rank, values
-  // does not match the spec, a value is NaN or Inf, or a tensor's Q does not fit in one chunk
-  // (naming the layer, tensor, rank and limit).
+  // null, every compressed tensor's effective rank (ObservedEffectiveRank, of the whole tensor)
+  // is appended to *observed. kInvalidArgument, with nothing appended, when the layer is not
+  // low-rank, values does not match the spec, a value is NaN or Inf, or a tensor's Q does not
+  // fit in one chunk (naming the layer, tensor, rank and limit). Configured with slices > 1:
+  // values is this rank's slice, and the chunks cover exactly its elements of the layer
+  // (EncodeLowRankSlicePiece); kFailedPrecondition when CompressSlices has not run since
+  // Configure.
   absl::Status EncodeLayer(uint32_t layer_id, uint64_t task_id, absl::Span<const float> values,
                            float* residual, std::vector<EncodedChunk>* chunks,
                            size_t max_chunk_bytes, std::vector<v1::TensorRank>* observed = nullptr)
@@ -74,14 +97,25 @@ class LowRankPushEncoder {
     uint32_t rank = 0;  // 0: not low-rank
     v1::Codec factor_codec = v1::CODEC_FP32;
     std::vector<std::vector<float>> warm_q;  // per tensor; empty: seeded
+    // Per tensor, a multi-rank node's factors from the last CompressSlices (rank 0: none).
+    std::vector<LowRankFactors> node_factors;
+    // Per tensor, the effective rank of the node's factors (adaptive rank; none: not observed).
+    std::vector<std::optional<uint32_t>> node_observed;
   };
   // The rank of tensor `tensor` of layer `layer_id` in a push of task `task_id`.
   uint32_t RankOf(uint32_t layer_id, int tensor, uint64_t task_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // EncodeLayer of a rank's slice.
+  absl::Status EncodeSliceLocked(uint32_t layer_id, absl::Span<const float> values, float* residual,
+                                 std::vector<EncodedChunk>* chunks, size_t max_chunk_bytes,
+                                 std::vector<v1::TensorRank>* observed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);
   BlockSizes block_sizes_ ABSL_GUARDED_BY(mu_);
+  uint32_t slice_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t slices_ ABSL_GUARDED_BY(mu_) = 1;
   // adaptive_rank.energy_fraction when adaptive rank is on, else 0.
   double energy_fraction_ ABSL_GUARDED_BY(mu_) = 0;
   // Task id -> its ranks, the newest kRememberedTasks tasks (ids in arrival order).

@@ -247,7 +247,20 @@ uint32_t LowRankMaxChunkRank(uint32_t cols, v1::Codec factor_codec, size_t block
 absl::StatusOr<LowRankEncoding> EncodeLowRankFactors(const LowRankFactors& factors,
                                                      uint64_t tensor_offset, v1::Codec factor_codec,
                                                      size_t block_size, size_t max_chunk_bytes) {
+  return EncodeLowRankFactorRows(factors, tensor_offset, 0, factors.rows, factor_codec, block_size,
+                                 max_chunk_bytes);
+}
+
+absl::StatusOr<LowRankEncoding> EncodeLowRankFactorRows(const LowRankFactors& factors,
+                                                        uint64_t tensor_offset, uint32_t row_begin,
+                                                        uint32_t row_end, v1::Codec factor_codec,
+                                                        size_t block_size, size_t max_chunk_bytes) {
   ALOE_RETURN_IF_ERROR(ValidateLowRankFactors(factors));
+  if (row_begin >= row_end || row_end > factors.rows) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("low-rank: rows [%d, %d) are not a non-empty range of the %d rows",
+                        row_begin, row_end, factors.rows));
+  }
   if (!IsLowRankFactorCodec(factor_codec)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("low-rank: %s cannot encode factors", v1::Codec_Name(factor_codec)));
@@ -276,7 +289,7 @@ absl::StatusOr<LowRankEncoding> EncodeLowRankFactors(const LowRankFactors& facto
   }
   // The most rows of P after Q: FactorBytes grows with n, so search the largest that fits.
   uint32_t lo = 1;
-  uint32_t hi = factors.rows;
+  uint32_t hi = row_end - row_begin;
   while (lo < hi) {
     const uint32_t mid = lo + (hi - lo + 1) / 2;
     if (fixed + FactorBytes(factor_codec, mid * rank, block_size) <= max_chunk_bytes) {
@@ -287,8 +300,8 @@ absl::StatusOr<LowRankEncoding> EncodeLowRankFactors(const LowRankFactors& facto
   }
   const uint32_t rows_per_chunk = lo;
   decoded.p.resize(factors.p.size());
-  for (uint32_t a = 0; a < factors.rows; a += rows_per_chunk) {
-    const uint32_t b = std::min(factors.rows, a + rows_per_chunk);
+  for (uint32_t a = row_begin; a < row_end; a += rows_per_chunk) {
+    const uint32_t b = std::min(row_end, a + rows_per_chunk);
     LowRankChunk& chunk = encoding.chunks.emplace_back();
     chunk.offset = tensor_offset + static_cast<uint64_t>(a) * factors.cols;
     LowRankChunkHeader h;

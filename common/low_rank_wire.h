@@ -124,4 +124,13 @@ absl::StatusOr<LowRankEncoding> EncodeLowRankFactors(const LowRankFactors& facto
                                                      uint64_t tensor_offset, v1::Codec factor_codec,
                                                      size_t block_size, size_t max_chunk_bytes);
 
+// The same for rows [row_begin, row_end) of P only (a rank of an FSDP node sends the rows its
+// slice holds, common/low_rank_fsdp.h): the chunks decode to the elements [tensor_offset +
+// row_begin * cols, tensor_offset + row_end * cols) of the layer, and decoded.p holds only those
+// rows (the others 0). kInvalidArgument also for a range that is empty or ends past the rows.
+absl::StatusOr<LowRankEncoding> EncodeLowRankFactorRows(const LowRankFactors& factors,
+                                                        uint64_t tensor_offset, uint32_t row_begin,
+                                                        uint32_t row_end, v1::Codec factor_codec,
+                                                        size_t block_size, size_t max_chunk_bytes);
+
 }  // namespace aloe

@@ -402,18 +402,18 @@ class SliceLoans {
   int lent_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Appends the chunks of low-rank layer `layer` (whole, or the push is refused: a tensor's
-// factors need all of it) to *chunks, and its error-feedback residual to (*residuals)[layer].
-// The effective ranks the encoder observed go to *observed (PushHeader.observed_ranks).
+// Appends the chunks of low-rank layer `layer` (whole, or the slice of a rank of a multi-rank
+// node: the encoder is configured with it) of a push under `header` to *chunks, and its
+// error-feedback residual to (*residuals)[layer]. The effective ranks the encoder observed go to
+// *observed (PushHeader.observed_ranks).
 absl::Status EncodeLowRankLayer(LowRankPushEncoder* encoder, const v1::PushHeader& header,
                                 size_t layer, const std::vector<float>& values,
                                 std::vector<std::vector<float>>* residuals,
                                 std::vector<OutgoingChunk>* chunks,
                                 std::vector<v1::TensorRank>* observed) {
-  if (encoder == nullptr || header.slices() > 1) {
+  if (encoder == nullptr) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "layer %d is low-rank, which only whole-layer pushes with a low-rank encoder carry",
-        layer));
+        "layer %d is low-rank, which only pushes with a low-rank encoder carry", layer));
   }
   std::vector<EncodedChunk> encoded;
   ALOE_RETURN_IF_ERROR(

@@ -60,6 +60,19 @@ class GroupCollectives : public Collectives {
     return absl::OkStatus();
   }
 
+  absl::Status AllReduceSumFloats(float* values, size_t n) override {
+    if (n == 0) return absl::OkStatus();
+    try {
+      at::Tensor host = torch::from_blob(values, {static_cast<int64_t>(n)}, torch::kFloat32);
+      std::vector<at::Tensor> t = {device_.is_cpu() ? host : host.to(device_)};
+      group_->allreduce(t)->wait();
+      if (!device_.is_cpu()) host.copy_(t[0]);
+    } catch (const std::exception& e) {
+      return LibTorchError("all-reduce", e);
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<double> AllReduceSum(double value) override {
     try {
       std::vector<at::Tensor> t = {

@@ -68,6 +68,10 @@ class Collectives {
   virtual absl::Status ReduceScatterSumTensor(const at::Tensor& full, const at::Tensor& shard);
   // The sum over ranks of `value`.
   virtual absl::StatusOr<double> AllReduceSum(double value) = 0;
+  // values[i] = the sum over ranks of their values[i], the same bits on every rank (host memory;
+  // a GPU group copies through the device). The low-rank factors of a node's push
+  // (common/low_rank_fsdp.h).
+  virtual absl::Status AllReduceSumFloats(float* values, size_t n) = 0;
   // Every rank's *bytes becomes rank `root`'s (a serialised message: the node's task).
   virtual absl::Status Broadcast(std::string* bytes, int root) = 0;
 };

@@ -6,7 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/outer_kernels.h"
+#include "worker/fsdp.h"
 
 namespace aloe::worker {
 
@@ -19,7 +21,9 @@ ServerSession::ServerSession(const AgentOptions& options, const AgentEnv& env, s
       stop_(*env.stop),
       name_(std::move(name)),
       slice_(slice),
-      slices_(slices) {}
+      slices_(slices),
+      node_(env.node),
+      control_(env.control) {}
 
 absl::StatusOr<v1::JoinReply> ServerSession::Join() {
   v1::JoinRequest request;
@@ -80,16 +84,8 @@ absl::Status ServerSession::Adopt(const v1::JoinReply& joined) {
       if (o.layer() == layer.name()) codec = o.codec();
     }
     codecs_.push_back(codec);
-    if (codec == v1::CODEC_LOWRANK && slices_ > 1) {
-      // A tensor's factors need the whole tensor, which no rank of an FSDP node holds
-      // (docs/algorithms.md, "Low-rank compression (paper 001)").
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "layer %s is pushed low-rank (transport.layer_codecs), which multi-rank (FSDP) nodes "
-          "cannot do yet: run this node with one rank, or give the layer another codec",
-          layer.name()));
-    }
   }
-  low_rank_->Configure(transport, joined_.model_spec());
+  low_rank_->Configure(transport, joined_.model_spec(), slice_, slices_);
   server_.SetLowRankEncoder(low_rank_);
   return absl::OkStatus();
 }
@@ -150,6 +146,21 @@ absl::StatusOr<v1::PushReply> ServerSession::Push(const v1::PushHeader& header,
     for (size_t l = 0; l < delta.size(); ++l) {
       kernels::WeightedAccumulate(residual_[l].data(), 1.0f, delta[l].data(), delta[l].size());
     }
+  }
+  if (slices_ > 1 &&
+      std::find(codecs_.begin(), codecs_.end(), v1::CODEC_LOWRANK) != codecs_.end()) {
+    // No rank holds a whole tensor: the factors come from every rank's slices
+    // (common/low_rank_fsdp.h). The collective runs on the thread that pushes, which is the
+    // control group's when there is one (overlapped rounds push beside training).
+    Collectives* const group = control_ != nullptr ? control_ : node_;
+    if (group == nullptr) {
+      return absl::FailedPreconditionError(
+          "a sliced push of low-rank layers needs the node's process group");
+    }
+    ALOE_RETURN_IF_ERROR(
+        low_rank_->CompressSlices(header.task_id(), delta, [group](absl::Span<float> values) {
+          return group->AllReduceSumFloats(values.data(), values.size());
+        }));
   }
   return server_.Push(header, joined_.model_spec(), delta, codecs_, TransportBlockSizes(transport),
                       transport.error_feedback() ? &residual_ : nullptr, pushed);

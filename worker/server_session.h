@@ -60,7 +60,9 @@ class ServerSession {
   // task's low-rank ranks (Task.tensor_ranks) to the encoder.
   v1::PushHeader Header(const v1::Task& task, const TrainStats& stats);
   // Pushes `delta` under `header`. With error feedback, first adds what earlier pushes' codecs
-  // lost to `delta`, then keeps what this push's loses.
+  // lost to `delta`, then keeps what this push's loses. A rank of a multi-rank node with
+  // low-rank layers first computes their factors with the other ranks (a collective on the
+  // control group when there is one, else on the node's).
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header,
                                      std::vector<std::vector<float>>& delta, uint64_t* pushed);
   absl::Status ReportEval(const v1::EvalReport& report) { return server_.ReportEval(report); }
@@ -90,6 +92,9 @@ class ServerSession {
   const std::string name_;
   const uint32_t slice_;
   const uint32_t slices_;
+  // A rank of a multi-rank node: its process groups (AgentEnv::node, AgentEnv::control).
+  Collectives* const node_;
+  Collectives* const control_;
   bool member_ = false;
   v1::JoinReply joined_;
   std::vector<v1::Codec> codecs_;             // per layer, from the server's transport

@@ -237,7 +237,8 @@ int Main() {
     return [&, lr, with_residual] {
       return ForChunks(per_thread, threads, [&, lr, with_residual](size_t t) {
         lr->chunks[t].clear();
-        return lr->encoders[t]->EncodeLayer(0, absl::MakeConstSpan(lr_x.data() + t * lr_n, lr_n),
+        return lr->encoders[t]->EncodeLayer(0, /*task_id=*/0,
+                                            absl::MakeConstSpan(lr_x.data() + t * lr_n, lr_n),
                                             with_residual ? lr_residual.data() + t * lr_n : nullptr,
                                             &lr->chunks[t], kMaxChunkBytes);
       });

@@ -122,6 +122,76 @@ TEST_F(FsdpWorkerTest, RawPushesOfATwoRankNodeToOneServerTrainLikeGrpcPushes) {
   EXPECT_LE(relative, 1e-6) << logs_["raw"];
 }
 
+// transport {} with error feedback and every layer pushed as rank-16 factors in int4 blocks of 64
+// (tests/integration/low_rank_codec_test.cc's paper 001 case).
+std::string LowRankInt4Transport() {
+  std::string transport = "transport { error_feedback: true int4_block_size: 64";
+  for (const char* layer : {"embed", "blocks.0", "blocks.1", "head"}) {
+    absl::StrAppend(&transport, " layer_codecs { layer: \"", layer,
+                    "\" codec: CODEC_LOWRANK rank: 16 factor_codec: CODEC_INT4_BLOCKWISE }");
+  }
+  return transport + " }\n";
+}
+
+// A 2-rank node pushes low-rank + int4 factors with error feedback: its ranks compute every
+// tensor's factors together from their slices (no rank holds a whole pseudo-gradient matrix)
+// and each pushes its part. The held-out loss falls as a one-process worker's does with the
+// same codec, and the node pushes about as many bytes: the low-rank size, a fifteenth of float32.
+TEST_F(FsdpWorkerTest, TwoRankNodePushesLowRankInt4FactorsWithErrorFeedback) {
+  constexpr int kVersions = 8;
+  const std::string config =
+      absl::StrCat("local_steps: 12\nmax_versions: ", kVersions, "\n", LowRankInt4Transport());
+  RunSingleTrainerJob("one", config, {}, /*evaluate=*/true);
+  const double one_loss = FinalEvalLoss();
+  const std::vector<double> one_bytes = PushedBytes(ReadFile(dir_ + "/one.log"));
+  const std::string ckpt = RunSingleTrainerJob("two", config, {"--nproc=2"}, /*evaluate=*/true);
+  const double two_loss = FinalEvalLoss();
+  const std::string log = ReadFile(dir_ + "/two.log");
+  const std::vector<double> two_bytes = PushedBytes(log);
+  ASSERT_EQ(one_bytes.size(), 1u) << ReadFile(dir_ + "/one.log");
+  ASSERT_EQ(two_bytes.size(), 2u) << log;
+  EXPECT_TRUE(absl::StrContains(log, "(2 ranks)")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "dropped")) << log;
+  auto loaded = server::CheckpointStore(ckpt, 1).LoadLatest();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  double parameters = 0;
+  for (const std::string& layer : loaded->checkpoint.layer_params()) {
+    parameters += layer.size() / sizeof(float);
+  }
+  const double fp32_bytes = kVersions * parameters * sizeof(float);
+  const double node_bytes = two_bytes[0] + two_bytes[1];
+  std::printf(
+      "final held-out loss: one process %.4f, 2-rank node %.4f (%+.2f%%); pushed bytes: one "
+      "process %.0f, node %.0f (%.0f + %.0f, %.3fx), float32 would be %.0f (%.1fx)\n",
+      one_loss, two_loss, 100 * (two_loss - one_loss) / one_loss, one_bytes[0], node_bytes,
+      two_bytes[0], two_bytes[1], node_bytes / one_bytes[0], fp32_bytes, fp32_bytes / node_bytes);
+  EXPECT_LT(two_loss, 4.0) << "the node did not train (ln 256 = 5.55 at the start)";
+  EXPECT_LE(std::abs(two_loss - one_loss) / one_loss, 0.01);
+  // Both ranks send Q of the one tensor per layer that the slice boundary cuts, and its cut row
+  // in float32: 9% more than one process (whose float32 1-D tensors are a fifth of its bytes).
+  EXPECT_LE(node_bytes, 1.12 * one_bytes[0]);
+  EXPECT_GE(fp32_bytes / node_bytes, 14.0);
+}
+
+// With overlapped rounds a node's push runs on a background thread beside the next round's
+// training: the ranks compute the factors over the control process group, never the trainer's.
+// Every round is pushed and applied, none dropped.
+TEST_F(FsdpWorkerTest, OverlappedRoundsOfATwoRankNodeComputeTheFactorsOnTheControlGroup) {
+  const int port = StartServer(
+      absl::StrCat("local_steps: 12\nmax_versions: 6\n",
+                   "aggregation { mode: AGGREGATION_ASYNC min_workers: 1 grace_seconds: 0 }\n",
+                   LowRankInt4Transport()));
+  ASSERT_GT(port, 0);
+  auto node = StartWorker(port, "trainer", 0, 1.0, {"--nproc=2", "--overlap=delayed"});
+  EXPECT_EQ(server_->Wait(absl::Seconds(180)), std::optional<int>(0)) << Logs();
+  EXPECT_EQ(node->Wait(absl::Seconds(60)), std::optional<int>(0)) << Logs();
+  const std::string summary = ReadFile(dir_ + "/summary");
+  EXPECT_TRUE(absl::StrContains(summary, "version=6")) << summary << Logs();
+  const std::string log = ReadFile(dir_ + "/trainer0.log");
+  EXPECT_FALSE(absl::StrContains(log, "dropped")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "pushed without overlap")) << log;
+}
+
 // SIGTERM to the node's launcher reaches every rank: they agree to stop after the same step,
 // push their slices of the partial round (merged and applied by the server), leave, exit 0.
 TEST_F(FsdpWorkerTest, SigtermStopsEveryRankAfterTheSameStepAndThePartialRoundIsApplied) {

@@ -14,17 +14,21 @@
 #include "common/low_rank.h"
 #include "common/low_rank_push.h"
 #include "common/low_rank_wire.h"
+#include "common/model_spec.h"
 #include "common/status_matchers.h"
 #include "common/tensor_codec.h"
 #include "server/core/update_assembler.h"
+#include "tests/testing/in_process_all_reduce.h"
 #include "tests/testing/low_rank_testing.h"
 
 namespace aloe::server {
 namespace {
 
 using ::aloe::testing::AddTensor;
+using ::aloe::testing::InProcessAllReduce;
 using ::aloe::testing::IsOk;
 using ::aloe::testing::RandomMatrix;
+using ::aloe::testing::RunRankThreads;
 using ::aloe::testing::StatusIs;
 using ::testing::HasSubstr;
 
@@ -132,6 +136,83 @@ TEST(UpdateAssemblerLowRankTest, ChunksThatDoNotFitTheSpecAreRefusedWithNothingR
   EXPECT_EQ(assembler.bytes_received(), bias.size());
   // The right chunk still goes in after the refusals.
   ASSERT_THAT(assembler.AddChunk(0, 10, at_w->chunks[0].payload, v1::CODEC_LOWRANK), IsOk());
+}
+
+// The sliced low-rank pushes of a multi-rank (FSDP) node through the assembler as it is: each
+// rank's chunks (Q with the P rows wholly in its slice, the cut rows in the fallback codec) cover
+// exactly its slice, and the ranks' slices add up to what their encoders say they sent. The
+// slice boundaries of 2 and 3 ranks fall mid-row, except 2 ranks' of head (row 10).
+TEST(UpdateAssemblerLowRankTest, ANodesSlicedPushesAssembleAndAddUpToWhatTheRanksSent) {
+  const v1::ModelSpec spec = Spec();
+  v1::TransportConfig transport;
+  transport.set_int4_block_size(64);
+  for (const char* name : {"blocks.0", "head"}) {
+    v1::LayerCodec* c = transport.add_layer_codecs();
+    c->set_layer(name);
+    c->set_codec(v1::CODEC_LOWRANK);
+    c->set_rank(3);
+    c->set_factor_codec(v1::CODEC_INT4_BLOCKWISE);
+  }
+  std::vector<std::vector<float>> g;
+  for (int l = 0; l < 2; ++l) {
+    g.push_back(RandomMatrix(spec.layers(l).num_elements(), 1, 10 + l, 0.01f));
+  }
+  for (const int ranks : {2, 3}) {
+    SCOPED_TRACE(ranks);
+    std::vector<LowRankPushEncoder> encoders(ranks);
+    for (int r = 0; r < ranks; ++r) encoders[r].Configure(transport, spec, r, ranks);
+    // chunks[r][l], and what the ranks sent: their slices minus their residuals.
+    std::vector<std::vector<std::vector<EncodedChunk>>> chunks(
+        ranks, std::vector<std::vector<EncodedChunk>>(2));
+    std::vector<std::vector<float>> sent = g;
+    InProcessAllReduce node(ranks);
+    RunRankThreads(ranks, [&](int r) {
+      std::vector<std::vector<float>> slices;
+      for (int l = 0; l < 2; ++l) {
+        const auto [b, e] = SliceRange(g[l].size(), ranks, r);
+        slices.emplace_back(g[l].begin() + b, g[l].begin() + e);
+      }
+      ASSERT_THAT(
+          encoders[r].CompressSlices(/*task_id=*/0, slices,
+                                     [&](absl::Span<float> v) { return node.AllReduce(r, v); }),
+          IsOk());
+      for (int l = 0; l < 2; ++l) {
+        std::vector<float> residual(slices[l].size());
+        ASSERT_THAT(encoders[r].EncodeLayer(l, /*task_id=*/0, slices[l], residual.data(),
+                                            &chunks[r][l], kMaxChunkBytes),
+                    IsOk());
+        const uint64_t b = SliceRange(g[l].size(), ranks, r).first;
+        for (size_t i = 0; i < residual.size(); ++i) sent[l][b + i] -= residual[i];
+      }
+    });
+    std::vector<std::vector<float>> total = {std::vector<float>(g[0].size(), 0.0f),
+                                             std::vector<float>(g[1].size(), 0.0f)};
+    for (int r = 0; r < ranks; ++r) {
+      v1::PushHeader header;
+      header.set_slice(r);
+      header.set_slices(ranks);
+      UpdateAssembler assembler(spec, header);
+      for (int l = 0; l < 2; ++l) {
+        for (const EncodedChunk& chunk : chunks[r][l]) {
+          ASSERT_THAT(assembler.AddChunk(l, chunk.offset, chunk.payload, chunk.codec), IsOk())
+              << "rank " << r << " layer " << l << " offset " << chunk.offset;
+        }
+      }
+      // Every rank's slices hold whole rows of w or v, sent as factors.
+      EXPECT_GT(assembler.bytes_by_codec()[v1::CODEC_LOWRANK], 0u) << r;
+      absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();
+      ASSERT_THAT(update, IsOk());
+      for (int l = 0; l < 2; ++l) {
+        for (size_t i = 0; i < total[l].size(); ++i) total[l][i] += update->layers[l][i];
+      }
+    }
+    for (int l = 0; l < 2; ++l) {
+      for (size_t i = 0; i < g[l].size(); ++i) {
+        // g - (g - decoded) is decoded up to the rounding of the two subtractions.
+        ASSERT_NEAR(total[l][i], sent[l][i], 1e-9f) << l << " " << i;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -193,6 +195,15 @@ class FakeServer final : public ServerApi {
     absl::MutexLock lock(&mu_);
     return pushes_;
   }
+  // The low-rank encoder the session handed over (it encodes pushes in a real client).
+  void SetLowRankEncoder(std::shared_ptr<LowRankPushEncoder> encoder) override {
+    absl::MutexLock lock(&mu_);
+    low_rank_ = std::move(encoder);
+  }
+  std::shared_ptr<LowRankPushEncoder> low_rank_encoder() {
+    absl::MutexLock lock(&mu_);
+    return low_rank_;
+  }
   // The dropped_task_id of each RequestTask (not the look-ahead ones).
   std::vector<uint64_t> dropped() {
     absl::MutexLock lock(&mu_);
@@ -235,6 +246,7 @@ class FakeServer final : public ServerApi {
   std::map<uint64_t, absl::Status> heartbeat_errors_ ABSL_GUARDED_BY(mu_);
   std::function<void(const v1::HeartbeatRequest&)> on_heartbeat_ ABSL_GUARDED_BY(mu_);
   std::vector<PushCall> pushes_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<LowRankPushEncoder> low_rank_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> dropped_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> requesters_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> pulls_ ABSL_GUARDED_BY(mu_);

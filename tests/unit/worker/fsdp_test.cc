@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/low_rank.h"
+#include "common/low_rank_fsdp.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
@@ -70,6 +72,11 @@ TEST(GlooCollectivesTest, AllGatherReduceScatterAndAllReduceOverThreeRanks) {
     auto sum = c.AllReduceSum(r + 0.5);
     ASSERT_THAT(sum, IsOk());
     EXPECT_EQ(*sum, 4.5);
+    // Element i: sum_q (q + 1) * (i + 0.25) = 6 * (i + 0.25), exact in float.
+    std::vector<float> floats(n);
+    for (size_t i = 0; i < n; ++i) floats[i] = (r + 1) * (i + 0.25f);
+    ASSERT_THAT(c.AllReduceSumFloats(floats.data(), n), IsOk());
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(floats[i], 6 * (i + 0.25f)) << "rank " << r;
     std::string message = r == 1 ? std::string("task\0bytes\xff", 11) : "stale";
     ASSERT_THAT(c.Broadcast(&message, /*root=*/1), IsOk());
     EXPECT_EQ(message, std::string("task\0bytes\xff", 11)) << "rank " << r;
@@ -81,6 +88,52 @@ TEST(GlooCollectivesTest, AllGatherReduceScatterAndAllReduceOverThreeRanks) {
 
 // The tensor forms the trainer calls: over Gloo they take flat float32 host tensors (the CPU
 // trainer's buffers) and refuse anything else by name.
+// The low-rank factors of a node's push over Gloo (common/low_rank_fsdp.h): the all-reduce leaves
+// the same bits on every rank, so every rank orthonormalises the same P and keeps the same Q, and
+// they are one rank's factors up to the all-reduce's summation order.
+TEST(GlooCollectivesTest, LowRankFactorsOfSlicesAreTheSameOnEveryRankAndOneRanks) {
+  constexpr uint32_t kRows = 64, kCols = 48, kRank = 4;
+  std::vector<float> m(kRows * kCols);
+  for (size_t i = 0; i < m.size(); ++i) {
+    const size_t row = i / kCols, col = i % kCols;
+    m[i] = std::sin(0.1f * row * (col % 7 + 1)) + 0.01f * std::cos(3.0f * i);
+  }
+  auto one = CompressLowRank(m, kRows, kCols, kRank, {}, /*seed=*/5);
+  ASSERT_THAT(one, IsOk());
+  for (const int size : {2, 3}) {
+    std::vector<LowRankFactors> factors(size);
+    RunRanks(size, [&](Collectives& c) {
+      // Slices of the flat matrix, cut mid-row.
+      const auto [b, e] = SliceRange(m.size(), c.size(), c.rank());
+      LowRankSlicePiece piece;
+      piece.m = absl::MakeConstSpan(m).subspan(b, e - b);
+      piece.begin = b;
+      piece.rows = kRows;
+      piece.cols = kCols;
+      piece.rank = kRank;
+      piece.seed = 5;
+      auto out = CompressLowRankSlices({&piece, 1}, [&](absl::Span<float> values) {
+        return c.AllReduceSumFloats(values.data(), values.size());
+      });
+      ASSERT_THAT(out, IsOk());
+      factors[c.rank()] = (*out)[0].factors;
+    });
+    for (int r = 1; r < size; ++r) {
+      EXPECT_EQ(factors[r].p, factors[0].p) << size << " ranks, rank " << r;
+      EXPECT_EQ(factors[r].q, factors[0].q) << size << " ranks, rank " << r;
+    }
+    std::vector<float> node(m.size()), single(m.size());
+    ASSERT_THAT(DecompressLowRank(factors[0], absl::MakeSpan(node)), IsOk());
+    ASSERT_THAT(DecompressLowRank(*one, absl::MakeSpan(single)), IsOk());
+    float diff = 0, scale = 0;
+    for (size_t i = 0; i < m.size(); ++i) {
+      diff = std::max(diff, std::abs(node[i] - single[i]));
+      scale = std::max(scale, std::abs(single[i]));
+    }
+    EXPECT_LE(diff, 1e-6f * scale) << size << " ranks";
+  }
+}
+
 TEST(GlooCollectivesTest, TensorFormsTakeHostFloatsAndRefuseOthers) {
   RunRanks(2, [](Collectives& c) {
     const int r = c.rank();
@@ -329,6 +382,7 @@ class UnusedCollectives final : public Collectives {
   absl::Status AllGather(const float*, size_t, float*) override { return Fail(); }
   absl::Status ReduceScatterSum(const float*, size_t, float*) override { return Fail(); }
   absl::StatusOr<double> AllReduceSum(double) override { return Fail(); }
+  absl::Status AllReduceSumFloats(float*, size_t) override { return Fail(); }
   absl::Status Broadcast(std::string*, int) override { return Fail(); }
 
  private:
