@@ -236,6 +236,58 @@ std::vector<float> SeededLowRankInit(uint32_t cols, uint32_t rank, uint64_t seed
   return q;
 }
 
+namespace {
+
+// Eigenvectors of the symmetric n x n matrix a (row-major, double), as the columns of *v (row-major
+// n x n), ordered by descending eigenvalue; cyclic Jacobi rotations.
+void SymmetricEigenvectors(std::vector<double> a, size_t n, std::vector<double>* v) {
+  std::vector<double> vec(n * n, 0.0);
+  for (size_t i = 0; i < n; ++i) vec[i * n + i] = 1.0;
+  double total = 0;
+  for (double x : a) total += x * x;
+  for (int sweep = 0; sweep < 64; ++sweep) {
+    double off = 0;
+    for (size_t p = 0; p < n; ++p) {
+      for (size_t q = p + 1; q < n; ++q) off += a[p * n + q] * a[p * n + q];
+    }
+    if (off <= 1e-30 * total) break;
+    for (size_t p = 0; p < n; ++p) {
+      for (size_t q = p + 1; q < n; ++q) {
+        const double apq = a[p * n + q];
+        if (apq == 0) continue;
+        // tan of the angle that zeroes a[p][q] (the smaller root, for stability).
+        const double theta = (a[q * n + q] - a[p * n + p]) / (2 * apq);
+        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::hypot(theta, 1.0));
+        const double c = 1 / std::hypot(t, 1.0);
+        const double s = t * c;
+        for (size_t k = 0; k < n; ++k) {  // columns p, q of a and of the vectors
+          const double akp = a[k * n + p], akq = a[k * n + q];
+          a[k * n + p] = c * akp - s * akq;
+          a[k * n + q] = s * akp + c * akq;
+          const double vkp = vec[k * n + p], vkq = vec[k * n + q];
+          vec[k * n + p] = c * vkp - s * vkq;
+          vec[k * n + q] = s * vkp + c * vkq;
+        }
+        for (size_t k = 0; k < n; ++k) {  // rows p, q of a
+          const double apk = a[p * n + k], aqk = a[q * n + k];
+          a[p * n + k] = c * apk - s * aqk;
+          a[q * n + k] = s * apk + c * aqk;
+        }
+      }
+    }
+  }
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return a[x * n + x] > a[y * n + y]; });
+  v->assign(n * n, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t k = 0; k < n; ++k) (*v)[i * n + k] = vec[i * n + order[k]];
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<float>> ResizeWarmStart(absl::Span<const float> q, uint32_t cols,
                                                    uint32_t old_rank, uint32_t new_rank,
                                                    uint64_t seed) {
@@ -246,6 +298,33 @@ absl::StatusOr<std::vector<float>> ResizeWarmStart(absl::Span<const float> q, ui
   }
   if (new_rank == 0) return absl::InvalidArgumentError("low-rank: new rank 0");
   std::vector<float> out(static_cast<size_t>(cols) * new_rank);
+  if (new_rank < old_rank) {
+    // Q = M^T P with P orthonormal: the eigenvectors V of Q^T Q turn Q into Q V, whose columns
+    // are M's leading right singular directions as the factors see them, strongest first; the
+    // first new_rank of them span the best rank-new_rank warm start (the first columns of Q
+    // itself need not: their order is Gram-Schmidt's).
+    const size_t r = old_rank;
+    std::vector<double> gram(r * r, 0.0);
+    for (size_t j = 0; j < cols; ++j) {
+      const float* row = q.data() + j * r;
+      for (size_t a = 0; a < r; ++a) {
+        for (size_t b = a; b < r; ++b) gram[a * r + b] += double{row[a]} * row[b];
+      }
+    }
+    for (size_t a = 0; a < r; ++a) {
+      for (size_t b = 0; b < a; ++b) gram[a * r + b] = gram[b * r + a];
+    }
+    std::vector<double> v;
+    SymmetricEigenvectors(std::move(gram), r, &v);
+    for (size_t j = 0; j < cols; ++j) {
+      for (size_t k = 0; k < new_rank; ++k) {
+        double sum = 0;
+        for (size_t a = 0; a < r; ++a) sum += double{q[j * r + a]} * v[a * r + k];
+        out[j * new_rank + k] = static_cast<float>(sum);
+      }
+    }
+    return out;
+  }
   for (size_t j = 0; j < cols; ++j) {
     for (size_t k = 0; k < new_rank; ++k) {
       out[j * new_rank + k] = k < old_rank ? q[j * old_rank + k] : InitValue(seed, j, k);

@@ -51,9 +51,11 @@ absl::StatusOr<LowRankFactors> CompressLowRank(absl::Span<const float> m, uint32
 // so the init of rank r is the first r columns of the init of any higher rank.
 std::vector<float> SeededLowRankInit(uint32_t cols, uint32_t rank, uint64_t seed);
 
-// A warm start for a new rank: the first min(old, new) columns of q (cols x old_rank), then the
-// seeded columns of SeededLowRankInit. kInvalidArgument when q.size() != cols * old_rank or
-// new_rank is 0.
+// A warm start for a new rank from q (cols x old_rank, a CompressLowRank Q). Growing keeps the
+// columns of q and adds the seeded columns of SeededLowRankInit; shrinking keeps the new_rank
+// strongest principal directions of q's columns (q V, V the eigenvectors of q^T q by descending
+// eigenvalue), which span the best warm start of that rank. kInvalidArgument when q.size() !=
+// cols * old_rank or new_rank is 0.
 absl::StatusOr<std::vector<float>> ResizeWarmStart(absl::Span<const float> q, uint32_t cols,
                                                    uint32_t old_rank, uint32_t new_rank,
                                                    uint64_t seed);

@@ -448,7 +448,7 @@ TEST(LowRankCompressTest, SeededInitIsDeterministicAndNestedAcrossRanks) {
   }
   for (float v : q5) EXPECT_TRUE(v >= -1.0f && v < 1.0f);
 
-  // Growing a warm start keeps the old columns and seeds the new ones; shrinking truncates.
+  // Growing a warm start keeps the old columns and seeds the new ones.
   auto grown = ResizeWarmStart(a->q, 10, 3, 5, 42);
   ASSERT_THAT(grown, IsOk());
   for (size_t j = 0; j < 10; ++j) {
@@ -456,9 +456,30 @@ TEST(LowRankCompressTest, SeededInitIsDeterministicAndNestedAcrossRanks) {
       EXPECT_EQ((*grown)[j * 5 + k], k < 3 ? a->q[j * 3 + k] : q5[j * 5 + k]);
     }
   }
-  auto shrunk = ResizeWarmStart(a->q, 10, 3, 1, 42);
+  // Shrinking keeps the strongest direction of Q's columns, whatever their order: columns e_0,
+  // 3 e_1 + 4 e_2, 0.5 e_3 + x e_0 (x small) have Q^T Q with the leading eigenvector along column
+  // 1 (norm 5), so rank 1 keeps +-(3 e_1 + 4 e_2) up to the small coupling.
+  std::vector<float> q(10 * 3, 0.0f);
+  q[0 * 3 + 0] = 1.0f;
+  q[1 * 3 + 1] = 3.0f;
+  q[2 * 3 + 1] = 4.0f;
+  q[3 * 3 + 2] = 0.5f;
+  q[0 * 3 + 2] = 0.01f;
+  auto shrunk = ResizeWarmStart(q, 10, 3, 1, 42);
   ASSERT_THAT(shrunk, IsOk());
-  for (size_t j = 0; j < 10; ++j) EXPECT_EQ((*shrunk)[j], a->q[j * 3]);
+  ASSERT_EQ(shrunk->size(), 10u);
+  const float sign = (*shrunk)[1] > 0 ? 1.0f : -1.0f;
+  EXPECT_NEAR(sign * (*shrunk)[1], 3.0f, 1e-5f);
+  EXPECT_NEAR(sign * (*shrunk)[2], 4.0f, 1e-5f);
+  for (size_t j : {0, 3, 4, 9}) EXPECT_NEAR((*shrunk)[j], 0.0f, 1e-5f) << j;
+  // Rank 2 of the same: the span of columns 1 and 0 (eigenvalues 25 and about 1), orthogonal.
+  auto two = ResizeWarmStart(q, 10, 3, 2, 42);
+  ASSERT_THAT(two, IsOk());
+  double dot = 0, e3 = 0;
+  for (size_t j = 0; j < 10; ++j) dot += double{(*two)[j * 2]} * (*two)[j * 2 + 1];
+  for (size_t k = 0; k < 2; ++k) e3 += std::fabs((*two)[3 * 2 + k]);
+  EXPECT_NEAR(dot, 0.0, 1e-5);
+  EXPECT_LT(e3, 0.01);  // the weakest direction (0.5 e_3) is the one dropped
   EXPECT_THAT(ResizeWarmStart(a->q, 10, 2, 4, 42),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cols * old_rank")));
 }
