@@ -36,8 +36,8 @@ Cells (default; --quick in brackets):
   adaptive                    low-rank + int4 with transport.adaptive_rank, when this aloe-sim
                               and its server core choose ranks (left out otherwise)
   each with error feedback off and on [off and on for int4 and r = 16 + int4; off for the rest]
-Setup: sync DiLoCo (outer Nesterov lr 0.7, beta 0.9; every round averages all workers), 3
-workers of equal speed, H = 20 local steps, 10 rounds [2 workers, H = 10, 8 rounds]; the
+Setup: sync DiLoCo (outer Nesterov lr 0.7, beta 0.9; every round averages all workers), 2
+workers of equal speed, H = 20 local steps, 12 rounds [H = 10, 8 rounds]; the
 byte-level LM of deploy/configs/sim-small.textproto (d_model 128, 2 blocks, ~0.47M parameters)
 [d_model 64, 1 block, ~87k] over the corpus in --corpus_dir (prepared when missing). The
 same seed everywhere, so only the codec differs between cells. Evaluations: version 0 and the
@@ -104,7 +104,7 @@ def default_settings(quick):
         return Settings(workers=2, local_steps=10, rounds=8, model=MODEL_QUICK, num_layers=1,
                         ranks=[], int4_ranks=[4, 16], blockwise=["int8", "int4"],
                         ef_cells={"int4", "lr16-int4"}, eval_sequences=32)
-    return Settings(workers=3, local_steps=20, rounds=10, model=MODEL_FULL, num_layers=2,
+    return Settings(workers=2, local_steps=20, rounds=12, model=MODEL_FULL, num_layers=2,
                     ranks=[4, 16, 64], int4_ranks=[4, 16, 64], blockwise=["bf16", "int8", "int4"],
                     ef_cells=None, eval_sequences=128)
 
@@ -322,14 +322,17 @@ def parse_args(argv):
                    default=os.environ.get("ALOE_BIN_DIR", os.path.join(cli.ROOT, "build", "bin")),
                    help="where aloe-sim is (default: build/bin)")
     p.add_argument("--jobs", type=int, default=2, help="aloe-sim runs in parallel (default 2)")
-    p.add_argument("--rounds", type=int, default=0, help="outer rounds (default 10, quick 8)")
+    p.add_argument("--rounds", type=int, default=0, help="outer rounds (default 12, quick 8)")
     p.add_argument("--local_steps", type=int, default=0, help="H (default 20, quick 10)")
-    p.add_argument("--workers", type=int, default=0, help="simulated workers (default 3, quick 2)")
+    p.add_argument("--workers", type=int, default=0, help="simulated workers (default 2)")
     p.add_argument("--ranks", default=None,
                    help="low-rank ranks with float32 factors, e.g. 4,16,64 ('' = none)")
     p.add_argument("--int4_ranks", default=None,
                    help="low-rank ranks with int4 factors, e.g. 4,16,64 ('' = none)")
     p.add_argument("--no_adaptive", action="store_true", help="leave the adaptive cells out")
+    p.add_argument("--only", default="",
+                   help="run only these cells (comma-separated run ids, e.g. "
+                        "fp32-noef,lr16-int4-ef); float32 is always run, as the baseline")
     p.add_argument("--eval_sequences", type=int, default=0,
                    help="held-out sequences of the final evaluation (default 128, quick 32)")
     p.add_argument("--trainer", choices=["torch", "synthetic"], default="torch",
@@ -375,6 +378,13 @@ def main(argv=None):
     with open(os.path.join(args.configs_dir, BASE_CONFIG)) as f:
         base = f.read()
     cells = build_cells(s, adaptive)
+    if args.only:
+        only = set(x for x in args.only.split(",") if x) | {"fp32-noef"}
+        unknown = only - set(c.run_id for c in cells)
+        if unknown:
+            raise SystemExit(f"{PROG}: --only names unknown cells {sorted(unknown)}; cells: "
+                             + ",".join(c.run_id for c in cells))
+        cells = [c for c in cells if c.run_id in only]
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     start = time.monotonic()
