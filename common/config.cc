@@ -20,6 +20,7 @@
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
+#include "common/tensor_codec.h"
 
 namespace aloe {
 namespace {
@@ -378,6 +379,12 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
     }
     ALOE_RETURN_IF_ERROR(CheckLowRankLayerCodec(layer));
   }
+  if (c.model_file().empty() && !transport.layer_codecs().empty()) {
+    // The built-in model's tensors are known here; an imported model's are checked when the
+    // server reads the file (ServerCore::Create).
+    ALOE_RETURN_IF_ERROR(
+        ValidateLowRankLayers(transport, BuildTransformerSpec(c.model(), 1), kMaxChunkBytes));
+  }
   ALOE_RETURN_IF_ERROR(ValidatePenaltyConfig(c.penalty()));
   if (!v1::AggregationMode_IsValid(c.aggregation().mode())) {
     return absl::InvalidArgumentError("aggregation.mode is not a known mode");
@@ -459,6 +466,35 @@ absl::Status ValidateServerConfig(const v1::ServerConfig& c) {
   if (!(c.max_seconds() >= 0) || !std::isfinite(c.max_seconds())) {
     return absl::InvalidArgumentError(
         absl::StrFormat("max_seconds must be >= 0, got %g", c.max_seconds()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLowRankLayers(const v1::TransportConfig& transport, const v1::ModelSpec& spec,
+                                   size_t max_chunk_bytes) {
+  const BlockSizes blocks = TransportBlockSizes(transport);
+  for (const v1::LayerSpec& layer : spec.layers()) {
+    // The last override of a layer wins, as on the worker.
+    const v1::LayerCodec* codec = nullptr;
+    for (const v1::LayerCodec& o : transport.layer_codecs()) {
+      if (o.layer() == layer.name()) codec = &o;
+    }
+    if (codec == nullptr || codec->codec() != v1::CODEC_LOWRANK) continue;
+    const v1::Codec factor =
+        codec->factor_codec() == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32 : codec->factor_codec();
+    for (const v1::TensorSpec& tensor : layer.tensors()) {
+      const uint32_t rank = LowRankTensorRank(tensor, codec->rank());
+      if (rank == 0) continue;
+      const uint32_t cols = LowRankMatrixShape(tensor)->second;
+      const uint64_t bytes = LowRankMinChunkBytes(cols, rank, factor, blocks.Of(factor));
+      if (bytes <= max_chunk_bytes) continue;
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "transport.layer_codecs: layer \"%s\", tensor %s: at rank %d its Q (%d columns x %d "
+          "in %s) with the header and one row of P takes %d bytes, above the chunk limit of %d "
+          "bytes; at most rank %d fits",
+          layer.name(), tensor.name(), rank, cols, rank, v1::Codec_Name(factor), bytes,
+          max_chunk_bytes, LowRankMaxChunkRank(cols, factor, blocks.Of(factor), max_chunk_bytes)));
+    }
   }
   return absl::OkStatus();
 }

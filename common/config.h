@@ -3,6 +3,7 @@
 // validated. Errors name the field ("outer_optimizer.lr must be > 0, got -1").
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -52,5 +53,13 @@ float MaxDnMomentumActivation(uint32_t n);
 // penalty.ema_alpha in (0, 1]; z_threshold, temperature and clip_norm > 0 and finite. Checked
 // whether or not the penalty is enabled. kInvalidArgument naming the field.
 absl::Status ValidatePenaltyConfig(const v1::PenaltyConfig& config);
+
+// Every tensor that a CODEC_LOWRANK layer of transport.layer_codecs compresses
+// (LowRankTensorRank) can be pushed: the header, its Q at the factor codec and one row of P fit
+// in one chunk of max_chunk_bytes (the push's kMaxChunkBytes). Otherwise kInvalidArgument naming
+// the layer, the tensor, the rank, the bytes, the limit and the largest rank that fits. Layers
+// that `spec` lacks are skipped (the server refuses those names at start).
+absl::Status ValidateLowRankLayers(const v1::TransportConfig& transport, const v1::ModelSpec& spec,
+                                   size_t max_chunk_bytes);
 
 }  // namespace aloe

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/low_rank_kernels.h"
 
 namespace aloe {
 namespace {
@@ -54,39 +55,11 @@ float InitValue(uint64_t seed, uint64_t j, uint64_t k) {
   return static_cast<float>(static_cast<double>(h >> 40) * (2.0 / 16777216.0) - 1.0);
 }
 
-// p (rows x r) = m (rows x cols) q (cols x r). Four rows share each row of q, which keeps q's
-// traffic from the caches at a quarter of the naive loop.
+// p (rows x r) = m (rows x cols) q (cols x r), each element summed over j in order from 0. The
+// same product as the decode's with m in P's place (cols in the rank's) and q in Q^T's, so the
+// decode kernel computes it, with its register tiles.
 void MultiplyMQ(const float* m, size_t rows, size_t cols, const float* q, size_t r, float* p) {
-  std::fill(p, p + rows * r, 0.0f);
-  size_t i = 0;
-  for (; i + 4 <= rows; i += 4) {
-    float* __restrict p0 = p + i * r;
-    float* __restrict p1 = p0 + r;
-    float* __restrict p2 = p1 + r;
-    float* __restrict p3 = p2 + r;
-    const float* m0 = m + i * cols;
-    for (size_t j = 0; j < cols; ++j) {
-      const float* __restrict qj = q + j * r;
-      const float a0 = m0[j], a1 = m0[cols + j], a2 = m0[2 * cols + j], a3 = m0[3 * cols + j];
-#pragma omp simd
-      for (size_t k = 0; k < r; ++k) {
-        p0[k] += a0 * qj[k];
-        p1[k] += a1 * qj[k];
-        p2[k] += a2 * qj[k];
-        p3[k] += a3 * qj[k];
-      }
-    }
-  }
-  for (; i < rows; ++i) {
-    float* __restrict pi = p + i * r;
-    const float* mi = m + i * cols;
-    for (size_t j = 0; j < cols; ++j) {
-      const float* __restrict qj = q + j * r;
-      const float a = mi[j];
-#pragma omp simd
-      for (size_t k = 0; k < r; ++k) pi[k] += a * qj[k];
-    }
-  }
+  kernels::LowRankDecodeRows(m, rows, cols, q, r, 0, r, p);
 }
 
 // q (cols x r) = m^T p, m rows x cols, p rows x r. Four rows of m per pass over q.
@@ -203,46 +176,50 @@ std::vector<float> TransposeQ(absl::Span<const float> q, size_t cols, size_t r) 
   return qt;
 }
 
-// Calls emit(offset, values, len) for consecutive pieces of (P Q^T)[begin, begin + count), where
-// offset counts from begin, p holds the rows the range touches (row 0 = the row of flat index
-// 0) and qt is Q transposed. Each element is sum_k P[i,k] Q[j,k] accumulated in k order, alone,
-// so the bits do not depend on how a range is split.
-template <typename Emit>
-void DecodeRange(const float* p, const float* qt, size_t cols, size_t r, uint64_t begin,
-                 uint64_t count, Emit emit) {
-  std::vector<float> acc(std::min<uint64_t>(cols, count));
+// Splits the flat range [begin, begin + count) of a row-major matrix with `cols` columns into a
+// partial first row, a block of whole rows and a partial last row, and calls
+// fn(row, rows, j0, len, offset) for each nonempty piece: rows [row, row + rows) x columns
+// [j0, j0 + len), whose first element is at `offset` from begin. The decode kernels compute each
+// element alone, in k order (kernels/cpu/low_rank_kernels.h), so the bits do not depend on how
+// a range is split.
+template <typename Fn>
+void ForEachRowPiece(size_t cols, uint64_t begin, uint64_t count, Fn fn) {
   uint64_t pos = begin;
   const uint64_t end = begin + count;
-  while (pos < end) {
-    const size_t i = pos / cols;
-    const size_t j0 = pos % cols;
+  if (pos < end && pos % cols != 0) {
+    const size_t j0 = static_cast<size_t>(pos % cols);
     const size_t len = static_cast<size_t>(std::min<uint64_t>(cols - j0, end - pos));
-    float* __restrict a = acc.data();
-    std::fill(a, a + len, 0.0f);
-    const float* pi = p + i * r;
-    for (size_t k = 0; k < r; ++k) {
-      const float pik = pi[k];
-      const float* __restrict row = qt + k * cols + j0;
-#pragma omp simd
-      for (size_t t = 0; t < len; ++t) a[t] += pik * row[t];
-    }
-    emit(static_cast<size_t>(pos - begin), a, len);
+    fn(static_cast<size_t>(pos / cols), size_t{1}, j0, len, static_cast<size_t>(pos - begin));
     pos += len;
+  }
+  const uint64_t whole = (end - pos) / cols;
+  if (whole > 0) {
+    fn(static_cast<size_t>(pos / cols), static_cast<size_t>(whole), size_t{0}, cols,
+       static_cast<size_t>(pos - begin));
+    pos += whole * cols;
+  }
+  if (pos < end) {
+    fn(static_cast<size_t>(pos / cols), size_t{1}, size_t{0}, static_cast<size_t>(end - pos),
+       static_cast<size_t>(pos - begin));
   }
 }
 
-template <typename Emit>
-void DecodeRange(const LowRankFactors& f, uint64_t begin, uint64_t count, Emit emit) {
+// out[t] = base[t] + scale * (P Q^T)[begin + t] for t < count (base may be out), or
+// out[t] = (P Q^T)[begin + t] when base is null.
+void DecodeRange(const LowRankFactors& f, uint64_t begin, uint64_t count, float scale,
+                 const float* base, float* out) {
   if (count == 0) return;
   const std::vector<float> qt = TransposeQ(f.q, f.cols, f.rank);
-  DecodeRange(f.p.data(), qt.data(), f.cols, f.rank, begin, count, emit);
-}
-
-// out[t] += scale * values[t].
-void AddScaled(const float* values, size_t len, float scale, float* out) {
-  float* __restrict o = out;
-#pragma omp simd
-  for (size_t t = 0; t < len; ++t) o[t] += scale * values[t];
+  ForEachRowPiece(
+      f.cols, begin, count, [&](size_t row, size_t rows, size_t j0, size_t len, size_t offset) {
+        const float* p = f.p.data() + row * f.rank;
+        if (base == nullptr) {
+          kernels::LowRankDecodeRows(p, rows, f.rank, qt.data(), f.cols, j0, len, out + offset);
+        } else {
+          kernels::LowRankDecodeAccumulateRows(p, rows, f.rank, qt.data(), f.cols, j0, len, scale,
+                                               base + offset, out + offset);
+        }
+      });
 }
 
 }  // namespace
@@ -346,9 +323,7 @@ absl::Status DecompressLowRank(const LowRankFactors& f, absl::Span<float> out) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "low-rank: output has %d values, not rows * cols = %d", out.size(), elements));
   }
-  DecodeRange(f, 0, elements, [&](size_t offset, const float* values, size_t len) {
-    std::copy(values, values + len, out.data() + offset);
-  });
+  DecodeRange(f, 0, elements, 1.0f, nullptr, out.data());
   return absl::OkStatus();
 }
 
@@ -364,9 +339,7 @@ absl::Status AccumulateLowRankRange(const LowRankFactors& f, uint64_t begin, flo
         absl::StrFormat("low-rank: range [%d, %d) ends past the %d x %d matrix", begin,
                         begin + out.size(), f.rows, f.cols));
   }
-  DecodeRange(f, begin, out.size(), [&](size_t offset, const float* values, size_t len) {
-    AddScaled(values, len, scale, out.data() + offset);
-  });
+  DecodeRange(f, begin, out.size(), scale, out.data(), out.data());
   return absl::OkStatus();
 }
 
@@ -407,10 +380,8 @@ absl::Status LowRankRowDecoder::AccumulateRows(uint32_t row_begin, absl::Span<co
   }
   ALOE_RETURN_IF_ERROR(CheckFiniteNamed(p_rows, "p"));
   if (n == 0) return absl::OkStatus();
-  DecodeRange(p_rows.data(), qt_.data(), cols_, rank_, 0, out.size(),
-              [&](size_t offset, const float* values, size_t len) {
-                AddScaled(values, len, scale, out.data() + offset);
-              });
+  kernels::LowRankDecodeAccumulateRows(p_rows.data(), n, rank_, qt_.data(), cols_, 0, cols_, scale,
+                                       out.data(), out.data());
   return absl::OkStatus();
 }
 
@@ -423,10 +394,9 @@ absl::Status LowRankResidual(absl::Span<const float> m, const LowRankFactors& f,
         absl::StrFormat("low-rank: matrix has %d values and residual %d, not rows * cols = %d",
                         m.size(), residual.size(), elements));
   }
-  // m and residual may alias: element t is read before it is written.
-  DecodeRange(f, 0, elements, [&](size_t offset, const float* values, size_t len) {
-    for (size_t t = 0; t < len; ++t) residual[offset + t] = m[offset + t] - values[t];
-  });
+  // m and residual may be the same buffer (the kernel allows base == out); m + (-1) * s is
+  // m - s bit for bit.
+  DecodeRange(f, 0, elements, -1.0f, m.data(), residual.data());
   return absl::OkStatus();
 }
 
@@ -587,39 +557,80 @@ absl::Status ValidateAdaptiveRankConfig(const AdaptiveRankConfig& c) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint32_t> ObservedEffectiveRank(const LowRankFactors& factors, double total_energy,
+                                               double energy_fraction) {
+  ALOE_ASSIGN_OR_RETURN(std::vector<double> sv, LowRankSingularValues(factors));
+  ALOE_ASSIGN_OR_RETURN(uint32_t energy_rank, EnergyRank(sv, total_energy, energy_fraction));
+  // Beyond the factors' rank the spectrum is unseen: ask for twice the rank.
+  return energy_rank > factors.rank ? 2 * factors.rank : energy_rank;
+}
+
 AdaptiveRank::AdaptiveRank(const AdaptiveRankConfig& config) : config_(config) {}
 
-uint32_t AdaptiveRank::Clamp(uint32_t rank, const Layer& layer) const {
-  const uint32_t upper = std::min(config_.max_rank, std::min(layer.rows, layer.cols));
+uint32_t AdaptiveRank::Clamp(uint32_t rank, const LayerState& layer) const {
+  uint32_t upper = std::min(config_.max_rank, std::min(layer.rows, layer.cols));
+  if (layer.rank_cap > 0) upper = std::min(upper, layer.rank_cap);
   return std::max<uint32_t>(1, std::min(std::max(rank, config_.min_rank), upper));
 }
 
 absl::StatusOr<uint32_t> AdaptiveRank::Observe(std::string_view layer,
                                                const LowRankFactors& factors, double total_energy) {
-  ALOE_ASSIGN_OR_RETURN(std::vector<double> sv, LowRankSingularValues(factors));
-  ALOE_ASSIGN_OR_RETURN(uint32_t energy_rank,
-                        EnergyRank(sv, total_energy, config_.energy_fraction));
-  auto [it, inserted] = layers_.try_emplace(std::string(layer));
-  Layer& l = it->second;
-  if (inserted) {
-    l.rows = factors.rows;
-    l.cols = factors.cols;
-  } else if (l.rows != factors.rows || l.cols != factors.cols) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("adaptive rank: layer %s is %d x %d, but was observed as %d x %d", layer,
-                        factors.rows, factors.cols, l.rows, l.cols));
-  }
-  // Beyond the factors' rank the spectrum is unseen: ask for twice the rank.
-  const uint32_t effective = energy_rank > factors.rank ? 2 * factors.rank : energy_rank;
-  l.recent.push_back(effective);
-  if (l.recent.size() > config_.window) l.recent.erase(l.recent.begin());
+  ALOE_ASSIGN_OR_RETURN(uint32_t effective,
+                        ObservedEffectiveRank(factors, total_energy, config_.energy_fraction));
+  ALOE_RETURN_IF_ERROR(Record(layer, factors.rows, factors.cols, config_.initial_rank, effective));
   return effective;
+}
+
+absl::Status AdaptiveRank::CheckRecord(std::string_view layer, uint32_t rows, uint32_t cols,
+                                       uint32_t initial_rank, uint32_t effective_rank) const {
+  if (rows == 0 || cols == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("adaptive rank: layer %s is %d x %d", layer, rows, cols));
+  }
+  const uint64_t most = 2 * static_cast<uint64_t>(std::min(rows, cols));
+  if (effective_rank > most) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("adaptive rank: effective rank %d of layer %s is outside [0, %d]",
+                        effective_rank, layer, most));
+  }
+  if (initial_rank == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("adaptive rank: layer %s has initial rank 0", layer));
+  }
+  auto it = layers_.find(std::string(layer));
+  if (it != layers_.end() && (it->second.rows != rows || it->second.cols != cols ||
+                              it->second.initial_rank != initial_rank)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "adaptive rank: layer %s is %d x %d with initial rank %d, but was observed as %d x %d "
+        "with initial rank %d",
+        layer, rows, cols, initial_rank, it->second.rows, it->second.cols,
+        it->second.initial_rank));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AdaptiveRank::Record(std::string_view layer, uint32_t rows, uint32_t cols,
+                                  uint32_t initial_rank, uint32_t effective_rank,
+                                  uint32_t rank_cap) {
+  ALOE_RETURN_IF_ERROR(CheckRecord(layer, rows, cols, initial_rank, effective_rank));
+  auto [it, inserted] = layers_.try_emplace(std::string(layer));
+  LayerState& l = it->second;
+  if (inserted) {
+    l.name = std::string(layer);
+    l.rows = rows;
+    l.cols = cols;
+    l.initial_rank = initial_rank;
+    l.rank_cap = rank_cap;
+  }
+  l.recent.push_back(effective_rank);
+  if (l.recent.size() > config_.window) l.recent.erase(l.recent.begin());
+  return absl::OkStatus();
 }
 
 uint32_t AdaptiveRank::NextRank(std::string_view layer) const {
   auto it = layers_.find(std::string(layer));
   if (it == layers_.end()) return config_.initial_rank;
-  const Layer& l = it->second;
+  const LayerState& l = it->second;
   uint64_t sum = 0;
   for (uint32_t r : l.recent) sum += r;
   const uint64_t n = l.recent.size();
@@ -632,7 +643,7 @@ uint32_t AdaptiveRank::NextLocalSteps() const {
   for (const auto& [name, l] : layers_) {
     const uint64_t width = static_cast<uint64_t>(l.rows) + l.cols;
     next_floats += width * NextRank(name);
-    initial_floats += width * Clamp(config_.initial_rank, l);
+    initial_floats += width * Clamp(l.initial_rank, l);
   }
   if (initial_floats == 0) return config_.initial_local_steps;
   // round(H_0 * next / initial), half up, in integers.
@@ -641,6 +652,37 @@ uint32_t AdaptiveRank::NextLocalSteps() const {
       (2 * initial_floats);
   return static_cast<uint32_t>(
       std::clamp<uint64_t>(h, config_.min_local_steps, config_.max_local_steps));
+}
+
+std::vector<AdaptiveRank::LayerState> AdaptiveRank::Save() const {
+  std::vector<LayerState> out;
+  out.reserve(layers_.size());
+  for (const auto& [name, l] : layers_) out.push_back(l);
+  std::sort(out.begin(), out.end(),
+            [](const LayerState& a, const LayerState& b) { return a.name < b.name; });
+  return out;
+}
+
+absl::Status AdaptiveRank::Restore(const std::vector<LayerState>& layers) {
+  absl::flat_hash_map<std::string, LayerState> restored;
+  AdaptiveRank check(config_);
+  for (const LayerState& l : layers) {
+    if (l.recent.empty() || l.recent.size() > config_.window) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("adaptive rank: layer %s has %d observations; the window is %d", l.name,
+                          l.recent.size(), config_.window));
+    }
+    if (restored.contains(l.name)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("adaptive rank: layer %s appears twice", l.name));
+    }
+    for (uint32_t r : l.recent) {
+      ALOE_RETURN_IF_ERROR(check.CheckRecord(l.name, l.rows, l.cols, l.initial_rank, r));
+    }
+    restored.emplace(l.name, l);
+  }
+  layers_ = std::move(restored);
+  return absl::OkStatus();
 }
 
 }  // namespace aloe

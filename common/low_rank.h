@@ -157,24 +157,59 @@ struct AdaptiveRankConfig {
 // above max_local_steps, initial_local_steps outside [min_local_steps, max_local_steps].
 absl::Status ValidateAdaptiveRankConfig(const AdaptiveRankConfig& config);
 
-// Per-layer rank and global H of paper 001 Alg. 3. Each observation yields one effective rank:
-// the energy rank of the layer's compressed pseudo-gradient, read from its factors, or twice
-// the compression rank when the factors do not hold energy_fraction of ||M||_F^2 (the rank lies
-// beyond what they show). The next rank is the ceiling of the mean of the last `window` of
-// them; the next H scales H_0 by the bytes of the next ranks over the bytes of the initial
-// ranks, so that the transfer stays hidden behind the same share of local training. Not
-// thread-safe; deterministic.
+// The effective rank one compressed pseudo-gradient shows (paper 001 Alg. 3's observation): the
+// energy rank (EnergyRank with energy_fraction) of the factors' spectrum, or twice the
+// compression rank when the factors do not hold energy_fraction of ||M||_F^2 = total_energy (the
+// rank lies beyond what they show). REQUIRES: P orthonormal (as CompressLowRank returns).
+// kInvalidArgument for malformed factors, a negative or non-finite total_energy, or a fraction
+// outside (0, 1].
+absl::StatusOr<uint32_t> ObservedEffectiveRank(const LowRankFactors& factors, double total_energy,
+                                               double energy_fraction);
+
+// Per-layer rank and global H of paper 001 Alg. 3. Each observation is one effective rank
+// (ObservedEffectiveRank). The next rank is the ceiling of the mean of the last `window` of them;
+// the next H scales H_0 by the bytes of the next ranks over the bytes of the initial ranks, so
+// that the transfer stays hidden behind the same share of local training. "Layer" here is one 2-D
+// tensor, named by the caller. Not thread-safe; deterministic.
 class AdaptiveRank {
  public:
+  // What the class remembers of one layer: its shape, its initial rank r_0 and the window.
+  struct LayerState {
+    std::string name;
+    uint32_t rows = 0;
+    uint32_t cols = 0;
+    uint32_t initial_rank = 0;
+    // The greatest rank this layer may get (0: min(rows, cols)), e.g. the greatest at which its
+    // factors are smaller than the layer.
+    uint32_t rank_cap = 0;
+    std::vector<uint32_t> recent;  // effective ranks, oldest first, at most `window`
+  };
+
   // REQUIRES: ValidateAdaptiveRankConfig(config).ok().
   explicit AdaptiveRank(const AdaptiveRankConfig& config);
 
   // Records one pseudo-gradient of `layer`, compressed into `factors` (P orthonormal, as
-  // CompressLowRank returns), whose full matrix had ||M||_F^2 = total_energy. Returns the
-  // effective rank recorded. kInvalidArgument for malformed factors, a negative or non-finite
-  // total_energy, or a layer whose shape differs from its earlier observations.
+  // CompressLowRank returns), whose full matrix had ||M||_F^2 = total_energy, with r_0 =
+  // config.initial_rank. Returns the effective rank recorded. kInvalidArgument for malformed
+  // factors, a negative or non-finite total_energy, or a layer whose shape differs from its
+  // earlier observations.
   absl::StatusOr<uint32_t> Observe(std::string_view layer, const LowRankFactors& factors,
                                    double total_energy);
+
+  // Records an effective rank measured elsewhere (a worker's PushHeader.observed_ranks) for the
+  // rows x cols `layer` whose rank before any observation is initial_rank (r_0, clamped as
+  // NextRank clamps). kInvalidArgument, with nothing recorded, for a zero dimension, an effective
+  // rank above 2 min(rows, cols) (0 is a zero pseudo-gradient), or a shape or r_0 that differs from
+  // the layer's earlier observations. rank_cap (0: none) bounds the layer's ranks, r_0 included,
+  // beyond min(rows, cols).
+  absl::Status Record(std::string_view layer, uint32_t rows, uint32_t cols, uint32_t initial_rank,
+                      uint32_t effective_rank, uint32_t rank_cap = 0);
+  // What Record would say, recording nothing.
+  absl::Status CheckRecord(std::string_view layer, uint32_t rows, uint32_t cols,
+                           uint32_t initial_rank, uint32_t effective_rank) const;
+
+  // Whether `layer` has been observed (or restored).
+  bool Knows(std::string_view layer) const { return layers_.contains(std::string(layer)); }
 
   // The rank for the layer's next compression: initial_rank before any observation (its shape
   // is not known yet, so the caller bounds it by min(rows, cols)), then the ceiling of the
@@ -183,19 +218,20 @@ class AdaptiveRank {
 
   // H for the next round: round(H_0 * sum_l (rows_l + cols_l) NextRank(l) /
   // sum_l (rows_l + cols_l) r0_l) over the observed layers, clamped to the configured bounds;
-  // r0_l is initial_rank clamped as NextRank clamps. H_0 before any observation.
+  // r0_l is the layer's initial rank clamped as NextRank clamps. H_0 before any observation.
   uint32_t NextLocalSteps() const;
 
+  // The state of every observed layer, ordered by name, for checkpoints; and its restore, all or
+  // nothing (kInvalidArgument naming the first bad layer: a zero dimension, an empty or too long
+  // window, a rank out of range, a duplicate name).
+  std::vector<LayerState> Save() const;
+  absl::Status Restore(const std::vector<LayerState>& layers);
+
  private:
-  struct Layer {
-    uint32_t rows = 0;
-    uint32_t cols = 0;
-    std::vector<uint32_t> recent;  // effective ranks, oldest first, at most `window`
-  };
-  uint32_t Clamp(uint32_t rank, const Layer& layer) const;
+  uint32_t Clamp(uint32_t rank, const LayerState& layer) const;
 
   AdaptiveRankConfig config_;
-  absl::flat_hash_map<std::string, Layer> layers_;
+  absl::flat_hash_map<std::string, LayerState> layers_;
 };
 
 }  // namespace aloe

@@ -29,6 +29,12 @@ void LowRankPushEncoder::Configure(const v1::TransportConfig& transport,
                                    const v1::ModelSpec& spec) {
   absl::MutexLock lock(&mu_);
   block_sizes_ = TransportBlockSizes(transport);
+  energy_fraction_ = 0;
+  if (transport.adaptive_rank().enabled()) {
+    energy_fraction_ = transport.adaptive_rank().energy_fraction() > 0
+                           ? transport.adaptive_rank().energy_fraction()
+                           : AdaptiveRankConfig{}.energy_fraction;
+  }
   std::vector<Layer> layers(spec.layers_size());
   for (int l = 0; l < spec.layers_size(); ++l) {
     Layer& layer = layers[l];
@@ -54,9 +60,32 @@ bool LowRankPushEncoder::IsLowRank(uint32_t layer_id) const {
   return layer_id < layers_.size() && layers_[layer_id].rank > 0;
 }
 
-absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const float> values,
-                                             float* residual, std::vector<EncodedChunk>* chunks,
-                                             size_t max_chunk_bytes) {
+void LowRankPushEncoder::SetTaskRanks(uint64_t task_id, absl::Span<const v1::TensorRank> ranks) {
+  absl::MutexLock lock(&mu_);
+  if (!task_ranks_.contains(task_id)) task_order_.push_back(task_id);
+  task_ranks_[task_id].assign(ranks.begin(), ranks.end());
+  while (task_order_.size() > kRememberedTasks) {
+    task_ranks_.erase(task_order_.front());
+    task_order_.erase(task_order_.begin());
+  }
+}
+
+uint32_t LowRankPushEncoder::RankOf(uint32_t layer_id, int tensor, uint64_t task_id) const {
+  if (auto it = task_ranks_.find(task_id); it != task_ranks_.end()) {
+    for (const v1::TensorRank& r : it->second) {
+      if (r.layer() == layer_id && r.tensor() == static_cast<uint32_t>(tensor) && r.rank() > 0) {
+        return r.rank();
+      }
+    }
+  }
+  return layers_[layer_id].rank;
+}
+
+absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, uint64_t task_id,
+                                             absl::Span<const float> values, float* residual,
+                                             std::vector<EncodedChunk>* chunks,
+                                             size_t max_chunk_bytes,
+                                             std::vector<v1::TensorRank>* observed) {
   absl::MutexLock lock(&mu_);
   if (layer_id >= layers_.size() || layers_[layer_id].rank == 0) {
     return absl::InvalidArgumentError(absl::StrFormat("layer %d is not low-rank", layer_id));
@@ -71,6 +100,7 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const
   const size_t fallback_elements =
       std::max<size_t>(1, max_chunk_bytes / (fallback == v1::CODEC_BF16 ? 2 : sizeof(float)));
   std::vector<EncodedChunk> out;
+  std::vector<v1::TensorRank> seen;
   // Warm starts are taken only once the whole layer is encoded.
   std::vector<std::vector<float>> next_q(layer.spec.tensors_size());
   uint64_t offset = 0;
@@ -85,7 +115,8 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const
     const absl::Span<const float> m = values.subspan(offset, n);
     float* const r = residual != nullptr ? residual + offset : nullptr;
     const auto shape = LowRankMatrixShape(tensor);
-    const uint32_t rank = shape ? std::min({layer.rank, shape->first, shape->second}) : 0;
+    const uint32_t rank =
+        shape ? std::min({RankOf(layer_id, t, task_id), shape->first, shape->second}) : 0;
     const bool compress =
         shape && static_cast<uint64_t>(shape->first + uint64_t{shape->second}) * rank < n;
     if (!compress) {
@@ -104,7 +135,15 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const
       offset += n;
       continue;
     }
-    const std::vector<float>& warm = layer.warm_q[t];
+    // A rank changed by the task keeps the warm start's columns it shares with the old rank.
+    std::vector<float> warm = layer.warm_q[t];
+    if (!warm.empty() && warm.size() % shape->second == 0 &&
+        warm.size() != static_cast<size_t>(shape->second) * rank) {
+      absl::StatusOr<std::vector<float>> resized =
+          ResizeWarmStart(warm, shape->second, static_cast<uint32_t>(warm.size() / shape->second),
+                          rank, TensorSeed(layer_id, t));
+      warm = resized.ok() ? *std::move(resized) : std::vector<float>();
+    }
     const bool warm_fits = warm.size() == static_cast<size_t>(shape->second) * rank;
     absl::StatusOr<LowRankFactors> factors = CompressLowRank(
         m, shape->first, shape->second, rank,
@@ -117,6 +156,20 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const
       return absl::InvalidArgumentError(absl::StrFormat("layer %d (%s), tensor %s, rank %d: %s",
                                                         layer_id, layer.spec.name(), tensor.name(),
                                                         rank, encoding.status().message()));
+    }
+    if (observed != nullptr && energy_fraction_ > 0) {
+      // Read before the residual, which may overwrite m (values and residual may alias).
+      absl::StatusOr<uint32_t> effective =
+          ObservedEffectiveRank(*factors, FrobeniusNormSquared(m), energy_fraction_);
+      if (!effective.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("layer %d (%s), tensor %s: effective rank: %s", layer_id,
+                            layer.spec.name(), tensor.name(), effective.status().message()));
+      }
+      v1::TensorRank& e = seen.emplace_back();
+      e.set_layer(layer_id);
+      e.set_tensor(static_cast<uint32_t>(t));
+      e.set_rank(*effective);
     }
     if (r != nullptr) {
       ALOE_RETURN_IF_ERROR(LowRankResidual(m, encoding->decoded, absl::MakeSpan(r, n)));
@@ -134,6 +187,7 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, absl::Span<const
     if (!next_q[t].empty()) layer.warm_q[t] = std::move(next_q[t]);
   }
   for (EncodedChunk& chunk : out) chunks->push_back(std::move(chunk));
+  if (observed != nullptr) observed->insert(observed->end(), seen.begin(), seen.end());
   return absl::OkStatus();
 }
 

@@ -47,14 +47,25 @@ class LowRankPushEncoder {
   // Whether layer `layer_id` of the configured spec is low-rank.
   bool IsLowRank(uint32_t layer_id) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Encodes the whole layer `layer_id` (values: its elements, error feedback already added)
-  // into *chunks (appended, in offset order, each payload <= max_chunk_bytes). When residual is
-  // not null it receives values.size() floats: values minus what the chunks decode to.
-  // kInvalidArgument, with nothing appended, when the layer is not low-rank, values does not
-  // match the spec, a value is NaN or Inf, or a tensor's Q does not fit in one chunk (naming the
-  // layer, tensor, rank and limit).
-  absl::Status EncodeLayer(uint32_t layer_id, absl::Span<const float> values, float* residual,
-                           std::vector<EncodedChunk>* chunks, size_t max_chunk_bytes)
+  // The ranks task `task_id` asks for (Task.tensor_ranks, adaptive rank): its pushes compress
+  // those tensors at those ranks, the others at their layer's configured rank. The ranks of the
+  // newest kRememberedTasks tasks are kept (a push of a task may be encoded after the next task
+  // arrived).
+  void SetTaskRanks(uint64_t task_id, absl::Span<const v1::TensorRank> ranks)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  static constexpr size_t kRememberedTasks = 8;
+
+  // Encodes the whole layer `layer_id` (values: its elements, error feedback already added) of a
+  // push of task `task_id` into *chunks (appended, in offset order, each payload <=
+  // max_chunk_bytes). When residual is not null it receives values.size() floats: values minus
+  // what the chunks decode to. When the transport's adaptive rank is on and observed is not
+  // null, every compressed tensor's effective rank (ObservedEffectiveRank) is appended to
+  // *observed. kInvalidArgument, with nothing appended, when the layer is not low-rank, values
+  // does not match the spec, a value is NaN or Inf, or a tensor's Q does not fit in one chunk
+  // (naming the layer, tensor, rank and limit).
+  absl::Status EncodeLayer(uint32_t layer_id, uint64_t task_id, absl::Span<const float> values,
+                           float* residual, std::vector<EncodedChunk>* chunks,
+                           size_t max_chunk_bytes, std::vector<v1::TensorRank>* observed = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -64,9 +75,18 @@ class LowRankPushEncoder {
     v1::Codec factor_codec = v1::CODEC_FP32;
     std::vector<std::vector<float>> warm_q;  // per tensor; empty: seeded
   };
+  // The rank of tensor `tensor` of layer `layer_id` in a push of task `task_id`.
+  uint32_t RankOf(uint32_t layer_id, int tensor, uint64_t task_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   std::vector<Layer> layers_ ABSL_GUARDED_BY(mu_);
   BlockSizes block_sizes_ ABSL_GUARDED_BY(mu_);
+  // adaptive_rank.energy_fraction when adaptive rank is on, else 0.
+  double energy_fraction_ ABSL_GUARDED_BY(mu_) = 0;
+  // Task id -> its ranks, the newest kRememberedTasks tasks (ids in arrival order).
+  absl::flat_hash_map<uint64_t, std::vector<v1::TensorRank>> task_ranks_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> task_order_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace aloe

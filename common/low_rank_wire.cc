@@ -213,6 +213,37 @@ absl::Status CheckLowRankChunkInLayer(const v1::LayerSpec& layer, uint64_t offse
       absl::StrFormat("low-rank chunk: no tensor of the layer begins at offset %d", h.offset));
 }
 
+uint32_t LowRankTensorRank(const v1::TensorSpec& tensor, uint32_t layer_rank) {
+  const auto shape = LowRankMatrixShape(tensor);
+  if (!shape) return 0;
+  const uint32_t rank = std::min({layer_rank, shape->first, shape->second});
+  const uint64_t elements = static_cast<uint64_t>(shape->first) * shape->second;
+  return (static_cast<uint64_t>(shape->first) + shape->second) * rank < elements ? rank : 0;
+}
+
+uint64_t LowRankMinChunkBytes(uint32_t cols, uint32_t rank, v1::Codec factor_codec,
+                              size_t block_size) {
+  return kLowRankHeaderBytes +
+         FactorBytes(factor_codec, static_cast<size_t>(cols) * rank, block_size) +
+         FactorBytes(factor_codec, rank, block_size);
+}
+
+uint32_t LowRankMaxChunkRank(uint32_t cols, v1::Codec factor_codec, size_t block_size,
+                             size_t max_chunk_bytes) {
+  // The bytes grow with the rank: the largest rank that fits, by bisection.
+  uint32_t lo = 0;
+  uint32_t hi = kMaxLowRank;
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo + 1) / 2;
+    if (LowRankMinChunkBytes(cols, mid, factor_codec, block_size) <= max_chunk_bytes) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 absl::StatusOr<LowRankEncoding> EncodeLowRankFactors(const LowRankFactors& factors,
                                                      uint64_t tensor_offset, v1::Codec factor_codec,
                                                      size_t block_size, size_t max_chunk_bytes) {

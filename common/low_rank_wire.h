@@ -65,6 +65,22 @@ v1::Codec LowRankFallbackCodec(v1::Codec factor_codec);
 // more dimensions; nullopt for fewer, or when a dimension does not fit in uint32.
 std::optional<std::pair<uint32_t, uint32_t>> LowRankMatrixShape(const v1::TensorSpec& tensor);
 
+// The rank a tensor of a low-rank layer of rank `layer_rank` is compressed at: min(layer_rank,
+// rows, cols) of its matrix when the factors ((rows + cols) * rank floats) are fewer than its
+// elements, else 0: the tensor goes whole at the fallback codec (1-D tensors too).
+uint32_t LowRankTensorRank(const v1::TensorSpec& tensor, uint32_t layer_rank);
+
+// Bytes of the smallest chunk EncodeLowRankFactors makes for a matrix of `cols` columns at
+// `rank`: the header, Q (cols x rank) and one row of P at the factor codec; block_size is the
+// factor codec's (BlockSizes::Of). The encoder refuses the tensor when this exceeds its
+// max_chunk_bytes.
+uint64_t LowRankMinChunkBytes(uint32_t cols, uint32_t rank, v1::Codec factor_codec,
+                              size_t block_size);
+
+// The largest rank in [0, kMaxLowRank] whose LowRankMinChunkBytes fits in max_chunk_bytes.
+uint32_t LowRankMaxChunkRank(uint32_t cols, v1::Codec factor_codec, size_t block_size,
+                             size_t max_chunk_bytes);
+
 // Parses and checks the header: size, magic, version, factor codec, rank within
 // [1, min(rows, cols, kMaxLowRank)], a < b <= rows, and q_bytes within the payload.
 // kInvalidArgument naming the problem.

@@ -61,8 +61,8 @@ EncodedPush WorkerPushCodec::Encode(server::PendingUpdate& update,
     const v1::Codec codec = codecs_[l];
     if (codec == v1::CODEC_LOWRANK) {
       std::vector<EncodedChunk> encoded;
-      status =
-          low_rank_->EncodeLayer(static_cast<uint32_t>(l), values, r, &encoded, kMaxChunkBytes);
+      status = low_rank_->EncodeLayer(static_cast<uint32_t>(l), update.task_id, values, r, &encoded,
+                                      kMaxChunkBytes);
       for (EncodedChunk& e : encoded) chunks.push_back(Chunk{static_cast<uint32_t>(l), e});
     } else {
       const size_t block = blocks_.Of(codec);

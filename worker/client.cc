@@ -404,19 +404,22 @@ class SliceLoans {
 
 // Appends the chunks of low-rank layer `layer` (whole, or the push is refused: a tensor's
 // factors need all of it) to *chunks, and its error-feedback residual to (*residuals)[layer].
+// The effective ranks the encoder observed go to *observed (PushHeader.observed_ranks).
 absl::Status EncodeLowRankLayer(LowRankPushEncoder* encoder, const v1::PushHeader& header,
                                 size_t layer, const std::vector<float>& values,
                                 std::vector<std::vector<float>>* residuals,
-                                std::vector<OutgoingChunk>* chunks) {
+                                std::vector<OutgoingChunk>* chunks,
+                                std::vector<v1::TensorRank>* observed) {
   if (encoder == nullptr || header.slices() > 1) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "layer %d is low-rank, which only whole-layer pushes with a low-rank encoder carry",
         layer));
   }
   std::vector<EncodedChunk> encoded;
-  ALOE_RETURN_IF_ERROR(encoder->EncodeLayer(
-      static_cast<uint32_t>(layer), values,
-      residuals != nullptr ? (*residuals)[layer].data() : nullptr, &encoded, kMaxChunkBytes));
+  ALOE_RETURN_IF_ERROR(
+      encoder->EncodeLayer(static_cast<uint32_t>(layer), header.task_id(), values,
+                           residuals != nullptr ? (*residuals)[layer].data() : nullptr, &encoded,
+                           kMaxChunkBytes, observed));
   for (EncodedChunk& e : encoded) {
     OutgoingChunk& chunk = chunks->emplace_back();
     chunk.layer_id = static_cast<uint32_t>(layer);
@@ -844,6 +847,7 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
   // Encode everything first: a value that cannot be encoded must not leave half an update on
   // the wire. One stream of chunks for the single server, or one per shard with its layers.
   std::vector<std::vector<OutgoingChunk>> streams(shards->empty() ? 1 : shards->size());
+  std::vector<v1::TensorRank> observed;
   for (size_t layer = 0; layer < layers.size(); ++layer) {
     if (!carried(layer)) continue;
     const v1::Codec codec = layer < codecs.size() ? codecs[layer] : v1::CODEC_FP32;
@@ -861,8 +865,8 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
         absl::MutexLock lock(&low_rank_mu_);
         encoder = low_rank_;
       }
-      ALOE_RETURN_IF_ERROR(
-          EncodeLowRankLayer(encoder.get(), header, layer, layers[layer], residuals, &chunks));
+      ALOE_RETURN_IF_ERROR(EncodeLowRankLayer(encoder.get(), header, layer, layers[layer],
+                                              residuals, &chunks, &observed));
       continue;
     }
     for (auto [begin, end] : ChunkRanges(layers[layer].size(), max_elements)) {
@@ -890,6 +894,9 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
       }
     }
   }
+  // The header as sent: with the effective ranks the encoding observed (adaptive rank).
+  v1::PushHeader sent_header = header;
+  for (v1::TensorRank& r : observed) *sent_header.add_observed_ranks() = std::move(r);
   // Every stream sent carries the header, even one without chunks.
   for (std::vector<OutgoingChunk>& chunks : streams) {
     if (chunks.empty()) chunks.emplace_back();
@@ -904,11 +911,11 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
     }
     if (raw) {
       bool unreachable = false;
-      absl::StatusOr<v1::PushReply> reply = SendRawPush(*server, std::nullopt, header, spec, layers,
-                                                        bytes, &unreachable, layer_groups);
+      absl::StatusOr<v1::PushReply> reply = SendRawPush(*server, std::nullopt, sent_header, spec,
+                                                        layers, bytes, &unreachable, layer_groups);
       if (!unreachable) return reply;
     }
-    return SendPush(*this, channel_, header, streams[0], bytes);
+    return SendPush(*this, channel_, sent_header, streams[0], bytes);
   }
 
   // replies[k] and sent[k] are shard targets[k]'s.
@@ -927,10 +934,10 @@ absl::StatusOr<v1::PushReply> ServerClient::PushLayers(
     bool unreachable = false;
     if (raw) {
       replies[k] =
-          SendRawPush(shard, i, header, spec, layers, &sent[k], &unreachable, layer_groups);
+          SendRawPush(shard, i, sent_header, spec, layers, &sent[k], &unreachable, layer_groups);
     }
     if (!raw || unreachable) {
-      replies[k] = SendPush(*this, shard.channel, header, streams[i], &sent[k]);
+      replies[k] = SendPush(*this, shard.channel, sent_header, streams[i], &sent[k]);
     }
     if (!replies[k].ok()) {
       replies[k] = Labelled(replies[k].status(), StreamLabel(static_cast<int>(i), shard.address));

@@ -130,6 +130,11 @@ v1::PushHeader ServerSession::Header(const v1::Task& task, const TrainStats& sta
   header.set_train_loss(stats.mean_loss);
   header.set_compute_seconds(stats.compute_seconds);
   header.set_codec(v1::CODEC_FP32);
+  // The encoder compresses this task's pushes at the ranks the task names (adaptive rank).
+  if (task.tensor_ranks_size() > 0) {
+    low_rank_->SetTaskRanks(task.task_id(), std::vector<v1::TensorRank>(task.tensor_ranks().begin(),
+                                                                        task.tensor_ranks().end()));
+  }
   if (slices_ > 1) {
     header.set_slice(slice_);
     header.set_slices(slices_);

@@ -56,7 +56,8 @@ class ServerSession {
                                 uint64_t* bytes);
   // Tells the server this rank holds the base version of `task`. Best effort: logs a failure.
   void ReportPulled(const v1::Task& task);
-  // The header of this rank's push of a round of `task`, under a new update id.
+  // The header of this rank's push of a round of `task`, under a new update id. Hands the
+  // task's low-rank ranks (Task.tensor_ranks) to the encoder.
   v1::PushHeader Header(const v1::Task& task, const TrainStats& stats);
   // Pushes `delta` under `header`. With error feedback, first adds what earlier pushes' codecs
   // lost to `delta`, then keeps what this push's loses.

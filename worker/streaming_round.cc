@@ -7,6 +7,8 @@
 #include "absl/strings/str_format.h"
 #include "common/layer_groups.h"
 #include "common/logging.h"
+#include "common/low_rank.h"
+#include "common/low_rank_wire.h"
 #include "common/status_macros.h"
 
 namespace aloe::worker {
@@ -15,7 +17,7 @@ namespace {
 // Transfers kept for the link rate.
 constexpr size_t kTransfersKept = 16;
 
-// Bytes per value of a push with `codec` (what DreamDDP's transfer cost counts).
+// Bytes per value of a push with `codec`.
 double BytesPerValue(v1::Codec codec) {
   switch (codec) {
     case v1::CODEC_BF16:
@@ -59,6 +61,32 @@ uint64_t SegmentSeed(uint64_t task_seed, uint32_t segment) {
 
 }  // namespace
 
+double EstimatedPushBytes(const v1::LayerSpec& layer, const v1::TransportConfig& transport) {
+  const v1::LayerCodec* entry = nullptr;
+  for (const v1::LayerCodec& o : transport.layer_codecs()) {
+    if (o.layer() == layer.name()) entry = &o;
+  }
+  const v1::Codec codec = entry != nullptr ? entry->codec() : transport.codec();
+  if (codec != v1::CODEC_LOWRANK) {
+    return static_cast<double>(layer.num_elements()) * BytesPerValue(codec);
+  }
+  const v1::Codec factor =
+      entry->factor_codec() == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32 : entry->factor_codec();
+  double bytes = 0;
+  for (const v1::TensorSpec& tensor : layer.tensors()) {
+    const uint32_t rank = LowRankTensorRank(tensor, entry->rank());
+    if (rank > 0) {
+      const auto [rows, cols] = *LowRankMatrixShape(tensor);
+      bytes += static_cast<double>(LowRankFactorFloats(rows, cols, rank)) * BytesPerValue(factor);
+    } else {
+      uint64_t n = 1;
+      for (int64_t d : tensor.shape()) n *= static_cast<uint64_t>(std::max<int64_t>(d, 0));
+      bytes += static_cast<double>(n) * BytesPerValue(LowRankFallbackCodec(factor));
+    }
+  }
+  return bytes;
+}
+
 absl::StatusOr<std::unique_ptr<StreamingRounds>> StreamingRounds::Create(Env env) {
   const v1::JoinReply& joined = env.session->joined();
   std::vector<uint32_t> layer_groups(joined.layer_groups().begin(), joined.layer_groups().end());
@@ -86,9 +114,12 @@ StreamingRounds::StreamingRounds(Env env, std::vector<uint32_t> layer_groups,
       layers_of_group_(LayersOfGroups(layer_groups_)),
       config_(std::move(config)) {
   const v1::ModelSpec& spec = env_.session->joined().model_spec();
+  const v1::TransportConfig& transport = env_.session->joined().transport();
   group_params_.assign(groups(), 0);
+  group_push_bytes_.assign(groups(), 0);
   for (int l = 0; l < spec.layers_size(); ++l) {
     group_params_[layer_groups_[l]] += spec.layers(l).num_elements();
+    group_push_bytes_[layer_groups_[l]] += EstimatedPushBytes(spec.layers(l), transport);
   }
   global_.resize(spec.layers_size());
   version_.assign(groups(), 0);
@@ -135,9 +166,14 @@ absl::StatusOr<SyncSchedule> StreamingRounds::ScheduleFor(uint32_t steps) const 
       }
       if (step_seconds_ > 0 && link.bytes_per_second > 0) {
         // Measured: the pruned search over the units' profiled costs (paper 003 Sec. 3.3).
-        const v1::Codec codec = env_.session->joined().transport().codec();
-        ALOE_ASSIGN_OR_RETURN(UnitCosts costs, UnitCostsFromProfile(step_seconds_, group_params_,
-                                                                    BytesPerValue(codec), link));
+        ALOE_ASSIGN_OR_RETURN(UnitCosts costs,
+                              UnitCostsFromProfile(step_seconds_, group_params_, 1.0, link));
+        // Each group's transfer at its layers' codecs (a push and a pull of its bytes), where
+        // UnitCostsFromProfile counts one size per value for every group.
+        for (size_t g = 0; g < costs.transfer.size(); ++g) {
+          costs.transfer[g] =
+              link.round_trip_seconds + 2 * group_push_bytes_[g] / link.bytes_per_second;
+        }
         schedule = DreamDdpSchedule(costs, steps, config_.fill_bubbles());
         break;
       }

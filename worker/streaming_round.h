@@ -60,6 +60,14 @@ struct StreamingTask {
   bool server_stopped = false;
 };
 
+// Bytes of one push of `layer` at the codec `transport` gives it (its layer_codecs entry, else
+// transport.codec, FP32 when unset), counting values only (no headers or scales): FP32 4 bytes
+// a value, BF16 2, INT8_BLOCKWISE 1, INT4_BLOCKWISE 1/2. A CODEC_LOWRANK layer counts, per tensor,
+// (rows + cols) * rank factor values at the factor codec when the tensor is compressed
+// (LowRankTensorRank), else its values at the fallback codec (LowRankFallbackCodec). What the
+// DreamDDP schedule's transfer cost counts.
+double EstimatedPushBytes(const v1::LayerSpec& layer, const v1::TransportConfig& transport);
+
 class StreamingRounds {
  public:
   // The dependencies; all must outlive this.
@@ -174,7 +182,8 @@ class StreamingRounds {
   const std::vector<uint32_t> layer_groups_;
   const std::vector<std::vector<uint32_t>> layers_of_group_;
   const v1::PartialSyncConfig config_;
-  std::vector<uint64_t> group_params_;  // parameters per group
+  std::vector<uint64_t> group_params_;    // parameters per group
+  std::vector<double> group_push_bytes_;  // EstimatedPushBytes summed per group
 
   // Main thread only.
   bool cold_ = true;

@@ -95,6 +95,13 @@ class LocalWorkPlanner {
 
   explicit LocalWorkPlanner(const Options& options) : options_(options) {}
 
+  // Replaces H (and tau_time, in kTimeBudget mode) for the plans from now on: adaptive rank
+  // scales them with the push bytes. h >= 1.
+  void SetLocalSteps(uint32_t h, double time_budget_seconds) {
+    options_.local_steps = h;
+    if (options_.mode == Mode::kTimeBudget) options_.time_budget_seconds = time_budget_seconds;
+  }
+
   // Folds a measured speed into the worker's estimate (ignored unless finite and > 0).
   void ReportSpeed(uint64_t worker, double steps_per_second);
   // The worker left: its speed no longer defines the fastest one.

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/config.h"
 #include "common/imported_model.h"
 #include "common/layer_groups.h"
 #include "common/logging.h"
@@ -120,6 +121,8 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
           "transport.layer_codecs: the model has no layer \"%s\"", layer_codec.layer()));
     }
   }
+  // An imported model's tensors are known only now (ValidateServerConfig checks the built-in's).
+  ALOE_RETURN_IF_ERROR(ValidateLowRankLayers(config.transport(), core->spec(), kMaxChunkBytes));
   const uint32_t groups = core->backend_->num_layer_groups();
   if (groups > 1) {
     ALOE_ASSIGN_OR_RETURN(core->layer_groups_, AssignLayerGroups(core->spec_, groups));
@@ -148,6 +151,10 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
                                         ? DataShardSampler::Mode::kProportional
                                         : DataShardSampler::Mode::kLearningProgress);
   core->planner_ = LocalWorkPlanner(PlannerOptions(config));
+  ALOE_ASSIGN_OR_RETURN(
+      core->adaptive_,
+      AdaptiveCompression::Create(core->spec_, config.transport(), config.local_steps()));
+  if (core->adaptive_ != nullptr) core->adaptive_->Publish(metrics);
   core->heldout_file_ = std::move(heldout_file);
   metrics.Set(kModelVersion, 0);
   for (uint32_t g = 0; g < groups; ++g) metrics.Set(kLayerGroupVersion, 0, {absl::StrCat(g)});
@@ -340,6 +347,7 @@ ServerCore::OpenTask ServerCore::NewTrainTask(uint64_t worker, uint64_t base,
   task.set_local_steps(plan.steps);
   task.set_time_budget_seconds(plan.time_budget_seconds);
   task.set_lr_step(sampler_.lr_step(shard));
+  if (adaptive_ != nullptr) adaptive_->FillTask(&task);
   // Tokens this task is expected to learn, counted in flight (paper 002 Eq. 2 + in-flight).
   double expected_steps = plan.steps;
   if (plan.time_budget_seconds > 0) {
@@ -590,6 +598,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   update.by_group = lanes_.size() > 1;  // with layer groups every push carries one group
   absl::Status status = CheckPushHeader(header);
   if (status.ok()) status = backend_->CheckShapes(update);
+  if (status.ok()) status = CheckObservedRanks(update.observed_ranks);
   if (!status.ok()) {
     CountRejected(status);
     return status;
@@ -612,6 +621,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
   }
   const uint64_t worker = update.worker_id;
   const uint64_t task_id = update.task_id;
+  const std::vector<v1::TensorRank> observed = std::move(update.observed_ranks);
   // A window whose grace ran out closes before this arrival.
   CloseDueWindows();
   // Staleness = the version it is applied to - the version it started from. A sync round's
@@ -634,10 +644,12 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
     CountRejected(batch.status());
     return batch.status();
   }
-  // Only an accepted update's speed counts (a rejected push must leave the state unchanged).
+  // Only an accepted update's speed and ranks count (a rejected push must leave the state
+  // unchanged).
   planner_.ReportSpeed(
       worker, header.compute_seconds() > 0 ? header.steps_done() / header.compute_seconds() : 0.0);
   PublishSpeed(worker);
+  RecordObservedRanks(observed);
   metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
   metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), {"0"});
   submitted_[task_id] = open_tasks_[worker];
@@ -713,11 +725,13 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitGroupUpdate(PendingUpdate update
   }
   if (*scale != 1.0f) ScaleUpdate(update, *scale);
   const uint64_t task_id = update.task_id;
+  const std::vector<v1::TensorRank> observed = std::move(update.observed_ranks);
   absl::StatusOr<ApplyBatch> batch = lanes_[group]->Submit(std::move(update), group_version(group));
   if (!batch.ok()) {
     CountRejected(batch.status());
     return batch.status();
   }
+  RecordObservedRanks(observed);
   group_started_[worker].erase(group);
   metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
   metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), group_label);
@@ -738,6 +752,29 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitGroupUpdate(PendingUpdate update
   reply.set_staleness(staleness);
   if (want_next_task) AttachNextTask(worker, reply);
   return reply;
+}
+
+absl::Status ServerCore::CheckObservedRanks(absl::Span<const v1::TensorRank> observed) const {
+  if (observed.empty()) return absl::OkStatus();
+  if (adaptive_ == nullptr) {
+    return absl::InvalidArgumentError(
+        "push carries observed ranks, but this server does not adapt ranks "
+        "(transport.adaptive_rank is off)");
+  }
+  return adaptive_->Check(observed);
+}
+
+void ServerCore::RecordObservedRanks(absl::Span<const v1::TensorRank> observed) {
+  if (adaptive_ == nullptr || observed.empty()) return;
+  adaptive_->Record(observed);
+  ApplyAdaptiveLocalSteps();
+}
+
+void ServerCore::ApplyAdaptiveLocalSteps() {
+  const LocalWorkPlanner::Options base = PlannerOptions(config_);
+  planner_.SetLocalSteps(adaptive_->local_steps(),
+                         base.time_budget_seconds * adaptive_->local_steps_scale());
+  adaptive_->Publish(metrics_);
 }
 
 void ServerCore::ApplyLogged(ApplyBatch batch) {
@@ -778,6 +815,9 @@ absl::StatusOr<std::optional<PendingUpdate>> ServerCore::StageSlice(PendingUpdat
       const auto [first, last] = SliceRange(update.layers[l].size(), update.slices, update.slice);
       std::copy(update.layers[l].begin() + first, update.layers[l].begin() + last,
                 staged.merged.layers[l].begin() + first);
+    }
+    if (!update.observed_ranks.empty()) {
+      staged.merged.observed_ranks = std::move(update.observed_ranks);
     }
     // The slices' sums of squares add up; a retried slice's would count twice: unmeasured.
     std::vector<double>& squares = staged.merged.layer_squares;
@@ -1162,6 +1202,7 @@ v1::ServerCheckpoint ServerCore::CaptureCheckpoint() const {
   }
   c.set_trained_seconds(TrainedSeconds());
   c.set_stopping(stopping_);
+  if (adaptive_ != nullptr) adaptive_->SaveTo(c);
   return c;
 }
 
@@ -1197,8 +1238,17 @@ absl::Status ServerCore::RestoreCheckpoint(const v1::ServerCheckpoint& c) {
   // nothing, last).
   DataShardSampler sampler = sampler_;
   ALOE_RETURN_IF_ERROR(sampler.Restore(steps, tokens, c.sampler_rng()));
+  std::optional<AdaptiveCompression> adaptive;
+  if (adaptive_ != nullptr) {
+    adaptive.emplace(*adaptive_);
+    ALOE_RETURN_IF_ERROR(adaptive->RestoreFrom(c));
+  }
   ALOE_RETURN_IF_ERROR(backend_->RestoreFrom(c));
   sampler_ = std::move(sampler);
+  if (adaptive) {
+    *adaptive_ = *std::move(adaptive);
+    ApplyAdaptiveLocalSteps();
+  }
   updates_applied_ = c.updates_applied();
   next_task_id_ = std::max<uint64_t>(1, c.next_task_id());
   membership_.set_next_id(c.next_worker_id());

@@ -27,6 +27,7 @@
 #include "common/executor.h"
 #include "common/metrics.h"
 #include "proto/aloe.pb.h"
+#include "server/core/adaptive_compression.h"
 #include "server/core/aggregation.h"
 #include "server/core/grace_period_aggregation.h"
 #include "server/core/local_work.h"
@@ -254,6 +255,11 @@ class ServerCore {
   absl::StatusOr<v1::PushReply> SubmitGroupUpdate(PendingUpdate update);
   // Applies `batch` (when it holds updates), logging a failure.
   void ApplyLogged(ApplyBatch batch);
+  // Adaptive rank: kInvalidArgument for observations this server cannot take (none expected,
+  // or malformed); the record of an accepted push's, and the local steps that follow.
+  absl::Status CheckObservedRanks(absl::Span<const v1::TensorRank> observed) const;
+  void RecordObservedRanks(absl::Span<const v1::TensorRank> observed);
+  void ApplyAdaptiveLocalSteps();
   // PushHeader.want_next_task: puts the worker's next task into `reply` unless it is WAIT.
   void AttachNextTask(uint64_t worker, v1::PushReply& reply);
   // After the open task of `worker` was pushed (or ended without an update), its look-ahead
@@ -305,6 +311,8 @@ class ServerCore {
   std::vector<GracePeriodAggregation*> aligned_lanes_;
   DataShardSampler sampler_;
   LocalWorkPlanner planner_;
+  // TransportConfig.adaptive_rank: ranks and H from the observed effective ranks; null when off.
+  std::unique_ptr<AdaptiveCompression> adaptive_;
   std::string heldout_file_;
   // Older versions that open tasks (or released workers) start from, kept for their pulls.
   std::map<uint64_t, ModelSnapshot> retained_;

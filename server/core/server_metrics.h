@@ -40,6 +40,11 @@ inline constexpr char kCheckpointVersion[] = "aloe_checkpoint_version";
 inline constexpr char kStagedUpdates[] = "aloe_staged_updates";
 inline constexpr char kStagedBytes[] = "aloe_staged_bytes";
 inline constexpr char kRawPushBytes[] = "aloe_raw_push_bytes_total";
+inline constexpr char kReceivedLayerBytes[] = "aloe_received_layer_bytes_total";
+// Adaptive low-rank compression (TransportConfig.adaptive_rank).
+inline constexpr char kLowRankRank[] = "aloe_lowrank_rank";
+inline constexpr char kLowRankEffectiveRank[] = "aloe_lowrank_effective_rank";
+inline constexpr char kAdaptiveLocalSteps[] = "aloe_adaptive_local_steps";
 // Coordinator with checkpoint.replicate_shards: per shard process (label "process").
 inline constexpr char kShardProcessCopyVersion[] = "aloe_shard_checkpoint_copy_version";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "proto/aloe.pb.h"
+
 namespace aloe::server {
 
 struct PendingUpdate {
@@ -34,6 +36,8 @@ struct PendingUpdate {
   // PushHeader.want_next_task: the reply that completes the update carries the worker's next
   // task (ServerCore::SubmitUpdate).
   bool want_next_task = false;
+  // PushHeader.observed_ranks: the effective rank of each low-rank tensor in this push.
+  std::vector<v1::TensorRank> observed_ranks;
   // g = theta_base - theta_end, one flat float32 buffer per layer of the ModelSpec.
   std::vector<std::vector<float>> layers;
   // sum_i g[i]^2 per layer (of the elements received: a slice's, until merged), measured while

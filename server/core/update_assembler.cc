@@ -43,6 +43,7 @@ PendingUpdate UpdateOfHeader(const v1::PushHeader& header) {
   update.want_next_task = header.want_next_task();
   update.group = header.group();
   update.task_continues = header.task_continues();
+  update.observed_ranks.assign(header.observed_ranks().begin(), header.observed_ranks().end());
   return update;
 }
 
@@ -59,6 +60,7 @@ UpdateAssembler::UpdateAssembler(const v1::ModelSpec& spec, const v1::PushHeader
       squares_(sum_squares ? spec.layers_size() : 0, 0.0) {
   update_ = UpdateOfHeader(header);
   update_.layers.resize(spec.layers_size());
+  bytes_by_layer_.assign(spec.layers_size(), 0);
   if (header.codec() != v1::CODEC_UNSPECIFIED) default_codec_ = header.codec();
   if (header.slices() > 1) {
     update_.slice = header.slice();
@@ -169,6 +171,7 @@ absl::Status UpdateAssembler::AddFp32Read(
   filled_[layer_id] += count;
   bytes_received_ += count * sizeof(float);
   bytes_by_codec_[v1::CODEC_FP32] += count * sizeof(float);
+  bytes_by_layer_[layer_id] += count * sizeof(float);
   return absl::OkStatus();
 }
 
@@ -243,6 +246,7 @@ absl::Status UpdateAssembler::AddChunk(uint32_t layer_id, uint64_t offset,
   filled_[layer_id] += count;
   bytes_received_ += size;
   bytes_by_codec_[codec] += size;
+  bytes_by_layer_[layer_id] += size;
   return absl::OkStatus();
 }
 

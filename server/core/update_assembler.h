@@ -93,6 +93,9 @@ class UpdateAssembler {
   const std::array<uint64_t, v1::Codec_ARRAYSIZE>& bytes_by_codec() const {
     return bytes_by_codec_;
   }
+  // Accepted payload bytes per spec layer.
+  const std::vector<uint64_t>& bytes_by_layer() const { return bytes_by_layer_; }
+  const v1::ModelSpec& spec() const { return spec_; }
 
  private:
   // kInvalidArgument for an unknown layer or, on a shard process, another one's layer, or with
@@ -112,6 +115,7 @@ class UpdateAssembler {
   std::vector<uint64_t> end_;     // one past the last element expected per layer
   uint64_t bytes_received_ = 0;
   std::array<uint64_t, v1::Codec_ARRAYSIZE> bytes_by_codec_{};
+  std::vector<uint64_t> bytes_by_layer_;
   v1::Codec default_codec_ = v1::CODEC_FP32;
   std::optional<uint32_t> only_shard_;
   // With layer groups: each layer's group, and the group this push carries.

@@ -130,6 +130,13 @@ void CountReceivedBytes(const UpdateAssembler& assembler, MetricsSink& metrics) 
                   {CodecLabel(static_cast<v1::Codec>(codec))});
     }
   }
+  const std::vector<uint64_t>& by_layer = assembler.bytes_by_layer();
+  for (size_t l = 0; l < by_layer.size(); ++l) {
+    if (by_layer[l] > 0 && l < static_cast<size_t>(assembler.spec().layers_size())) {
+      metrics.Add(kReceivedLayerBytes, static_cast<double>(by_layer[l]),
+                  {assembler.spec().layers(static_cast<int>(l)).name()});
+    }
+  }
 }
 
 std::vector<uint32_t> LayerGroupsOf(CoreHandle& handle) {

@@ -10,6 +10,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "server/core/checkpoint_store.h"
 #include "tests/integration/loopback_cluster.h"
 #include "tests/testing/subprocess.h"
 
@@ -76,6 +77,39 @@ TEST_F(LoopbackTest,
     ASSERT_GT(bytes, 0);
     EXPECT_GE(fp32_bytes / bytes, c.min_ratio);
   }
+}
+
+// Paper 001 Alg. 3 through a real server and worker: the worker reports each tensor's effective
+// rank with its pushes, the server keeps the windows (in its checkpoint), and the next tasks
+// compress at the ranks and run the local steps they give.
+TEST_F(LoopbackTest, AdaptiveRankFollowsTheObservedRanksThroughARealServer) {
+  std::string transport = LowRankTransport(16, "CODEC_INT4_BLOCKWISE");
+  transport.insert(transport.rfind('}'),
+                   "adaptive_rank { enabled: true window: 3 adapt_local_steps: true } ");
+  const std::string ckpt = RunSingleTrainerJob(
+      "adaptive", "local_steps: 12\nmax_versions: 8\n" + transport, {}, /*evaluate=*/true);
+  const double loss = FinalEvalLoss();
+  const std::string log = ReadFile(dir_ + "/adaptive.log");
+  std::printf("adaptive rank: final held-out loss %.4f, pushed bytes %.0f, local steps %.0f in all\n",
+              loss, SummaryValue(log, "pushed_bytes"), SummaryValue(log, "steps"));
+  EXPECT_LT(loss, 4.0) << "the job did not train (ln 256 = 5.55 at the start)";
+  auto loaded = server::CheckpointStore(ckpt, 1).LoadLatest();
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const v1::ServerCheckpoint& c = loaded->checkpoint;
+  // 64-wide model, 2 blocks: the 2-D tensors are embed's 2, head's 1 and 4 per block.
+  ASSERT_EQ(c.adaptive_ranks_size(), 2 + 1 + 2 * 4);
+  int moved = 0;
+  for (const v1::AdaptiveRankWindow& w : c.adaptive_ranks()) {
+    ASSERT_EQ(w.effective_ranks_size(), 3) << "layer " << w.layer() << " tensor " << w.tensor();
+    std::string window;
+    for (uint32_t r : w.effective_ranks()) {
+      absl::StrAppend(&window, " ", r);
+      EXPECT_LE(r, 2u * 64u);
+      if (r != 16) ++moved;
+    }
+    std::printf("layer %u tensor %u: effective ranks%s\n", w.layer(), w.tensor(), window.c_str());
+  }
+  EXPECT_GT(moved, 0) << "no tensor's rank moved off the configured 16";
 }
 
 }  // namespace

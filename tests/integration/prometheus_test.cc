@@ -114,7 +114,8 @@ constexpr char kShardRow[] = "Shard processes (layer-sharded server)";
 constexpr char kShardRuleGroup[] = "aloe-shard";
 // The panels and the rule group that read the server in either layout.
 constexpr const char* kBothLayoutPanels[] = {"Server payload bytes per second",
-                                             "Push and apply latency"};
+                                             "Push and apply latency",
+                                             "Received bytes per second per layer"};
 constexpr char kBothLayoutRuleGroup[] = "aloe-server-processes";
 
 // Every target expression of every panel, rows' nested panels included; a panel under the row
@@ -586,9 +587,16 @@ TEST_F(PrometheusTest, EveryDashboardPanelAndRecordingRuleReturnsData) {
   const std::vector<Query> panel_queries = PanelQueries(/*sharded=*/false);
   ASSERT_GE(panel_queries.size(), 20u);
 
-  // Live daemons on OS-chosen loopback ports.
+  // Live daemons on OS-chosen loopback ports. One layer is pushed low-rank with adaptive rank,
+  // for the compression row.
   int grpc_port = 0, server_metrics = 0;
-  ASSERT_TRUE(StartServer(&grpc_port, &server_metrics));
+  ASSERT_TRUE(StartServer(&grpc_port, &server_metrics, R"(
+      transport {
+        layer_codecs { layer: "blocks.1" codec: CODEC_LOWRANK rank: 4
+                       factor_codec: CODEC_INT4_BLOCKWISE }
+        error_feedback: true
+        adaptive_rank { enabled: true window: 3 adapt_local_steps: true }
+      })"));
   const int evaluator = StartWorker(grpc_port, "evaluator", "evaluator", 1.0, absl::Seconds(20));
   const int trainer0 = StartWorker(grpc_port, "trainer", "trainer0", 1.0, absl::Seconds(20));
   const int trainer1 = StartWorker(grpc_port, "trainer", "trainer1", 2.0, absl::Seconds(20));

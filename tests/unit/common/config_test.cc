@@ -196,6 +196,49 @@ TEST(ConfigTest, LowRankLayerCodecsNeedARankAndAFactorCodec) {
   }
 }
 
+// A low-rank tensor whose Q cannot share a chunk with the header and one row of P could never
+// be pushed: the config is refused at load, naming layer, tensor, rank, bytes and limit.
+// ffn_mult 16 makes mlp.fc2.weight 256 x 4096: in FP32, Q at rank 64 is 4096 * 64 * 4 bytes,
+// and 40 + 1048576 + 256 exceeds kMaxChunkBytes = 1047552, while rank 63 (1032484 bytes) fits.
+TEST(ConfigTest, LowRankLayersWhoseQDoesNotFitInAChunkAreRefused) {
+  struct Case {
+    std::string text;
+    std::string expected;  // "" = accepted
+  };
+  const Case cases[] = {
+      {"model { ffn_mult: 16 } transport { layer_codecs { layer: 'blocks.1' "
+       "codec: CODEC_LOWRANK rank: 64 } }",
+       "layer \"blocks.1\", tensor blocks.1.mlp.fc2.weight: at rank 64 its Q (4096 columns x 64 in "
+       "CODEC_FP32) with the header and one row of P takes 1048872 bytes, above the chunk limit "
+       "of 1047552 bytes; at most rank 63 fits"},
+      {"model { ffn_mult: 16 } transport { layer_codecs { layer: 'blocks.1' "
+       "codec: CODEC_LOWRANK rank: 63 } }",
+       ""},
+      // A quarter of the bytes in int8: rank 64 fits.
+      {"model { ffn_mult: 16 } transport { layer_codecs { layer: 'blocks.1' "
+       "codec: CODEC_LOWRANK rank: 64 factor_codec: CODEC_INT8_BLOCKWISE } }",
+       ""},
+      // The default model's widest matrix has 256 columns: rank 4096 is clamped to 256, where
+      // the factors would not be smaller than the tensor, which then goes whole.
+      {"transport { layer_codecs { layer: 'blocks.0' codec: CODEC_LOWRANK rank: 4096 } }", ""},
+      // Another layer, and a layer of another codec, are not concerned.
+      {"model { ffn_mult: 16 } transport { layer_codecs { layer: 'head' "
+       "codec: CODEC_LOWRANK rank: 64 } layer_codecs { layer: 'blocks.1' codec: CODEC_BF16 } }",
+       ""},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    auto config = LoadServerConfig(WriteFile("lowrank_chunk" + std::to_string(i++) + ".textproto",
+                                             "corpus_dir: 'c' " + c.text));
+    if (c.expected.empty()) {
+      EXPECT_THAT(config, IsOk()) << c.text;
+    } else {
+      EXPECT_THAT(config, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.expected)))
+          << c.text;
+    }
+  }
+}
+
 // c = 1/N as a config writes it parses to the float nearest 1/N, which lies above 1/N for N = 3,
 // 5 and 10: it is the upper end of the range, and the next float up is refused.
 TEST(ConfigTest, DnMomentumActivationAcceptsOneOverNAsWritten) {

@@ -110,7 +110,8 @@ TEST(LowRankPushTest, ChunksFollowTheTensorsAndTheResidualIsWhatTheyLose) {
   const std::vector<float> g = PseudoGradient(0);
   std::vector<float> residual(g.size(), 5.0f);
   std::vector<EncodedChunk> chunks;
-  ASSERT_THAT(encoder.EncodeLayer(0, g, residual.data(), &chunks, kMaxChunkBytes), IsOk());
+  ASSERT_THAT(encoder.EncodeLayer(0, /*task_id=*/0, g, residual.data(), &chunks, kMaxChunkBytes),
+              IsOk());
   ASSERT_EQ(chunks.size(), 3u);
   EXPECT_EQ(chunks[0].codec, v1::CODEC_FP32);
   EXPECT_EQ(chunks[1].codec, v1::CODEC_LOWRANK);
@@ -154,8 +155,8 @@ TEST(LowRankPushTest, ErrorFeedbackMakesTheDecodedSumTrackTheTrueSum) {
           for (size_t i = 0; i < n; ++i) m[i] += residual[i];
         }
         std::vector<EncodedChunk> chunks;
-        ASSERT_THAT(encoder.EncodeLayer(0, m, feedback ? residual.data() : nullptr, &chunks,
-                                        kMaxChunkBytes),
+        ASSERT_THAT(encoder.EncodeLayer(0, /*task_id=*/0, m, feedback ? residual.data() : nullptr,
+                                        &chunks, kMaxChunkBytes),
                     IsOk());
         const std::vector<float> decoded = Decode(chunks, n, &bytes);
         for (size_t i = 0; i < n; ++i) sum_decoded[i] += decoded[i];
@@ -200,7 +201,9 @@ TEST(LowRankPushTest, TheWarmStartCarriesOverRounds) {
   std::vector<std::vector<EncodedChunk>> sent(3);
   for (int round = 0; round < 3; ++round) {
     std::vector<float> residual(g.size());
-    ASSERT_THAT(encoder.EncodeLayer(0, g, residual.data(), &sent[round], kMaxChunkBytes), IsOk());
+    ASSERT_THAT(
+        encoder.EncodeLayer(0, /*task_id=*/0, g, residual.data(), &sent[round], kMaxChunkBytes),
+        IsOk());
     error[round] = 0;
     for (float r : residual) error[round] += double{r} * r;
   }
@@ -211,13 +214,13 @@ TEST(LowRankPushTest, TheWarmStartCarriesOverRounds) {
   LowRankPushEncoder fresh;
   fresh.Configure(Transport(v1::CODEC_FP32), spec);
   std::vector<EncodedChunk> again;
-  ASSERT_THAT(fresh.EncodeLayer(0, g, nullptr, &again, kMaxChunkBytes), IsOk());
+  ASSERT_THAT(fresh.EncodeLayer(0, /*task_id=*/0, g, nullptr, &again, kMaxChunkBytes), IsOk());
   ASSERT_EQ(again.size(), sent[0].size());
   for (size_t c = 0; c < again.size(); ++c) EXPECT_EQ(again[c].payload, sent[0][c].payload);
   // Configured again with the same settings, the encoder keeps its warm starts.
   encoder.Configure(Transport(v1::CODEC_FP32), spec);
   std::vector<EncodedChunk> kept;
-  ASSERT_THAT(encoder.EncodeLayer(0, g, nullptr, &kept, kMaxChunkBytes), IsOk());
+  ASSERT_THAT(encoder.EncodeLayer(0, /*task_id=*/0, g, nullptr, &kept, kMaxChunkBytes), IsOk());
   EXPECT_NE(kept[1].payload, sent[0][1].payload);
 }
 
@@ -228,19 +231,79 @@ TEST(LowRankPushTest, RefusalsNameTheLayerTensorRankAndLimit) {
   std::vector<float> g = PseudoGradient(0);
   std::vector<EncodedChunk> chunks;
   // Q of w: 48 * 4 floats = 768 bytes.
-  EXPECT_THAT(encoder.EncodeLayer(0, g, nullptr, &chunks, 700),
+  EXPECT_THAT(encoder.EncodeLayer(0, /*task_id=*/0, g, nullptr, &chunks, 700),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        ::testing::AllOf(HasSubstr("layer 0 (blocks.0), tensor w, rank 4"),
                                         HasSubstr("chunk limit of 700"))));
   EXPECT_TRUE(chunks.empty());
   g[20] = std::nanf("");
-  EXPECT_THAT(encoder.EncodeLayer(0, g, nullptr, &chunks, kMaxChunkBytes),
+  EXPECT_THAT(encoder.EncodeLayer(0, /*task_id=*/0, g, nullptr, &chunks, kMaxChunkBytes),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tensor w")));
-  EXPECT_THAT(encoder.EncodeLayer(0, std::vector<float>(3), nullptr, &chunks, kMaxChunkBytes),
+  EXPECT_THAT(encoder.EncodeLayer(0, /*task_id=*/0, std::vector<float>(3), nullptr, &chunks,
+                                  kMaxChunkBytes),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("3 values")));
-  EXPECT_THAT(encoder.EncodeLayer(1, g, nullptr, &chunks, kMaxChunkBytes),
+  EXPECT_THAT(encoder.EncodeLayer(1, /*task_id=*/0, g, nullptr, &chunks, kMaxChunkBytes),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not low-rank")));
   EXPECT_TRUE(chunks.empty());
+}
+
+// Bytes of the CODEC_LOWRANK chunks among `chunks`.
+size_t LowRankBytes(const std::vector<EncodedChunk>& chunks) {
+  size_t n = 0;
+  for (const EncodedChunk& c : chunks) {
+    if (c.codec == v1::CODEC_LOWRANK) n += c.payload.size();
+  }
+  return n;
+}
+
+TEST(LowRankPushTest, TaskRanksSetTheRankAndObservationsGiveTheEffectiveRank) {
+  const v1::ModelSpec spec = Spec();
+  v1::TransportConfig transport = Transport(v1::CODEC_FP32);
+  transport.mutable_adaptive_rank()->set_enabled(true);
+  LowRankPushEncoder encoder;
+  encoder.Configure(transport, spec);
+  // w = 1 e_0 e_0^T + 0.6 e_1 e_1^T: energies 1 and 0.36, so 0.9 of the energy needs both
+  // directions: effective rank 2.
+  std::vector<float> g(spec.layers(0).num_elements(), 0.0f);
+  g[16] = 1.0f;
+  g[16 + kCols + 1] = 0.6f;
+  std::vector<EncodedChunk> at_four;
+  std::vector<v1::TensorRank> observed;
+  ASSERT_THAT(
+      encoder.EncodeLayer(0, /*task_id=*/1, g, nullptr, &at_four, kMaxChunkBytes, &observed),
+      IsOk());
+  ASSERT_EQ(observed.size(), 1u);  // only w is compressed
+  EXPECT_EQ(observed[0].layer(), 0u);
+  EXPECT_EQ(observed[0].tensor(), 1u);
+  EXPECT_EQ(observed[0].rank(), 2u);
+  // Task 7 asks for rank 1 for w: its factors are (64 + 48) * 3 floats smaller, and rank 1 holds
+  // 1 / 1.36 < 0.9 of the energy, so the observation is "beyond": twice the rank.
+  v1::TensorRank one;
+  one.set_layer(0);
+  one.set_tensor(1);
+  one.set_rank(1);
+  encoder.SetTaskRanks(7, {one});
+  std::vector<EncodedChunk> at_one;
+  observed.clear();
+  ASSERT_THAT(encoder.EncodeLayer(0, /*task_id=*/7, g, nullptr, &at_one, kMaxChunkBytes, &observed),
+              IsOk());
+  EXPECT_EQ(LowRankBytes(at_four) - LowRankBytes(at_one), (kRows + kCols) * 3 * sizeof(float));
+  ASSERT_EQ(observed.size(), 1u);
+  EXPECT_EQ(observed[0].rank(), 2u);
+  // Other tasks keep the configured rank; a forgotten task id too.
+  for (uint64_t task = 8; task < 8 + LowRankPushEncoder::kRememberedTasks; ++task) {
+    encoder.SetTaskRanks(task, {});
+  }
+  std::vector<EncodedChunk> again;
+  ASSERT_THAT(encoder.EncodeLayer(0, /*task_id=*/7, g, nullptr, &again, kMaxChunkBytes), IsOk());
+  EXPECT_EQ(LowRankBytes(again), LowRankBytes(at_four));
+  // Without adaptive rank nothing is observed.
+  LowRankPushEncoder plain;
+  plain.Configure(Transport(v1::CODEC_FP32), spec);
+  observed.clear();
+  ASSERT_THAT(plain.EncodeLayer(0, /*task_id=*/1, g, nullptr, &again, kMaxChunkBytes, &observed),
+              IsOk());
+  EXPECT_TRUE(observed.empty());
 }
 
 }  // namespace

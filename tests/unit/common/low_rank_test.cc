@@ -352,6 +352,69 @@ TEST_F(LowRankDecodeTest, StreamedRowBlocksEqualTheFullDecodeBitForBit) {
               StatusIs(kInvalid, HasSubstr("q has 265 values")));
 }
 
+// Every decode path gives, bit for bit, the element-wise definition: 0 + P[i,0] Q[j,0] +
+// P[i,1] Q[j,1] + ... rounded after every float operation, in k order; written, scaled onto a
+// base, or subtracted. Odd shapes, ranks 1..64, ranges cut mid-row and row blocks.
+TEST(LowRankDecodeDefinitionTest, EveryPathMatchesThePlainLoopForRanksUpTo64) {
+  for (uint32_t rank = 1; rank <= 64; rank += (rank < 8 ? 1 : 7)) {
+    const uint32_t rows = 67 + rank % 5, cols = 65 + 2 * (rank % 7);
+    SCOPED_TRACE(::testing::Message() << rows << " x " << cols << " rank " << rank);
+    LowRankFactors f;
+    f.rows = rows;
+    f.cols = cols;
+    f.rank = rank;
+    f.p = RandomMatrix(rows, rank, 100 + rank);
+    f.q = RandomMatrix(cols, rank, 200 + rank);
+    std::vector<float> want(rows * cols);
+    for (size_t i = 0; i < rows; ++i) {
+      for (size_t j = 0; j < cols; ++j) {
+        float s = 0.0f;
+        for (size_t k = 0; k < rank; ++k) {
+          const volatile float product = f.p[i * rank + k] * f.q[j * rank + k];
+          s += product;
+        }
+        want[i * cols + j] = s;
+      }
+    }
+    std::vector<float> got(want.size());
+    ASSERT_THAT(DecompressLowRank(f, absl::MakeSpan(got)), IsOk());
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0);
+
+    const std::vector<float> base = RandomMatrix(rows, cols, 300 + rank);
+    const float scale = 0.75f;
+    std::vector<float> want_acc(want.size());
+    for (size_t e = 0; e < want.size(); ++e) {
+      const volatile float scaled = scale * want[e];
+      want_acc[e] = base[e] + scaled;
+    }
+    std::vector<float> acc = base;
+    const size_t cuts[] = {0, 1, cols - 1, 3 * cols + 5, 7 * cols, 7 * cols + 2, want.size()};
+    for (size_t c = 0; c + 1 < std::size(cuts); ++c) {
+      ASSERT_THAT(
+          AccumulateLowRankRange(f, cuts[c], scale,
+                                 absl::MakeSpan(acc.data() + cuts[c], cuts[c + 1] - cuts[c])),
+          IsOk());
+    }
+    EXPECT_EQ(std::memcmp(acc.data(), want_acc.data(), want.size() * sizeof(float)), 0);
+
+    auto decoder = LowRankRowDecoder::Create(f.q, rows, cols, rank);
+    ASSERT_THAT(decoder, IsOk());
+    std::vector<float> streamed = base;
+    for (uint32_t a = 0; a < rows; a += 6) {
+      const uint32_t b = std::min(rows, a + 6);
+      ASSERT_THAT(decoder->AccumulateRows(
+                      a, absl::MakeConstSpan(f.p.data() + a * rank, (b - a) * rank), scale,
+                      absl::MakeSpan(streamed.data() + a * cols, (b - a) * cols)),
+                  IsOk());
+    }
+    EXPECT_EQ(std::memcmp(streamed.data(), want_acc.data(), want.size() * sizeof(float)), 0);
+
+    std::vector<float> residual(want.size());
+    ASSERT_THAT(LowRankResidual(base, f, absl::MakeSpan(residual)), IsOk());
+    for (size_t e = 0; e < want.size(); ++e) ASSERT_EQ(residual[e], base[e] - want[e]) << e;
+  }
+}
+
 TEST(LowRankResidualTest, IsTheMatrixMinusTheDecodeAndWorksInPlace) {
   constexpr uint32_t kRows = 16, kCols = 24;
   const std::vector<float> m = RandomMatrix(kRows, kCols, 6);
@@ -638,6 +701,52 @@ TEST(AdaptiveRankTest, InvalidConfigsNameTheField) {
   EXPECT_THAT(ValidateAdaptiveRankConfig({.initial_local_steps = 0}),
               StatusIs(kInvalid, HasSubstr("initial_local_steps")));
   EXPECT_THAT(ValidateAdaptiveRankConfig({}), IsOk());
+}
+
+TEST(AdaptiveRankTest, RecordedRanksSaveAndRestoreExactly) {
+  AdaptiveRankConfig config{.window = 2, .initial_rank = 4, .initial_local_steps = 60};
+  AdaptiveRank adaptive(config);
+  // r_0 = 6 for "a" (8 x 16, width 24), 2 for "b" (4 x 4, width 8).
+  ASSERT_THAT(adaptive.Record("a", 8, 16, 6, 3), IsOk());
+  ASSERT_THAT(adaptive.Record("a", 8, 16, 6, 6), IsOk());
+  ASSERT_THAT(adaptive.Record("a", 8, 16, 6, 4), IsOk());  // window [6, 4]: 5
+  ASSERT_THAT(adaptive.Record("b", 4, 4, 2, 1), IsOk());
+  EXPECT_TRUE(adaptive.Knows("a"));
+  EXPECT_FALSE(adaptive.Knows("c"));
+  EXPECT_EQ(adaptive.NextRank("a"), 5u);
+  // H = round(60 * (24 * 5 + 8 * 1) / (24 * 6 + 8 * 2)) = round(48) = 48.
+  EXPECT_EQ(adaptive.NextLocalSteps(), 48u);
+  // Refused, nothing recorded: another shape, another r_0, a rank beyond 2 min(rows, cols).
+  EXPECT_THAT(adaptive.Record("a", 8, 15, 6, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("was observed as 8 x 16")));
+  EXPECT_THAT(adaptive.Record("a", 8, 16, 5, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("initial rank 6")));
+  EXPECT_THAT(adaptive.Record("b", 4, 4, 2, 9),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("outside [0, 8]")));
+  EXPECT_EQ(adaptive.NextRank("a"), 5u);
+
+  const std::vector<AdaptiveRank::LayerState> saved = adaptive.Save();
+  ASSERT_EQ(saved.size(), 2u);
+  EXPECT_EQ(saved[0].name, "a");
+  EXPECT_EQ(saved[0].recent, (std::vector<uint32_t>{6, 4}));
+  AdaptiveRank restored(config);
+  ASSERT_THAT(restored.Restore(saved), IsOk());
+  EXPECT_EQ(restored.NextRank("a"), 5u);
+  EXPECT_EQ(restored.NextRank("b"), 1u);
+  EXPECT_EQ(restored.NextLocalSteps(), 48u);
+  // The next observation drops the oldest of the restored window, as it would have.
+  ASSERT_THAT(restored.Record("a", 8, 16, 6, 8), IsOk());  // [4, 8]: 6
+  EXPECT_EQ(restored.NextRank("a"), 6u);
+
+  std::vector<AdaptiveRank::LayerState> bad = saved;
+  bad[1].recent = {1, 1, 1};
+  EXPECT_THAT(restored.Restore(bad), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr("layer b has 3 observations")));
+  bad = saved;
+  bad[1].name = "a";
+  EXPECT_THAT(restored.Restore(bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer a appears twice")));
+  EXPECT_EQ(restored.NextRank("a"), 6u);  // unchanged by the refusals
 }
 
 }  // namespace

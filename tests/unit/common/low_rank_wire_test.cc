@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -125,6 +126,58 @@ TEST(LowRankWireTest, QThatDoesNotFitAChunkIsRefusedNamingTheRankAndLimit) {
   std::string out;
   EXPECT_THAT(EncodeChunk(v1::CODEC_LOWRANK, f.p, 0, &out, nullptr),
               StatusIs(kInvalid, HasSubstr("whole 2-D tensor")));
+}
+
+// LowRankMaxChunkRank is the encoder's own limit: at that rank every factor codec encodes in
+// chunks of the limit, one rank more is refused; LowRankMinChunkBytes is the smallest chunk.
+TEST(LowRankWireTest, MaxChunkRankIsTheLargestRankTheEncoderAccepts) {
+  constexpr uint32_t kRows = 200, kCols = 300;
+  constexpr size_t kLimit = 20000;
+  const v1::Codec codecs[] = {v1::CODEC_FP32, v1::CODEC_BF16, v1::CODEC_INT8_BLOCKWISE,
+                              v1::CODEC_INT4_BLOCKWISE};
+  const size_t blocks[] = {0, 0, 256, 64};
+  // FP32: 40 + 300 r 4 + 4 r <= 20000 for r <= 16.
+  const uint32_t expected[] = {16, 33, 65, 117};
+  for (int c = 0; c < 4; ++c) {
+    SCOPED_TRACE(v1::Codec_Name(codecs[c]));
+    const uint32_t rank = LowRankMaxChunkRank(kCols, codecs[c], blocks[c], kLimit);
+    EXPECT_EQ(rank, expected[c]);
+    EXPECT_LE(LowRankMinChunkBytes(kCols, rank, codecs[c], blocks[c]), kLimit);
+    EXPECT_GT(LowRankMinChunkBytes(kCols, rank + 1, codecs[c], blocks[c]), kLimit);
+    for (uint32_t r : {rank, rank + 1}) {
+      absl::StatusOr<LowRankEncoding> enc =
+          EncodeLowRankFactors(Factors(kRows, kCols, r, 5), 0, codecs[c], blocks[c], kLimit);
+      if (r == rank) {
+        ASSERT_THAT(enc.status(), IsOk());
+        size_t smallest = kLimit;
+        for (const LowRankChunk& chunk : enc->chunks) {
+          EXPECT_LE(chunk.payload.size(), kLimit);
+          smallest = std::min(smallest, chunk.payload.size());
+        }
+        EXPECT_GE(smallest, LowRankMinChunkBytes(kCols, rank, codecs[c], blocks[c]));
+      } else {
+        EXPECT_THAT(enc.status(), StatusIs(kInvalid, HasSubstr("chunk limit of 20000")));
+      }
+    }
+  }
+  EXPECT_EQ(LowRankMaxChunkRank(kCols, v1::CODEC_FP32, 0, 100), 0u);
+}
+
+// The rank each tensor is compressed at: clamped to the matrix, 0 when the factors would not be
+// smaller than the tensor or the tensor is 1-D.
+TEST(LowRankWireTest, TensorRankClampsAndSkipsTensorsTheFactorsWouldNotShrink) {
+  v1::TensorSpec t;
+  t.add_shape(100);
+  EXPECT_EQ(LowRankTensorRank(t, 8), 0u);
+  t.add_shape(30);
+  EXPECT_EQ(LowRankTensorRank(t, 8), 8u);
+  // (100 + 30) * 23 = 2990 < 3000; at 24, 3120 is not smaller.
+  EXPECT_EQ(LowRankTensorRank(t, 23), 23u);
+  EXPECT_EQ(LowRankTensorRank(t, 24), 0u);
+  v1::TensorSpec wide;
+  wide.add_shape(2);
+  wide.add_shape(1000);
+  EXPECT_EQ(LowRankTensorRank(wide, 64), 0u);  // clamped to 2: (2 + 1000) * 2 > 2000
 }
 
 // A valid FP32 chunk of a 12 x 10 matrix at rank 3, rows [0, 12), and what it decodes to.

@@ -15,12 +15,14 @@
 
 #include "absl/strings/str_format.h"
 #include "common/status_matchers.h"
+#include "kernels/cpu/low_rank_kernels.h"
 #include "kernels/cpu/outer_kernels.h"
 
 #ifdef ALOE_HAVE_CUDA
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/codec_kernels_cuda.h"
+#include "kernels/cuda/low_rank_kernels_cuda.h"
 #include "kernels/cuda/outer_kernels_cuda.h"
 #endif
 
@@ -1120,6 +1122,42 @@ INSTANTIATE_TEST_SUITE_P(
                                          SizeKind::kBlock, SizeKind::kBlockPlusOne,
                                          SizeKind::kLarge)),
     Int8ParamName);
+
+// The GPU low-rank decode gives the CPU reference's bits: ranks around warps and tiles, odd
+// widths, a window cut mid-row, written and accumulated in place.
+TEST(LowRankKernelsCudaTest, MatchesCpuReferenceBitExact) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  for (size_t rank : {size_t{1}, size_t{7}, size_t{16}, size_t{33}, size_t{64}}) {
+    const size_t rows = 5 + rank % 4, cols = 129 + 2 * rank;
+    const std::vector<float> p = Normal(rows * rank, 100 + static_cast<unsigned>(rank));
+    const std::vector<float> qt = Normal(rank * cols, 200 + static_cast<unsigned>(rank));
+    const std::vector<float> base = Normal(rows * cols, 300 + static_cast<unsigned>(rank));
+    for (size_t j0 : {size_t{0}, cols / 3}) {
+      const size_t len = j0 == 0 ? cols : cols - j0 - 5;
+      SCOPED_TRACE(::testing::Message() << "rank " << rank << " j0 " << j0);
+      std::vector<float> want(rows * cols, 0.0f);
+      reference::LowRankDecodeRows(p.data(), rows, rank, qt.data(), cols, j0, len, want.data());
+      DeviceVector<float> d_p(p), d_qt(qt), d_out(std::vector<float>(rows * cols, 0.0f));
+      ASSERT_TRUE(d_p.Valid() && d_qt.Valid() && d_out.Valid());
+      EXPECT_EQ(CudaLowRankDecodeRows(d_p.Data(), rows, rank, d_qt.Data(), cols, j0, len,
+                                      d_out.Data(), nullptr),
+                "");
+      std::vector<float> got = d_out.ToHost();
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0);
+
+      want = base;
+      reference::LowRankDecodeAccumulateRows(p.data(), rows, rank, qt.data(), cols, j0, len, -0.37f,
+                                             want.data(), want.data());
+      DeviceVector<float> d_acc(base);
+      EXPECT_EQ(CudaLowRankDecodeAccumulateRows(d_p.Data(), rows, rank, d_qt.Data(), cols, j0, len,
+                                                -0.37f, d_acc.Data(), d_acc.Data(), nullptr),
+                "");
+      got = d_acc.ToHost();
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0);
+    }
+  }
+  EXPECT_NE(CudaLowRankDecodeRows(nullptr, 1, 1, nullptr, 4, 3, 2, nullptr, nullptr), "");
+}
 
 #endif  // ALOE_HAVE_CUDA
 

@@ -73,7 +73,8 @@ TEST(UpdateAssemblerLowRankTest, LowRankChunksDecodeInPlaceIntoARecycledBuffer) 
     const std::vector<float> g = Random(spec.layers(l).num_elements(), l);
     std::vector<float> residual(g.size());
     std::vector<EncodedChunk> chunks;
-    ASSERT_THAT(encoder.EncodeLayer(l, g, residual.data(), &chunks, kMaxChunkBytes), IsOk());
+    ASSERT_THAT(encoder.EncodeLayer(l, /*task_id=*/0, g, residual.data(), &chunks, kMaxChunkBytes),
+                IsOk());
     for (size_t i = 0; i < g.size(); ++i) expected[l].push_back(g[i] - residual[i]);
     for (const EncodedChunk& chunk : chunks) {
       ASSERT_THAT(assembler.AddChunk(l, chunk.offset, chunk.payload, chunk.codec), IsOk());

@@ -4,6 +4,7 @@
 #include "worker/streaming_round.h"
 
 #include <gmock/gmock.h>
+#include <google/protobuf/text_format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -641,6 +642,42 @@ TEST_F(StreamingRoundsTest, TimeBudgetPlansTheStepsThatFitAtTheMeasuredSpeed) {
   EXPECT_EQ(rounds_->PlannedSteps(task), 10u);
   task.set_local_steps(6);  // the cap
   EXPECT_EQ(rounds_->PlannedSteps(task), 6u);
+}
+
+// DreamDDP's transfer cost counts each layer at its codec; a low-rank layer at its factors.
+TEST(EstimatedPushBytesTest, CountsLowRankLayersAtTheirFactorSize) {
+  v1::LayerSpec layer;
+  layer.set_name("blocks.0");
+  auto add = [&](const char* name, std::vector<int64_t> shape) {
+    v1::TensorSpec* t = layer.add_tensors();
+    t->set_name(name);
+    for (int64_t d : shape) t->add_shape(d);
+  };
+  add("w", {64, 256});  // 16384 values; rank 8 factors (64 + 256) * 8 = 2560
+  add("b", {256});      // 1-D: whole, at the fallback codec
+  add("e", {3, 4, 5});  // 3 x 20: rank 3 factors (69) are not fewer than 60 values: whole
+  layer.set_num_elements(16384 + 256 + 60);
+  auto with = [](const std::string& text) {
+    v1::TransportConfig transport;
+    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &transport)) << text;
+    return transport;
+  };
+  EXPECT_EQ(EstimatedPushBytes(layer, with("")), 16700.0 * 4);
+  EXPECT_EQ(EstimatedPushBytes(layer, with("codec: CODEC_BF16")), 16700.0 * 2);
+  EXPECT_EQ(EstimatedPushBytes(layer, with("codec: CODEC_BF16 layer_codecs { layer: 'blocks.0' "
+                                           "codec: CODEC_INT4_BLOCKWISE }")),
+            16700.0 / 2);
+  // Another layer's entry does not apply.
+  EXPECT_EQ(EstimatedPushBytes(layer, with("layer_codecs { layer: 'head' codec: CODEC_BF16 }")),
+            16700.0 * 4);
+  const std::string low_rank = "layer_codecs { layer: 'blocks.0' codec: CODEC_LOWRANK rank: ";
+  EXPECT_EQ(EstimatedPushBytes(layer, with(low_rank + "8 }")), 2560.0 * 4 + 256 * 4 + 60 * 4);
+  EXPECT_EQ(EstimatedPushBytes(layer, with(low_rank + "8 factor_codec: CODEC_INT4_BLOCKWISE }")),
+            2560.0 / 2 + 256 * 4 + 60 * 4);
+  EXPECT_EQ(EstimatedPushBytes(layer, with(low_rank + "8 factor_codec: CODEC_BF16 }")),
+            2560.0 * 2 + 256 * 2 + 60 * 2);
+  // Rank 100 is clamped to 64, where (64 + 256) * 64 factors outnumber the 16384 values.
+  EXPECT_EQ(EstimatedPushBytes(layer, with(low_rank + "100 }")), 16700.0 * 4);
 }
 
 // The agent runs streaming rounds when the join reply has layer groups.
