@@ -35,6 +35,12 @@ void WorkerPushCodec::Reset() {
   low_rank_->Configure(transport_, spec_);
 }
 
+void WorkerPushCodec::SetTaskRanks(const v1::Task& task) {
+  if (task.tensor_ranks_size() == 0) return;
+  low_rank_->SetTaskRanks(task.task_id(), std::vector<v1::TensorRank>(task.tensor_ranks().begin(),
+                                                                      task.tensor_ranks().end()));
+}
+
 EncodedPush WorkerPushCodec::Encode(server::PendingUpdate& update,
                                     absl::Span<const uint32_t> layer_groups) {
   EncodedPush push;
@@ -50,6 +56,7 @@ EncodedPush WorkerPushCodec::Encode(server::PendingUpdate& update,
   // The worker's side: residuals in, chunks and new residuals out (worker/client.cc PushLayers).
   std::vector<Chunk> chunks;
   std::vector<std::vector<float>> residual(update.layers.size());
+  std::vector<v1::TensorRank> observed;
   absl::Status status;
   for (size_t l : pushed) {
     std::vector<float>& values = update.layers[l];
@@ -62,7 +69,7 @@ EncodedPush WorkerPushCodec::Encode(server::PendingUpdate& update,
     if (codec == v1::CODEC_LOWRANK) {
       std::vector<EncodedChunk> encoded;
       status = low_rank_->EncodeLayer(static_cast<uint32_t>(l), update.task_id, values, r, &encoded,
-                                      kMaxChunkBytes);
+                                      kMaxChunkBytes, &observed);
       for (EncodedChunk& e : encoded) chunks.push_back(Chunk{static_cast<uint32_t>(l), e});
     } else {
       const size_t block = blocks_.Of(codec);
@@ -110,6 +117,7 @@ EncodedPush WorkerPushCodec::Encode(server::PendingUpdate& update,
     return push;
   }
   for (size_t l : pushed) update.layers[l] = std::move(decoded->layers[l]);
+  update.observed_ranks = std::move(observed);
   return push;
 }
 

@@ -8,7 +8,10 @@
 // defines (EncodeChunk), CODEC_LOWRANK through the worker's LowRankPushEncoder
 // (common/low_rank_push.h), whose warm starts persist across this worker's pushes. With
 // transport.error_feedback the residual of each layer (what its encoding lost) stays here and
-// is added to the layer's next pushed pseudo-gradient, as the worker does.
+// is added to the layer's next pushed pseudo-gradient, as the worker does. With
+// transport.adaptive_rank a push is compressed at the ranks its task names (SetTaskRanks) and
+// carries the effective ranks the encoder observed (PendingUpdate.observed_ranks), as the
+// worker's push header does.
 //
 // The byte count is the sum of the chunks' payloads (what UpdateAssembler::bytes_received
 // counts): the codecs' own headers, scales and low-rank factors are in it; the framing of the
@@ -48,11 +51,16 @@ class WorkerPushCodec {
   // pseudo-gradient, and Encode leaves it as it is.
   bool exact() const { return exact_; }
 
+  // Makes the pushes of `task` compress at the ranks it names (Task.tensor_ranks), as the
+  // worker does when the task arrives; a task without ranks keeps the configured ones.
+  void SetTaskRanks(const v1::Task& task);
+
   // Encodes the pushed layers of `update` (the non-empty ones: every layer, or a layer group's
   // for a group push; `layer_groups` is the server's layer group of each layer when it has more
   // than one, else empty) with error feedback when configured, and replaces them with what the
-  // server decodes. On a refusal (EncodedPush::status) `update`'s layers are unspecified and
-  // `bytes` is the planning estimate (PushBytes) of the layers.
+  // server decodes; its observed_ranks become the encoder's observations. On a refusal
+  // (EncodedPush::status) `update`'s layers are unspecified and `bytes` is the planning estimate
+  // (PushBytes) of the layers.
   EncodedPush Encode(server::PendingUpdate& update, absl::Span<const uint32_t> layer_groups);
 
   // Forgets the residuals and warm starts: a worker process that ended (leave, crash).

@@ -846,6 +846,7 @@ absl::Status Simulator::Engine::BeginPull(Worker& w, const v1::Task& task) {
   w.next_base.reserve(snapshot->layers.size());
   for (const auto& layer : snapshot->layers) w.next_base.push_back(*layer);
   w.next = task;
+  w.codec->SetTaskRanks(task);
   return After(w, w.down.Enqueue(pull_bytes_, Now(), server_down_ ? &*server_down_ : nullptr),
                EventKind::kPulled);
 }
@@ -1263,6 +1264,7 @@ absl::Status Simulator::Engine::StreamTask(Worker& w, const v1::Task& task) {
   const uint32_t steps = TaskSteps(w, task, &duration);
   ALOE_ASSIGN_OR_RETURN(SyncSchedule schedule, ScheduleFor(w, steps));
   s.task = task;
+  w.codec->SetTaskRanks(task);
   s.period = steps;
   // The period is cyclic: a schedule whose last steps push nothing is shifted so that its last
   // push follows the task's last step, which ends the task (its push without task_continues).

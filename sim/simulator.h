@@ -31,8 +31,9 @@
 // transport as aloe-worker does (the codec of each layer, error feedback with per-worker
 // residuals, low-rank layers through a per-worker LowRankPushEncoder whose warm starts persist),
 // and the core receives what the server decodes from those bytes: lossy codecs change the
-// training as they do in a real run. A push the server would refuse (a value it cannot decode)
-// is a rejected row with nothing applied.
+// training as they do in a real run. With transport.adaptive_rank a worker compresses each push
+// at the ranks its task names and submits the effective ranks its encoder observed. A push the
+// server would refuse (a value it cannot decode) is a rejected row with nothing applied.
 //
 // Network (sim/link_model.h): every worker has an uplink and a downlink, each a FIFO of
 // transfers taking latency + bytes / rate of virtual time. A pull moves the whole model as

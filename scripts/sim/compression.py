@@ -33,8 +33,10 @@ Cells (default; --quick in brackets):
   low-rank r, fp32 factors    every layer CODEC_LOWRANK at rank r in 4, 16, 64 [none]; 1-D
                               tensors (biases, norms) go as float32
   low-rank r, int4 factors    the same with int4 factors [r = 4, 16]
-  adaptive                    low-rank + int4 with transport.adaptive_rank, when this aloe-sim
-                              and its server core choose ranks (left out otherwise)
+  adaptive                    low-rank + int4 factors with transport.adaptive_rank (paper 001
+                              Alg. 3: window 5, energy share 0.9) from r = 16, when this aloe-sim
+                              has it (left out otherwise); adapt_local_steps off, so that every
+                              cell trains the same local steps
   each with error feedback off and on [off and on for int4 and r = 16 + int4; off for the rest]
 Setup: sync DiLoCo (outer Nesterov lr 0.7, beta 0.9; every round averages all workers), 2
 workers of equal speed, H = 20 local steps, 12 rounds [H = 10, 8 rounds]; the

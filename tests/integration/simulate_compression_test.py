@@ -1,11 +1,11 @@
 #!/usr/bin/python3
 """scripts/simulate-compression --quick (aloe-sim, torch trainer, a 1-block LM on a small corpus
-made here from a seeded grammar): the documented files and columns exist, every cell
-ran, bytes fall in the codecs' order (float32 > int8 > int4 > low-rank r = 16 + int4 > r = 4 +
-int4, the compressions close to what the formats imply), lossy pushes change the loss, r = 4
-with int4 factors and no error feedback is no better than float32, and error feedback changes
-the run. Without aloe-sim the script says how to build it. Exits 77 (ctest SKIP_RETURN_CODE)
-without aloe-corpus or aloe-sim.
+made here from a seeded grammar): the documented files and columns exist, every cell ran, bytes
+fall in the codecs' order (float32 > int8 > int4 > low-rank r = 16 + int4 > r = 4 + int4, the
+compressions close to what the formats imply), lossy pushes change the loss, r = 4 with int4
+factors and no error feedback is no better than float32, error feedback changes the run, and
+adaptive rank moves the bytes off fixed r = 16. Without aloe-sim the script says how to build
+it. Exits 77 (ctest SKIP_RETURN_CODE) without aloe-corpus or aloe-sim.
 
 Usage: simulate_compression_test.py [--bin-dir build/bin] [unittest args]
 """
@@ -30,7 +30,7 @@ RUN_COLUMNS = ("run_id codec rank factor_codec error_feedback status final_eval_
                "loss_change_pct pushed_bytes bytes_ratio compression local_steps versions "
                "wall_seconds note").split()
 QUICK_CELLS = {"fp32-noef", "int8-noef", "int4-noef", "int4-ef", "lr4-int4-noef",
-               "lr16-int4-noef", "lr16-int4-ef"}
+               "lr16-int4-noef", "lr16-int4-ef", "adaptive16-int4-noef"}
 QUICK_STEPS = 2 * 10 * 8  # 2 workers, H = 10, 8 rounds
 
 
@@ -103,6 +103,10 @@ class SimulateCompressionTest(unittest.TestCase):
         for text in ('layer: "blocks.0" codec: CODEC_LOWRANK rank: 16',
                      "factor_codec: CODEC_INT4_BLOCKWISE", "error_feedback: true"):
             self.assertIn(text, config)
+        self.assertNotIn("adaptive_rank", config)
+        with open(os.path.join(self.out, "runs", "adaptive16-int4-noef",
+                               "config.textproto")) as f:
+            self.assertIn("adaptive_rank { enabled: true }", f.read())
         self.assertIn(f"[{len(QUICK_CELLS)}/{len(QUICK_CELLS)}]", self.log)
         with open(os.path.join(self.out, "table.md")) as f:
             md = f.read()
@@ -117,6 +121,9 @@ class SimulateCompressionTest(unittest.TestCase):
         order = ["fp32-noef", "int8-noef", "int4-noef", "lr16-int4-noef", "lr4-int4-noef"]
         for bigger, smaller in zip(order, order[1:]):
             self.assertGreater(b[bigger], b[smaller], (bigger, smaller))
+        # Adaptive rank starts at r = 16 and moves the ranks: other bytes than fixed r = 16.
+        self.assertNotEqual(b["adaptive16-int4-noef"], b["lr16-int4-noef"])
+        self.assertLess(b["adaptive16-int4-noef"], b["int4-noef"])
         # The same pushes with error feedback on or off.
         self.assertEqual(b["int4-ef"], b["int4-noef"])
         self.assertEqual(b["lr16-int4-ef"], b["lr16-int4-noef"])

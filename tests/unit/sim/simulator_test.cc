@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
@@ -942,6 +943,40 @@ TEST(SimulatorCodecTest, LowRankPushMovesItsEncodedBytes) {
   const auto rows = RowsOf(*result, 0);
   ASSERT_EQ(rows.size(), 3u);
   for (int r = 0; r < 3; ++r) EXPECT_NEAR(rows[r]->virtual_seconds, round * (r + 1), 1e-6);
+}
+
+TEST(SimulatorCodecTest, AdaptiveRankClosesTheLoopBetweenTasksAndPushes) {
+  // blocks.0 low-rank from rank 1, adaptive with a window of one push: the synthetic
+  // pseudo-gradients are full-rank noise, so rank-1 factors never hold 0.9 of the energy, each
+  // push reports twice its rank, and the next task asks for more. The pushes grow past the
+  // fixed rank-1 size only if the workers compress at the tasks' ranks and their observations
+  // reach the core.
+  v1::ServerConfig config = OneWorkerConfig();
+  config.set_max_versions(4);
+  v1::LayerCodec* c = config.mutable_transport()->add_layer_codecs();
+  c->set_layer("blocks.0");
+  c->set_codec(v1::CODEC_LOWRANK);
+  c->set_rank(1);
+  c->set_factor_codec(v1::CODEC_FP32);
+  v1::ServerConfig fixed = config;
+  config.mutable_transport()->mutable_adaptive_rank()->set_enabled(true);
+  config.mutable_transport()->mutable_adaptive_rank()->set_window(1);
+  ASSERT_THAT(ValidateServerConfig(config), IsOk());
+  auto adaptive = RunSynthetic(config, Options({1}));
+  auto again = RunSynthetic(config, Options({1}));
+  auto constant = RunSynthetic(fixed, Options({1}));
+  ASSERT_THAT(adaptive, IsOk());
+  ASSERT_THAT(again, IsOk());
+  ASSERT_THAT(constant, IsOk());
+  EXPECT_EQ(adaptive->rejected_per_worker[0], 0u) << absl::StrJoin(adaptive->rejections, "; ");
+  EXPECT_EQ(adaptive->final_version, 4u);
+  const v1::ModelSpec spec = BuildTransformerSpec(fixed.model(), fixed.apply_groups());
+  EXPECT_EQ(constant->pushed_bytes, 4 * PushBytes(spec, fixed.transport()));
+  // The first push is at rank 1, the later ones at higher ranks.
+  EXPECT_GT(adaptive->pushed_bytes, constant->pushed_bytes);
+  EXPECT_NE(FormatCsv(*adaptive), FormatCsv(*constant));
+  EXPECT_EQ(FormatSummary(*adaptive), FormatSummary(*again));
+  EXPECT_EQ(FormatCsv(*adaptive), FormatCsv(*again));
 }
 
 TEST(SimulatorCodecTest, GroupPushesAreEncodedPerGroup) {
