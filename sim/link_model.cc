@@ -8,6 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/low_rank.h"
+#include "common/low_rank_wire.h"
 #include "common/tensor_codec.h"
 #include "kernels/cpu/codec_kernels.h"
 
@@ -39,6 +41,72 @@ std::vector<const v1::LayerSpec*> Selected(const v1::ModelSpec& spec,
     for (size_t i : indices) layers.push_back(&spec.layers(static_cast<int>(i)));
   }
   return layers;
+}
+
+// Payload bytes of n values in `codec`, in the chunks the worker sends them in.
+uint64_t EncodedBytes(v1::Codec codec, uint64_t n, const BlockSizes& blocks) {
+  const size_t block = blocks.Of(codec);
+  uint64_t bytes = 0;
+  for (auto [begin, end] : ChunkRanges(n, MaxChunkElements(codec, block))) {
+    const size_t count = end - begin;
+    switch (codec) {
+      case v1::CODEC_BF16:
+        bytes += kernels::Bf16EncodedSize(count);
+        break;
+      case v1::CODEC_INT8_BLOCKWISE:
+        bytes += kernels::Int8EncodedSize(count, block);
+        break;
+      case v1::CODEC_INT4_BLOCKWISE:
+        bytes += kernels::Int4EncodedSize(count, block);
+        break;
+      default:
+        bytes += count * sizeof(float);
+        break;
+    }
+  }
+  return bytes;
+}
+
+// Payload bytes of a CODEC_LOWRANK layer at its configured rank, tensor by tensor as
+// LowRankPushEncoder::EncodeLayer decides. A compressed tensor counts the chunks that
+// EncodeLowRankFactors makes of factors of its shape (their size does not depend on the
+// values: zeros stand in); should that refuse the rank, its (rows + cols) r values.
+uint64_t LowRankLayerBytes(const v1::LayerSpec& layer, const v1::TransportConfig& transport,
+                           const BlockSizes& blocks) {
+  uint32_t configured = 0;
+  v1::Codec factor_codec = v1::CODEC_FP32;
+  for (const v1::LayerCodec& o : transport.layer_codecs()) {
+    if (o.layer() != layer.name()) continue;
+    configured = o.rank();
+    if (o.factor_codec() != v1::CODEC_UNSPECIFIED) factor_codec = o.factor_codec();
+  }
+  const v1::Codec fallback = LowRankFallbackCodec(factor_codec);
+  uint64_t bytes = 0;
+  for (const v1::TensorSpec& tensor : layer.tensors()) {
+    uint64_t n = 1;
+    for (int64_t d : tensor.shape()) n *= static_cast<uint64_t>(std::max<int64_t>(d, 0));
+    const auto shape = LowRankMatrixShape(tensor);
+    const uint32_t rank = shape ? std::min({configured, shape->first, shape->second}) : 0;
+    if (rank == 0 || LowRankFactorFloats(shape->first, shape->second, rank) >= n) {
+      bytes += EncodedBytes(fallback, n, blocks);
+      continue;
+    }
+    LowRankFactors zeros;
+    zeros.rows = shape->first;
+    zeros.cols = shape->second;
+    zeros.rank = rank;
+    zeros.p.assign(static_cast<size_t>(zeros.rows) * rank, 0.0f);
+    zeros.q.assign(static_cast<size_t>(zeros.cols) * rank, 0.0f);
+    absl::StatusOr<LowRankEncoding> encoding =
+        EncodeLowRankFactors(zeros, 0, factor_codec, blocks.Of(factor_codec), kMaxChunkBytes);
+    if (!encoding.ok()) {
+      bytes +=
+          EncodedBytes(factor_codec, LowRankFactorFloats(zeros.rows, zeros.cols, rank), blocks);
+      continue;
+    }
+    for (const LowRankChunk& chunk : encoding->chunks) bytes += chunk.payload.size();
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -82,34 +150,26 @@ uint64_t PullBytes(const v1::ModelSpec& spec, absl::Span<const size_t> layers) {
   return elements * sizeof(float);
 }
 
+v1::Codec LayerPushCodec(const v1::TransportConfig& transport, const v1::LayerSpec& layer) {
+  v1::Codec codec = transport.codec();
+  for (const v1::LayerCodec& o : transport.layer_codecs()) {
+    if (o.layer() == layer.name()) codec = o.codec();
+  }
+  return codec == v1::CODEC_UNSPECIFIED ? v1::CODEC_FP32 : codec;
+}
+
 uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport,
                    absl::Span<const size_t> layers) {
   const BlockSizes blocks = TransportBlockSizes(transport);
   uint64_t bytes = 0;
   for (const v1::LayerSpec* selected : Selected(spec, layers)) {
     const v1::LayerSpec& layer = *selected;
-    v1::Codec codec = transport.codec();
-    for (const v1::LayerCodec& o : transport.layer_codecs()) {
-      if (o.layer() == layer.name()) codec = o.codec();
+    const v1::Codec codec = LayerPushCodec(transport, layer);
+    if (codec == v1::CODEC_LOWRANK) {
+      bytes += LowRankLayerBytes(layer, transport, blocks);
+      continue;
     }
-    const size_t block = blocks.Of(codec);
-    for (auto [begin, end] : ChunkRanges(layer.num_elements(), MaxChunkElements(codec, block))) {
-      const size_t n = end - begin;
-      switch (codec) {
-        case v1::CODEC_BF16:
-          bytes += kernels::Bf16EncodedSize(n);
-          break;
-        case v1::CODEC_INT8_BLOCKWISE:
-          bytes += kernels::Int8EncodedSize(n, block);
-          break;
-        case v1::CODEC_INT4_BLOCKWISE:
-          bytes += kernels::Int4EncodedSize(n, block);
-          break;
-        default:
-          bytes += n * sizeof(float);
-          break;
-      }
-    }
+    bytes += EncodedBytes(codec, layer.num_elements(), blocks);
   }
   return bytes;
 }

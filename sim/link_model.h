@@ -44,11 +44,19 @@ absl::StatusOr<std::vector<LinkSpec>> ParseLinks(const std::string& text);
 // Bytes of a pull of the spec's layers at `layers` (indices into spec.layers(); empty = every
 // layer, the whole model): 4 bytes (float32) per parameter. Precondition: the indices are valid.
 uint64_t PullBytes(const v1::ModelSpec& spec, absl::Span<const size_t> layers = {});
+// The codec `layer` is pushed with: its transport.layer_codecs entry, else transport.codec;
+// UNSPECIFIED = FP32.
+v1::Codec LayerPushCodec(const v1::TransportConfig& transport, const v1::LayerSpec& layer);
+
 // Bytes of a push of the pseudo-gradient of the layers at `layers` (empty = every layer) as the
-// workers encode it: each layer with its codec from `transport` (layer_codecs override the
-// default codec; UNSPECIFIED = FP32), in the chunks the worker sends (common/tensor_codec.h):
-// FP32 4 bytes per value, BF16 2, INT8 blockwise 1 and INT4 blockwise 1/2 (rounded up) plus a
-// 4-byte scale per block and a 16-byte header per chunk. Payload bytes only.
+// workers encode it: each layer with its codec (LayerPushCodec), in the chunks the worker sends
+// (common/tensor_codec.h): FP32 4 bytes per value, BF16 2, INT8 blockwise 1 and INT4 blockwise
+// 1/2 (rounded up) plus a 4-byte scale per block and a 16-byte header per chunk. A CODEC_LOWRANK
+// layer (common/low_rank_push.h) at its configured rank r: per tensor that the encoder
+// compresses, the chunks of its factors, (rows + cols) r values in the factor codec plus the
+// chunk headers (common/low_rank_wire.h); every other tensor in the fallback codec
+// (LowRankFallbackCodec). Payload bytes only. This is the planning estimate; the simulator moves
+// the bytes of each push as encoded (sim/push_codec.h), which equal it for fixed-rank codecs.
 uint64_t PushBytes(const v1::ModelSpec& spec, const v1::TransportConfig& transport,
                    absl::Span<const size_t> layers = {});
 

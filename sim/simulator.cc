@@ -27,6 +27,7 @@
 #include "common/sync_schedule.h"
 #include "kernels/cpu/outer_kernels.h"
 #include "server/core/server_core.h"
+#include "sim/push_codec.h"
 
 namespace aloe::sim {
 namespace {
@@ -150,9 +151,10 @@ std::string FormatSummary(const SimResult& result) {
   for (uint64_t r : result.rejected_per_worker) rejected += r;
   std::string out = absl::StrFormat(
       "aloe-sim: stop=%s final_eval_loss=%.6f virtual_seconds=%.3f versions=%d "
-      "local_steps=%d updates_per_worker=%s rejected=%d",
+      "local_steps=%d updates_per_worker=%s rejected=%d pushed_bytes=%d",
       result.stop_reason, result.final_eval_loss, result.virtual_seconds, result.final_version,
-      result.total_local_steps, absl::StrJoin(result.updates_per_worker, ","), rejected);
+      result.total_local_steps, absl::StrJoin(result.updates_per_worker, ","), rejected,
+      result.pushed_bytes);
   const auto join = [&result](auto get) {
     return absl::StrJoin(result.workers, ",",
                          [&](std::string* o, const WorkerStats& w) { absl::StrAppend(o, get(w)); });
@@ -250,6 +252,15 @@ class Simulator::Engine {
     bool pushed = true;    // its push was submitted (a retake has none)
     bool replace = false;  // take the global group as it is (cold start, a refused push)
   };
+  // A computed round: its update (computed when its compute starts) and its task's shard; once
+  // its push is encoded (Encode), the update the server decodes, the push's bytes and whether
+  // the server takes it.
+  struct Round {
+    server::PendingUpdate update;
+    std::string shard;
+    uint64_t bytes = 0;
+    absl::Status refused;
+  };
   struct Stream {
     std::optional<v1::Task> task;
     uint32_t period = 0;                       // H of the task
@@ -258,14 +269,14 @@ class Simulator::Engine {
     uint32_t segment = 0;                      // steps of the running segment
     uint64_t total_steps = 0;                  // since the worker joined
     absl::Duration segment_seconds;
-    std::vector<std::vector<float>> global;     // the global copy of every layer the worker holds
-    std::vector<bool> held;                     // per group: its global copy is held
-    std::vector<uint64_t> version;              // per group: the version taken
-    std::deque<uint32_t> to_push;               // groups to push at the current step
-    std::deque<Merge> merges;                   // oldest first
-    std::deque<server::PendingUpdate> uploads;  // on the uplink, in order
-    std::optional<uint32_t> pulling;            // the group on the downlink
-    std::vector<std::vector<float>> pulled;     // its layers (others empty)
+    std::vector<std::vector<float>> global;  // the global copy of every layer the worker holds
+    std::vector<bool> held;                  // per group: its global copy is held
+    std::vector<uint64_t> version;           // per group: the version taken
+    std::deque<uint32_t> to_push;            // groups to push at the current step
+    std::deque<Merge> merges;                // oldest first
+    std::deque<Round> uploads;               // on the uplink, in order (their shard unset)
+    std::optional<uint32_t> pulling;         // the group on the downlink
+    std::vector<std::vector<float>> pulled;  // its layers (others empty)
     bool wants_grant = false;       // start_group answered WAIT: asked again when the core changes
     bool wants_upload = false;      // a merge waits for its push to be submitted
     bool ask_after_upload = false;  // the next task is asked for once the uploads are in
@@ -275,11 +286,6 @@ class Simulator::Engine {
     double loss_sum = 0;
     uint32_t segments = 0;
     double compute_seconds = 0;
-  };
-  // A computed round: its update (computed when its compute starts) and its task's shard.
-  struct Round {
-    server::PendingUpdate update;
-    std::string shard;
   };
   struct Worker {
     int index = 0;
@@ -294,6 +300,9 @@ class Simulator::Engine {
     double steps_per_second = 0;  // measured over the last task; 0 = unknown
     Link up = Link(std::numeric_limits<double>::infinity(), 0);
     Link down = Link(std::numeric_limits<double>::infinity(), 0);
+    // Encodes this worker's pushes; its state (error feedback, warm starts) lives as long as
+    // the worker's process: across rejoins, not across a leave or crash.
+    std::unique_ptr<WorkerPushCodec> codec;
     // The round state while kTraining. next, next_base: the task whose base is being pulled
     // (or has arrived), and that base. computing: the round whose compute runs
     // (compute_running) or has ended, until its push starts or it becomes `trained`, a computed
@@ -356,11 +365,14 @@ class Simulator::Engine {
   void EndHold(Worker& w);
   // SubmitUpdate of w.uploading, its row and the heartbeat after it; true when accepted.
   bool Submit(Worker& w);
-  // SubmitUpdate of `update` and its CSV row; `before` is the version (the group's, for a group
-  // push) it would see. A push that ends its task also counts the task's steps and heartbeats
-  // the measured speed, as the daemon does after a round.
-  absl::StatusOr<v1::PushReply> SubmitAndRecord(Worker& w, server::PendingUpdate update,
-                                                const std::string& shard, uint64_t before);
+  // Encodes the round's update as the worker pushes it and puts what the server decodes in its
+  // place (WorkerPushCodec); returns the push's bytes.
+  uint64_t Encode(Worker& w, Round& round);
+  // SubmitUpdate of the round's update (or its refusal, when the server could not decode it)
+  // and its CSV row; `before` is the version (the group's, for a group push) it would see. A
+  // push that ends its task also counts the task's steps and heartbeats the measured speed, as
+  // the daemon does after a round.
+  absl::StatusOr<v1::PushReply> SubmitAndRecord(Worker& w, Round round, uint64_t before);
   // The round's end without overlap: submit, then ask for the next task.
   absl::Status Push(Worker& w);
   absl::Status Leave(Worker& w);
@@ -407,7 +419,6 @@ class Simulator::Engine {
   std::vector<std::vector<uint32_t>> group_layers_;
   std::vector<uint64_t> group_params_;
   std::vector<uint64_t> group_pull_bytes_;
-  std::vector<uint64_t> group_push_bytes_;
   // The server link's directions (pushes in, pulls out), when there is one.
   std::optional<Link> server_up_;
   std::optional<Link> server_down_;
@@ -525,6 +536,9 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
       core_, server::ServerCore::Create(config_, std::move(train_shards), std::move(heldout_file),
                                         clock_, executor_, metrics));
   pull_bytes_ = PullBytes(core_->spec());
+  for (Worker& w : workers_) {
+    w.codec = std::make_unique<WorkerPushCodec>(core_->spec(), config_.transport());
+  }
   push_bytes_ = PushBytes(core_->spec(), config_.transport());
   if (streaming()) {
     if (options_.overlap != Overlap::kOff) {
@@ -539,7 +553,6 @@ absl::Status Simulator::Engine::Init(std::vector<server::DataShard> train_shards
       for (uint32_t l : layers) params += core_->spec().layers(static_cast<int>(l)).num_elements();
       group_params_.push_back(params);
       group_pull_bytes_.push_back(PullBytes(core_->spec(), ids));
-      group_push_bytes_.push_back(PushBytes(core_->spec(), config_.transport(), ids));
     }
   }
   return absl::OkStatus();
@@ -833,6 +846,7 @@ absl::Status Simulator::Engine::BeginPull(Worker& w, const v1::Task& task) {
   w.next_base.reserve(snapshot->layers.size());
   for (const auto& layer : snapshot->layers) w.next_base.push_back(*layer);
   w.next = task;
+  w.codec->SetTaskRanks(task);
   return After(w, w.down.Enqueue(pull_bytes_, Now(), server_down_ ? &*server_down_ : nullptr),
                EventKind::kPulled);
 }
@@ -863,7 +877,8 @@ absl::Status Simulator::Engine::StartRound(Worker& w) {
   w.uploading = std::move(w.trained);
   w.trained.reset();
   w.background_upload = true;
-  return After(w, w.up.Enqueue(push_bytes_, Now(), server_up_ ? &*server_up_ : nullptr),
+  const uint64_t bytes = Encode(w, *w.uploading);
+  return After(w, w.up.Enqueue(bytes, Now(), server_up_ ? &*server_up_ : nullptr),
                EventKind::kUploaded);
 }
 
@@ -961,7 +976,8 @@ absl::Status Simulator::Engine::EndRound(Worker& w) {
   w.uploading = std::move(w.computing);
   w.computing.reset();
   w.background_upload = false;
-  return After(w, w.up.Enqueue(push_bytes_, Now(), server_up_ ? &*server_up_ : nullptr),
+  const uint64_t bytes = Encode(w, *w.uploading);
+  return After(w, w.up.Enqueue(bytes, Now(), server_up_ ? &*server_up_ : nullptr),
                EventKind::kUploaded);
 }
 
@@ -1008,13 +1024,21 @@ void Simulator::Engine::EndHold(Worker& w) {
 bool Simulator::Engine::Submit(Worker& w) {
   Round round = *std::move(w.uploading);
   w.uploading.reset();
-  return SubmitAndRecord(w, std::move(round.update), round.shard, core_->version()).ok();
+  return SubmitAndRecord(w, std::move(round), core_->version()).ok();
 }
 
-absl::StatusOr<v1::PushReply> Simulator::Engine::SubmitAndRecord(Worker& w,
-                                                                 server::PendingUpdate update,
-                                                                 const std::string& shard,
+uint64_t Simulator::Engine::Encode(Worker& w, Round& round) {
+  const EncodedPush push = w.codec->Encode(
+      round.update, streaming() ? core_->layer_groups() : absl::Span<const uint32_t>());
+  round.bytes = push.bytes;
+  round.refused = push.status;
+  return push.bytes;
+}
+
+absl::StatusOr<v1::PushReply> Simulator::Engine::SubmitAndRecord(Worker& w, Round round,
                                                                  uint64_t before) {
+  server::PendingUpdate& update = round.update;
+  const std::string& shard = round.shard;
   const uint64_t base = update.base_version;
   const bool ends_task = !update.task_continues;
   const uint32_t steps = update.steps_done;
@@ -1024,7 +1048,12 @@ absl::StatusOr<v1::PushReply> Simulator::Engine::SubmitAndRecord(Worker& w,
   row.worker = w.index;
   row.shard = shard;
   row.steps = ends_task ? steps : 0;
-  absl::StatusOr<v1::PushReply> reply = core_->SubmitUpdate(std::move(update));
+  result_.pushed_bytes += round.bytes;
+  absl::StatusOr<v1::PushReply> reply =
+      round.refused.ok() ? core_->SubmitUpdate(std::move(update))
+                         : absl::StatusOr<v1::PushReply>(absl::Status(
+                               round.refused.code(), absl::StrCat("the server refused the push: ",
+                                                                  round.refused.message())));
   if (reply.ok()) {
     row.version = reply->version();
     row.outcome = reply->applied() ? SimRow::Outcome::kApplied : SimRow::Outcome::kAccepted;
@@ -1063,6 +1092,7 @@ absl::Status Simulator::Engine::Leave(Worker& w) {
   request.set_worker_id(w.id);
   absl::Status status = core_->Leave(request);
   EndMembership(w);
+  w.codec->Reset();  // the worker's process ends
   if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
     return absl::Status(status.code(),
                         absl::StrCat(Where(w), ": Leave failed: ", status.message()));
@@ -1072,6 +1102,7 @@ absl::Status Simulator::Engine::Leave(Worker& w) {
 
 void Simulator::Engine::Crash(Worker& w) {
   EndMembership(w);
+  w.codec->Reset();  // the worker's process ends
   // The core notices at the first Tick after the lease ran out (renewals were at or before now).
   Schedule(Now() + absl::Seconds(config_.lease_seconds()), EventKind::kExpiry, -1, 0);
 }
@@ -1233,6 +1264,7 @@ absl::Status Simulator::Engine::StreamTask(Worker& w, const v1::Task& task) {
   const uint32_t steps = TaskSteps(w, task, &duration);
   ALOE_ASSIGN_OR_RETURN(SyncSchedule schedule, ScheduleFor(w, steps));
   s.task = task;
+  w.codec->SetTaskRanks(task);
   s.period = steps;
   // The period is cyclic: a schedule whose last steps push nothing is shifted so that its last
   // push follows the task's last step, which ends the task (its push without task_continues).
@@ -1363,7 +1395,10 @@ absl::Status Simulator::Engine::PushGroup(Worker& w, uint32_t group) {
   u.tokens_learned = u.task_continues ? 0 : s.tokens;
   u.train_loss = s.loss_sum / std::max<uint32_t>(1, s.segments);
   u.compute_seconds = s.compute_seconds;
-  s.uploads.push_back(std::move(u));
+  Round round;
+  round.update = std::move(u);
+  const uint64_t bytes = Encode(w, round);
+  s.uploads.push_back(std::move(round));
   s.merges.push_back(
       Merge{group, s.total_steps + config_.partial_sync().merge_delay_steps(), false, false});
   s.held[group] = false;
@@ -1379,19 +1414,18 @@ absl::Status Simulator::Engine::PushGroup(Worker& w, uint32_t group) {
       static_cast<double>(below) / static_cast<double>(std::max<uint64_t>(1, total));
   const absl::Duration ready = std::max(s.pushed_at, Now() - s.last_step * (2.0 / 3.0 * share));
   s.pushed_at = ready;
-  const absl::Duration arrival =
-      w.up.Enqueue(group_push_bytes_[group], ready, server_up_ ? &*server_up_ : nullptr);
+  const absl::Duration arrival = w.up.Enqueue(bytes, ready, server_up_ ? &*server_up_ : nullptr);
   return After(w, std::max(Now(), arrival), EventKind::kGroupUploaded);
 }
 
 absl::Status Simulator::Engine::OnGroupUploaded(Worker& w) {
   Stream& s = w.stream;
-  server::PendingUpdate update = std::move(s.uploads.front());
+  Round round = std::move(s.uploads.front());
   s.uploads.pop_front();
-  const uint32_t group = update.group;
+  const uint32_t group = round.update.group;
+  round.shard = s.task.has_value() ? s.task->shard_name() : "";
   const absl::StatusOr<v1::PushReply> reply =
-      SubmitAndRecord(w, std::move(update), s.task.has_value() ? s.task->shard_name() : "",
-                      core_->group_version(group));
+      SubmitAndRecord(w, std::move(round), core_->group_version(group));
   for (Merge& m : s.merges) {
     if (m.group == group && !m.pushed) {
       m.pushed = true;

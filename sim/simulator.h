@@ -27,10 +27,17 @@
 // core drops it when its lease expires, at the Tick scheduled for then). Work in flight at a
 // leave or crash is lost: its push never arrives.
 //
+// Pushes (sim/push_codec.h): every worker encodes its pseudo-gradient with the config's
+// transport as aloe-worker does (the codec of each layer, error feedback with per-worker
+// residuals, low-rank layers through a per-worker LowRankPushEncoder whose warm starts persist),
+// and the core receives what the server decodes from those bytes: lossy codecs change the
+// training as they do in a real run. With transport.adaptive_rank a worker compresses each push
+// at the ranks its task names and submits the effective ranks its encoder observed. A push the
+// server would refuse (a value it cannot decode) is a rejected row with nothing applied.
+//
 // Network (sim/link_model.h): every worker has an uplink and a downlink, each a FIFO of
 // transfers taking latency + bytes / rate of virtual time. A pull moves the whole model as
-// float32 (PullBytes), a push the pseudo-gradient encoded with the config's transport codecs
-// (PushBytes; the simulated update itself stays exact). With a server link, every transfer also
+// float32 (PullBytes), a push its encoded payload bytes. With a server link, every transfer also
 // queues there, behind the other workers' transfers. Without links every transfer is instant
 // and the run is the same, event for event, as one without a network model. Control messages
 // (task requests, heartbeats, acknowledgements) take no time.
@@ -178,9 +185,12 @@ struct SimResult {
   std::vector<uint64_t> updates_per_worker;   // pushes accepted (applied or batched)
   std::vector<uint64_t> rejected_per_worker;  // pushes rejected
   std::vector<std::string> rejections;        // status message of each rejected push
-  std::string stop_reason;                    // e.g. "finished", "max_versions"
-  std::vector<WorkerStats> workers;           // one per simulated worker
-  std::optional<double> target_loss;          // SimulatorOptions.target_loss
+  // Payload bytes of every push that reached the server (applied, accepted or rejected), as
+  // encoded (sim/push_codec.h).
+  uint64_t pushed_bytes = 0;
+  std::string stop_reason;            // e.g. "finished", "max_versions"
+  std::vector<WorkerStats> workers;   // one per simulated worker
+  std::optional<double> target_loss;  // SimulatorOptions.target_loss
   // Virtual time of the first evaluation whose loss was <= target_loss; unset if none was.
   std::optional<double> target_seconds;
 };
@@ -192,8 +202,9 @@ struct SimResult {
 // accepted, rejected, eval.
 std::string FormatCsv(const SimResult& result);
 // One line: final eval loss, virtual time, versions, total local steps, updates per worker,
-// rejected pushes, then per worker (comma lists) compute utilization, bytes up and down and peak
-// bytes/s up and down, and, with a target loss, the virtual seconds to reach it ("never").
+// rejected pushes, pushed bytes (SimResult.pushed_bytes), then per worker (comma lists) compute
+// utilization, bytes up and down and peak bytes/s up and down, and, with a target loss, the virtual
+// seconds to reach it ("never").
 std::string FormatSummary(const SimResult& result);
 // The per-worker CSV: header
 //   worker,updates,rejected,compute_seconds,present_seconds,utilization,bytes_up,bytes_down,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
@@ -875,6 +876,123 @@ TEST(SimulatorStreamingTest, DelayedMergesHideGroupPushesBehindComputeOnASlowLin
   EXPECT_EQ(four.rejected_per_worker[0], 0u);
   EXPECT_LT(four.virtual_seconds, whole.virtual_seconds);
   EXPECT_GT(four.workers[0].utilization, whole.workers[0].utilization);
+}
+
+// --- Lossy pushes (sim/push_codec.h) -------------------------------------------------------
+
+v1::ServerConfig WithCodec(v1::ServerConfig config, v1::Codec codec, bool error_feedback) {
+  config.mutable_transport()->set_codec(codec);
+  config.mutable_transport()->set_error_feedback(error_feedback);
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
+  return config;
+}
+
+TEST(SimulatorCodecTest, LossyPushesChangeTheRunDeterministically) {
+  const v1::ServerConfig fp32 = SyncConfig();
+  const v1::ServerConfig int4 = WithCodec(fp32, v1::CODEC_INT4_BLOCKWISE, false);
+  const v1::ServerConfig int4_ef = WithCodec(fp32, v1::CODEC_INT4_BLOCKWISE, true);
+  auto exact = RunSynthetic(fp32, Options());
+  auto lossy = RunSynthetic(int4, Options());
+  auto again = RunSynthetic(int4, Options());
+  auto feedback = RunSynthetic(int4_ef, Options());
+  ASSERT_THAT(exact, IsOk());
+  ASSERT_THAT(lossy, IsOk());
+  ASSERT_THAT(again, IsOk());
+  ASSERT_THAT(feedback, IsOk());
+  // Same schedule (40 pushes, 10 versions), other updates: int4 without error feedback learns
+  // less than float32.
+  EXPECT_EQ(lossy->rows.size(), exact->rows.size());
+  EXPECT_EQ(lossy->final_version, 10u);
+  EXPECT_GT(lossy->final_eval_loss, exact->final_eval_loss);
+  // Deterministic: the same CSV and summary twice.
+  EXPECT_EQ(FormatCsv(*lossy), FormatCsv(*again));
+  EXPECT_EQ(FormatSummary(*lossy), FormatSummary(*again));
+  // Error feedback changes the pushed updates, hence the run.
+  EXPECT_NE(feedback->final_eval_loss, lossy->final_eval_loss);
+  EXPECT_NE(FormatCsv(*feedback), FormatCsv(*lossy));
+  // Bytes: every push of the int4 runs is PushBytes' int4 count, of the float32 run the model.
+  const v1::ModelSpec spec = BuildTransformerSpec(fp32.model(), fp32.apply_groups());
+  EXPECT_EQ(exact->pushed_bytes, 40 * PullBytes(spec));
+  EXPECT_EQ(lossy->pushed_bytes, 40 * PushBytes(spec, int4.transport()));
+  EXPECT_LT(lossy->pushed_bytes * 5, exact->pushed_bytes);
+  EXPECT_THAT(FormatSummary(*lossy),
+              HasSubstr(absl::StrFormat(" pushed_bytes=%d ", lossy->pushed_bytes)));
+}
+
+TEST(SimulatorCodecTest, LowRankPushMovesItsEncodedBytes) {
+  // blocks.0 at rank 2 with float32 factors: 6432 bytes a push instead of the model's 8320
+  // (tests/unit/sim/push_codec_test.cc counts them).
+  v1::ServerConfig config = OneWorkerConfig();
+  v1::LayerCodec* c = config.mutable_transport()->add_layer_codecs();
+  c->set_layer("blocks.0");
+  c->set_codec(v1::CODEC_LOWRANK);
+  c->set_rank(2);
+  c->set_factor_codec(v1::CODEC_FP32);
+  ASSERT_THAT(ValidateServerConfig(config), IsOk());
+  ASSERT_EQ(ModelBytes(config), 8320u);
+  SimulatorOptions options = Options({1});
+  options.links = {SlowLink(config)};  // 8320 bytes in 4 s
+  auto result = RunSynthetic(config, options);
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ(result->stop_reason, "finished");
+  EXPECT_EQ(result->pushed_bytes, 3u * 6432u);
+  EXPECT_EQ(result->workers[0].bytes_up, 3u * 6432u);
+  EXPECT_EQ(result->workers[0].bytes_down, 3u * 8320u);
+  // Each round: pull 0.1 + 4 s, 5 steps of 1 s, upload 0.1 + 4 * 6432 / 8320 s.
+  const double round = 4.1 + 5 + 0.1 + 4.0 * 6432 / 8320;
+  const auto rows = RowsOf(*result, 0);
+  ASSERT_EQ(rows.size(), 3u);
+  for (int r = 0; r < 3; ++r) EXPECT_NEAR(rows[r]->virtual_seconds, round * (r + 1), 1e-6);
+}
+
+TEST(SimulatorCodecTest, AdaptiveRankClosesTheLoopBetweenTasksAndPushes) {
+  // blocks.0 low-rank from rank 1, adaptive with a window of one push: the synthetic
+  // pseudo-gradients are full-rank noise, so rank-1 factors never hold 0.9 of the energy, each
+  // push reports twice its rank, and the next task asks for more. The pushes grow past the
+  // fixed rank-1 size only if the workers compress at the tasks' ranks and their observations
+  // reach the core.
+  v1::ServerConfig config = OneWorkerConfig();
+  config.set_max_versions(4);
+  v1::LayerCodec* c = config.mutable_transport()->add_layer_codecs();
+  c->set_layer("blocks.0");
+  c->set_codec(v1::CODEC_LOWRANK);
+  c->set_rank(1);
+  c->set_factor_codec(v1::CODEC_FP32);
+  v1::ServerConfig fixed = config;
+  config.mutable_transport()->mutable_adaptive_rank()->set_enabled(true);
+  config.mutable_transport()->mutable_adaptive_rank()->set_window(1);
+  ASSERT_THAT(ValidateServerConfig(config), IsOk());
+  auto adaptive = RunSynthetic(config, Options({1}));
+  auto again = RunSynthetic(config, Options({1}));
+  auto constant = RunSynthetic(fixed, Options({1}));
+  ASSERT_THAT(adaptive, IsOk());
+  ASSERT_THAT(again, IsOk());
+  ASSERT_THAT(constant, IsOk());
+  EXPECT_EQ(adaptive->rejected_per_worker[0], 0u) << absl::StrJoin(adaptive->rejections, "; ");
+  EXPECT_EQ(adaptive->final_version, 4u);
+  const v1::ModelSpec spec = BuildTransformerSpec(fixed.model(), fixed.apply_groups());
+  EXPECT_EQ(constant->pushed_bytes, 4 * PushBytes(spec, fixed.transport()));
+  // The first push is at rank 1, the later ones at higher ranks.
+  EXPECT_GT(adaptive->pushed_bytes, constant->pushed_bytes);
+  EXPECT_NE(FormatCsv(*adaptive), FormatCsv(*constant));
+  EXPECT_EQ(FormatSummary(*adaptive), FormatSummary(*again));
+  EXPECT_EQ(FormatCsv(*adaptive), FormatCsv(*again));
+}
+
+TEST(SimulatorCodecTest, GroupPushesAreEncodedPerGroup) {
+  // Layer groups with int8 and error feedback: every push is its group's int8 bytes, and the
+  // run differs from the float32 one.
+  v1::ServerConfig config = GroupConfig(2);
+  v1::ServerConfig int8 = WithCodec(config, v1::CODEC_INT8_BLOCKWISE, true);
+  auto exact = RunSynthetic(config, Options({1}));
+  auto lossy = RunSynthetic(int8, Options({1}));
+  ASSERT_THAT(exact, IsOk());
+  ASSERT_THAT(lossy, IsOk());
+  EXPECT_EQ(lossy->rejected_per_worker[0], 0u);
+  EXPECT_GT(lossy->updates_per_worker[0], 0u);
+  EXPECT_NE(FormatCsv(*lossy), FormatCsv(*exact));
+  EXPECT_LT(lossy->pushed_bytes * 3, exact->pushed_bytes);
+  EXPECT_EQ(lossy->pushed_bytes, lossy->workers[0].bytes_up);
 }
 
 }  // namespace
