@@ -90,8 +90,9 @@ TEST_F(LoopbackTest, AdaptiveRankFollowsTheObservedRanksThroughARealServer) {
       "adaptive", "local_steps: 12\nmax_versions: 8\n" + transport, {}, /*evaluate=*/true);
   const double loss = FinalEvalLoss();
   const std::string log = ReadFile(dir_ + "/adaptive.log");
-  std::printf("adaptive rank: final held-out loss %.4f, pushed bytes %.0f, local steps %.0f in all\n",
-              loss, SummaryValue(log, "pushed_bytes"), SummaryValue(log, "steps"));
+  std::printf(
+      "adaptive rank: final held-out loss %.4f, pushed bytes %.0f, local steps %.0f in all\n", loss,
+      SummaryValue(log, "pushed_bytes"), SummaryValue(log, "steps"));
   EXPECT_LT(loss, 4.0) << "the job did not train (ln 256 = 5.55 at the start)";
   auto loaded = server::CheckpointStore(ckpt, 1).LoadLatest();
   ASSERT_TRUE(loaded.ok()) << loaded.status();
