@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "common/low_rank_wire.h"
 #include "common/status_macros.h"
+#include "common/tensor_codec.h"
 #include "server/core/server_metrics.h"
 
 namespace aloe::server {
@@ -57,8 +58,11 @@ absl::StatusOr<std::unique_ptr<AdaptiveCompression>> AdaptiveCompression::Create
   for (int l = 0; l < spec.layers_size(); ++l) {
     const v1::LayerSpec& layer = spec.layers(l);
     uint32_t rank = 0;
+    v1::Codec factor_codec = v1::CODEC_FP32;
     for (const v1::LayerCodec& c : transport.layer_codecs()) {
-      if (c.layer() == layer.name()) rank = c.codec() == v1::CODEC_LOWRANK ? c.rank() : 0;
+      if (c.layer() != layer.name()) continue;
+      rank = c.codec() == v1::CODEC_LOWRANK ? c.rank() : 0;
+      if (c.factor_codec() != v1::CODEC_UNSPECIFIED) factor_codec = c.factor_codec();
     }
     if (rank == 0) continue;
     for (int t = 0; t < layer.tensors_size(); ++t) {
@@ -73,7 +77,14 @@ absl::StatusOr<std::unique_ptr<AdaptiveCompression>> AdaptiveCompression::Create
       x.tensor = static_cast<uint32_t>(t);
       x.rows = shape->first;
       x.cols = shape->second;
-      x.rank_cap = static_cast<uint32_t>(std::min<uint64_t>(smaller, std::min(m, n)));
+      // Q must also fit one chunk with a row of P (the encoder refuses a rank beyond).
+      const uint64_t fits = LowRankMaxChunkRank(
+          x.cols, factor_codec, TransportBlockSizes(transport).Of(factor_codec), kMaxChunkBytes);
+      x.rank_cap = static_cast<uint32_t>(std::min({smaller, std::min(m, n), fits}));
+      if (x.rank_cap == 0) {
+        tensors.pop_back();
+        continue;
+      }
       // Bounded as AdaptiveRank bounds every rank.
       x.initial_rank = std::max<uint32_t>(
           1, std::min({std::max(rank, config.min_rank), config.max_rank, x.rank_cap}));

@@ -5,11 +5,11 @@
 // "Low-rank compression (paper 001)".
 //
 // The tensors it covers: every 2-D tensor (LowRankMatrixShape) of a CODEC_LOWRANK layer whose
-// factors at rank 1 are smaller than the tensor. r_0 of a tensor is its layer's LayerCodec.rank;
-// every rank, r_0 included, is at most the greatest at which the factors stay smaller than the
-// tensor: a tensor sent whole would show no spectrum, and its rank could never come down again.
-// H_0 is the job's local_steps. Observations of one push are recorded only once the push is
-// accepted, all or nothing. Not thread-safe (ServerCore's lock guards it).
+// factors at rank 1 are smaller than the tensor (and whose Q fits one chunk). r_0 of a tensor is
+// its layer's LayerCodec.rank; every rank, r_0 included, is at most the greatest at which the
+// factors stay smaller than the tensor: a tensor sent whole would show no spectrum, and its rank
+// could never come down again. H_0 is the job's local_steps. Observations of one push are recorded
+// only once the push is accepted, all or nothing. Not thread-safe (ServerCore's lock guards it).
 #pragma once
 
 #include <cstdint>

@@ -9,10 +9,13 @@
 #include <utility>
 
 #include "common/config.h"
+#include "common/low_rank_wire.h"
 #include "common/status_matchers.h"
+#include "common/tensor_codec.h"
 #include "server/core/adaptive_compression.h"
 #include "server/core/server_core.h"
 #include "server/core/server_metrics.h"
+#include "tests/testing/low_rank_testing.h"
 #include "tests/testing/server_core_calls.h"
 
 namespace aloe::server {
@@ -219,6 +222,46 @@ TEST(AdaptiveCompressionConfigTest, BadConfigsNameTheProblem) {
   EXPECT_THAT(ValidateAdaptiveCompression(transport, 50),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("initial_local_steps is the job's local_steps")));
+}
+
+TEST(AdaptiveCompressionCapTest, RanksStayWhereQFitsOneChunk) {
+  // w is 64 x 60000: in float32 its Q takes 240000 bytes per rank, so at most 4 ranks fit a
+  // chunk of about 1 MiB with a row of P; its factors would stay smaller up to rank 63.
+  v1::ModelSpec spec;
+  v1::LayerSpec* layer = spec.add_layers();
+  layer->set_name("wide");
+  ::aloe::testing::AddTensor(layer, "w", {64, 60000});
+  v1::TransportConfig transport;
+  v1::LayerCodec* codec = transport.add_layer_codecs();
+  codec->set_layer("wide");
+  codec->set_codec(v1::CODEC_LOWRANK);
+  codec->set_rank(2);
+  transport.mutable_adaptive_rank()->set_enabled(true);
+  transport.mutable_adaptive_rank()->set_window(1);
+  auto adaptive = AdaptiveCompression::Create(spec, transport, 10);
+  ASSERT_THAT(adaptive, IsOk());
+  ASSERT_NE(*adaptive, nullptr);
+  v1::TensorRank observed;
+  observed.set_layer(0);
+  observed.set_tensor(0);
+  observed.set_rank(40);
+  ASSERT_THAT((*adaptive)->Check({observed}), IsOk());
+  (*adaptive)->Record({observed});
+  v1::Task task;
+  (*adaptive)->FillTask(&task);
+  ASSERT_EQ(task.tensor_ranks_size(), 1);
+  EXPECT_EQ(task.tensor_ranks(0).rank(), 4u);
+  // int4 factors take an eighth of the bytes: up to 34 ranks fit.
+  codec->set_factor_codec(v1::CODEC_INT4_BLOCKWISE);
+  adaptive = AdaptiveCompression::Create(spec, transport, 10);
+  ASSERT_THAT(adaptive, IsOk());
+  (*adaptive)->Record({observed});
+  task.Clear();
+  (*adaptive)->FillTask(&task);
+  EXPECT_EQ(task.tensor_ranks(0).rank(),
+            LowRankMaxChunkRank(60000, v1::CODEC_INT4_BLOCKWISE, 64, kMaxChunkBytes));
+  EXPECT_GT(task.tensor_ranks(0).rank(), 20u);
+  EXPECT_LT(task.tensor_ranks(0).rank(), 40u);
 }
 
 }  // namespace
