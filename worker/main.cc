@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -156,9 +157,13 @@ absl::StatusOr<int> Main() {
   ALOE_ASSIGN_OR_RETURN(
       std::optional<StepSlowdowns> slowdowns,
       LoadStepSlowdowns(absl::GetFlag(FLAGS_step_trace), absl::GetFlag(FLAGS_trace_worker)));
-  // Workers that lost a server or shard process together retry out of step.
-  options.retry_seed = static_cast<uint64_t>(getpid()) * 0x9E3779B97F4A7C15ull +
-                       static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  // Workers that lost a server or shard process together retry out of step; the ranks of a node
+  // wait alike (their rendezvous file is the node's).
+  const std::string rendezvous = absl::GetFlag(FLAGS_rendezvous);
+  options.retry_seed = !rendezvous.empty()
+                           ? std::hash<std::string>()(rendezvous)
+                           : static_cast<uint64_t>(getpid()) * 0x9E3779B97F4A7C15ull +
+                                 static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
   RealClock clock;
   AgentEnv env;
   env.server = &client;
