@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "worker/worker_metrics.h"
 
 namespace aloe::worker {
 namespace {
@@ -36,8 +37,12 @@ Agent::Agent(AgentOptions options, AgentEnv env)
       name_(AgentName(options_)),
       session_(options_, env_, name_, slice(), slices()),
       reporter_(*env_.metrics, clock_),
-      drops_(options_.drop_backoff_initial, options_.drop_backoff_max, options_.drop_log_interval,
-             clock_) {
+      drops_({.initial = options_.drop_backoff_initial,
+              .max = options_.drop_backoff_max,
+              .jitter = options_.retry_jitter,
+              .first_at_once = true,
+              .seed = options_.retry_seed},
+             options_.drop_log_interval, clock_) {
   if (!env_.open_shard) corpus_ = std::make_unique<TokenShardCache>(options_.corpus_dir);
 }
 
@@ -225,7 +230,8 @@ absl::StatusOr<v1::Task> Agent::RequestNextTask() {
 
 absl::StatusOr<v1::Task> Agent::RequestNextTaskWithRetries() {
   const absl::Time t0 = clock_.Now();
-  absl::StatusOr<v1::Task> task = session_.Retry<v1::Task>([&] { return RequestNextTask(); });
+  absl::StatusOr<v1::Task> task =
+      session_.Retry<v1::Task>("request", [&] { return RequestNextTask(); });
   reporter_.AddNetwork(SecondsSince(t0));
   return task;
 }
@@ -244,6 +250,7 @@ absl::Status Agent::TrainTask(const v1::Task& task) {
 
 absl::Status Agent::AfterTask(const v1::Task& task, absl::Status status) {
   if (status.ok()) {
+    if (drops_.backoff() > absl::ZeroDuration()) env_.metrics->Set(kRetryBackoff, 0);
     drops_.Done();
     return absl::OkStatus();
   }
@@ -254,6 +261,8 @@ absl::Status Agent::AfterTask(const v1::Task& task, absl::Status status) {
     Leave();  // the task goes to another worker at once
     return status;
   }
+  env_.metrics->Add(kRetries, 1, {"task"});
+  env_.metrics->Set(kRetryBackoff, absl::ToDoubleSeconds(*delay));
   if (*delay > absl::ZeroDuration()) env_.sleep(*delay);
   return absl::OkStatus();
 }

@@ -56,7 +56,7 @@ class Agent {
 
   // Joins and works until the server says STOP or a stop is requested; then leaves (best
   // effort) and returns OK. Dropped tasks (kFailedPrecondition, kNotFound, kUnavailable) are
-  // asked for again after the Backoff; an expired lease (a task request or heartbeat answered
+  // asked for again after a RetryBackoff; an expired lease (a task request or heartbeat answered
   // kNotFound) joins again. Other errors end the run: the agent leaves first, so that its task
   // goes to another worker at once.
   absl::Status Run();

@@ -34,14 +34,20 @@ struct AgentOptions {
   // error when one is missing.
   std::string corpus_dir = "data/sotu";
   // How long calls that fail with kUnavailable (server restarting, not yet up) are retried,
-  // and how often.
+  // and how often: RetryBackoff from retry_interval, doubling up to retry_max.
   absl::Duration connect_timeout = absl::Seconds(60);
   absl::Duration retry_interval = absl::Milliseconds(250);
+  absl::Duration retry_max = absl::Seconds(5);
+  // The jitter of every retry wait (RetryBackoff::Options::jitter) and its seed: workers that
+  // share a seed wait alike.
+  double retry_jitter = 0.5;
+  uint64_t retry_seed = 0;
   // How long to keep asking to join while the server has no room (kResourceExhausted), and how
   // often; zero = give up at once.
   absl::Duration join_wait = absl::Seconds(600);
   absl::Duration join_wait_step = absl::Seconds(5);
-  // Waits between consecutive dropped tasks (Backoff); a round that completes resets it.
+  // Waits between consecutive dropped tasks (RetryBackoff; the first drop after a completed
+  // round is asked again at once); a round that completes resets it.
   absl::Duration drop_backoff_initial = absl::Milliseconds(100);
   absl::Duration drop_backoff_max = absl::Seconds(5);
   // At most one log line per this interval about tasks dropped for want of the server

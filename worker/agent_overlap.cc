@@ -86,8 +86,7 @@ void Agent::SettlePrevious(Pending* previous, const Communicated& c, double bloc
   // The previous round's push was answered while this round trained.
   previous->blocked += blocked;
   if (!c.push->ok()) {
-    ALOE_LOG_WARNING("worker", "task %d dropped: %s", previous->task.task_id(),
-                     c.push->status().message());
+    drops_.Note(previous->task, c.push->status(), "");
     reporter_.AddNetwork(previous->blocked);
     return;
   }

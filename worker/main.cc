@@ -1,9 +1,11 @@
 // aloe-worker: one training daemon per node. Turns flags into the agent's options, builds the
 // gRPC client and the trainer, and runs the agent (worker/agent.h) until it is done.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,6 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/allocator.h"
 #include "common/clock.h"
 #include "common/flags_usage.h"
@@ -153,6 +157,13 @@ absl::StatusOr<int> Main() {
   ALOE_ASSIGN_OR_RETURN(
       std::optional<StepSlowdowns> slowdowns,
       LoadStepSlowdowns(absl::GetFlag(FLAGS_step_trace), absl::GetFlag(FLAGS_trace_worker)));
+  // Workers that lost a server or shard process together retry out of step; the ranks of a node
+  // wait alike (their rendezvous file is the node's).
+  const std::string rendezvous = absl::GetFlag(FLAGS_rendezvous);
+  options.retry_seed = !rendezvous.empty()
+                           ? std::hash<std::string>()(rendezvous)
+                           : static_cast<uint64_t>(getpid()) * 0x9E3779B97F4A7C15ull +
+                                 static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
   RealClock clock;
   AgentEnv env;
   env.server = &client;

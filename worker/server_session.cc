@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/outer_kernels.h"
 #include "worker/fsdp.h"
+#include "worker/worker_metrics.h"
 
 namespace aloe::worker {
 
@@ -19,6 +20,7 @@ ServerSession::ServerSession(const AgentOptions& options, const AgentEnv& env, s
       clock_(*env.clock),
       sleep_(env.sleep),
       stop_(*env.stop),
+      metrics_(env.metrics),
       name_(std::move(name)),
       slice_(slice),
       slices_(slices),
@@ -37,7 +39,7 @@ absl::StatusOr<v1::JoinReply> ServerSession::Join() {
   absl::Time next_note = absl::InfinitePast();
   while (true) {
     absl::StatusOr<v1::JoinReply> joined =
-        Retry<v1::JoinReply>([&] { return server_.Join(request); });
+        Retry<v1::JoinReply>("join", [&] { return server_.Join(request); });
     if (joined.ok() || joined.status().code() != absl::StatusCode::kResourceExhausted ||
         clock_.Now() >= give_up || stop_.load()) {
       return joined;
@@ -191,6 +193,17 @@ absl::StatusOr<v1::PushReply> ServerSession::PushGroup(const v1::PushHeader& hea
   return server_.PushGroup(header, joined_.model_spec(), layer_groups_, delta, codecs_,
                            TransportBlockSizes(transport),
                            transport.error_feedback() ? &residual_ : nullptr, pushed);
+}
+
+RetryBackoff::Options ServerSession::RetryBackoffOptions() {
+  return {.initial = options_.retry_interval,
+          .max = options_.retry_max,
+          .jitter = options_.retry_jitter,
+          .seed = options_.retry_seed + retries_begun_.fetch_add(1)};
+}
+
+void ServerSession::CountRetry(const char* kind) {
+  if (metrics_ != nullptr) metrics_->Add(kRetries, 1, {kind});
 }
 
 void ServerSession::Leave() {

@@ -16,9 +16,11 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/low_rank_push.h"
+#include "common/metrics.h"
 #include "common/trainer_interface.h"
 #include "proto/aloe.pb.h"
 #include "worker/agent_options.h"
+#include "worker/backoff.h"
 #include "worker/server_api.h"
 
 namespace aloe::worker {
@@ -33,10 +35,11 @@ class ServerSession {
   ServerSession(const AgentOptions& options, const AgentEnv& env, std::string name, uint32_t slice,
                 uint32_t slices);
 
-  // Repeats `call` while it fails with kUnavailable, every retry_interval, up to
-  // connect_timeout or a stop request; returns its last result.
+  // Repeats `call` while it fails with kUnavailable, up to connect_timeout or a stop request;
+  // returns its last result. The waits follow a RetryBackoff from retry_interval to retry_max;
+  // each retry counts in aloe_worker_retries_total{kind}.
   template <typename T>
-  absl::StatusOr<T> Retry(const std::function<absl::StatusOr<T>()>& call);
+  absl::StatusOr<T> Retry(const char* kind, const std::function<absl::StatusOr<T>()>& call);
 
   // Asks to join. A server without room for one more worker (kResourceExhausted) is asked again
   // every join_wait_step up to join_wait, as one that is away is retried.
@@ -83,12 +86,20 @@ class ServerSession {
   // Leaves the server, if a member. Best effort: logs a failure.
   void Leave();
 
+  // Counts one retry of `kind` in aloe_worker_retries_total. Thread-safe.
+  void CountRetry(const char* kind);
+
  private:
+  // The waits of one Retry; each call draws its own jitter. Thread-safe.
+  RetryBackoff::Options RetryBackoffOptions();
+
   const AgentOptions& options_;
   ServerApi& server_;
   const Clock& clock_;
   const std::function<void(absl::Duration)> sleep_;
   const std::atomic<bool>& stop_;
+  MetricsSink* const metrics_;  // may be null
+  std::atomic<uint64_t> retries_begun_{0};
   const std::string name_;
   const uint32_t slice_;
   const uint32_t slices_;
@@ -106,15 +117,18 @@ class ServerSession {
 };
 
 template <typename T>
-absl::StatusOr<T> ServerSession::Retry(const std::function<absl::StatusOr<T>()>& call) {
+absl::StatusOr<T> ServerSession::Retry(const char* kind,
+                                       const std::function<absl::StatusOr<T>()>& call) {
   const absl::Time give_up = clock_.Now() + options_.connect_timeout;
+  RetryBackoff backoff(RetryBackoffOptions());
   while (true) {
     absl::StatusOr<T> result = call();
     if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable ||
         clock_.Now() > give_up || stop_.load()) {
       return result;
     }
-    sleep_(options_.retry_interval);
+    CountRetry(kind);
+    sleep_(backoff.Failure());
   }
 }
 

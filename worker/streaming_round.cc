@@ -211,7 +211,7 @@ absl::StatusOr<StreamingRounds::Taken> StreamingRounds::Take(
     if (env_.stop->load()) return absl::CancelledError("stopping");
     const absl::Time asked = env_.clock->Now();
     ALOE_ASSIGN_OR_RETURN(v1::Task answer,
-                          session.Retry<v1::Task>([&]() -> absl::StatusOr<v1::Task> {
+                          session.Retry<v1::Task>("start_group", [&]() -> absl::StatusOr<v1::Task> {
                             return session.StartGroup(group);
                           }));
     if (answer.kind() == v1::Task::STOP) {
@@ -230,10 +230,11 @@ absl::StatusOr<StreamingRounds::Taken> StreamingRounds::Take(
     // request a while before it answers WAIT, so asking again at once does not spin.
   }
   const absl::Time start = env_.clock->Now();
-  ALOE_ASSIGN_OR_RETURN(taken.version, session.Retry<uint64_t>([&]() -> absl::StatusOr<uint64_t> {
-    taken.bytes = 0;
-    return session.PullGroup(group, granted, layers, &taken.bytes);
-  }));
+  ALOE_ASSIGN_OR_RETURN(taken.version,
+                        session.Retry<uint64_t>("pull_group", [&]() -> absl::StatusOr<uint64_t> {
+                          taken.bytes = 0;
+                          return session.PullGroup(group, granted, layers, &taken.bytes);
+                        }));
   NoteTransfer(taken.bytes, absl::ToDoubleSeconds(env_.clock->Now() - start));
   return taken;
 }

@@ -7,17 +7,8 @@
 
 namespace aloe::worker {
 
-absl::Duration Backoff::Failure() {
-  ++failures_;
-  if (failures_ == 1) return absl::ZeroDuration();
-  absl::Duration delay = initial_;
-  for (uint64_t i = 2; i < failures_ && delay < max_; ++i) delay *= 2;
-  return std::min(delay, max_);
-}
-
-TaskDrops::TaskDrops(absl::Duration backoff_initial, absl::Duration backoff_max,
-                     absl::Duration log_interval, const Clock& clock)
-    : backoff_(backoff_initial, backoff_max), log_interval_(log_interval), clock_(clock) {}
+TaskDrops::TaskDrops(RetryBackoff::Options backoff, absl::Duration log_interval, const Clock& clock)
+    : backoff_(backoff), log_interval_(log_interval), clock_(clock) {}
 
 std::optional<absl::Duration> TaskDrops::Drop(const v1::Task& task, const absl::Status& status,
                                               const std::string& log_prefix) {
@@ -32,6 +23,17 @@ std::optional<absl::Duration> TaskDrops::Drop(const v1::Task& task, const absl::
     given_up_ = task.task_id();
   }
   const absl::Duration delay = backoff_.Failure();
+  Log(task, status, log_prefix, delay);
+  return delay;
+}
+
+void TaskDrops::Note(const v1::Task& task, const absl::Status& status,
+                     const std::string& log_prefix) {
+  Log(task, status, log_prefix, backoff_.last());
+}
+
+void TaskDrops::Log(const v1::Task& task, const absl::Status& status, const std::string& log_prefix,
+                    absl::Duration delay) {
   // Each drop the server decided is logged; a server or shard process away (kUnavailable)
   // fails every try alike, so those are logged at a bounded rate with a count.
   const bool unavailable = status.code() == absl::StatusCode::kUnavailable;
@@ -47,7 +49,6 @@ std::optional<absl::Duration> TaskDrops::Drop(const v1::Task& task, const absl::
   } else {
     ++not_logged_;
   }
-  return delay;
 }
 
 }  // namespace aloe::worker

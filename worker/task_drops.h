@@ -11,34 +11,17 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "proto/aloe.pb.h"
+#include "worker/backoff.h"
 
 namespace aloe::worker {
-
-// Capped exponential backoff over consecutive failures: no wait after the first, then `initial`,
-// doubling up to `max`. Not thread-safe.
-class Backoff {
- public:
-  Backoff(absl::Duration initial, absl::Duration max) : initial_(initial), max_(max) {}
-  // Counts one more failure and returns how long to wait before the next try.
-  absl::Duration Failure();
-  // A success: the next failure waits nothing again.
-  void Reset() { failures_ = 0; }
-  uint64_t failures() const { return failures_; }
-
- private:
-  const absl::Duration initial_;
-  const absl::Duration max_;
-  uint64_t failures_ = 0;
-};
 
 // Not thread-safe.
 class TaskDrops {
  public:
-  // Waits between consecutive drops follow Backoff(backoff_initial, backoff_max). Drops for want
-  // of the server (kUnavailable) are logged at most once per `log_interval`, with a count of the
-  // others. `clock` must outlive this.
-  TaskDrops(absl::Duration backoff_initial, absl::Duration backoff_max, absl::Duration log_interval,
-            const Clock& clock);
+  // Waits between consecutive drops follow RetryBackoff(backoff). Drops for want of the server
+  // (kUnavailable) are logged at most once per `log_interval`, with a count of the others.
+  // `clock` must outlive this.
+  TaskDrops(RetryBackoff::Options backoff, absl::Duration log_interval, const Clock& clock);
 
   // A task that ended in `status`. Returns nullopt when the status ends the run; else the task
   // was dropped (kFailedPrecondition, kNotFound, kUnavailable) and the result is how long to
@@ -47,6 +30,11 @@ class TaskDrops {
                                      const std::string& log_prefix);
   // A task done: the next drop waits nothing.
   void Done() { backoff_.Reset(); }
+  // The wait the last drop returned; zero after Done.
+  absl::Duration backoff() const { return backoff_.last(); }
+  // Logs a drop of `task` in `status` that another path handles (an overlapped round's push),
+  // under the same bounds as Drop's lines.
+  void Note(const v1::Task& task, const absl::Status& status, const std::string& log_prefix);
   // The TRAIN task dropped on kFailedPrecondition (it cannot succeed when asked for again, e.g.
   // its base version is gone) that the next RequestTask names so that the server ends it; 0 for
   // none.
@@ -55,7 +43,10 @@ class TaskDrops {
   void ClearGivenUp() { given_up_ = 0; }
 
  private:
-  Backoff backoff_;
+  void Log(const v1::Task& task, const absl::Status& status, const std::string& log_prefix,
+           absl::Duration delay);
+
+  RetryBackoff backoff_;
   const absl::Duration log_interval_;
   const Clock& clock_;
   uint64_t given_up_ = 0;

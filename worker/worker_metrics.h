@@ -21,6 +21,8 @@ inline constexpr char kEvalLoss[] = "aloe_worker_eval_loss";
 inline constexpr char kModelVersion[] = "aloe_worker_model_version";
 inline constexpr char kInfo[] = "aloe_worker_info";
 inline constexpr char kModelFlops[] = "aloe_worker_model_flops_per_second";
+inline constexpr char kRetries[] = "aloe_worker_retries_total";
+inline constexpr char kRetryBackoff[] = "aloe_worker_retry_backoff_seconds";
 
 inline std::vector<MetricDef> WorkerMetricCatalogue() {
   using K = MetricKind;
@@ -41,6 +43,16 @@ inline std::vector<MetricDef> WorkerMetricCatalogue() {
        K::kGauge,
        "Model FLOP/s of the last round's steps: tokens per compute second x training FLOPs per "
        "token (6 N + 12 L d T); divided by the device's peak, the MFU",
+       {}},
+      {kRetries,
+       K::kCounter,
+       "Retries after a failure: kind task (a dropped task, asked for again), join, request "
+       "(task requests), start_group or pull_group (calls retried while the server is away)",
+       {},
+       {"kind"}},
+      {kRetryBackoff,
+       K::kGauge,
+       "The wait before asking again after the last dropped task; 0 once a round completes",
        {}},
       {kInfo,
        K::kGauge,

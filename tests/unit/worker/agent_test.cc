@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "common/token_source.h"
 #include "tests/unit/worker/fake_server.h"
 #include "worker/sleeper.h"
+#include "worker/worker_metrics.h"
 
 namespace aloe::worker {
 namespace {
@@ -75,12 +77,14 @@ class AgentTest : public ::testing::Test {
     options_.name = "test-worker";
     options_.drop_backoff_initial = absl::Milliseconds(100);
     options_.drop_backoff_max = absl::Seconds(1);
+    // Exact waits; the jitter has its own tests.
+    options_.retry_jitter = 0;
   }
 
-  absl::Status Run() {
+  absl::Status Run(MetricsSink* metrics = nullptr) {
     AgentEnv env;
     env.server = &server_;
-    env.metrics = &metrics_;
+    env.metrics = metrics != nullptr ? metrics : &metrics_;
     env.clock = &clock_;
     env.sleep = [this](absl::Duration d) {
       sleeps_.push_back(d);
@@ -211,16 +215,54 @@ TEST_F(AgentTest, RepeatedDropsBackOffExponentiallyUpToTheCapAndResetOnSuccess) 
   EXPECT_EQ(pushes[1].header.task_id(), 2u);
 }
 
-TEST_F(AgentTest, BackoffStartsOverAfterASuccess) {
-  Backoff backoff(absl::Milliseconds(100), absl::Seconds(1));
-  EXPECT_EQ(backoff.Failure(), absl::ZeroDuration());
-  EXPECT_EQ(backoff.Failure(), absl::Milliseconds(100));
-  EXPECT_EQ(backoff.Failure(), absl::Milliseconds(200));
-  backoff.Reset();
-  EXPECT_EQ(backoff.Failure(), absl::ZeroDuration());
-  EXPECT_EQ(backoff.Failure(), absl::Milliseconds(100));
-  for (int i = 0; i < 100; ++i) backoff.Failure();
-  EXPECT_EQ(backoff.Failure(), absl::Seconds(1));
+TEST_F(AgentTest, AShardAwayForHalfAMinuteIsAskedForAFewTimesThenTrainedOnAtOnce) {
+  // Every request hands out task 1 until it is pushed; its pulls fail while the shard process is
+  // away (30 s). A loop without pause asks once per round trip, without end on this clock.
+  options_.drop_backoff_initial = absl::Milliseconds(100);
+  options_.drop_backoff_max = absl::Seconds(5);
+  options_.retry_jitter = 0.5;
+  options_.retry_seed = 7;
+  const absl::Time back = clock_.Now() + absl::Seconds(30);
+  server_.SetPullOutage(&clock_, back, absl::UnavailableError("shard 0 (x): connection refused"));
+  server_.set_task_source([](size_t pushes) -> absl::StatusOr<v1::Task> {
+    return pushes == 0 ? TrainTask(1, 0) : Kind(v1::Task::STOP);
+  });
+  absl::Time resumed = absl::InfinitePast();
+  trainer_.during_step = [&](const v1::Task&, uint32_t step) {
+    if (step == 0) resumed = clock_.Now();
+  };
+  RecordingMetrics metrics;
+  ::testing::internal::CaptureStderr();
+  EXPECT_THAT(Run(&metrics), IsOk());
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  const size_t attempts = server_.pulls().size();
+  RecordProperty("attempts", static_cast<int>(attempts));
+  // Waits 0, then 0.1, 0.2, ... 3.2 s, then 5 s, each jittered down by up to half: 12 failed
+  // tries (no jitter) to 18 (all halved) until the shard is back, then the one that trains.
+  EXPECT_GE(attempts, 13u);
+  EXPECT_LE(attempts, 19u);
+  EXPECT_EQ(server_.requesters().size(), attempts + 1);  // and the STOP
+  ASSERT_EQ(sleeps_.size(), attempts - 2);               // the first drop asks again at once
+  for (size_t i = 0; i < sleeps_.size(); ++i) {
+    const absl::Duration ceiling =
+        std::min(absl::Milliseconds(100) * (1 << std::min<size_t>(i, 10)), absl::Seconds(5));
+    EXPECT_GE(sleeps_[i], ceiling / 2) << i;
+    EXPECT_LE(sleeps_[i], ceiling) << i;
+  }
+  // Resumed within one capped wait of the shard's return, and pushed.
+  EXPECT_GE(resumed, back);
+  EXPECT_LE(resumed, back + absl::Seconds(5));
+  ASSERT_EQ(server_.pushes().size(), 1u);
+  EXPECT_EQ(metrics.Value(kRetries, {"task"}), static_cast<double>(attempts - 1));
+  EXPECT_EQ(metrics.Value(kRetryBackoff), 0);  // reset by the completed round
+  // The drops are logged once, then within the 10 s log interval at most 3 more times.
+  size_t lines = 0;
+  for (size_t at = log.find("task 1 dropped"); at != std::string::npos;
+       at = log.find("task 1 dropped", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 1u);
+  EXPECT_LE(lines, 4u) << log;
 }
 
 TEST_F(AgentTest, DropLogIsBoundedAndCountsWhatItSkipped) {
@@ -307,10 +349,13 @@ TEST_F(AgentTest, ServerUnreachableIsRetriedUntilTheConnectTimeout) {
   options_.connect_timeout = absl::Seconds(1);
   options_.retry_interval = absl::Milliseconds(250);
   for (int i = 0; i < 10; ++i) server_.AddTask(absl::UnavailableError("connection refused"));
-  const absl::Status status = Run();
+  RecordingMetrics metrics;
+  const absl::Status status = Run(&metrics);
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kUnavailable, HasSubstr("connection refused")));
-  // Tries at 0, 0.25, 0.5, 0.75, 1.0 and 1.25 s: the last one is past the timeout.
-  EXPECT_EQ(sleeps_.size(), 5u);
+  // Tries at 0, 0.25, 0.75 and 1.75 s (the waits double): the last one is past the timeout.
+  EXPECT_THAT(sleeps_,
+              ElementsAre(absl::Milliseconds(250), absl::Milliseconds(500), absl::Seconds(1)));
+  EXPECT_EQ(metrics.Value(kRetries, {"request"}), 3);
   EXPECT_EQ(server_.leaves(), 0);  // the server's failure is not the worker's: no leave
 }
 

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "proto/aloe.pb.h"
 #include "worker/server_api.h"
 
@@ -64,6 +65,19 @@ class FakeServer final : public ServerApi {
   void AddPushError(absl::Status error) {
     absl::MutexLock lock(&mu_);
     push_errors_.push_back(std::move(error));
+  }
+  // Answers the requests (not ahead) instead of the queue, given the number of pushes so far;
+  // runs under the server's lock.
+  void set_task_source(std::function<absl::StatusOr<v1::Task>(size_t pushes)> source) {
+    absl::MutexLock lock(&mu_);
+    task_source_ = std::move(source);
+  }
+  // Pulls fail with `error` while `clock` reads before `until` (a shard process away).
+  void SetPullOutage(const Clock* clock, absl::Time until, absl::Status error) {
+    absl::MutexLock lock(&mu_);
+    outage_clock_ = clock;
+    outage_until_ = until;
+    outage_error_ = std::move(error);
   }
   // Every heartbeat of `worker_id` from now on is answered `error`.
   void SetHeartbeatError(uint64_t worker_id, absl::Status error) {
@@ -121,6 +135,7 @@ class FakeServer final : public ServerApi {
       dropped_.push_back(dropped_task_id);
       requesters_.push_back(worker_id);
     }
+    if (!ahead && task_source_) return task_source_(pushes_.size());
     if (queue.empty()) return Kind(v1::Task::STOP);
     absl::StatusOr<v1::Task> task = queue.front();
     queue.pop_front();
@@ -146,6 +161,7 @@ class FakeServer final : public ServerApi {
                                 uint64_t* bytes, uint32_t slice, uint32_t slices) override {
     absl::MutexLock lock(&mu_);
     pulls_.push_back(version);
+    if (outage_clock_ != nullptr && outage_clock_->Now() < outage_until_) return outage_error_;
     if (!pull_errors_.empty()) {
       absl::Status error = pull_errors_.front();
       pull_errors_.pop_front();
@@ -242,6 +258,10 @@ class FakeServer final : public ServerApi {
   std::deque<absl::StatusOr<v1::Task>> tasks_ ABSL_GUARDED_BY(mu_);
   std::deque<absl::StatusOr<v1::Task>> ahead_tasks_ ABSL_GUARDED_BY(mu_);
   std::deque<absl::Status> pull_errors_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::StatusOr<v1::Task>(size_t)> task_source_ ABSL_GUARDED_BY(mu_);
+  const Clock* outage_clock_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::Time outage_until_ ABSL_GUARDED_BY(mu_);
+  absl::Status outage_error_ ABSL_GUARDED_BY(mu_);
   std::deque<absl::Status> push_errors_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, absl::Status> heartbeat_errors_ ABSL_GUARDED_BY(mu_);
   std::function<void(const v1::HeartbeatRequest&)> on_heartbeat_ ABSL_GUARDED_BY(mu_);
