@@ -160,6 +160,19 @@ absl::StatusOr<std::unique_ptr<ServerCore>> ServerCore::Create(const v1::ServerC
   for (uint32_t g = 0; g < groups; ++g) metrics.Set(kLayerGroupVersion, 0, {absl::StrCat(g)});
   // Every reason's series exists from the start, so rates and alerts see zeros, not gaps.
   for (const char* reason : kRejectReasons) metrics.Add(kUpdatesRejected, 0, {reason});
+  if (config.outer_optimizer().type() == v1::OUTER_DELAYED_NESTEROV &&
+      config.aggregation().mode() == v1::AGGREGATION_ASYNC) {
+    core->dn_trainer_limit_ = config.outer_optimizer().dn_buffer_size();
+    if (config.aggregation().min_workers() > core->dn_trainer_limit_) {
+      ALOE_LOG_WARNING("server",
+                       "aggregation.min_workers %d exceeds outer_optimizer.dn_buffer_size %d: "
+                       "async Delayed Nesterov with more trainers than its buffer is known to "
+                       "diverge; set dn_buffer_size to the number of trainers "
+                       "(docs/algorithms.md)",
+                       config.aggregation().min_workers(), core->dn_trainer_limit_);
+    }
+  }
+  core->CheckDnBuffer();  // the series exists from the start
   core->PublishShards();
   return core;
 }
@@ -1094,6 +1107,29 @@ void ServerCore::UpdateStopping() {
 
 void ServerCore::PublishMembership() {
   metrics_.Set(kLiveWorkers, static_cast<double>(membership_.size()));
+  CheckDnBuffer();
+}
+
+void ServerCore::CheckDnBuffer() {
+  const uint32_t n = dn_trainer_limit_;
+  bool above = false;
+  if (n > 0) {
+    const size_t trainers = membership_.LiveIds(v1::ROLE_TRAINER).size();
+    above = trainers > n;
+    if (above && !dn_trainers_above_) {
+      ALOE_LOG_WARNING("server",
+                       "%d live trainers exceed outer_optimizer.dn_buffer_size %d: async Delayed "
+                       "Nesterov with more trainers than its buffer is known to diverge; set "
+                       "dn_buffer_size to the number of trainers (docs/algorithms.md)",
+                       trainers, n);
+    } else if (!above && dn_trainers_above_) {
+      ALOE_LOG_INFO("server", "%d live trainers within outer_optimizer.dn_buffer_size %d again",
+                    trainers, n);
+    }
+  }
+  dn_trainers_above_ = above;
+  const bool unstable = above || (n > 0 && config_.aggregation().min_workers() > n);
+  metrics_.Set(kConfigUnstable, unstable ? 1.0 : 0.0, {kDnBufferBelowTrainers});
 }
 
 bool ServerCore::Finished() const {

@@ -273,7 +273,13 @@ class ServerCore {
   void WorkerGone(uint64_t worker);
   absl::Status Apply(ApplyBatch batch);
   void UpdateStopping();
+  // Publishes the live members, and checks Delayed Nesterov's buffer against the live trainers.
   void PublishMembership();
+  // Async Delayed Nesterov with more trainers than its buffer N is known to diverge
+  // (docs/algorithms.md, outer optimizers): sets aloe_config_unstable{reason=
+  // "dn_buffer_below_trainers"} while the live trainers or aggregation.min_workers exceed N, and
+  // logs a warning each time the live trainers rise above N (once per crossing, not per join).
+  void CheckDnBuffer();
   // Per data shard: learning progress, sampling probability and LR schedule position.
   void PublishShards();
   // The trainer's measured speed (after a report) into its labelled gauge.
@@ -333,6 +339,11 @@ class ServerCore {
   OuterStepLog step_log_;  // the outer-step lines of the log, at most about one a second
   bool draining_ = false;
   uint64_t updates_applied_ = 0;
+  // Async Delayed Nesterov: its buffer size N, which the trainers must not exceed; 0 = no such
+  // rule (sync rounds are one outer step each, whatever the number of trainers).
+  uint32_t dn_trainer_limit_ = 0;
+  bool dn_trainers_above_ =
+      false;  // the live trainers exceeded dn_trainer_limit_ when last checked
 };
 
 }  // namespace aloe::server

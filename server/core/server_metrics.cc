@@ -200,6 +200,13 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        "Inner learning rate at each data shard's position",
        {},
        {"shard"}},
+      {kConfigUnstable,
+       K::kGauge,
+       "1 while the configuration is known to be unstable, by reason; dn_buffer_below_trainers: "
+       "async Delayed Nesterov with outer_optimizer.dn_buffer_size below the live trainers or "
+       "aggregation.min_workers (set it to the number of trainers)",
+       {},
+       {"reason"}},
   };
 }
 

@@ -78,6 +78,11 @@ inline constexpr char kDataShardTokensInFlight[] = "aloe_data_shard_tokens_in_fl
 inline constexpr char kDataShardSamplingProbability[] = "aloe_data_shard_sampling_probability";
 inline constexpr char kDataShardLrStep[] = "aloe_data_shard_lr_step";
 inline constexpr char kDataShardLearningRate[] = "aloe_data_shard_learning_rate";
+// 1 while the configuration is known to be unstable, by reason: kDnBufferBelowTrainers is
+// Delayed Nesterov in async mode with dn_buffer_size below the live trainers or
+// aggregation.min_workers (docs/algorithms.md, outer optimizers).
+inline constexpr char kConfigUnstable[] = "aloe_config_unstable";
+inline constexpr char kDnBufferBelowTrainers[] = "dn_buffer_below_trainers";
 
 // Label values of aloe_updates_rejected_total{reason}.
 inline constexpr const char* kRejectReasons[] = {

@@ -1,6 +1,9 @@
 #include "server/service/grpc_services.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include <algorithm>
+#include <functional>
 #include <optional>
 
 #include "absl/strings/str_format.h"
@@ -46,7 +49,60 @@ absl::StatusOr<std::string> Authorize(const Authenticator& auth, const grpc::Ser
   return who;
 }
 
+// A handler for unary method `method` that parses the request itself and calls `serve`: a
+// request that does not parse is INVALID_ARGUMENT naming the method and the message type.
+// Registered with MarkMethodStreamed, which serves a unary call as a stream of one request and
+// one reply; the client sees an ordinary unary call.
+template <typename Request, typename Response>
+grpc::internal::MethodHandler* ParsingUnaryHandler(
+    const char* method,
+    std::function<grpc::Status(grpc::ServerContext*, const Request*, Response*)> serve) {
+  return new grpc::internal::StreamedUnaryHandler<grpc::ByteBuffer, Response>(
+      [method, serve = std::move(serve)](
+          grpc::ServerContext* context,
+          grpc::ServerUnaryStreamer<grpc::ByteBuffer, Response>* stream) {
+        grpc::ByteBuffer bytes;
+        if (!stream->Read(&bytes)) {
+          return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrFormat("%s: no request", method));
+        }
+        Request request;
+        grpc::ProtoBufferReader reader(&bytes);
+        if (!request.ParseFromZeroCopyStream(&reader)) {
+          return grpc::Status(
+              grpc::StatusCode::INVALID_ARGUMENT,
+              absl::StrFormat("%s: the request (%d bytes) does not parse as %s", method,
+                              bytes.Length(), Request::descriptor()->full_name()));
+        }
+        Response response;
+        grpc::Status status = serve(context, &request, &response);
+        if (status.ok() && !stream->Write(response)) {
+          return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+        }
+        return status;
+      });
+}
+
 }  // namespace
+
+CoordinatorService::CoordinatorService(CoreHandle& handle, Authenticator& auth,
+                                       std::string shard_identity)
+    : handle_(handle), auth_(auth), shard_identity_(std::move(shard_identity)) {
+  // The indices are the methods' order in coordinator_service.proto.
+  MarkMethodStreamed(0, ParsingUnaryHandler<v1::JoinRequest, v1::JoinReply>(
+                            "Join", [this](auto* c, auto* q, auto* r) { return Join(c, q, r); }));
+  MarkMethodStreamed(
+      1, ParsingUnaryHandler<v1::HeartbeatRequest, v1::HeartbeatReply>(
+             "Heartbeat", [this](auto* c, auto* q, auto* r) { return Heartbeat(c, q, r); }));
+  MarkMethodStreamed(
+      2, ParsingUnaryHandler<v1::TaskRequest, v1::Task>(
+             "RequestTask", [this](auto* c, auto* q, auto* r) { return RequestTask(c, q, r); }));
+  MarkMethodStreamed(
+      3, ParsingUnaryHandler<v1::EvalReport, v1::EvalAck>(
+             "ReportEval", [this](auto* c, auto* q, auto* r) { return ReportEval(c, q, r); }));
+  MarkMethodStreamed(4, ParsingUnaryHandler<v1::LeaveRequest, v1::LeaveReply>(
+                            "Leave", [this](auto* c, auto* q, auto* r) { return Leave(c, q, r); }));
+}
 
 #define ALOE_AUTHORIZE(worker_id)                                               \
   absl::StatusOr<std::string> identity = Authorize(auth_, *context, worker_id); \

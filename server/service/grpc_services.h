@@ -76,8 +76,10 @@ class CoordinatorService final : public v1::Coordinator::Service {
  public:
   // handle and auth must outlive the service. shard_identity: a layer-sharded coordinator's
   // security.shard_identity, whose tokens may not join as workers ("" = any identity may).
-  CoordinatorService(CoreHandle& handle, Authenticator& auth, std::string shard_identity = "")
-      : handle_(handle), auth_(auth), shard_identity_(std::move(shard_identity)) {}
+  // Every method reads its request's bytes itself: one that does not parse is INVALID_ARGUMENT
+  // naming the method and the message type (gRPC's generated handlers answer INTERNAL with no
+  // message).
+  CoordinatorService(CoreHandle& handle, Authenticator& auth, std::string shard_identity = "");
 
   grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest*, v1::JoinReply*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*,

@@ -5,6 +5,7 @@
 // problem, counted in aloe_updates_rejected_total, and leave the model bytes unchanged; the
 // well-formed push that follows is applied.
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -379,6 +380,67 @@ TEST_F(HostileInputTest, UnparsableMessagesAreRejectedAndChangeNothing) {
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(Scraped("aloe_model_version"), 1);
   EXPECT_NE(PullLatest(joined.worker_id()), before);
+  server_->Signal(SIGTERM);
+  EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
+}
+
+// Requests of the unary Coordinator methods that do not parse are INVALID_ARGUMENT naming the
+// method and the message type (gRPC's generated handlers answer INTERNAL with no message); the
+// methods go on serving well-formed requests, sent as bytes or through the stub.
+TEST_F(HostileInputTest, UnparsableCoordinatorRequestsAreRefusedNamingTheMethod) {
+  const int port = StartServer("local_steps: 3\n");
+  ASSERT_GT(port, 0);
+  Connect(port);
+  auto call = [&](const std::string& name, const std::string& bytes, grpc::ByteBuffer* response) {
+    grpc::ClientContext context;
+    const std::string path = "/aloe.v1.Coordinator/" + name;
+    const grpc::internal::RpcMethod method(path.c_str(), grpc::internal::RpcMethod::NORMAL_RPC,
+                                           channel_);
+    grpc::Slice slice(bytes);
+    const grpc::ByteBuffer request(&slice, 1);
+    return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        channel_.get(), method, &context, request, response);
+  };
+  const std::vector<std::pair<std::string, std::string>> methods = {
+      {"Join", "JoinRequest"},        {"Heartbeat", "HeartbeatRequest"},
+      {"RequestTask", "TaskRequest"}, {"ReportEval", "EvalReport"},
+      {"Leave", "LeaveRequest"},
+  };
+  const std::vector<std::string> garbage = {std::string("\x10\xff\xff", 3),   // bad varint
+                                            std::string("\x27\x00\x00", 3)};  // wire type 7
+  for (const auto& [name, type] : methods) {
+    for (const std::string& bytes : garbage) {
+      grpc::ByteBuffer response;
+      const grpc::Status status = call(name, bytes, &response);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << name;
+      EXPECT_EQ(status.error_message(),
+                absl::StrCat(name, ": the request (3 bytes) does not parse as aloe.v1.", type));
+    }
+  }
+  v1::JoinReply joined;
+  v1::Task task;
+  ASSERT_NO_FATAL_FAILURE(JoinTrainer("after garbage", &joined, &task));
+  EXPECT_EQ(task.kind(), v1::Task::TRAIN);
+  v1::HeartbeatRequest heartbeat;
+  heartbeat.set_worker_id(joined.worker_id());
+  grpc::ByteBuffer response;
+  ASSERT_TRUE(call("Heartbeat", heartbeat.SerializeAsString(), &response).ok());
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string reply_bytes;
+  for (const grpc::Slice& slice : slices) {
+    reply_bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  v1::HeartbeatReply reply;
+  ASSERT_TRUE(reply.ParseFromString(reply_bytes));
+  EXPECT_EQ(reply.version(), 0u);
+  EXPECT_EQ(Scraped("aloe_workers_joined_total"), 1);
+  grpc::ClientContext context;
+  v1::LeaveRequest leave;
+  leave.set_worker_id(joined.worker_id());
+  v1::LeaveReply left;
+  ASSERT_TRUE(coordinator_->Leave(&context, leave, &left).ok());
+  EXPECT_EQ(Scraped("aloe_workers_left_total"), 1);
   server_->Signal(SIGTERM);
   EXPECT_EQ(server_->Wait(absl::Seconds(30)), std::optional<int>(0));
 }

@@ -9,9 +9,11 @@
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "common/config.h"
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
+#include "server/core/server_metrics.h"
 #include "server/core/shard_assembly.h"
 #include "server/core/update_assembler.h"
 
@@ -23,6 +25,7 @@ using ::aloe::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 v1::ServerConfig TinyConfig() {
   v1::ServerConfig config;
@@ -1863,6 +1866,116 @@ TEST(ShardAssemblyTest, FingerprintNamesLayoutOptimizerAndProcesses) {
             "sharded1;outer=OUTER_SGD/N=1;processes=2;embed:12@1;");
   EXPECT_EQ(ShardedModelFingerprint(config, spec, "byo1-x"),
             "sharded1;outer=OUTER_SGD/N=1;processes=2;embed:12@1;model=byo1-x");
+}
+
+constexpr char kExceed[] = "exceed outer_optimizer.dn_buffer_size 3";
+constexpr char kWithin[] = "within outer_optimizer.dn_buffer_size 3 again";
+
+size_t Count(const std::string& log, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
+  return n;
+}
+
+// ServerCore's check of Delayed Nesterov's buffer against the trainers: the
+// aloe_config_unstable{reason="dn_buffer_below_trainers"} gauge and the log lines, once per
+// crossing of the live trainers above dn_buffer_size in async mode.
+class DnBufferCheckTest : public ServerCoreTest {
+ protected:
+  // Delayed Nesterov with N = 3, lr 0.7, as an operator would write it; async with a grace
+  // window of 0.5 s.
+  static v1::ServerConfig DnConfig(v1::AggregationMode mode, uint32_t min_workers) {
+    v1::ServerConfig config = TinyConfig();
+    config.set_lease_seconds(10);
+    config.mutable_aggregation()->set_mode(mode);
+    config.mutable_aggregation()->set_min_workers(min_workers);
+    if (mode == v1::AGGREGATION_ASYNC) config.mutable_aggregation()->set_grace_seconds(0.5);
+    config.mutable_outer_optimizer()->set_type(v1::OUTER_DELAYED_NESTEROV);
+    config.mutable_outer_optimizer()->set_lr(0.7f);
+    config.mutable_outer_optimizer()->set_momentum(0.9f);
+    config.mutable_outer_optimizer()->set_dn_buffer_size(3);
+    EXPECT_THAT(ValidateServerConfig(config), IsOk());
+    return config;
+  }
+
+  void Leave(uint64_t worker) {
+    v1::LeaveRequest request;
+    request.set_worker_id(worker);
+    ASSERT_THAT(core_->Leave(request), IsOk());
+  }
+
+  double Unstable() const { return metrics_.Value(kConfigUnstable, {kDnBufferBelowTrainers}); }
+};
+
+TEST_F(DnBufferCheckTest, GaugeAndWarningFollowEachCrossingAboveTheBuffer) {
+  ::testing::internal::CaptureStderr();
+  Make(DnConfig(v1::AGGREGATION_ASYNC, 1));
+  // The series exists from the start, so an alert sees a zero, not a gap.
+  EXPECT_TRUE(metrics_.Has(kConfigUnstable, {kDnBufferBelowTrainers}));
+  EXPECT_EQ(Unstable(), 0);
+  const uint64_t first = Join();
+  Join();
+  Join();
+  Join(v1::ROLE_EVALUATOR);  // evaluators push nothing: not counted
+  EXPECT_EQ(Unstable(), 0);
+  std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, Not(HasSubstr("dn_buffer_size")));
+
+  // The 4th trainer crosses N = 3; the 5th does not cross again.
+  ::testing::internal::CaptureStderr();
+  const uint64_t fourth = Join();
+  EXPECT_EQ(Unstable(), 1);
+  Join();
+  EXPECT_EQ(Unstable(), 1);
+  Leave(first);  // 4 trainers: still above
+  EXPECT_EQ(Unstable(), 1);
+  core_->Tick();
+  Leave(fourth);  // 3 trainers: back within
+  EXPECT_EQ(Unstable(), 0);
+  core_->Tick();
+  log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(Count(log, kExceed), 1u) << log;
+  EXPECT_THAT(log, HasSubstr(absl::StrCat("4 live trainers ", kExceed)));
+  EXPECT_THAT(log, HasSubstr("async Delayed Nesterov"));
+  EXPECT_EQ(Count(log, kWithin), 1u) << log;
+
+  // A second crossing warns again; expiring leases bring the count back down too.
+  ::testing::internal::CaptureStderr();
+  Join();
+  EXPECT_EQ(Unstable(), 1);
+  clock_.Advance(absl::Seconds(11));
+  core_->Tick();
+  EXPECT_EQ(Unstable(), 0);
+  log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(Count(log, kExceed), 1u) << log;
+  EXPECT_EQ(Count(log, kWithin), 1u) << log;
+}
+
+TEST_F(DnBufferCheckTest, MinWorkersAboveTheBufferWarnsAtStartAndHoldsTheGauge) {
+  ::testing::internal::CaptureStderr();
+  Make(DnConfig(v1::AGGREGATION_ASYNC, 4));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, HasSubstr("aggregation.min_workers 4 exceeds outer_optimizer.dn_buffer_size 3"));
+  EXPECT_EQ(Unstable(), 1);
+  Join();  // the config alone says more trainers will come
+  EXPECT_EQ(Unstable(), 1);
+}
+
+TEST_F(DnBufferCheckTest, SyncRoundsAndOtherOptimizersAreNotFlagged) {
+  // A sync round is one outer step (one count of N) whatever the number of trainers.
+  ::testing::internal::CaptureStderr();
+  Make(DnConfig(v1::AGGREGATION_SYNC, 5));
+  for (int i = 0; i < 5; ++i) Join();
+  EXPECT_TRUE(metrics_.Has(kConfigUnstable, {kDnBufferBelowTrainers}));
+  EXPECT_EQ(Unstable(), 0);
+
+  v1::ServerConfig nesterov = DnConfig(v1::AGGREGATION_ASYNC, 5);
+  nesterov.mutable_outer_optimizer()->set_type(v1::OUTER_NESTEROV);
+  Make(nesterov);
+  for (int i = 0; i < 5; ++i) Join();
+  EXPECT_EQ(Unstable(), 0);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, Not(HasSubstr("dn_buffer_size")));
 }
 
 }  // namespace
