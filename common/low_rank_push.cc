@@ -24,16 +24,6 @@ uint64_t TensorSeed(uint32_t layer_id, int tensor) {
   return 0x9E3779B97F4A7C15ull * (layer_id + 1) + static_cast<uint64_t>(tensor);
 }
 
-// The rank a tensor of a layer at `layer_rank` is compressed at: min(layer_rank, rows, cols) for
-// a matrix whose factors are fewer values than it; 0 for any other tensor (fallback codec).
-uint32_t CompressionRank(const v1::TensorSpec& tensor, uint32_t layer_rank) {
-  const auto shape = LowRankMatrixShape(tensor);
-  if (!shape) return 0;
-  const uint32_t rank = std::min({layer_rank, shape->first, shape->second});
-  const uint64_t elements = uint64_t{shape->first} * shape->second;
-  return (uint64_t{shape->first} + shape->second) * rank < elements ? rank : 0;
-}
-
 // The warm start for `rank` of a cols-column tensor from `warm` (any earlier rank): kept when the
 // rank is the same, resized (ResizeWarmStart) when it changed, empty (seeded) when there is none.
 std::vector<float> WarmStartFor(const std::vector<float>& warm, uint32_t cols, uint32_t rank,
@@ -157,7 +147,7 @@ absl::Status LowRankPushEncoder::EncodeLayer(uint32_t layer_id, uint64_t task_id
     const absl::Span<const float> m = values.subspan(offset, n);
     float* const r = residual != nullptr ? residual + offset : nullptr;
     const auto shape = LowRankMatrixShape(tensor);
-    const uint32_t rank = CompressionRank(tensor, RankOf(layer_id, t, task_id));
+    const uint32_t rank = LowRankTensorRank(tensor, RankOf(layer_id, t, task_id));
     const bool compress = rank > 0;
     if (!compress) {
       if (absl::Status s = EncodeFallback(fallback, m, offset, max_chunk_bytes, r, &out); !s.ok()) {
@@ -236,7 +226,7 @@ absl::Status LowRankPushEncoder::CompressSlices(uint64_t task_id,
     for (int t = 0; t < layer.spec.tensors_size(); ++t) {
       const v1::TensorSpec& tensor = layer.spec.tensors(t);
       const uint64_t n = TensorElements(tensor);
-      const uint32_t rank = CompressionRank(tensor, RankOf(l, t, task_id));
+      const uint32_t rank = LowRankTensorRank(tensor, RankOf(l, t, task_id));
       if (rank > 0) {
         const auto shape = LowRankMatrixShape(tensor);
         LowRankSlicePiece& piece = pieces.emplace_back();
