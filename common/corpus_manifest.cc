@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/durable_file.h"
 #include "common/status_macros.h"
 #include "common/token_shard.h"
 
@@ -21,30 +22,6 @@ namespace {
 
 constexpr absl::string_view kTrain = "train";
 constexpr absl::string_view kHeldout = "heldout";
-
-// Reads the whole file. kNotFound when it does not exist, kInternal on other failures.
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrFormat("%s: no such file", path));
-    return absl::InternalError(absl::StrFormat("%s: open failed: %s", path, std::strerror(errno)));
-  }
-  std::string contents;
-  char buf[1 << 16];
-  while (true) {
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      return absl::InternalError(absl::StrFormat("%s: read failed: %s", path, std::strerror(err)));
-    }
-    if (n == 0) break;
-    contents.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return contents;
-}
 
 // Checks the per-row rules shared by the reader and the writer. Returns an empty string when
 // the row is fine, otherwise what is wrong with it.

@@ -64,40 +64,6 @@ class FdCloser {
 
 }  // namespace
 
-absl::Status WriteFileAtomically(const std::string& path, std::string_view contents) {
-  const std::string tmp = path + ".tmp";
-  FdCloser fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return ErrnoError(tmp, "open", errno);
-  // Leaves no partial temporary file behind.
-  auto fail = [&](const char* what) {
-    const int err = errno;
-    fd.Close();
-    ::unlink(tmp.c_str());
-    return ErrnoError(tmp, what, err);
-  };
-  const char* data = contents.data();
-  size_t left = contents.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd.get(), data, left);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return fail("write");
-    }
-    data += n;
-    left -= static_cast<size_t>(n);
-  }
-  // fsync before rename: otherwise a crash can leave the new name pointing at an empty file.
-  if (::fsync(fd.get()) != 0) return fail("fsync");
-  if (fd.Close() != 0) return fail("close");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError(
-        absl::StrFormat("%s: rename from %s failed: %s", path, tmp, std::strerror(err)));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status WriteTokenShard(const std::string& path, absl::Span<const uint32_t> tokens,
                              uint32_t vocab_size) {
   if (vocab_size == 0) {

@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/durable_file.h"
 #include "common/token_source.h"
 
 namespace aloe {
@@ -37,13 +38,8 @@ inline constexpr char kTokenShardMagic[8] = {'A', 'L', 'O', 'E', 'T', 'O', 'K', 
 inline constexpr uint32_t kTokenShardFormatVersion = 1;
 inline constexpr size_t kTokenShardHeaderBytes = 32;
 
-// Writes `contents` to `path` so that readers see either the old file or the whole new one:
-// writes path + ".tmp", fsyncs it, renames it over `path`. Returns kInternal (naming the path
-// and errno text) on any I/O failure and removes the temporary file. Used by the shard and
-// manifest writers.
-absl::Status WriteFileAtomically(const std::string& path, std::string_view contents);
-
-// Writes `tokens` as a version-1 token shard at `path` (atomically, see WriteFileAtomically).
+// Writes `tokens` as a version-1 token shard at `path` (atomically, see WriteFileAtomically in
+// common/durable_file.h).
 // Stores uint16 tokens when vocab_size <= 65536, else uint32. Returns kInvalidArgument when
 // vocab_size is 0 or a token is >= vocab_size (the message names the first such index).
 absl::Status WriteTokenShard(const std::string& path, absl::Span<const uint32_t> tokens,

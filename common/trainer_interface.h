@@ -55,6 +55,15 @@ struct TrainStats {
 };
 
 // An evaluation of the current parameters on held-out data.
+// The inner optimizer's state (AdamW) of a trainer: what a restarted worker needs to go on as if
+// it had not stopped. Per spec layer, this trainer's elements of the layer (all of them for one
+// process, its owned slice for a rank of a multi-rank node), in the order of its parameters.
+struct InnerState {
+  uint64_t steps = 0;                      // AdamW steps taken (for the bias corrections)
+  std::vector<std::vector<float>> first;   // exp_avg (m)
+  std::vector<std::vector<float>> second;  // exp_avg_sq (v)
+};
+
 struct EvalRequest {
   // The held-out tokens, borrowed for the call; null only for a trainer that needs none.
   const TokenSource* heldout = nullptr;
@@ -93,6 +102,17 @@ class TrainerInterface {
   virtual absl::Status SetLayers(absl::Span<const uint32_t> ids,
                                  const std::vector<std::vector<float>>& layers) {
     return absl::UnimplementedError("this trainer has no layer-wise access");
+  }
+
+  // The inner optimizer state, and its restore. RestoreInnerState takes a state of the same
+  // shape (kInvalidArgument naming the first layer that differs; nothing changed) and makes the
+  // next Train continue as the trainer that saved it would. The defaults answer kUnimplemented:
+  // the caller then starts from a fresh state.
+  virtual absl::StatusOr<InnerState> SaveInnerState() const {
+    return absl::UnimplementedError("this trainer cannot save its inner optimizer state");
+  }
+  virtual absl::Status RestoreInnerState(const InnerState& state) {
+    return absl::UnimplementedError("this trainer cannot restore an inner optimizer state");
   }
 
   // Held-out loss of the current parameters (lower is better; for an LM the mean per-token

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -58,6 +59,7 @@ absl::Status Agent::Joined(const v1::JoinReply& joined) {
   ALOE_RETURN_IF_ERROR(session_.Adopt(joined));
   if (trainer_ == nullptr) {
     ALOE_ASSIGN_OR_RETURN(trainer_, env_.make_trainer(joined));
+    ALOE_RETURN_IF_ERROR(RestoreInnerState(joined));
   }
   ending_.reset();     // of the previous membership: never reported
   streaming_.reset();  // a new membership takes its layer groups anew
@@ -267,6 +269,67 @@ absl::Status Agent::AfterTask(const v1::Task& task, absl::Status status) {
   return absl::OkStatus();
 }
 
+absl::Status Agent::RestoreInnerState(const v1::JoinReply& joined) {
+  if (options_.state_dir.empty()) return absl::OkStatus();
+  inner_store_ = std::make_unique<InnerStateStore>(
+      options_.state_dir, InnerStateOwner{ModelSpecDigest(joined.model_spec()), slice(), slices()});
+  absl::StatusOr<InnerState> loaded = inner_store_->Load();
+  absl::Status restored = loaded.status();
+  if (loaded.ok()) restored = trainer_->RestoreInnerState(*loaded);
+  // A node restores on every rank or on none: one rank's moments alone would leave the ranks
+  // with different bias corrections.
+  absl::Status agreed = restored;
+  if (env_.node != nullptr) {
+    ALOE_ASSIGN_OR_RETURN(const double failed, env_.node->AllReduceSum(restored.ok() ? 0.0 : 1.0));
+    if (restored.ok() && failed > 0) {
+      agreed = absl::FailedPreconditionError(absl::StrFormat(
+          "%d other rank(s) of this node have no usable state", static_cast<int>(failed)));
+    }
+  }
+  if (agreed.ok()) {
+    env_.metrics->Add(kInnerStateRestores, 1, {"restored"});
+    ALOE_LOG_INFO("worker", "inner optimizer state restored from %s (%d AdamW steps)",
+                  inner_store_->path(), loaded->steps);
+    return absl::OkStatus();
+  }
+  if (restored.ok()) {
+    // This rank restored; the node starts fresh together. Zero moments at step 0 are the state
+    // of an AdamW that has not stepped.
+    InnerState fresh = *std::move(loaded);
+    fresh.steps = 0;
+    for (auto* moments : {&fresh.first, &fresh.second}) {
+      for (std::vector<float>& layer : *moments) std::fill(layer.begin(), layer.end(), 0.0f);
+    }
+    ALOE_RETURN_IF_ERROR(trainer_->RestoreInnerState(fresh));
+  }
+  const bool none = agreed.code() == absl::StatusCode::kNotFound;
+  env_.metrics->Add(kInnerStateRestores, 1, {none ? "none" : "refused"});
+  if (none) {
+    ALOE_LOG_INFO("worker", "no inner optimizer state at %s: starting from fresh moments",
+                  inner_store_->path());
+  } else {
+    ALOE_LOG_WARNING("worker", "inner optimizer state not used (%s): starting from fresh moments",
+                     agreed.message());
+  }
+  return absl::OkStatus();
+}
+
+void Agent::SaveInnerState(bool now) {
+  if (inner_store_ == nullptr) return;
+  if (!now && ++rounds_unsaved_ < options_.state_every_rounds) return;
+  if (rounds_unsaved_ == 0) return;  // nothing trained since the last save
+  absl::StatusOr<InnerState> state = trainer_->SaveInnerState();
+  absl::Status saved = state.status();
+  if (state.ok()) saved = inner_store_->Save(*state);
+  if (!saved.ok()) {
+    env_.metrics->Add(kInnerStateSaves, 1, {"failed"});
+    ALOE_LOG_WARNING("worker", "inner optimizer state not saved: %s", saved.message());
+    return;  // rounds_unsaved_ stays: the next round tries again
+  }
+  env_.metrics->Add(kInnerStateSaves, 1, {"saved"});
+  rounds_unsaved_ = 0;
+}
+
 void Agent::Leave() {
   heartbeat_.reset();
   if (leader()) session_.Leave();
@@ -279,6 +342,7 @@ absl::Status Agent::Finish() {
       ALOE_LOG_WARNING("worker", "the last task's push: %s", s.message());
     }
   }
+  SaveInnerState(/*now=*/true);
   Leave();
   reporter_.Summary();
   return absl::OkStatus();

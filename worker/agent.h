@@ -38,6 +38,7 @@
 #include "worker/agent_options.h"
 #include "worker/fsdp.h"
 #include "worker/heartbeat.h"
+#include "worker/inner_state_store.h"
 #include "worker/round_report.h"
 #include "worker/server_api.h"
 #include "worker/server_session.h"
@@ -94,6 +95,11 @@ class Agent {
   absl::Status AfterTask(const v1::Task& task, absl::Status status);
   absl::Status Finish();
   void Leave();
+  // The inner optimizer state (AgentOptions::state_dir): restored once, when the trainer is
+  // made (every rank of a node restores, or none does); saved after rounds and at the end.
+  // Neither fails the run: a state that cannot be used or kept is logged and counted.
+  absl::Status RestoreInnerState(const v1::JoinReply& joined);
+  void SaveInnerState(bool now);
 
   // agent_round.cc: one round, an evaluation.
   // The token shard `file`. A missing or unreadable file is this node's setup, never the
@@ -147,7 +153,9 @@ class Agent {
   std::unique_ptr<TokenShardCache> corpus_;  // when env.open_shard is null
   std::map<std::string, const TokenSource*> shards_;
   std::unique_ptr<TrainerInterface> trainer_;
-  RealSleeper real_sleeper_;  // when env.sleeper is null
+  std::unique_ptr<InnerStateStore> inner_store_;
+  uint32_t rounds_unsaved_ = 0;  // rounds trained since the inner state was last saved
+  RealSleeper real_sleeper_;     // when env.sleeper is null
   std::unique_ptr<Heartbeat> heartbeat_;
   // A trainer's rounds when the server has layer groups (JoinReply.layer_groups); one per
   // membership.

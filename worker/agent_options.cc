@@ -10,6 +10,13 @@ absl::Status ValidateAgentOptions(const AgentOptions& o) {
   }
   if (o.threads < 1) return absl::InvalidArgumentError("--threads must be >= 1");
   if (o.eval_sequences < 1) return absl::InvalidArgumentError("--eval_sequences must be >= 1");
+  if (o.state_every_rounds < 1) {
+    return absl::InvalidArgumentError("--state_every_rounds must be >= 1");
+  }
+  if (!o.state_dir.empty() && o.evaluator) {
+    return absl::InvalidArgumentError(
+        "--state_dir is for trainers (an evaluator has no optimizer)");
+  }
   if (o.overlap != AgentOptions::Overlap::kOff && o.evaluator) {
     return absl::InvalidArgumentError("--overlap is for trainers (not evaluators)");
   }

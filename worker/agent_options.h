@@ -62,10 +62,17 @@ struct AgentOptions {
   // the error when it does not (e.g. the TorchScript file).
   std::string model_fingerprint;
   std::string model_source;
+  // Where the trainer's inner optimizer state is kept between runs (worker/inner_state_store.h);
+  // empty = nowhere: a restarted worker starts from fresh moments. Saved after every
+  // `state_every_rounds` rounds trained and when the worker leaves; restored at the first join
+  // when it belongs to this model and rank layout, else the worker says why and starts fresh.
+  std::string state_dir;
+  uint32_t state_every_rounds = 1;
 };
 
 // kInvalidArgument, naming the aloe-worker flag, for a slowdown that is not finite and >= 1,
-// threads or eval_sequences < 1, or an evaluator with overlap.
+// threads, eval_sequences or state_every_rounds < 1, or an evaluator with overlap or a state
+// directory.
 absl::Status ValidateAgentOptions(const AgentOptions& options);
 
 // Makes the trainer once the join reply says what to train (model, inner optimizer, spec,

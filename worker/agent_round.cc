@@ -85,6 +85,7 @@ absl::StatusOr<TrainStats> Agent::TrainRound(const v1::Task& task,
                   task.local_steps());
   }
   ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(start, &delta_));
+  SaveInnerState(/*now=*/false);
   return stats;
 }
 
@@ -122,6 +123,7 @@ absl::Status Agent::TrainStreaming(const v1::Task& task) {
   // soon.
   ALOE_RETURN_IF_ERROR(FinishStreamingTask());
   ALOE_ASSIGN_OR_RETURN(StreamingTask done, std::move(run));
+  if (done.stats.steps > 0) SaveInnerState(/*now=*/false);
   if (done.end_in_flight) {
     absl::StatusOr<v1::Task> next = session_.RequestTask(/*ahead=*/true, /*given_up_task_id=*/0);
     ending_ = EndingTask{task, done.stats, done.costs};

@@ -681,6 +681,55 @@ absl::StatusOr<double> FsdpTrainer::Evaluate(const EvalRequest& request) {
   return absl::FailedPreconditionError("a multi-rank node does not evaluate");
 }
 
+absl::StatusOr<InnerState> FsdpTrainer::SaveInnerState() const {
+  const Impl& s = *impl_;
+  InnerState state;
+  state.steps = s.step;
+  try {
+    for (int l = 0; l < s.spec.layers_size(); ++l) {
+      const int64_t owned = static_cast<int64_t>(s.layout.owned(l));
+      for (auto [moments, out] : {std::pair{&s.m, &state.first}, std::pair{&s.v, &state.second}}) {
+        const torch::Tensor host = (*moments)[l].narrow(0, 0, owned).to(torch::kCPU).contiguous();
+        out->emplace_back(host.data_ptr<float>(), host.data_ptr<float>() + owned);
+      }
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("saving the AdamW state", e);
+  }
+  return state;
+}
+
+absl::Status FsdpTrainer::RestoreInnerState(const InnerState& state) {
+  Impl& s = *impl_;
+  const size_t layers = static_cast<size_t>(s.spec.layers_size());
+  if (state.first.size() != layers || state.second.size() != layers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the state has %d and %d layers, the model spec has %d", state.first.size(),
+                        state.second.size(), layers));
+  }
+  for (size_t l = 0; l < layers; ++l) {
+    const size_t owned = s.layout.owned(l);
+    if (state.first[l].size() != owned || state.second[l].size() != owned) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %d \"%s\": the state has %d and %d elements, this rank owns %d", l,
+          s.spec.layers(l).name(), state.first[l].size(), state.second[l].size(), owned));
+    }
+  }
+  try {
+    for (size_t l = 0; l < layers; ++l) {
+      const int64_t owned = static_cast<int64_t>(s.layout.owned(l));
+      for (auto [moments, in] : {std::pair{&s.m, &state.first}, std::pair{&s.v, &state.second}}) {
+        float* data = const_cast<float*>((*in)[l].data());  // from_blob only reads here
+        (*moments)[l].narrow(0, 0, owned).copy_(torch::from_blob(data, {owned}, torch::kFloat32));
+      }
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("restoring the AdamW state", e);
+  }
+  s.step = state.steps;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TrainStats> FsdpTrainer::Train(const TokenSource& data, uint32_t steps,
                                               uint64_t lr_step, uint64_t seed,
                                               double time_budget_seconds,

@@ -157,6 +157,10 @@ class FsdpTrainer final : public TrainerInterface {
   absl::StatusOr<TrainStats> Train(const TrainRequest& request) override;
   absl::StatusOr<double> Evaluate(const EvalRequest& request) override;
 
+  // The moments of this rank's owned slices (InnerState per layer: owned(l) elements).
+  absl::StatusOr<InnerState> SaveInnerState() const override;
+  absl::Status RestoreInnerState(const InnerState& state) override;
+
   // The whole model, gathered from every rank (a collective: every rank must call it). For
   // evaluation and tests.
   absl::Status GatherParameters(std::vector<std::vector<float>>* layers);

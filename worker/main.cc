@@ -75,6 +75,13 @@ ABSL_FLAG(std::string, autocast, "off",
 ABSL_FLAG(std::string, torchscript, "",
           "Bring-your-own model: a TorchScript file whose forward(inputs) returns logits or "
           "forward(inputs, targets) the loss; the server trains aloe-import-model's import of it");
+ABSL_FLAG(std::string, state_dir, "",
+          "Keep the AdamW inner optimizer state here between runs (one file per rank, replaced "
+          "atomically): a worker restarted after a kill or preemption trains on with its "
+          "moments instead of fresh ones. Empty: not kept");
+ABSL_FLAG(int32_t, state_every_rounds, 1,
+          "With --state_dir: save the inner optimizer state after every this many rounds (and "
+          "when the worker leaves)");
 ABSL_FLAG(int32_t, rank, -1, "Internal (set by --nproc): this process' rank in the node");
 ABSL_FLAG(std::string, rendezvous, "", "Internal (set by --nproc): the node's rendezvous file");
 
@@ -97,6 +104,9 @@ absl::StatusOr<AgentOptions> OptionsFromFlags() {
   o.slowdown = absl::GetFlag(FLAGS_slowdown);
   o.eval_sequences = std::max(0, absl::GetFlag(FLAGS_eval_sequences));
   o.corpus_dir = absl::GetFlag(FLAGS_corpus_dir);
+  o.state_dir = absl::GetFlag(FLAGS_state_dir);
+  o.state_every_rounds =
+      static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_state_every_rounds)));
   o.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_connect_timeout));
   o.join_wait = absl::Seconds(absl::GetFlag(FLAGS_join_wait));
   o.overlap = overlap == "eager"     ? AgentOptions::Overlap::kEager

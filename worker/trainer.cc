@@ -289,6 +289,56 @@ absl::StatusOr<double> LocalTrainer::Evaluate(const EvalRequest& request) {
   return Evaluate(*request.heldout, request.max_sequences);
 }
 
+absl::StatusOr<InnerState> LocalTrainer::SaveInnerState() const {
+  InnerState state;
+  try {
+    std::vector<torch::Tensor> first, second;  // spec order, like params
+    for (const torch::Tensor& p : impl_->params) {
+      const auto& saved = impl_->optimizer->state();
+      const auto it = saved.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == saved.end()) {
+        first.push_back(torch::zeros_like(p));
+        second.push_back(torch::zeros_like(p));
+        continue;
+      }
+      const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      state.steps = std::max<uint64_t>(state.steps, static_cast<uint64_t>(adam.step()));
+      first.push_back(adam.exp_avg());
+      second.push_back(adam.exp_avg_sq());
+    }
+    ALOE_RETURN_IF_ERROR(CopyParametersIntoLayers(first, impl_->spec, &state.first));
+    ALOE_RETURN_IF_ERROR(CopyParametersIntoLayers(second, impl_->spec, &state.second));
+  } catch (const std::exception& e) {
+    return LibTorchError("saving the AdamW state", e);
+  }
+  return state;
+}
+
+absl::Status LocalTrainer::RestoreInnerState(const InnerState& state) {
+  ALOE_RETURN_IF_ERROR(CheckLayerSizes(state.first, impl_->spec));
+  ALOE_RETURN_IF_ERROR(CheckLayerSizes(state.second, impl_->spec));
+  try {
+    std::vector<torch::Tensor> first, second;
+    for (const torch::Tensor& p : impl_->params) {
+      first.push_back(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+      second.push_back(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+    }
+    ALOE_RETURN_IF_ERROR(CopyLayersIntoParameters(state.first, impl_->spec, first));
+    ALOE_RETURN_IF_ERROR(CopyLayersIntoParameters(state.second, impl_->spec, second));
+    auto& saved = impl_->optimizer->state();
+    for (size_t i = 0; i < impl_->params.size(); ++i) {
+      auto adam = std::make_unique<torch::optim::AdamWParamState>();
+      adam->step(static_cast<int64_t>(state.steps));
+      adam->exp_avg(first[i]);
+      adam->exp_avg_sq(second[i]);
+      saved[c10::guts::to_string(impl_->params[i].unsafeGetTensorImpl())] = std::move(adam);
+    }
+  } catch (const std::exception& e) {
+    return LibTorchError("restoring the AdamW state", e);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TrainStats> LocalTrainer::Train(const TokenSource& data, uint32_t steps,
                                                uint64_t lr_step, uint64_t seed, double slowdown,
                                                double time_budget_seconds,

@@ -124,6 +124,12 @@ class LocalTrainer final : public TrainerInterface {
   // Evaluate below on *request.heldout (kInvalidArgument when it is null).
   absl::StatusOr<double> Evaluate(const EvalRequest& request) override;
 
+  // The AdamW moments of every parameter, per spec layer; steps is the most steps any parameter
+  // has taken (a parameter that had no gradient in some steps restores with that count).
+  // Parameters that have not stepped yet give zeros.
+  absl::StatusOr<InnerState> SaveInnerState() const override;
+  absl::Status RestoreInnerState(const InnerState& state) override;
+
   // Runs `steps` AdamW steps on `data`. Step i (0-based):
   //   - samples batch_size windows of seq_len + 1 tokens, starts uniform in
   //     [0, num_tokens - seq_len - 1], from a std::mt19937_64 seeded with `seed`;

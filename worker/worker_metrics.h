@@ -23,6 +23,8 @@ inline constexpr char kInfo[] = "aloe_worker_info";
 inline constexpr char kModelFlops[] = "aloe_worker_model_flops_per_second";
 inline constexpr char kRetries[] = "aloe_worker_retries_total";
 inline constexpr char kRetryBackoff[] = "aloe_worker_retry_backoff_seconds";
+inline constexpr char kInnerStateSaves[] = "aloe_worker_inner_state_saves_total";
+inline constexpr char kInnerStateRestores[] = "aloe_worker_inner_state_restores_total";
 
 inline std::vector<MetricDef> WorkerMetricCatalogue() {
   using K = MetricKind;
@@ -54,6 +56,18 @@ inline std::vector<MetricDef> WorkerMetricCatalogue() {
        K::kGauge,
        "The wait before asking again after the last dropped task; 0 once a round completes",
        {}},
+      {kInnerStateSaves,
+       K::kCounter,
+       "Saves of the inner optimizer state to --state_dir: result saved or failed (e.g. disk "
+       "full; training goes on and the next round tries again)",
+       {},
+       {"result"}},
+      {kInnerStateRestores,
+       K::kCounter,
+       "The inner optimizer state at start: result restored, none (no file) or refused (another "
+       "model or rank layout, or a damaged file; the worker starts from fresh moments)",
+       {},
+       {"result"}},
       {kInfo,
        K::kGauge,
        "Always 1: where this worker trains (device: cpu or cuda:I, rank 0's for a node), its "

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -17,7 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/byte_io.h"
+#include "common/durable_file.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 
 namespace aloe::server {
 namespace {
@@ -26,29 +27,6 @@ constexpr char kMagic[8] = {'A', 'L', 'O', 'E', 'C', 'K', 'P', 'T'};
 constexpr size_t kHeaderBytes = 8 + 4 + 4 + 8 + 4;
 constexpr char kPrefix[] = "checkpoint-";
 constexpr char kSuffix[] = ".aloeckpt";
-
-std::array<uint32_t, 256> MakeCrcTable() {
-  std::array<uint32_t, 256> table{};
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-    table[i] = c;
-  }
-  return table;
-}
-
-absl::Status WriteAll(int fd, const std::string& data) {
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::UnavailableError(std::strerror(errno));
-    }
-    done += n;
-  }
-  return absl::OkStatus();
-}
 
 // Version encoded in a checkpoint file name, or -1.
 int64_t VersionOf(const std::string& name) {
@@ -60,13 +38,6 @@ int64_t VersionOf(const std::string& name) {
 }
 
 }  // namespace
-
-uint32_t Crc32c(std::string_view data) {
-  static const std::array<uint32_t, 256> table = MakeCrcTable();
-  uint32_t crc = 0xFFFFFFFFu;
-  for (unsigned char c : data) crc = table[(crc ^ c) & 0xFF] ^ (crc >> 8);
-  return crc ^ 0xFFFFFFFFu;
-}
 
 std::vector<std::string> CheckpointStore::List() const {
   std::vector<std::pair<int64_t, std::string>> found;
@@ -95,13 +66,8 @@ absl::StatusOr<std::string> CheckpointStore::Write(const v1::ShardCheckpoint& ch
 absl::StatusOr<std::string> CheckpointStore::WriteMessage(
     uint64_t version, const google::protobuf::MessageLite& checkpoint) {
   // Every missing parent too: a shard process writes into <checkpoint.dir>/shard-<i>.
-  for (size_t slash = dir_.find('/', 1);; slash = dir_.find('/', slash + 1)) {
-    const std::string prefix = dir_.substr(0, slash);
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      return absl::UnavailableError(
-          absl::StrFormat("checkpoint dir %s: %s", prefix, std::strerror(errno)));
-    }
-    if (slash == std::string::npos) break;
+  if (absl::Status made = MakeDirectories(dir_); !made.ok()) {
+    return absl::UnavailableError(absl::StrCat("checkpoint dir ", made.message()));
   }
   std::string payload;
   if (!checkpoint.SerializeToString(&payload)) {
@@ -115,26 +81,7 @@ absl::StatusOr<std::string> CheckpointStore::WriteMessage(
   file += payload;
 
   const std::string path = absl::StrFormat("%s/%s%012d%s", dir_, kPrefix, version, kSuffix);
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrFormat("%s: %s", tmp, std::strerror(errno)));
-  }
-  absl::Status s = WriteAll(fd, file);
-  if (s.ok() && ::fsync(fd) != 0) s = absl::UnavailableError(std::strerror(errno));
-  ::close(fd);
-  if (!s.ok()) {
-    ::unlink(tmp.c_str());
-    return absl::UnavailableError(absl::StrFormat("%s: %s", tmp, s.message()));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::UnavailableError(
-        absl::StrFormat("rename %s -> %s: %s", tmp, path, std::strerror(errno)));
-  }
-  if (const int dfd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  ALOE_RETURN_IF_ERROR(WriteFileAtomically(path, file));
   const std::vector<std::string> all = List();
   for (size_t i = std::max<uint32_t>(1, keep_); i < all.size(); ++i) ::unlink(all[i].c_str());
   return path;

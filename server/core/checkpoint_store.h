@@ -14,12 +14,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/durable_file.h"
 #include "proto/aloe.pb.h"
 
 namespace aloe::server {
-
-// CRC-32C (Castagnoli) of data.
-uint32_t Crc32c(std::string_view data);
 
 class CheckpointStore {
  public:

@@ -29,11 +29,6 @@ v1::ServerCheckpoint Checkpoint(uint64_t version) {
   return c;
 }
 
-TEST(CheckpointStoreTest, Crc32cCheckValue) {
-  EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);  // the standard CRC-32C check value
-  EXPECT_EQ(Crc32c(""), 0u);
-}
-
 TEST(CheckpointStoreTest, KeepsTheNewestAndLoadsTheLatest) {
   CheckpointStore store(FreshDir("keep"), 3);
   for (uint64_t v : {2, 4, 6, 8}) ASSERT_THAT(store.Write(Checkpoint(v)), IsOk());

@@ -4,6 +4,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -13,10 +14,12 @@
 #include <vector>
 
 #include "common/clock.h"
+#include "common/durable_file.h"
 #include "common/metrics.h"
 #include "common/status_matchers.h"
 #include "common/token_source.h"
 #include "tests/unit/worker/fake_server.h"
+#include "worker/inner_state_store.h"
 #include "worker/sleeper.h"
 #include "worker/worker_metrics.h"
 
@@ -37,6 +40,7 @@ class FakeTrainer final : public TrainerInterface {
     std::vector<uint64_t> shards_seen;       // the data size of each round
     std::function<void(const v1::Task&, uint32_t)> during_step;
     double eval_loss = 1.5;
+    std::vector<uint64_t> restored;  // the steps of each inner state restored
   };
   explicit FakeTrainer(Shared& shared) : shared_(shared) {}
 
@@ -53,6 +57,7 @@ class FakeTrainer final : public TrainerInterface {
       if (shared_.during_step) shared_.during_step(v1::Task(), i);
       for (float& p : params_[0]) p -= 1;
       ++stats.steps;
+      ++inner_steps_;
     }
     stats.tokens = stats.steps * 10;
     stats.mean_loss = 2.0;
@@ -65,9 +70,20 @@ class FakeTrainer final : public TrainerInterface {
     return absl::OkStatus();
   }
   absl::StatusOr<double> Evaluate(const EvalRequest& request) override { return shared_.eval_loss; }
+  // The inner state is the step count, in both moments.
+  absl::StatusOr<InnerState> SaveInnerState() const override {
+    const float steps = static_cast<float>(inner_steps_);
+    return InnerState{inner_steps_, {{steps}}, {{steps}}};
+  }
+  absl::Status RestoreInnerState(const InnerState& state) override {
+    inner_steps_ = state.steps;
+    shared_.restored.push_back(state.steps);
+    return absl::OkStatus();
+  }
 
  private:
   Shared& shared_;
+  uint64_t inner_steps_ = 0;
   std::vector<std::vector<float>> params_;
 };
 
@@ -431,6 +447,92 @@ TEST_F(AgentTest, HeartbeatStopsWhenAStoppingAgentLeaves) {
   sleeper_.Advance(absl::Hours(1));
   EXPECT_EQ(server_.heartbeats().size(), 1u);
   EXPECT_EQ(sleeper_.waits(), 2u);
+}
+
+class AgentInnerStateTest : public AgentTest {
+ protected:
+  AgentInnerStateTest() {
+    dir_ = ::testing::TempDir() + "/inner_state_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name() + "_" +
+           std::to_string(getpid());
+    options_.state_dir = dir_;
+  }
+  InnerStateStore Store(uint32_t spec_digest) const {
+    return InnerStateStore(dir_, {spec_digest, /*rank=*/0, /*ranks=*/1});
+  }
+  uint32_t FakeDigest() {
+    return ModelSpecDigest(server_.Join(v1::JoinRequest()).value().model_spec());
+  }
+  std::string dir_;
+};
+
+TEST_F(AgentInnerStateTest, AWorkerRestartedOnTheSameDirectoryGoesOnWithItsMoments) {
+  const uint32_t digest = FakeDigest();
+  server_.AddTask(TrainTask(1, 0, /*steps=*/3));
+  server_.AddTask(TrainTask(2, 1, /*steps=*/4));
+  RecordingMetrics first;
+  ASSERT_THAT(Run(&first), IsOk());
+  EXPECT_EQ(first.Value(kInnerStateSaves, {"saved"}), 2);  // after each round
+  EXPECT_EQ(first.Value(kInnerStateRestores, {"none"}), 1);
+  EXPECT_TRUE(trainer_.restored.empty());
+  absl::StatusOr<InnerState> saved = Store(digest).Load();
+  ASSERT_THAT(saved.status(), IsOk());
+  EXPECT_EQ(saved->steps, 7u);
+  EXPECT_THAT(saved->first, ElementsAre(ElementsAre(7.0f)));
+
+  // The restarted worker (a new agent and trainer) starts from the 7 steps.
+  server_.AddTask(TrainTask(3, 2, /*steps=*/2));
+  RecordingMetrics second;
+  ASSERT_THAT(Run(&second), IsOk());
+  EXPECT_THAT(trainer_.restored, ElementsAre(7u));
+  EXPECT_EQ(second.Value(kInnerStateRestores, {"restored"}), 1);
+  EXPECT_EQ(Store(digest).Load()->steps, 9u);
+}
+
+TEST_F(AgentInnerStateTest, EveryNRoundsAndOnceMoreWhenLeaving) {
+  options_.state_every_rounds = 2;
+  for (int i = 1; i <= 3; ++i) server_.AddTask(TrainTask(i, i - 1, /*steps=*/1));
+  RecordingMetrics metrics;
+  ASSERT_THAT(Run(&metrics), IsOk());
+  // After round 2, then at the STOP for round 3.
+  EXPECT_EQ(metrics.Value(kInnerStateSaves, {"saved"}), 2);
+  EXPECT_EQ(Store(FakeDigest()).Load()->steps, 3u);
+}
+
+TEST_F(AgentInnerStateTest, AStateOfAnotherModelIsRefusedAndTheWorkerStartsFresh) {
+  ASSERT_THAT(Store(FakeDigest() + 1).Save(InnerState{5, {{1}}, {{1}}}), IsOk());
+  server_.AddTask(TrainTask(1, 0, /*steps=*/2));
+  RecordingMetrics metrics;
+  ASSERT_THAT(Run(&metrics), IsOk());
+  EXPECT_TRUE(trainer_.restored.empty());
+  EXPECT_EQ(metrics.Value(kInnerStateRestores, {"refused"}), 1);
+  // The round's state replaces the other model's.
+  EXPECT_EQ(Store(FakeDigest()).Load()->steps, 2u);
+}
+
+TEST_F(AgentInnerStateTest, SavesThatFailDoNotStopTraining) {
+  // The directory cannot be made: a file is in its place.
+  ASSERT_THAT(WriteFileAtomically(dir_, "not a directory"), IsOk());
+  server_.AddTask(TrainTask(1, 0, /*steps=*/2));
+  server_.AddTask(TrainTask(2, 1, /*steps=*/2));
+  RecordingMetrics metrics;
+  ASSERT_THAT(Run(&metrics), IsOk());
+  EXPECT_EQ(server_.pushes().size(), 2u);
+  // Each round, and the leave (the rounds are still unsaved).
+  EXPECT_EQ(metrics.Value(kInnerStateSaves, {"failed"}), 3);
+  EXPECT_EQ(metrics.Value(kInnerStateSaves, {"saved"}), 0);
+}
+
+TEST(AgentOptionsTest, StateOptionsAreChecked) {
+  AgentOptions options;
+  options.state_every_rounds = 0;
+  EXPECT_THAT(ValidateAgentOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--state_every_rounds")));
+  options.state_every_rounds = 1;
+  options.evaluator = true;
+  options.state_dir = "/tmp/x";
+  EXPECT_THAT(ValidateAgentOptions(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--state_dir")));
 }
 
 }  // namespace

@@ -339,6 +339,46 @@ TEST_F(FsdpTrainerTest, AnInterruptOnOneRankStopsEveryRankAfterTheSameStep) {
   });
 }
 
+// A rank restarted with its saved slices and AdamW state (aloe-worker --state_dir) trains the
+// next round as the ranks that never stopped: bit for bit.
+TEST_F(FsdpTrainerTest, RanksRestartedWithTheirInnerStateGoOnBitForBit) {
+  const Layers straight = TrainFsdp(2, 2, 5);
+  const InMemoryTokenSource data = Data();
+  std::vector<Layers> params(2);
+  std::vector<InnerState> states(2);
+  RunRanks(2, [&](Collectives& c) {
+    auto trainer = FsdpTrainer::Create(Model(), Inner(), spec_, /*seed=*/3, c);
+    ASSERT_THAT(trainer, IsOk());
+    ASSERT_THAT((*trainer)->Train(data, 5, /*lr_step=*/0, /*seed=*/11), IsOk());
+    ASSERT_THAT((*trainer)->GetParameterShards(&params[c.rank()]), IsOk());
+    absl::StatusOr<InnerState> state = (*trainer)->SaveInnerState();
+    ASSERT_THAT(state, IsOk());
+    EXPECT_EQ(state->steps, 5u);
+    for (int l = 0; l < spec_.layers_size(); ++l) {
+      EXPECT_EQ(state->first[l].size(), (*trainer)->layout().owned(l));
+    }
+    states[c.rank()] = *std::move(state);
+  });
+  Layers restarted;
+  RunRanks(2, [&](Collectives& c) {
+    auto trainer = FsdpTrainer::Create(Model(), Inner(), spec_, /*seed=*/99, c);
+    ASSERT_THAT(trainer, IsOk());
+    ASSERT_THAT((*trainer)->SetParameterShards(params[c.rank()]), IsOk());
+    // A state whose slices are not this rank's lengths is refused.
+    InnerState short_state = states[c.rank()];
+    short_state.second.back().pop_back();
+    EXPECT_THAT((*trainer)->RestoreInnerState(short_state),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("this rank owns")));
+    ASSERT_THAT((*trainer)->RestoreInnerState(states[c.rank()]), IsOk());
+    EXPECT_EQ((*trainer)->optimizer_steps(), 5u);
+    ASSERT_THAT((*trainer)->Train(data, 5, /*lr_step=*/5, /*seed=*/12), IsOk());
+    Layers gathered;
+    ASSERT_THAT((*trainer)->GatherParameters(&gathered), IsOk());
+    if (c.rank() == 0) restarted = gathered;
+  });
+  EXPECT_EQ(restarted, straight);
+}
+
 TEST_F(FsdpTrainerTest, SlicesRoundTripAndPseudoGradientIsPerSlice) {
   const InMemoryTokenSource data = Data();
   RunRanks(2, [&](Collectives& c) {

@@ -76,6 +76,65 @@ Layers Params(const LocalTrainer& trainer) {
   return layers;
 }
 
+// A worker restarted with its saved AdamW state (aloe-worker --state_dir) trains the next round
+// as the one that never stopped, bit for bit; one restarted with fresh moments does not.
+TEST(LocalTrainerInnerStateTest, ARestoredTrainerGoesOnBitForBitAndAFreshOneDoesNot) {
+  const InMemoryTokenSource data = PeriodicTokens(4000);
+  std::unique_ptr<LocalTrainer> straight = MakeTrainer();
+  ASSERT_THAT(straight->Train(data, 30, /*lr_step=*/0, /*seed=*/1), IsOk());
+  absl::StatusOr<InnerState> state = straight->SaveInnerState();
+  ASSERT_THAT(state, IsOk());
+  EXPECT_EQ(state->steps, 30u);
+  const Layers params = Params(*straight);
+  ASSERT_EQ(state->first.size(), params.size());
+  for (size_t l = 0; l < params.size(); ++l) {
+    ASSERT_EQ(state->first[l].size(), params[l].size());
+    ASSERT_EQ(state->second[l].size(), params[l].size());
+  }
+  double second_moment = 0;
+  for (const auto& layer : state->second) {
+    for (float v : layer) second_moment += v;
+  }
+  EXPECT_GT(second_moment, 0);
+
+  std::unique_ptr<LocalTrainer> restored = MakeTrainer(/*seed=*/7);
+  ASSERT_THAT(restored->SetParameters(params), IsOk());
+  ASSERT_THAT(restored->RestoreInnerState(*state), IsOk());
+  std::unique_ptr<LocalTrainer> fresh = MakeTrainer(/*seed=*/7);
+  ASSERT_THAT(fresh->SetParameters(params), IsOk());
+
+  const auto next = [&](LocalTrainer& t) { return t.Train(data, 10, /*lr_step=*/30, /*seed=*/2); };
+  absl::StatusOr<TrainStats> a = next(*straight);
+  absl::StatusOr<TrainStats> b = next(*restored);
+  absl::StatusOr<TrainStats> c = next(*fresh);
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
+  ASSERT_THAT(c, IsOk());
+  EXPECT_EQ(Params(*restored), Params(*straight));
+  EXPECT_EQ(b->mean_loss, a->mean_loss);
+  EXPECT_NE(Params(*fresh), Params(*straight));
+  std::printf("next round's loss: went on %.4f, restored %.4f, fresh moments %.4f\n", a->mean_loss,
+              b->mean_loss, c->mean_loss);
+  absl::StatusOr<InnerState> again = restored->SaveInnerState();
+  ASSERT_THAT(again, IsOk());
+  EXPECT_EQ(again->steps, 40u);
+}
+
+TEST(LocalTrainerInnerStateTest, AStateOfTheWrongShapeIsRefusedAndNothingChanges) {
+  const InMemoryTokenSource data = PeriodicTokens(2000);
+  std::unique_ptr<LocalTrainer> trainer = MakeTrainer();
+  ASSERT_THAT(trainer->Train(data, 3, 0, 1), IsOk());
+  const InnerState before = trainer->SaveInnerState().value();
+  InnerState wrong = before;
+  wrong.second.back().pop_back();
+  EXPECT_THAT(trainer->RestoreInnerState(wrong),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer")));
+  const InnerState after = trainer->SaveInnerState().value();
+  EXPECT_EQ(after.steps, before.steps);
+  EXPECT_EQ(after.first, before.first);
+  EXPECT_EQ(after.second, before.second);
+}
+
 TEST(TransformerTest, NamedParametersAreTheSpecTensorsInOrder) {
   const v1::ModelSpec spec = BuildTransformerSpec(TinyModel(), 1);
   TransformerLM model(TinyModel());
