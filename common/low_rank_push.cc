@@ -1,6 +1,7 @@
 #include "common/low_rank_push.h"
 
 #include <algorithm>
+#include <deque>
 
 #include "absl/strings/str_format.h"
 #include "common/low_rank.h"
@@ -217,6 +218,8 @@ absl::Status LowRankPushEncoder::CompressSlices(uint64_t task_id,
   // elements its slice holds.
   std::vector<LowRankSlicePiece> pieces;
   std::vector<std::pair<uint32_t, int>> tensors;  // (layer, tensor) of each piece
+  // The pieces' warm starts: a deque keeps each one where its piece's span points.
+  std::deque<std::vector<float>> warm_starts;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     if (layer.rank == 0) continue;
@@ -234,7 +237,8 @@ absl::Status LowRankPushEncoder::CompressSlices(uint64_t task_id,
         piece.cols = shape->second;
         piece.rank = rank;
         piece.seed = TensorSeed(l, t);
-        piece.warm_q = WarmStartFor(layer.warm_q[t], piece.cols, rank, piece.seed);
+        piece.warm_q =
+            warm_starts.emplace_back(WarmStartFor(layer.warm_q[t], piece.cols, rank, piece.seed));
         const uint64_t first = std::max(offset, sb);
         const uint64_t last = std::min(offset + n, se);
         if (!fits) {

@@ -166,10 +166,10 @@ TEST_F(FsdpWorkerTest, TwoRankNodePushesLowRankInt4FactorsWithErrorFeedback) {
       one_loss, two_loss, 100 * (two_loss - one_loss) / one_loss, one_bytes[0], node_bytes,
       two_bytes[0], two_bytes[1], node_bytes / one_bytes[0], fp32_bytes, fp32_bytes / node_bytes);
   EXPECT_LT(two_loss, 4.0) << "the node did not train (ln 256 = 5.55 at the start)";
-  // A node's low-rank run is not bit-reproducible: from its third round on, its final loss moves
-  // by up to about 4% either way between runs of this job, while one process's does not move.
-  // Hence the 8% bound; a node whose factors were wrong would not train (the bound above).
-  EXPECT_LE(std::abs(two_loss - one_loss) / one_loss, 0.08);
+  // The node's factors are one process's up to the order of the all-reduce's sums and where
+  // P's int4 blocks start: the runs end together. (Warm starts read from freed memory once made
+  // the node's runs spread by -2% to +4%.)
+  EXPECT_LE(std::abs(two_loss - one_loss) / one_loss, 0.01);
   // Both ranks send Q of the one tensor per layer that the slice boundary cuts, and its cut row
   // in float32: 9% more than one process (whose float32 1-D tensors are a fifth of its bytes).
   EXPECT_LE(node_bytes, 1.12 * one_bytes[0]);

@@ -540,6 +540,28 @@ TEST(LowRankPushEncoderSlicesTest, ErrorFeedbackAcrossRanksTracksTheTrueSumAsOne
   EXPECT_LT(drift_node, 1.1 * drift_one);
 }
 
+// From the second round on every rank starts from last round's Q (the warm start): the node's
+// factors must stay one rank's, round after round.
+TEST(LowRankPushEncoderSlicesTest, WarmStartedRoundsStayOneRanks) {
+  const v1::ModelSpec spec = Spec();
+  LowRankPushEncoder one;
+  one.Configure(Transport(v1::CODEC_FP32), spec);
+  std::vector<LowRankPushEncoder> encoders(2);
+  for (int r = 0; r < 2; ++r) encoders[r].Configure(Transport(v1::CODEC_FP32), spec, r, 2);
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE(absl::StrFormat("round %d", round));
+    // Each round's gradient differs, so that a wrong warm start gives other factors.
+    std::vector<float> g = LayerGradient(0);
+    for (size_t i = 0; i < g.size(); ++i) g[i] *= 1.0f + 0.1f * round * std::sin(0.37f * i);
+    std::vector<EncodedChunk> chunks;
+    ASSERT_THAT(one.EncodeLayer(0, /*task_id=*/0, g, nullptr, &chunks, kMaxChunkBytes), IsOk());
+    uint64_t bytes = 0;
+    const std::vector<float> one_decoded = DecodeChunks(chunks, 0, g.size(), &bytes);
+    const NodePush push = PushFromRanks(encoders, g);
+    EXPECT_LE(RelativeMaxError(push.decoded, one_decoded), kSummationOrderTolerance);
+  }
+}
+
 TEST(LowRankPushEncoderSlicesTest, RefusesWithoutFactorsAndSlicesOfTheWrongSize) {
   const v1::ModelSpec spec = Spec();
   const std::vector<float> g = LayerGradient(0);
