@@ -29,6 +29,7 @@
 #include "common/corpus_manifest.h"
 #include "common/flags_usage.h"
 #include "common/status_macros.h"
+#include "common/text_file.h"
 #include "common/token_shard.h"
 #include "common/tokenizer.h"
 
@@ -71,21 +72,6 @@ std::string GroupKey(std::string_view file_name) {
                            });
   if (!year_prefix || last == first || last + 1 == stem.size()) return std::string(stem);
   return std::string(stem.substr(first + 1, last - first - 1));
-}
-
-absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    return absl::InternalError(absl::StrFormat("%s: cannot open: %s", path, std::strerror(errno)));
-  }
-  std::string text;
-  char buf[1 << 16];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
-  const bool failed = std::ferror(f) != 0;
-  std::fclose(f);
-  if (failed) return absl::InternalError(absl::StrFormat("%s: read failed", path));
-  return text;
 }
 
 // The .txt files directly inside `dir`, sorted by file name.
