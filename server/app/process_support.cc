@@ -31,6 +31,15 @@ absl::StatusOr<Corpus> LoadCorpus(const v1::ServerConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat(config.corpus_dir(), "/manifest.tsv has no heldout shard"));
   }
+  // The built-in model must cover the corpus's token ids (an imported model's vocab_size is
+  // checked by the workers, against the data they read).
+  ALOE_ASSIGN_OR_RETURN(const uint32_t corpus_vocab, CorpusVocabSize(config.corpus_dir()));
+  if (config.model_file().empty() && config.model().vocab_size() < corpus_vocab) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "model.vocab_size %d is smaller than the vocabulary of the corpus in %s (%d token ids): "
+        "set model { vocab_size: %d } or prepare the corpus with the model's tokenizer",
+        config.model().vocab_size(), config.corpus_dir(), corpus_vocab, corpus_vocab));
+  }
   return corpus;
 }
 
