@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "common/json_reader.h"
 #include "common/status_macros.h"
 #include "common/text_file.h"
 
@@ -92,24 +93,6 @@ void ByteToUnicode(uint32_t out[256]) {
   for (int b = 0; b < 256; ++b) out[b] = printable(b) ? b : next++;
 }
 
-void AppendUtf8(uint32_t cp, std::string* out) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else {
-    out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  }
-}
-
 // Maps a token written through the byte table back to its bytes; false when a character is not
 // in the table.
 bool UnmapToken(std::string_view mapped, const absl::flat_hash_map<uint32_t, uint8_t>& byte_of,
@@ -122,139 +105,6 @@ bool UnmapToken(std::string_view mapped, const absl::flat_hash_map<uint32_t, uin
   }
   return true;
 }
-
-// A minimal reader of encoder.json: one JSON object whose values are non-negative integers.
-class VocabJsonReader {
- public:
-  VocabJsonReader(const std::string& path, std::string_view text) : path_(path), text_(text) {}
-
-  absl::Status Read(std::vector<std::pair<std::string, uint32_t>>* entries) {
-    SkipSpace();
-    ALOE_RETURN_IF_ERROR(Expect('{'));
-    SkipSpace();
-    if (Peek() == '}') return Error("empty vocabulary");
-    while (true) {
-      SkipSpace();
-      std::string key;
-      ALOE_RETURN_IF_ERROR(ReadString(&key));
-      SkipSpace();
-      ALOE_RETURN_IF_ERROR(Expect(':'));
-      SkipSpace();
-      uint32_t value = 0;
-      ALOE_RETURN_IF_ERROR(ReadUint(&value));
-      entries->emplace_back(std::move(key), value);
-      SkipSpace();
-      if (Peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      ALOE_RETURN_IF_ERROR(Expect('}'));
-      break;
-    }
-    SkipSpace();
-    if (pos_ != text_.size()) return Error("trailing data after the object");
-    return absl::OkStatus();
-  }
-
- private:
-  int Peek() const { return pos_ < text_.size() ? static_cast<unsigned char>(text_[pos_]) : -1; }
-  void SkipSpace() {
-    while (pos_ < text_.size() && std::strchr(" \t\r\n", text_[pos_]) != nullptr) ++pos_;
-  }
-  absl::Status Error(std::string_view what) const {
-    return absl::InvalidArgumentError(absl::StrFormat("%s: byte offset %d: %s", path_, pos_, what));
-  }
-  absl::Status Expect(char c) {
-    if (Peek() != static_cast<unsigned char>(c)) {
-      return Error(pos_ < text_.size() ? absl::StrFormat("expected '%c'", c)
-                                       : absl::StrFormat("truncated: expected '%c'", c));
-    }
-    ++pos_;
-    return absl::OkStatus();
-  }
-  absl::Status ReadHex4(uint32_t* out) {
-    if (pos_ + 4 > text_.size()) return Error("truncated \\u escape");
-    *out = 0;
-    for (int k = 0; k < 4; ++k) {
-      const char c = text_[pos_++];
-      const int d = c >= '0' && c <= '9'   ? c - '0'
-                    : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                    : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                           : -1;
-      if (d < 0) return Error("bad \\u escape");
-      *out = (*out << 4) | static_cast<uint32_t>(d);
-    }
-    return absl::OkStatus();
-  }
-  absl::Status ReadString(std::string* out) {
-    ALOE_RETURN_IF_ERROR(Expect('"'));
-    while (true) {
-      if (pos_ >= text_.size()) return Error("truncated string");
-      const char c = text_[pos_++];
-      if (c == '"') return absl::OkStatus();
-      if (c != '\\') {
-        out->push_back(c);
-        continue;
-      }
-      if (pos_ >= text_.size()) return Error("truncated escape");
-      const char e = text_[pos_++];
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/':
-          out->push_back(e);
-          break;
-        case 'b':
-          out->push_back('\b');
-          break;
-        case 'f':
-          out->push_back('\f');
-          break;
-        case 'n':
-          out->push_back('\n');
-          break;
-        case 'r':
-          out->push_back('\r');
-          break;
-        case 't':
-          out->push_back('\t');
-          break;
-        case 'u': {
-          uint32_t cp = 0;
-          ALOE_RETURN_IF_ERROR(ReadHex4(&cp));
-          if (cp >= 0xd800 && cp <= 0xdbff && pos_ + 1 < text_.size() && text_[pos_] == '\\' &&
-              text_[pos_ + 1] == 'u') {
-            pos_ += 2;
-            uint32_t low = 0;
-            ALOE_RETURN_IF_ERROR(ReadHex4(&low));
-            if (low < 0xdc00 || low > 0xdfff) return Error("unpaired surrogate");
-            cp = 0x10000 + ((cp - 0xd800) << 10) + (low - 0xdc00);
-          }
-          AppendUtf8(cp, out);
-          break;
-        }
-        default:
-          --pos_;
-          return Error("bad escape");
-      }
-    }
-  }
-  absl::Status ReadUint(uint32_t* out) {
-    const size_t start = pos_;
-    uint64_t v = 0;
-    while (pos_ < text_.size() && text_[pos_] >= '0' && text_[pos_] <= '9') {
-      v = v * 10 + static_cast<uint64_t>(text_[pos_++] - '0');
-      if (v > std::numeric_limits<uint32_t>::max()) return Error("id out of range");
-    }
-    if (pos_ == start) return Error("expected a non-negative integer id");
-    *out = static_cast<uint32_t>(v);
-    return absl::OkStatus();
-  }
-
-  const std::string& path_;
-  std::string_view text_;
-  size_t pos_ = 0;
-};
 
 // Whether chars[i] starts a match of `c+` (optionally after one space) for class `cls`; if so,
 // *end is the index after the run.
@@ -331,7 +181,15 @@ absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::Load(const std::st
   for (int b = 0; b < 256; ++b) byte_of[to_unicode[b]] = static_cast<uint8_t>(b);
 
   std::vector<std::pair<std::string, uint32_t>> entries;
-  ALOE_RETURN_IF_ERROR(VocabJsonReader(encoder_json, json).Read(&entries));
+  JsonReader reader(encoder_json, json);
+  ALOE_RETURN_IF_ERROR(reader.ReadObject([&](const std::string& key) {
+    uint32_t id = 0;
+    ALOE_RETURN_IF_ERROR(reader.ReadUint(&id));
+    entries.emplace_back(key, id);
+    return absl::OkStatus();
+  }));
+  reader.SkipSpace();
+  if (!reader.AtEnd()) return reader.Error("trailing data after the object");
   uint32_t max_id = 0;
   for (const auto& [mapped, id] : entries) max_id = std::max(max_id, id);
   if (max_id >= (1u << 24)) {

@@ -89,6 +89,36 @@ std::string TakeError(const SentencePieceApi& api, char* error) {
 
 }  // namespace
 
+namespace {
+
+// Calls f(sentence) for each non-empty line of `text`, cutting lines longer than
+// kMaxSentenceBytes at their last whitespace before the limit (or, without one, at a UTF-8
+// character boundary). SentencePiece skips training sentences above 4192 bytes, and its pieces
+// do not span whitespace, so the cut changes no ids.
+template <typename F>
+void ForEachSentence(std::string_view text, F&& f) {
+  constexpr size_t kMaxSentenceBytes = 4000;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view line = text.substr(start, end - start);
+    while (line.size() > kMaxSentenceBytes) {
+      size_t cut = line.find_last_of(" \t\r", kMaxSentenceBytes);
+      if (cut == std::string_view::npos || cut == 0) {
+        cut = kMaxSentenceBytes;
+        while (cut > 0 && (static_cast<unsigned char>(line[cut]) & 0xc0) == 0x80) --cut;
+      }
+      f(line.substr(0, cut));
+      line.remove_prefix(cut);
+    }
+    if (!line.empty()) f(line);
+    start = end + 1;
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> SentencePieceTokenizer::Load(
     const std::string& path) {
   if (::access(path.c_str(), F_OK) != 0) {
@@ -166,25 +196,26 @@ absl::Status SentencePieceTokenizer::Train(const std::string& input_file,
 
 std::vector<uint32_t> SentencePieceTokenizer::Encode(std::string_view text) const {
   std::vector<uint32_t> out;
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find('\n', start);
-    if (end == std::string_view::npos) end = text.size();
-    if (end > start) {
-      int* ids = nullptr;
-      size_t count = 0;
-      char* error = nullptr;
-      // A loaded model fails to encode only on bad handles: there is nothing to report.
-      if (api_.encode(model_, text.data() + start, end - start, &ids, &count, &error) == 0) {
-        out.insert(out.end(), ids, ids + count);
-        api_.free_buffer(ids);
-      } else {
-        api_.free_buffer(error);
-      }
+  ForEachSentence(text, [&](std::string_view sentence) {
+    int* ids = nullptr;
+    size_t count = 0;
+    char* error = nullptr;
+    // A loaded model fails to encode only on bad handles: there is nothing to report.
+    if (api_.encode(model_, sentence.data(), sentence.size(), &ids, &count, &error) == 0) {
+      out.insert(out.end(), ids, ids + count);
+      api_.free_buffer(ids);
+    } else {
+      api_.free_buffer(error);
     }
-    start = end + 1;
-  }
+  });
   return out;
+}
+
+void SentencePieceTokenizer::AppendTrainingLines(std::string_view text, std::string* out) {
+  ForEachSentence(text, [out](std::string_view sentence) {
+    out->append(sentence);
+    out->push_back('\n');
+  });
 }
 
 std::string SentencePieceTokenizer::Decode(const std::vector<uint32_t>& ids) const {

@@ -5,7 +5,9 @@
 // executable (or on the library path) and loaded on first use.
 //
 // Text is encoded one line at a time, as spm_encode does: SentencePiece's normalisation turns
-// line breaks into spaces, so they are not tokens, and empty lines give no ids.
+// line breaks into spaces, so they are not tokens, and empty lines give no ids. Lines longer than
+// 4000 bytes are encoded in pieces cut at whitespace, which gives the same ids for models whose
+// pieces do not span whitespace (SentencePiece's default).
 #pragma once
 
 #include <cstdint>
@@ -54,6 +56,10 @@ class SentencePieceTokenizer final : public Tokenizer {
   std::vector<uint32_t> Encode(std::string_view text) const override;
   uint32_t vocab_size() const override { return vocab_size_; }
   std::string name() const override { return "sentencepiece"; }
+
+  // Appends `text` to *out as Train's input wants it: the sentences Encode would encode, one
+  // per line.
+  static void AppendTrainingLines(std::string_view text, std::string* out);
 
   // The text of `ids` (SentencePiece's decoding: pieces joined, "▁" back to spaces).
   std::string Decode(const std::vector<uint32_t>& ids) const;

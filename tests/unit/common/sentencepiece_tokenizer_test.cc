@@ -115,7 +115,10 @@ TEST_F(SentencePieceTokenizerTest, MatchesSpmEncodeLineByLine) {
   const std::string model = TrainModel(dir);
   absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> t = SentencePieceTokenizer::Load(model);
   ASSERT_THAT(t, IsOk());
+  std::string long_line;  // encoded in pieces cut at whitespace, with the same ids
+  while (long_line.size() < 10000) absl::StrAppend(&long_line, "we can not dedicate -- ");
   const std::vector<std::string> lines = {
+      long_line,
       "The brave men, living and dead, who struggled here.",
       "  Extra   spaces and UPPER case; numbers 1863 and 2024!",
       "Unseen: na\xc3\xafve caf\xc3\xa9 \xe6\x9d\xb1\xe4\xba\xac \xf0\x9f\x98\x80",
