@@ -201,17 +201,18 @@ absl::StatusOr<Layout> AloeLayout(const std::string& path, const unsigned char* 
 
 absl::StatusOr<Layout> LlmcLayout(const std::string& path, const unsigned char* h,
                                   uint64_t file_bytes) {
-  if (file_bytes < kLlmcHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: truncated header: the file ends at byte offset %d, inside the %d-byte llm.c header",
-        path, file_bytes, kLlmcHeaderBytes));
-  }
-  const int32_t magic = static_cast<int32_t>(GetLe(h, 4));
+  // The magic first: a short file of another kind is told so, not called truncated.
+  const int32_t magic = file_bytes >= 4 ? static_cast<int32_t>(GetLe(h, 4)) : kLlmcMagic;
   if (magic != kLlmcMagic) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: byte offset 0: magic %d, expected %d (not an llm.c token file; a headerless nanoGPT "
         "file is --input_format uint16)",
         path, magic, kLlmcMagic));
+  }
+  if (file_bytes < kLlmcHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: truncated header: the file ends at byte offset %d, inside the %d-byte llm.c header",
+        path, file_bytes, kLlmcHeaderBytes));
   }
   const int32_t version = static_cast<int32_t>(GetLe(h + 4, 4));
   if (version != 1 && version != 2) {

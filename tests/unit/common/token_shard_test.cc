@@ -272,6 +272,11 @@ TEST(TokenShardTest, RefusesMalformedLlmcFilesNamingTheOffset) {
       open(LlmcFile({1, 2}, 2).substr(0, 1000)),
       StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr(path + ": truncated header"),
                                                          HasSubstr("ends at byte offset 1000"))));
+  // A short file of another kind (nanoGPT's) is told by its magic, not called truncated.
+  EXPECT_THAT(open(std::string("\x01\x00\x02\x00\x03\x00", 6)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(path + ": byte offset 0: magic 131073"),
+                             HasSubstr("--input_format uint16"))));
   EXPECT_THAT(open(LlmcFile({1, 2}, 2, 20240521)),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr(path + ": byte offset 0: magic 20240521, expected 20240520")));
