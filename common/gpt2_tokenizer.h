@@ -48,7 +48,7 @@ class Gpt2Tokenizer final : public Tokenizer {
   uint32_t vocab_size() const override { return vocab_size_; }
   std::string name() const override { return "gpt2"; }
 
-  // The bytes of token `id`; empty for an id outside the vocabulary.
+  // The bytes of `ids`, one token after another; ids outside the vocabulary give nothing.
   std::string Decode(const std::vector<uint32_t>& ids) const;
 
  private:

@@ -25,7 +25,8 @@ struct Corpus {
   std::string heldout_file;
 };
 // The manifest's errors; kInvalidArgument when it has no held-out shard or when the built-in
-// model's vocab_size is below the corpus's (CorpusVocabSize, whose errors it also returns).
+// model's vocab_size is below the corpus's (CorpusVocabSize, whose errors other than kNotFound
+// it also returns).
 absl::StatusOr<Corpus> LoadCorpus(const v1::ServerConfig& config);
 
 // The whole of file `path`; kNotFound naming `what` when it cannot be opened.

@@ -153,7 +153,8 @@ TEST(Gpt2TokenizerTest, RefusesMalformedVocabularyFilesNamingTheOffset) {
   WriteFile(dir + "/vocab.bpe", "#version: 0.2\nab\n");
   EXPECT_THAT(Gpt2Tokenizer::LoadDir(dir),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("byte offset 14")));
-  EXPECT_THAT(Gpt2Tokenizer::LoadDir(dir + "/missing"), StatusIs(absl::StatusCode::kNotFound, HasSubstr("no such file")));
+  EXPECT_THAT(Gpt2Tokenizer::LoadDir(dir + "/missing"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("no such file")));
 }
 
 // Texts whose ids are compared with the reference encoder: contractions, whitespace runs,
