@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "common/durable_file.h"
 #include "common/status_macros.h"
+#include "common/text_file.h"
 #include "common/token_shard.h"
 
 namespace aloe {
@@ -42,6 +43,30 @@ std::string RowProblem(const CorpusShardInfo& shard) {
   return "";
 }
 
+// Reads one "KEY<TAB>VALUE" property line (after its "# ") into `corpus`.
+absl::Status ParseProperty(absl::string_view property, CorpusInfo* corpus) {
+  std::vector<absl::string_view> kv = absl::StrSplit(property, absl::MaxSplits('\t', 1));
+  if (kv.size() != 2 || kv[1].empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "expected \"# KEY<TAB>VALUE\" (tokenizer, vocab_size or format), got \"# %s\"",
+        absl::CEscape(property)));
+  }
+  if (kv[0] == "tokenizer") {
+    corpus->tokenizer = std::string(kv[1]);
+  } else if (kv[0] == "vocab_size") {
+    if (!absl::SimpleAtoi(kv[1], &corpus->vocab_size) || corpus->vocab_size == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("vocab_size \"%s\" is not a positive integer", absl::CEscape(kv[1])));
+    }
+  } else if (kv[0] == "format") {
+    ALOE_ASSIGN_OR_RETURN(corpus->format, ParseTokenFileFormat(std::string(kv[1])));
+  } else {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "unknown property \"%s\" (tokenizer, vocab_size or format)", absl::CEscape(kv[0])));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string CorpusManifestPath(const std::string& dir) {
@@ -49,13 +74,19 @@ std::string CorpusManifestPath(const std::string& dir) {
 }
 
 absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::string& dir) {
+  ALOE_ASSIGN_OR_RETURN(CorpusInfo corpus, LoadCorpusInfo(dir));
+  return std::move(corpus.shards);
+}
+
+absl::StatusOr<CorpusInfo> LoadCorpusInfo(const std::string& dir) {
   const std::string path = CorpusManifestPath(dir);
-  ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadWholeFile(path));
+  ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadTextFile(path));
   auto bad_line = [&path](int line_no, const std::string& problem) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: line %d: %s", path, line_no, problem));
   };
 
-  std::vector<CorpusShardInfo> shards;
+  CorpusInfo corpus;
+  std::vector<CorpusShardInfo>& shards = corpus.shards;
   absl::flat_hash_map<std::string, int> line_of_name;
   bool any_train = false;
   int line_no = 0;
@@ -70,6 +101,12 @@ absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::strin
       continue;
     }
     if (line.empty()) continue;
+    if (absl::StartsWith(line, "# ")) {
+      if (absl::Status s = ParseProperty(line.substr(2), &corpus); !s.ok()) {
+        return bad_line(line_no, std::string(s.message()));
+      }
+      continue;
+    }
     std::vector<absl::string_view> fields = absl::StrSplit(line, '\t');
     if (fields.size() != 4) {
       return bad_line(line_no, absl::StrFormat("expected 4 tab-separated fields "
@@ -108,13 +145,38 @@ absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::strin
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: no train shard (a corpus needs at least one)", path));
   }
-  return shards;
+  if (corpus.format != TokenFileFormat::kAloe && corpus.vocab_size == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: format %s needs a vocab_size line (the files do not record it)", path,
+                        TokenFileFormatName(corpus.format)));
+  }
+  return corpus;
 }
 
 absl::Status WriteCorpusManifest(const std::string& dir,
                                  const std::vector<CorpusShardInfo>& shards) {
+  CorpusInfo corpus;
+  corpus.shards = shards;
+  return WriteCorpusManifest(dir, corpus);
+}
+
+absl::Status WriteCorpusManifest(const std::string& dir, const CorpusInfo& corpus) {
+  const std::vector<CorpusShardInfo>& shards = corpus.shards;
   const std::string path = CorpusManifestPath(dir);
   std::string out = std::string(kCorpusManifestHeader) + "\n";
+  if (corpus.tokenizer.find_first_of("\t\r\n") != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: not written: the tokenizer name has a tab or newline", path));
+  }
+  if (corpus.format != TokenFileFormat::kAloe && corpus.vocab_size == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: not written: format %s needs a vocab_size", path, TokenFileFormatName(corpus.format)));
+  }
+  if (!corpus.tokenizer.empty()) absl::StrAppend(&out, "# tokenizer\t", corpus.tokenizer, "\n");
+  if (corpus.vocab_size != 0) absl::StrAppend(&out, "# vocab_size\t", corpus.vocab_size, "\n");
+  if (corpus.format != TokenFileFormat::kAloe) {
+    absl::StrAppend(&out, "# format\t", TokenFileFormatName(corpus.format), "\n");
+  }
   absl::flat_hash_map<std::string, size_t> index_of_name;
   bool any_train = false;
   for (size_t i = 0; i < shards.size(); ++i) {
@@ -145,11 +207,18 @@ absl::Status WriteCorpusManifest(const std::string& dir,
 
 absl::Status VerifyCorpusShards(const std::string& dir,
                                 const std::vector<CorpusShardInfo>& shards) {
+  CorpusInfo corpus;
+  corpus.shards = shards;
+  return VerifyCorpus(dir, corpus);
+}
+
+absl::Status VerifyCorpus(const std::string& dir, const CorpusInfo& corpus) {
   uint32_t vocab_size = 0;
   std::string vocab_file;
-  for (const CorpusShardInfo& info : shards) {
+  for (const CorpusShardInfo& info : corpus.shards) {
     const std::string path = dir + "/" + info.file;
-    ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path));
+    ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard,
+                          TokenShard::Open(path, corpus.format, corpus.vocab_size));
     if (shard->num_tokens() != info.tokens) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s: holds %d tokens but %s lists %d for shard %s", path,
@@ -166,6 +235,14 @@ absl::Status VerifyCorpusShards(const std::string& dir,
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> CorpusVocabSize(const std::string& dir) {
+  ALOE_ASSIGN_OR_RETURN(const CorpusInfo corpus, LoadCorpusInfo(dir));
+  if (corpus.vocab_size != 0) return corpus.vocab_size;
+  ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard,
+                        TokenShard::Open(dir + "/" + corpus.shards.front().file));
+  return shard->vocab_size();
 }
 
 }  // namespace aloe

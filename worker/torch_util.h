@@ -57,7 +57,8 @@ class TrainingAutocast {
 absl::Status LibTorchError(const char* what, const std::exception& e);
 
 // Reads `starts.size()` windows of `window` tokens into a fresh [rows, window] int64 tensor.
-// kInvalidArgument naming the first token outside [0, vocab_size).
+// kInvalidArgument when data.vocab_size() exceeds `vocab_size` (the model's), or naming the
+// first token outside [0, vocab_size).
 absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
                                         const std::vector<uint64_t>& starts, int64_t window,
                                         uint32_t vocab_size);

@@ -31,6 +31,18 @@ absl::StatusOr<Corpus> LoadCorpus(const v1::ServerConfig& config) {
     return absl::InvalidArgumentError(
         absl::StrCat(config.corpus_dir(), "/manifest.tsv has no heldout shard"));
   }
+  // The built-in model must cover the corpus's token ids (an imported model's vocab_size is
+  // checked by the workers, against the data they read). A server may hold only the manifest:
+  // without a vocab_size line or the first shard there is nothing to check against.
+  const absl::StatusOr<uint32_t> vocab = CorpusVocabSize(config.corpus_dir());
+  if (!vocab.ok() && vocab.status().code() != absl::StatusCode::kNotFound) return vocab.status();
+  const uint32_t corpus_vocab = vocab.ok() ? *vocab : 0;
+  if (config.model_file().empty() && config.model().vocab_size() < corpus_vocab) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "model.vocab_size %d is smaller than the vocabulary of the corpus in %s (%d token ids): "
+        "set model { vocab_size: %d } or prepare the corpus with the model's tokenizer",
+        config.model().vocab_size(), config.corpus_dir(), corpus_vocab, corpus_vocab));
+  }
   return corpus;
 }
 

@@ -24,7 +24,9 @@ struct Corpus {
   std::vector<DataShard> train;
   std::string heldout_file;
 };
-// The manifest's errors; kInvalidArgument when it has no held-out shard.
+// The manifest's errors; kInvalidArgument when it has no held-out shard or when the built-in
+// model's vocab_size is below the corpus's (CorpusVocabSize, whose errors other than kNotFound
+// it also returns).
 absl::StatusOr<Corpus> LoadCorpus(const v1::ServerConfig& config);
 
 // The whole of file `path`; kNotFound naming `what` when it cannot be opened.

@@ -209,5 +209,90 @@ TEST(CorpusManifestTest, VerifyReportsMixedVocabSizes) {
                AllOf(HasSubstr("shards/b.tok"), HasSubstr("vocab_size 512"))));
 }
 
+TEST(CorpusManifestTest, PropertiesRoundTripAfterTheHeader) {
+  const std::string dir = MakeTempDir();
+  CorpusInfo corpus;
+  corpus.tokenizer = "gpt2";
+  corpus.vocab_size = 50257;
+  corpus.format = TokenFileFormat::kLlmc;
+  corpus.shards = {{"train_000001", "shards/train_000001.bin", 9, false},
+                   {"val_000000", "shards/val_000000.bin", 4, true}};
+  ASSERT_THAT(WriteCorpusManifest(dir, corpus), IsOk());
+  std::ifstream in(CorpusManifestPath(dir));
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, std::string(kHeader) +
+                      "# tokenizer\tgpt2\n# vocab_size\t50257\n# format\tllmc\n"
+                      "train_000001\tshards/train_000001.bin\t9\ttrain\n"
+                      "val_000000\tshards/val_000000.bin\t4\theldout\n");
+  absl::StatusOr<CorpusInfo> loaded = LoadCorpusInfo(dir);
+  ASSERT_THAT(loaded, IsOk());
+  EXPECT_EQ(loaded->tokenizer, "gpt2");
+  EXPECT_EQ(loaded->vocab_size, 50257u);
+  EXPECT_EQ(loaded->format, TokenFileFormat::kLlmc);
+  EXPECT_EQ(loaded->shards, corpus.shards);
+  // The old reader of rows only still works on the new file.
+  EXPECT_THAT(LoadCorpusManifest(dir), IsOk());
+}
+
+TEST(CorpusManifestTest, RefusesBadPropertiesNamingTheLine) {
+  const std::string dir = MakeTempDir();
+  WriteManifestText(dir, std::string(kHeader) + "# vocab\t5\na\tshards/a.tok\t1\ttrain\n");
+  EXPECT_THAT(LoadCorpusInfo(dir),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("line 2"), HasSubstr("unknown property \"vocab\""))));
+  WriteManifestText(dir, std::string(kHeader) + "# vocab_size\t-3\na\tshards/a.tok\t1\ttrain\n");
+  EXPECT_THAT(LoadCorpusInfo(dir),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a positive integer")));
+  WriteManifestText(dir, std::string(kHeader) + "# format\tnpy\na\tshards/a.tok\t1\ttrain\n");
+  EXPECT_THAT(LoadCorpusInfo(dir),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("llmc or uint16")));
+  // Token files without a header need the vocab_size from the manifest.
+  WriteManifestText(dir, std::string(kHeader) + "# format\tuint16\na\tshards/a.bin\t1\ttrain\n");
+  EXPECT_THAT(LoadCorpusInfo(dir), StatusIs(absl::StatusCode::kInvalidArgument,
+                                            HasSubstr("format uint16 needs a vocab_size")));
+}
+
+TEST(CorpusManifestTest, VocabSizeComesFromThePropertyOrTheFirstShard) {
+  const std::string dir = MakeTempDir();
+  ASSERT_THAT(WriteTokenShard(dir + "/shards/a.tok", {1, 2}, 300), IsOk());
+  ASSERT_THAT(WriteCorpusManifest(dir, {{"a", "shards/a.tok", 2, false}}), IsOk());
+  EXPECT_THAT(
+      CorpusVocabSize(dir),
+      ::testing::AllOf(IsOk(), ::testing::Property(&absl::StatusOr<uint32_t>::value, 300u)));
+  CorpusInfo corpus;
+  corpus.vocab_size = 50257;
+  corpus.format = TokenFileFormat::kUint16;
+  corpus.shards = {{"a", "shards/a.bin", 2, false}};
+  ASSERT_THAT(WriteCorpusManifest(dir, corpus), IsOk());
+  EXPECT_THAT(
+      CorpusVocabSize(dir),
+      ::testing::AllOf(IsOk(), ::testing::Property(&absl::StatusOr<uint32_t>::value, 50257u)));
+}
+
+TEST(CorpusManifestTest, ShardCacheReadsTheFormatOfTheManifest) {
+  const std::string dir = MakeTempDir();
+  const uint16_t tokens[] = {50256, 7, 11};
+  std::ofstream(dir + "/shards/a.bin", std::ios::binary)
+      .write(reinterpret_cast<const char*>(tokens), sizeof(tokens));
+  CorpusInfo corpus;
+  corpus.tokenizer = "gpt2";
+  corpus.vocab_size = 50257;
+  corpus.format = TokenFileFormat::kUint16;
+  corpus.shards = {{"a", "shards/a.bin", 3, false}};
+  ASSERT_THAT(WriteCorpusManifest(dir, corpus), IsOk());
+  EXPECT_THAT(VerifyCorpus(dir, corpus), IsOk());
+  TokenShardCache cache(dir);
+  absl::StatusOr<const TokenShard*> shard = cache.Get("shards/a.bin");
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ((*shard)->vocab_size(), 50257u);
+  int64_t read[3];
+  (*shard)->Read(0, 3, read);
+  EXPECT_THAT(read, ElementsAre(50256, 7, 11));
+  // Declared 4 tokens where the file holds 3.
+  corpus.shards[0].tokens = 4;
+  EXPECT_THAT(VerifyCorpus(dir, corpus),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("holds 3 tokens")));
+}
+
 }  // namespace
 }  // namespace aloe

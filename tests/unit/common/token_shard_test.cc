@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -235,6 +236,128 @@ TEST(TokenShardTest, IsATokenSource) {
   source.Read(2, 1, out.data());
   EXPECT_EQ(out[0], 7);
   EXPECT_EQ(source.vocab_size(), 256u);
+}
+
+// An llm.c token file: 256 int32 header (magic, version, count) and the tokens.
+std::string LlmcFile(const std::vector<uint16_t>& tokens, int32_t count, int32_t magic = 20240520,
+                     int32_t version = 1) {
+  std::string bytes(1024, '\0');
+  std::memcpy(bytes.data(), &magic, 4);
+  std::memcpy(bytes.data() + 4, &version, 4);
+  std::memcpy(bytes.data() + 8, &count, 4);
+  bytes.append(reinterpret_cast<const char*>(tokens.data()), 2 * tokens.size());
+  return bytes;
+}
+
+TEST(TokenShardTest, ReadsLlmcFilesInPlace) {
+  const std::string path = TempPath("train.bin");
+  WriteBytes(path, LlmcFile({50256, 15496, 995, 0}, 4));
+  absl::StatusOr<std::unique_ptr<TokenShard>> shard =
+      TokenShard::Open(path, TokenFileFormat::kLlmc, 50257);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ((*shard)->num_tokens(), 4u);
+  EXPECT_EQ((*shard)->vocab_size(), 50257u);
+  EXPECT_EQ((*shard)->header_bytes(), 1024u);
+  EXPECT_THAT(ReadAll(**shard), ElementsAreArray({50256, 15496, 995, 0}));
+  EXPECT_THAT((*shard)->CheckTokenRange(), IsOk());
+}
+
+TEST(TokenShardTest, RefusesMalformedLlmcFilesNamingTheOffset) {
+  const std::string path = TempPath("bad.bin");
+  auto open = [&](const std::string& bytes) {
+    WriteBytes(path, bytes);
+    return TokenShard::Open(path, TokenFileFormat::kLlmc, 50257).status();
+  };
+  EXPECT_THAT(
+      open(LlmcFile({1, 2}, 2).substr(0, 1000)),
+      StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr(path + ": truncated header"),
+                                                         HasSubstr("ends at byte offset 1000"))));
+  // A short file of another kind (nanoGPT's) is told by its magic, not called truncated.
+  EXPECT_THAT(open(std::string("\x01\x00\x02\x00\x03\x00", 6)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(path + ": byte offset 0: magic 131073"),
+                             HasSubstr("--input_format uint16"))));
+  EXPECT_THAT(open(LlmcFile({1, 2}, 2, 20240521)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(path + ": byte offset 0: magic 20240521, expected 20240520")));
+  EXPECT_THAT(
+      open(LlmcFile({1, 2}, 2, 20240520, 7)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(path + ": byte offset 4: version 7")));
+  EXPECT_THAT(open(LlmcFile({1, 2}, 0)), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                  HasSubstr("byte offset 8: token count 0")));
+  // The header promises 3 tokens; the body holds 2 and a half.
+  EXPECT_THAT(open(LlmcFile({1, 2}, 3) + "x"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(path + ": truncated"), HasSubstr("end at byte offset 1030"),
+                             HasSubstr("file ends at byte offset 1029"))));
+  EXPECT_THAT(open(LlmcFile({1, 2, 3}, 2)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("trailing bytes")));
+  EXPECT_THAT(open(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty file")));
+}
+
+TEST(TokenShardTest, LlmcVersion2HoldsUint32Tokens) {
+  const std::string path = TempPath("v2.bin");
+  std::string bytes = LlmcFile({}, 2, 20240520, 2);
+  const uint32_t tokens[] = {128000, 7};
+  bytes.append(reinterpret_cast<const char*>(tokens), sizeof(tokens));
+  WriteBytes(path, bytes);
+  absl::StatusOr<std::unique_ptr<TokenShard>> shard =
+      TokenShard::Open(path, TokenFileFormat::kLlmc, 128256);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ((*shard)->dtype_bytes(), 4u);
+  EXPECT_THAT(ReadAll(**shard), ElementsAreArray({128000, 7}));
+}
+
+TEST(TokenShardTest, ReadsHeaderlessUint16FilesAndRefusesOddSizes) {
+  const std::string path = TempPath("val.bin");
+  const std::vector<uint16_t> tokens = {3, 64, 0, 12};
+  std::string bytes(reinterpret_cast<const char*>(tokens.data()), 2 * tokens.size());
+  WriteBytes(path, bytes);
+  absl::StatusOr<std::unique_ptr<TokenShard>> shard =
+      TokenShard::Open(path, TokenFileFormat::kUint16, 65);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ((*shard)->header_bytes(), 0u);
+  EXPECT_THAT(ReadAll(**shard), ElementsAreArray({3, 64, 0, 12}));
+
+  WriteBytes(path, bytes + "\x01");
+  EXPECT_THAT(TokenShard::Open(path, TokenFileFormat::kUint16, 65),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(path + ": truncated: byte offset 8 starts half a uint16 token")));
+  EXPECT_THAT(TokenShard::Open(path, TokenFileFormat::kUint16, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("needs the vocab_size")));
+}
+
+TEST(TokenShardTest, CheckTokenRangeNamesTheByteOffsetOfTheFirstBadToken) {
+  const std::string path = TempPath("range.bin");
+  WriteBytes(path, LlmcFile({1, 2, 50257, 60000}, 4));
+  absl::StatusOr<std::unique_ptr<TokenShard>> shard =
+      TokenShard::Open(path, TokenFileFormat::kLlmc, 50257);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_THAT((*shard)->CheckTokenRange(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(path + ": byte offset 1028: token 50257 is outside the "
+                                        "vocabulary (vocab_size 50257)")));
+}
+
+TEST(TokenShardTest, AloeShardMustMatchTheCorpusVocab) {
+  const std::string path = TempPath("v.tok");
+  ASSERT_THAT(WriteTokenShard(path, {1, 2}, 256), IsOk());
+  EXPECT_THAT(TokenShard::Open(path, TokenFileFormat::kAloe, 256), IsOk());
+  EXPECT_THAT(TokenShard::Open(path, TokenFileFormat::kAloe, 50257),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("byte offset 24: vocab_size 256, but the corpus manifest says "
+                                 "50257")));
+}
+
+TEST(TokenFileFormatTest, NamesRoundTrip) {
+  for (TokenFileFormat f :
+       {TokenFileFormat::kAloe, TokenFileFormat::kLlmc, TokenFileFormat::kUint16}) {
+    absl::StatusOr<TokenFileFormat> parsed = ParseTokenFileFormat(TokenFileFormatName(f));
+    ASSERT_THAT(parsed, IsOk());
+    EXPECT_EQ(*parsed, f);
+  }
+  EXPECT_THAT(ParseTokenFileFormat("npy"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("aloe, llmc or uint16")));
 }
 
 }  // namespace

@@ -29,6 +29,7 @@ namespace {
 
 using ::aloe::testing::IsOk;
 using ::aloe::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Layers = std::vector<std::vector<float>>;
 
@@ -646,6 +647,22 @@ TEST(LocalTrainerTest, TrainingThreadAndItsIntraOpThreadsFlushDenormals) {
     EXPECT_EQ(csr & (kFlushToZero | kDenormalsAreZero), kFlushToZero | kDenormalsAreZero);
   }
 #endif
+}
+
+// A corpus of another tokenizer (here GPT-2's 50257 ids) against a model of 16 is refused
+// before training, naming both sizes; a model vocabulary larger than the data's is fine.
+TEST(LocalTrainerTest, RefusesDataOfALargerVocabularyThanTheModel) {
+  auto trainer = MakeTrainer();
+  ASSERT_NE(trainer, nullptr);
+  const InMemoryTokenSource gpt2_data(std::vector<uint32_t>(64, 3), 50257);
+  EXPECT_THAT(
+      trainer->Train(gpt2_data, 1, /*lr_step=*/0, /*seed=*/1),
+      StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("vocabulary of 50257 token ids"),
+                                                         HasSubstr("model's vocab_size is 16"))));
+  EXPECT_THAT(trainer->Evaluate(gpt2_data, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("50257")));
+  const InMemoryTokenSource byte_data(std::vector<uint32_t>(64, 3), 8);
+  EXPECT_THAT(trainer->Train(byte_data, 1, /*lr_step=*/0, /*seed=*/1), IsOk());
 }
 
 }  // namespace
