@@ -12,6 +12,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/model_spec.h"
+#include "common/safetensors.h"
+#include "common/safetensors_model.h"
 #include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/token_shard.h"
@@ -201,7 +203,10 @@ absl::StatusOr<v1::ImportedModel> ReadImportedModel(const std::string& path) {
   return model;
 }
 
-absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config, int64_t params_of) {
+namespace {
+
+// The model without ServerConfig.init_file.
+absl::StatusOr<ServerModel> LoadModelOf(const v1::ServerConfig& config, int64_t params_of) {
   ServerModel out;
   // Layer-sharded across processes: each layer's shard is the shard process that owns it;
   // otherwise its apply group.
@@ -233,6 +238,23 @@ absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config, int6
   out.fingerprint = model->fingerprint();
   out.vocab_size = model->vocab_size();
   out.seq_len = model->seq_len();
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<ServerModel> LoadServerModel(const v1::ServerConfig& config, int64_t params_of) {
+  ALOE_ASSIGN_OR_RETURN(ServerModel out, LoadModelOf(config, params_of));
+  if (config.init_file().empty()) return out;
+  absl::StatusOr<SafetensorsFile> file = ReadSafetensors(config.init_file());
+  if (!file.ok()) {
+    return absl::Status(file.status().code(), absl::StrCat("init_file: ", file.status().message()));
+  }
+  // A coordinator holds no parameters but refuses a file its shard processes would refuse.
+  std::vector<std::vector<float>> none;
+  absl::Status set = SetInitialParameters(*file, config.init_file(), out.spec,
+                                          params_of == kNoLayers ? &none : &out.initial);
+  if (!set.ok()) return absl::Status(set.code(), absl::StrCat("init_file: ", set.message()));
   return out;
 }
 
