@@ -158,7 +158,7 @@ run_job() {
     fi
     printf '[%s] %-5s version %-4s eval perplexity %-8s tokens/s fast %-6s slow %-6s%s\n' \
       "$(date +%H:%M:%S)" "$mode" "$(metric aloe_model_version "$metrics_port")" \
-      "$(metric aloe_eval_perplexity "$metrics_port" | xargs printf '%.2f' 2>/dev/null)" \
+      "$(metric aloe_eval_perplexity "$metrics_port" | awk '{ if ($1 > 0) printf "%.2f", $1; else printf "-" }')" \
       "$(tokps "$run_dir/worker-fast.log")" "$(tokps "$run_dir/worker-slow.log")" "$shards"
   done
   wait "$server_pid" || { echo "demo.sh: the server failed; see $run_dir/server.log" >&2; exit 1; }
