@@ -73,8 +73,9 @@ std::vector<double> RecordingMetrics::Observations(std::string_view name,
 }
 
 // A minimal read-only HTTP/1.0 server: GET /metrics returns the registry in Prometheus text
-// format; anything else gets 404 (or 405 for other methods). One connection at a time, each
-// with a 2 s budget, which is plenty for scrapes. Shutdown() stops and joins the thread.
+// format, GET of a served page (PrometheusMetrics::ServePage) renders it; anything else gets 404
+// (or 405 for other methods). One connection at a time, each with a 2 s budget, which is plenty
+// for scrapes and a status page. The destructor stops and joins the thread.
 class MetricsHttpServer {
  public:
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(
@@ -125,6 +126,16 @@ class MetricsHttpServer {
 
   int port() const { return port_; }
 
+  void ServePage(const std::string& path, HttpPage page) {
+    absl::MutexLock lock(&mu_);
+    pages_[path] = std::move(page);
+  }
+
+  void RemovePages() {
+    absl::MutexLock lock(&mu_);
+    pages_.clear();
+  }
+
  private:
   MetricsHttpServer(int fd, std::shared_ptr<prometheus::Registry> registry)
       : fd_(fd), registry_(std::move(registry)) {}
@@ -156,14 +167,24 @@ class MetricsHttpServer {
     std::string body;
     std::string type = "text/plain; version=0.0.4; charset=utf-8";
     const std::string line = request.substr(0, request.find("\r\n"));
+    // "GET /path?query HTTP/1.x": the path alone.
+    std::string path = line.size() > 4 ? line.substr(4, line.find(' ', 4) - 4) : "";
+    path = path.substr(0, path.find('?'));
     if (line.rfind("GET ", 0) != 0) {
       status = "405 Method Not Allowed";
       body = "only GET is supported\n";
-    } else if (line.rfind("GET /metrics ", 0) == 0 || line.rfind("GET /metrics?", 0) == 0) {
+    } else if (path == "/metrics") {
       body = prometheus::TextSerializer().Serialize(registry_->Collect());
     } else {
-      status = "404 Not Found";
-      body = "see /metrics\n";
+      // Rendered under the lock: RemovePages waits for it.
+      absl::MutexLock lock(&mu_);
+      if (auto page = pages_.find(path); page != pages_.end()) {
+        type = page->second.content_type;
+        body = page->second.render();
+      } else {
+        status = "404 Not Found";
+        body = "see /metrics\n";
+      }
     }
     const std::string response = absl::StrFormat(
         "HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
@@ -179,6 +200,8 @@ class MetricsHttpServer {
 
   const int fd_;
   std::shared_ptr<prometheus::Registry> registry_;
+  absl::Mutex mu_;
+  std::map<std::string, HttpPage> pages_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> stop_{false};
   std::thread thread_;
   int port_ = 0;
@@ -244,6 +267,26 @@ absl::StatusOr<std::unique_ptr<PrometheusMetrics>> PrometheusMetrics::Start(
 }
 
 PrometheusMetrics::~PrometheusMetrics() = default;  // stops the HTTP server first
+
+void PrometheusMetrics::ServePage(const std::string& path, HttpPage page) {
+  http_->ServePage(path, std::move(page));
+}
+
+void PrometheusMetrics::RemovePages() { http_->RemovePages(); }
+
+double PrometheusMetrics::Value(std::string_view name, const LabelValues& labels) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end() || it->second->label_names.size() != labels.size()) return 0;
+  const Entry& e = *it->second;
+  const prometheus::Labels l = e.LabelsOf(labels);
+  // Family::Add returns the existing series (Has checked it exists, so nothing is added).
+  if (e.counters != nullptr && e.counters->Has(l)) return e.counters->Add(l).Value();
+  if (e.gauges != nullptr && e.gauges->Has(l)) return e.gauges->Add(l).Value();
+  if (e.histograms != nullptr && e.histograms->Has(l)) {
+    return static_cast<double>(e.histograms->Add(l, e.buckets).Collect().histogram.sample_count);
+  }
+  return 0;
+}
 
 const PrometheusMetrics::Entry* PrometheusMetrics::Find(std::string_view name, MetricKind kind,
                                                         const LabelValues& labels) {

@@ -3,6 +3,7 @@
 // Names follow the catalogue in docs/operations.md#metrics: prefixed aloe_, units in the name.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -46,6 +47,16 @@ class MetricsSink {
   void Observe(std::string_view histogram, double value) { Observe(histogram, value, {}); }
 };
 
+// Reads the current value of one series back. Thread-safe.
+class MetricsReader {
+ public:
+  virtual ~MetricsReader() = default;
+  // Counter sum or last gauge value of one series (a histogram's observation count); 0 when the
+  // series does not exist.
+  virtual double Value(std::string_view name, const LabelValues& labels) const = 0;
+  double Value(std::string_view name) const { return Value(name, {}); }
+};
+
 // Discards everything.
 class NullMetrics final : public MetricsSink {
  public:
@@ -60,8 +71,9 @@ class NullMetrics final : public MetricsSink {
 
 // Keeps the last gauge value, counter sums and all observations per series. For tests.
 // Thread-safe.
-class RecordingMetrics final : public MetricsSink {
+class RecordingMetrics final : public MetricsSink, public MetricsReader {
  public:
+  using MetricsReader::Value;
   using MetricsSink::Add;
   using MetricsSink::Observe;
   using MetricsSink::Set;
@@ -70,7 +82,7 @@ class RecordingMetrics final : public MetricsSink {
   void Observe(std::string_view histogram, double value, const LabelValues& labels) override;
   void Remove(std::string_view name, const LabelValues& labels) override;
   // Counter sum or last gauge value of one series; 0 if never set (or removed).
-  double Value(std::string_view name, const LabelValues& labels = {}) const;
+  double Value(std::string_view name, const LabelValues& labels) const override;
   // Whether the series exists (set and not removed).
   bool Has(std::string_view name, const LabelValues& labels = {}) const;
   std::vector<double> Observations(std::string_view name, const LabelValues& labels = {}) const;
@@ -93,10 +105,18 @@ struct MetricDef {
 
 class MetricsHttpServer;
 
+// A read-only page served beside /metrics: its content type and a function that renders its
+// body (called on the endpoint's thread, one request at a time; it must be thread-safe).
+struct HttpPage {
+  std::string content_type;
+  std::function<std::string()> render;
+};
+
 // Serves the catalogue on http://<address>/metrics: prometheus-cpp metric families in the text
 // exposition format, over a small read-only HTTP/1.0 server of our own (civetweb's 100 KiB
 // thread stacks cannot hold LibTorch's static TLS, so its threads fail to start in a worker).
-class PrometheusMetrics final : public MetricsSink {
+// GET only: no request can change anything.
+class PrometheusMetrics final : public MetricsSink, public MetricsReader {
  public:
   // address is "host:port"; port 0 picks a free port (see port()). kInvalidArgument for a bad
   // catalogue, kUnavailable when the address cannot be bound.
@@ -107,6 +127,12 @@ class PrometheusMetrics final : public MetricsSink {
   PrometheusMetrics& operator=(const PrometheusMetrics&) = delete;
 
   int port() const { return port_; }
+  // Serves `page` on GET `path` (exact, a query string ignored) from now on, replacing any page
+  // of that path; /metrics itself cannot be replaced. Thread-safe.
+  void ServePage(const std::string& path, HttpPage page);
+  // Stops serving every page (404 from now on); returns once no page is being rendered, so that
+  // what the pages read may go. Thread-safe.
+  void RemovePages();
 
   using MetricsSink::Add;
   using MetricsSink::Observe;
@@ -115,6 +141,8 @@ class PrometheusMetrics final : public MetricsSink {
   void Set(std::string_view gauge, double value, const LabelValues& labels) override;
   void Observe(std::string_view histogram, double value, const LabelValues& labels) override;
   void Remove(std::string_view name, const LabelValues& labels) override;
+  using MetricsReader::Value;
+  double Value(std::string_view name, const LabelValues& labels) const override;
 
  private:
   struct Entry;

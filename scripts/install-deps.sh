@@ -20,6 +20,8 @@ PACKAGES=(
   clang libclang-rt-dev llvm
   # scripts/lint.sh; tests/integration/deploy_flags_test.py reads the manifests with python3-yaml
   shellcheck yamllint flake8 python3-yaml clang-format
+  # tests/integration/status_page_test.py opens the status page in headless Chromium
+  chromium
 )
 
 missing=()

@@ -48,7 +48,7 @@ when the tarball is already there), extracts it to a temporary directory and run
 aloe-corpus on its .txt files.
 
 Environment:
-  ALOE_BIN_DIR          where aloe-corpus is (default: ${ROOT}/build/bin)
+  ALOE_BIN_DIR          where aloe-corpus is (default: ${ROOT}/build/bin, built first)
   ALOE_CORPUS_CACHE_DIR where the npm tarballs are kept (default: ${ROOT}/data/cache)
 EOF
 }
@@ -102,8 +102,15 @@ BIN_DIR="${ALOE_BIN_DIR:-${ROOT}/build/bin}"
 CACHE_DIR="${ALOE_CORPUS_CACHE_DIR:-${ROOT}/data/cache}"
 CORPUS_BIN="${BIN_DIR}/aloe-corpus"
 
+# Without ALOE_BIN_DIR, builds aloe-corpus in the checkout's build directory, as bench.sh does.
+if [[ -z "${FETCH_ONLY}" && -z "${ALOE_BIN_DIR:-}" ]]; then
+  # shellcheck source=scripts/lib.sh
+  . "${ROOT}/scripts/lib.sh"
+  aloe_build aloe-corpus >/dev/null || die "building aloe-corpus failed (cmake --build build --target aloe-corpus)"
+  CORPUS_BIN="${ALOE_BIN_DIR}/aloe-corpus"
+fi
 [[ -n "${FETCH_ONLY}" || -x "${CORPUS_BIN}" ]] ||
-  die "${CORPUS_BIN} not found; build it first (cmake -S . -B build -G Ninja && ninja -C build aloe-corpus) or set ALOE_BIN_DIR"
+  die "${CORPUS_BIN} not found; build it first (cmake -S . -B build -G Ninja && ninja -C build aloe-corpus) or unset ALOE_BIN_DIR"
 
 if [[ -z "${FETCH_ONLY}" && -f "${OUT_DIR}/manifest.tsv" ]]; then
   # Manifests from before the tokenizer line hold byte-level corpora.

@@ -151,8 +151,9 @@ def parse_args(argv):
                         "average them")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="aloe-sim runs in parallel (default: the number of cores)")
-    p.add_argument("--bin-dir", default=os.environ.get("ALOE_BIN_DIR",
-                                                       os.path.join(ROOT, "build", "bin")))
+    p.add_argument("--bin-dir", default=None,
+                   help="where the binaries are; default: build/bin of this checkout, built "
+                        "first (as scripts/bench.sh does)")
     p.add_argument("--corpus-dir", default=os.path.join(ROOT, "data", "sotu"),
                    help="prepared corpus (scripts/prepare-corpus.sh runs when it is missing "
                         "and a torch run needs it)")
@@ -228,6 +229,25 @@ def machine():
     except OSError:
         pass
     return f"{os.cpu_count()} cores ({cpu}), {distro or platform.system()}"
+
+
+def bin_dir_of(given, targets, prog):
+    """The bin directory to use: `given` (--bin-dir, else $ALOE_BIN_DIR) as is; without either,
+    that of the checkout's build directory after building `targets` there, as scripts/bench.sh
+    does (scripts/lib.sh aloe_build; missing dependencies are installed first)."""
+    given = given or os.environ.get("ALOE_BIN_DIR")
+    if given:
+        return os.path.abspath(given)
+    print(f"{prog}: building {' '.join(targets)}", flush=True)
+    script = ('set -e; . "$1/scripts/lib.sh"; "$1/scripts/install-deps.sh" >/dev/null; '
+              'mkdir -p "$ALOE_BUILD_DIR"; log="$ALOE_BUILD_DIR/.simulate-build.log"; '
+              'aloe_build "${@:2}" >"$log" 2>&1 || { tail -n 30 "$log" >&2; exit 1; }; '
+              'echo "$ALOE_BIN_DIR"')
+    built = subprocess.run(["bash", "-c", script, "_", ROOT, *targets], stdout=subprocess.PIPE,
+                           text=True)
+    if built.returncode != 0:
+        sys.exit(f"{prog}: building {' '.join(targets)} failed (see above)")
+    return built.stdout.strip().splitlines()[-1]
 
 
 def ensure_corpus(corpus_dir, bin_dir):
@@ -320,7 +340,9 @@ def main(argv=None):
     if args.backend == "loopback" and trainer is None:
         trainer = "torch"  # real workers always train the real model
     corpus_dir = os.path.abspath(args.corpus_dir)
-    bin_dir = os.path.abspath(args.bin_dir)
+    bin_dir = bin_dir_of(args.bin_dir, ["aloe-sim", "aloe-corpus"] if args.backend == "sim" else
+                         ["aloe-server", "aloe-worker", "aloe-corpus", "aloe-linkemu"],
+                         "simulate-stragglers")
     runs = grid.build_runs(settings, families, seeds, args.configs_dir, corpus_dir, trainer,
                            policies)
     if not runs:

@@ -320,9 +320,8 @@ def parse_args(argv):
                    help="a small grid for tests: 8 cells, a 1-block model, 160 local steps")
     p.add_argument("--out", default=os.path.join(cli.ROOT, "out", "compression"),
                    help="output directory (default: out/compression, git-ignored)")
-    p.add_argument("--bin_dir", "--bin-dir", dest="bin_dir",
-                   default=os.environ.get("ALOE_BIN_DIR", os.path.join(cli.ROOT, "build", "bin")),
-                   help="where aloe-sim is (default: build/bin)")
+    p.add_argument("--bin_dir", "--bin-dir", dest="bin_dir", default=None,
+                   help="where aloe-sim is (default: build/bin of this checkout, built first)")
     p.add_argument("--jobs", type=int, default=2, help="aloe-sim runs in parallel (default 2)")
     p.add_argument("--rounds", type=int, default=0, help="outer rounds (default 12, quick 8)")
     p.add_argument("--local_steps", type=int, default=0, help="H (default 20, quick 10)")
@@ -363,7 +362,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     s = settings_from(args)
-    binary = os.path.join(os.path.abspath(args.bin_dir), "aloe-sim")
+    args.bin_dir = cli.bin_dir_of(args.bin_dir, ["aloe-sim", "aloe-corpus"], PROG)
+    binary = os.path.join(args.bin_dir, "aloe-sim")
     if not os.access(binary, os.X_OK):
         print(f"{PROG}: aloe-sim not found: build it first (cmake --build build --target "
               f"aloe-sim; looked for {binary})", file=sys.stderr)

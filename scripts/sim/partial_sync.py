@@ -354,9 +354,8 @@ def parse_args(argv):
                    help="a tiny grid for tests: sync, one link, K = 1 and 2, 240 local steps")
     p.add_argument("--out", default=os.path.join(cli.ROOT, "out", "partial-sync"),
                    help="output directory (default: out/partial-sync, git-ignored)")
-    p.add_argument("--bin_dir", "--bin-dir", dest="bin_dir",
-                   default=os.environ.get("ALOE_BIN_DIR", os.path.join(cli.ROOT, "build", "bin")),
-                   help="where aloe-sim is (default: build/bin)")
+    p.add_argument("--bin_dir", "--bin-dir", dest="bin_dir", default=None,
+                   help="where aloe-sim is (default: build/bin of this checkout, built first)")
     p.add_argument("--jobs", type=int, default=2, help="aloe-sim runs in parallel (default 2)")
     p.add_argument("--policies", default="", help="comma-separated subset of "
                    + ",".join(POLICIES))
@@ -433,7 +432,7 @@ def main(argv=None):
         return 3
     s = settings_from(args)
     seeds = [int(x) for x in args.seeds.split(",") if x]
-    bin_dir = os.path.abspath(args.bin_dir)
+    bin_dir = cli.bin_dir_of(args.bin_dir, ["aloe-sim", "aloe-corpus"], PROG)
     corpus_dir = os.path.abspath(args.corpus_dir)
     backend = NetworkSimBackend(bin_dir, corpus_dir)
     if not has_network_model(backend.binary):

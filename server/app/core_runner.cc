@@ -19,6 +19,8 @@ CoreRunner::CoreRunner(Options options, std::vector<DataShard> train, std::strin
       executor_(static_cast<int>(options_.config.apply_threads()) - 1) {}
 
 CoreRunner::~CoreRunner() {
+  // The page reads the handle and the authenticator.
+  if (endpoint_ != nullptr) endpoint_->RemovePages();
   StopTicking();
   StopListening();
 }
@@ -28,7 +30,8 @@ absl::StatusOr<std::unique_ptr<CoreRunner>> CoreRunner::Create(Options options) 
   std::unique_ptr<CoreRunner> runner(
       new CoreRunner(std::move(options), std::move(corpus.train), std::move(corpus.heldout_file)));
   const v1::ServerConfig& config = runner->options_.config;
-  ALOE_ASSIGN_OR_RETURN(runner->metrics_, StartMetrics(config, &runner->metrics_port_));
+  ALOE_ASSIGN_OR_RETURN(runner->metrics_,
+                        StartMetrics(config, &runner->metrics_port_, &runner->endpoint_));
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ServerCore> core, runner->NewCore());
   if (!config.checkpoint().dir().empty()) {
     runner->checkpoints_ =
@@ -54,6 +57,19 @@ absl::StatusOr<std::unique_ptr<CoreRunner>> CoreRunner::Create(Options options) 
   runner->handle_ = std::make_unique<CoreHandle>(std::move(core));
   ALOE_ASSIGN_OR_RETURN(runner->auth_, LoadAuthenticator(config));
   ALOE_ASSIGN_OR_RETURN(runner->credentials_, ServerCredentials(config, config.listen_address()));
+  if (runner->endpoint_ != nullptr) {
+    CoreRunner* r = runner.get();
+    runner->status_ = std::make_unique<StatusPage>([r] {
+      const std::string role = r->config().shard_processes() > 0 ? "coordinator" : "single process";
+      uint64_t generation = 0;
+      return r->handle_->Peek(&generation, [&](const ServerCore& core) {
+        return CaptureStatus(
+            core, r->config(), role, r->clock_.Now(),
+            [r](uint64_t worker) { return r->auth_->OwnerOf(worker); }, *r->endpoint_);
+      });
+    });
+    runner->status_->ServeOn(*runner->endpoint_);
+  }
   return runner;
 }
 
@@ -67,6 +83,7 @@ auto CoreRunner::TickAnd(F&& done) {
   auto result = handle_->Run([&](ServerCore& core) {
     core.Tick();
     due = core.TakeDueCheckpoints();
+    if (status_ != nullptr) status_->Record(clock_.Now(), core.version(), core.eval_history());
     return done(core);
   });
   // Written outside the core lock: training goes on meanwhile.

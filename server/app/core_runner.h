@@ -1,7 +1,7 @@
 // What the single-process server and the coordinator share: the ServerCore of the config's
 // corpus (resumed from the newest checkpoint when asked), its metrics, checkpoints, token
-// authenticator and gRPC server, a thread that ticks it, the drain on shutdown, the final
-// checkpoint and the summary.
+// authenticator and gRPC server, a thread that ticks it, the status page, the drain on shutdown,
+// the final checkpoint and the summary.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -22,6 +22,7 @@
 #include "common/metrics.h"
 #include "proto/aloe.pb.h"
 #include "server/app/server_role.h"
+#include "server/app/status_page.h"
 #include "server/core/checkpoint_store.h"
 #include "server/core/server_core.h"
 #include "server/core/shard_sampler.h"
@@ -97,7 +98,9 @@ class CoreRunner {
   ThreadPoolExecutor executor_;
   int metrics_port_ = 0;
   std::unique_ptr<MetricsSink> metrics_;
+  PrometheusMetrics* endpoint_ = nullptr;  // metrics_ when it serves HTTP (the status page)
   std::unique_ptr<CoreHandle> handle_;
+  std::unique_ptr<StatusPage> status_;  // served on endpoint_; null without one
   std::unique_ptr<CheckpointStore> checkpoints_;
   std::unique_ptr<Authenticator> auth_;
   std::shared_ptr<grpc::ServerCredentials> credentials_;

@@ -139,13 +139,15 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
   return server;
 }
 
-absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig& config,
-                                                          int* port) {
+absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig& config, int* port,
+                                                          PrometheusMetrics** endpoint) {
   *port = 0;
+  if (endpoint != nullptr) *endpoint = nullptr;
   if (config.metrics_address() == "off") return std::make_unique<NullMetrics>();
   ALOE_ASSIGN_OR_RETURN(
       auto prometheus, PrometheusMetrics::Start(config.metrics_address(), ServerMetricCatalogue()));
   *port = prometheus->port();
+  if (endpoint != nullptr) *endpoint = prometheus.get();
   // The payload counters have a series per codec from the start, at 0: a series born with its
   // first push's bytes in it would hide them from rate() (and put the shards' raw share, raw
   // bytes over received bytes, above 1 for a minute).

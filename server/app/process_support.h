@@ -57,9 +57,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpc(
     const std::vector<grpc::Service*>& services, const v1::ServerConfig& config, int* port);
 
 // The Prometheus endpoint of config.metrics_address (a sink that drops everything for "off");
-// *port its port (0 for "off").
-absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig& config,
-                                                          int* port);
+// *port its port (0 for "off"); *endpoint, when given, the endpoint (null for "off"), to serve
+// the status page on.
+absl::StatusOr<std::unique_ptr<MetricsSink>> StartMetrics(const v1::ServerConfig& config, int* port,
+                                                          PrometheusMetrics** endpoint = nullptr);
 
 // The raw push listener on `push_listen` serving `handler`, or null for "". TLS when configured,
 // with gRPC's certificates and client certificate rule; else plaintext. The same rule for

@@ -104,7 +104,17 @@ absl::Status ShardProcess::Start() {
         absl::StrFormat("%s/shard-%d", config.checkpoint().dir(), index),
         config.checkpoint().keep());
   }
-  ALOE_ASSIGN_OR_RETURN(metrics_, StartMetrics(config, &metrics_port_));
+  PrometheusMetrics* endpoint = nullptr;
+  ALOE_ASSIGN_OR_RETURN(metrics_, StartMetrics(config, &metrics_port_, &endpoint));
+  if (endpoint != nullptr) {
+    // Reads only the endpoint's own metrics, which outlive its pages.
+    status_ = std::make_unique<StatusPage>([config, index, endpoint, params] {
+      StatusSnapshot s = CaptureShardProcessStatus(config, index, absl::Now(), *endpoint);
+      s.parameters = params;
+      return s;
+    });
+    status_->ServeOn(*endpoint);
+  }
   ALOE_ASSIGN_OR_RETURN(auth_, LoadAuthenticator(config));
   ALOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                         ServerCredentials(config, listen));

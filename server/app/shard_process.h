@@ -18,6 +18,7 @@
 #include "common/metrics.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/app/server_role.h"
+#include "server/app/status_page.h"
 #include "server/core/checkpoint_store.h"
 #include "server/core/shard_state.h"
 #include "server/service/auth.h"
@@ -77,6 +78,8 @@ class ShardProcess final : public ServerRole {
 
   const Options options_;
   std::unique_ptr<ThreadPoolExecutor> executor_;
+  // Served on metrics_, which goes first (and stops serving it).
+  std::unique_ptr<StatusPage> status_;
   std::unique_ptr<MetricsSink> metrics_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<CheckpointStore> checkpoints_;

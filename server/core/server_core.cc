@@ -596,7 +596,8 @@ absl::Status ServerCore::CheckPushHeader(const v1::PushHeader& header) const {
 }
 
 absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
-  const bool want_next_task = update.want_next_task;  // of this push, not the merged slices
+  const bool want_next_task = update.want_next_task;      // of this push, not the merged slices
+  const uint64_t received_bytes = update.received_bytes;  // likewise
   v1::PushHeader header;
   header.set_worker_id(update.worker_id);
   header.set_task_id(update.task_id);
@@ -624,6 +625,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
       return whole.status();
     }
     if (!whole->has_value()) {
+      RecordPush(header.worker_id(), 0, received_bytes);
       v1::PushReply reply;
       reply.set_staged(true);
       reply.set_slices_received(staged_[header.worker_id()].count);
@@ -663,6 +665,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitUpdate(PendingUpdate update) {
       worker, header.compute_seconds() > 0 ? header.steps_done() / header.compute_seconds() : 0.0);
   PublishSpeed(worker);
   RecordObservedRanks(observed);
+  RecordPush(worker, staleness, received_bytes);
   metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
   metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), {"0"});
   submitted_[task_id] = open_tasks_[worker];
@@ -724,6 +727,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitGroupUpdate(PendingUpdate update
   const bool want_next_task = update.want_next_task && ends_task;
   const double speed =
       update.compute_seconds > 0 ? update.steps_done / update.compute_seconds : 0.0;
+  const uint64_t received_bytes = update.received_bytes;
   CloseDueWindows();
   const uint64_t staleness = group_version(group) - update.base_version;
   const LabelValues group_label = {absl::StrCat(group)};
@@ -745,6 +749,7 @@ absl::StatusOr<v1::PushReply> ServerCore::SubmitGroupUpdate(PendingUpdate update
     return batch.status();
   }
   RecordObservedRanks(observed);
+  RecordPush(worker, staleness, received_bytes);
   group_started_[worker].erase(group);
   metrics_.Observe(kUpdateStaleness, static_cast<double>(staleness));
   metrics_.Observe(kLayerGroupStaleness, static_cast<double>(staleness), group_label);
@@ -959,6 +964,7 @@ void ServerCore::WorkerGone(uint64_t worker) {
   }
   planner_.Forget(worker);
   staged_.erase(worker);
+  activity_.erase(worker);
   backend_->DropUnsubmitted(worker);
   if (auto labels = trainer_labels_.find(worker); labels != trainer_labels_.end()) {
     metrics_.Remove(kTrainerStepsPerSecond, labels->second);
@@ -998,6 +1004,48 @@ void ServerCore::ObserveReleases() {
       metrics_.Observe(kGraceWindowWorkers, static_cast<double>(workers));
     }
   }
+}
+
+void ServerCore::RecordPush(uint64_t worker, uint64_t staleness, uint64_t bytes) {
+  PushActivity& a = activity_[worker];
+  a.last = clock_.Now();
+  a.staleness = staleness;
+  ++a.pushes;
+  a.bytes += bytes;
+}
+
+std::vector<LiveWorker> ServerCore::LiveWorkers() const {
+  std::vector<LiveWorker> workers;
+  for (const v1::Role role : {v1::ROLE_TRAINER, v1::ROLE_EVALUATOR}) {
+    for (const uint64_t id : membership_.LiveIds(role)) {
+      const Member* m = membership_.Find(id);
+      LiveWorker w;
+      w.id = id;
+      w.name = m->name;
+      w.role = m->role;
+      w.joined = m->joined;
+      w.tokens_per_step =
+          static_cast<uint64_t>(config_.inner_optimizer().batch_size()) * config_.model().seq_len();
+      if (role == v1::ROLE_TRAINER) {
+        w.steps_per_second = planner_.speed(id);
+        if (w.steps_per_second <= 0) w.steps_per_second = m->steps_per_second;
+      }
+      if (auto a = activity_.find(id); a != activity_.end()) {
+        w.last_push = a->second.last;
+        w.last_staleness = a->second.staleness;
+        w.pushes = a->second.pushes;
+        w.received_bytes = a->second.bytes;
+      }
+      w.state = draining_ ? "draining" : "waiting";
+      if (auto open = open_tasks_.find(id); open != open_tasks_.end()) {
+        const bool eval = open->second.task.kind() == v1::Task::EVAL;
+        w.state = eval ? "evaluating" : "training";
+        if (!eval) w.planned_steps = open->second.task.local_steps();
+      }
+      workers.push_back(std::move(w));
+    }
+  }
+  return workers;
 }
 
 void ServerCore::PublishSpeed(uint64_t worker) {

@@ -47,6 +47,25 @@ struct EvalPoint {
   double loss = 0;
 };
 
+// A live worker as the status page shows it.
+struct LiveWorker {
+  uint64_t id = 0;
+  std::string name;
+  v1::Role role = v1::ROLE_TRAINER;
+  absl::Time joined;
+  double steps_per_second = 0;          // measured speed; 0 = not measured yet
+  uint32_t planned_steps = 0;           // local steps of its open training task; 0 = none
+  uint64_t tokens_per_step = 0;         // inner batch size x sequence length
+  std::optional<absl::Time> last_push;  // of its last accepted push; nullopt = none yet
+  uint64_t last_staleness = 0;          // of that push
+  uint64_t pushes = 0;                  // accepted pushes (slices and layer groups count each)
+  // Payload bytes of those pushes as this process received them (0 where shard processes do).
+  uint64_t received_bytes = 0;
+  // "training" or "evaluating" (an open task), "waiting" (for a round, a grace window or its
+  // next task), "draining" (no new work).
+  std::string state;
+};
+
 class ServerCore {
  public:
   // config must be validated (common/config.h). train_shards: the corpus' training shards (at
@@ -117,6 +136,8 @@ class ServerCore {
   const std::vector<uint32_t>& layer_groups() const { return layer_groups_; }
   uint64_t updates_applied() const { return updates_applied_; }
   const std::vector<EvalPoint>& eval_history() const { return eval_history_; }
+  // Every live member, by id.
+  std::vector<LiveWorker> LiveWorkers() const;
   // When a time-driven event (a grace window closing) is due; nullopt when none is pending.
   // The service wakes waiting task requests then; the simulator schedules a Tick.
   std::optional<absl::Time> NextDeadline() const;
@@ -324,10 +345,19 @@ class ServerCore {
   std::map<uint64_t, ModelSnapshot> retained_;
 
   uint64_t next_task_id_ = 1;
-  std::map<uint64_t, OpenTask> open_tasks_;    // by worker
-  std::map<uint64_t, OpenTask> ahead_tasks_;   // by worker: handed out while its open one runs
-  std::map<uint64_t, OpenTask> submitted_;     // task id -> its task, until applied
-  std::map<uint64_t, StagedUpdate> staged_;    // by worker: a sliced update being received
+  std::map<uint64_t, OpenTask> open_tasks_;   // by worker
+  std::map<uint64_t, OpenTask> ahead_tasks_;  // by worker: handed out while its open one runs
+  std::map<uint64_t, OpenTask> submitted_;    // task id -> its task, until applied
+  std::map<uint64_t, StagedUpdate> staged_;   // by worker: a sliced update being received
+  // By live worker: its accepted pushes so far (LiveWorkers).
+  struct PushActivity {
+    absl::Time last;
+    uint64_t staleness = 0;
+    uint64_t pushes = 0;
+    uint64_t bytes = 0;
+  };
+  std::map<uint64_t, PushActivity> activity_;
+  void RecordPush(uint64_t worker, uint64_t staleness, uint64_t bytes);
   std::optional<uint64_t> last_eval_version_;  // latest version handed out for evaluation
   std::vector<EvalPoint> eval_history_;
   std::optional<absl::Time> started_;  // when the first round opened

@@ -36,6 +36,8 @@ struct PendingUpdate {
   // PushHeader.want_next_task: the reply that completes the update carries the worker's next
   // task (ServerCore::SubmitUpdate).
   bool want_next_task = false;
+  // Payload bytes of this push as received (for the status page; 0 = not counted).
+  uint64_t received_bytes = 0;
   // PushHeader.observed_ranks: the effective rank of each low-rank tensor in this push.
   std::vector<v1::TensorRank> observed_ranks;
   // g = theta_base - theta_end, one flat float32 buffer per layer of the ModelSpec.

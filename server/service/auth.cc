@@ -78,4 +78,10 @@ absl::Status Authenticator::CheckOwner(uint64_t worker_id, const std::string& id
       "worker %d belongs to identity \"%s\", not \"%s\"", worker_id, it->second, identity));
 }
 
+std::string Authenticator::OwnerOf(uint64_t worker_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = owners_.find(worker_id);
+  return it == owners_.end() ? "" : it->second;
+}
+
 }  // namespace aloe::server

@@ -41,6 +41,8 @@ class Authenticator {
   // kPermissionDenied when worker_id belongs to another identity. Unknown ids pass (the core
   // answers NOT_FOUND for them).
   absl::Status CheckOwner(uint64_t worker_id, const std::string& identity) const;
+  // The identity that joined worker_id; "" when none did (or without a token file).
+  std::string OwnerOf(uint64_t worker_id) const;
 
  private:
   std::map<std::string, std::string> tokens_;  // token -> identity; read-only after load

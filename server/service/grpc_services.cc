@@ -309,8 +309,11 @@ absl::StatusOr<v1::PushReply> ParameterServiceImpl::AcceptPush(
                             layer_groups());
   if (absl::Status s = read(assembler); !s.ok()) return Rejected(s);
   CountReceivedBytes(assembler, metrics_);
+  uint64_t received_bytes = 0;
+  for (const uint64_t bytes : assembler.bytes_by_codec()) received_bytes += bytes;
   absl::StatusOr<PendingUpdate> update = std::move(assembler).Finish();
   if (!update.ok()) return Rejected(update.status());
+  update->received_bytes = received_bytes;
   absl::StatusOr<v1::PushReply> result =
       handle_.Run([&](ServerCore& core) { return core.SubmitUpdate(*std::move(update)); });
   metrics_.Observe(kPushLatency, absl::ToDoubleSeconds(absl::Now() - start));

@@ -8,10 +8,30 @@
 #include <cstdint>
 #include <optional>
 
+#include "common/config.h"
 #include "common/status_matchers.h"
 #include "server/core/server_core.h"
 
 namespace aloe::testing {
+
+// A validated config of a tiny model (2 layers, d_model 8): sync rounds of 2 trainers, H = 5,
+// outer SGD with lr 0.5.
+inline v1::ServerConfig TinyServerConfig() {
+  v1::ServerConfig config;
+  config.mutable_model()->set_vocab_size(16);
+  config.mutable_model()->set_seq_len(8);
+  config.mutable_model()->set_d_model(8);
+  config.mutable_model()->set_num_layers(2);
+  config.mutable_model()->set_num_heads(2);
+  config.set_corpus_dir("unused");
+  config.set_local_steps(5);
+  config.mutable_aggregation()->set_min_workers(2);
+  config.mutable_outer_optimizer()->set_type(v1::OUTER_SGD);
+  config.mutable_outer_optimizer()->set_lr(0.5f);
+  FillServerDefaults(&config);
+  EXPECT_THAT(ValidateServerConfig(config), IsOk());
+  return config;
+}
 
 // Joins a trainer named "w"; its worker id (0 after a failure, which the test reports).
 inline uint64_t JoinTrainer(server::ServerCore& core) {

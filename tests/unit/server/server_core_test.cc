@@ -16,6 +16,7 @@
 #include "server/core/server_metrics.h"
 #include "server/core/shard_assembly.h"
 #include "server/core/update_assembler.h"
+#include "tests/testing/server_core_calls.h"
 
 namespace aloe::server {
 namespace {
@@ -27,22 +28,7 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-v1::ServerConfig TinyConfig() {
-  v1::ServerConfig config;
-  config.mutable_model()->set_vocab_size(16);
-  config.mutable_model()->set_seq_len(8);
-  config.mutable_model()->set_d_model(8);
-  config.mutable_model()->set_num_layers(2);
-  config.mutable_model()->set_num_heads(2);
-  config.set_corpus_dir("unused");
-  config.set_local_steps(5);
-  config.mutable_aggregation()->set_min_workers(2);
-  config.mutable_outer_optimizer()->set_type(v1::OUTER_SGD);
-  config.mutable_outer_optimizer()->set_lr(0.5f);
-  FillServerDefaults(&config);
-  EXPECT_THAT(ValidateServerConfig(config), IsOk());
-  return config;
-}
+v1::ServerConfig TinyConfig() { return aloe::testing::TinyServerConfig(); }
 
 class ServerCoreTest : public ::testing::Test {
  protected:
