@@ -29,6 +29,14 @@ class ServerApi {
   // a layer is refused). Implementations that encode nothing themselves ignore it.
   virtual void SetLowRankEncoder(std::shared_ptr<LowRankPushEncoder> encoder) {}
 
+  // The wait between two tries of a call that failed for want of a server process (a retry or a
+  // dropped task): blocks while a connection to the coordinator (or single server) or to a shard
+  // process is down, until every one is up again (then at once: the process is back) or `wait`
+  // passed. Returns what the caller must still sleep: all of `wait` when every connection was up
+  // at the start (the failure was the server's answer, not an outage), none otherwise. The
+  // default waits for nothing and returns `wait`.
+  virtual absl::Duration AwaitServers(absl::Duration wait) { return wait; }
+
   virtual absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request) = 0;
   virtual absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request) = 0;
   virtual absl::StatusOr<v1::Task> RequestTask(uint64_t worker_id, bool ahead,
