@@ -63,6 +63,11 @@ def parse(argv):
     p.add_argument("--others", type=int, default=1,
                    help="faults of every other kind (freeze, cut, stall, disk full, bad token, "
                         "wrong model)")
+    p.add_argument("--only", default="",
+                   help="comma-separated fault kinds: play only these (e.g. shard_kill with "
+                        "--shard-down 2.4 --worker-kills 0 is the operator's scenario)")
+    p.add_argument("--shard-down", type=float, default=None,
+                   help="seconds a killed shard process stays down (default: drawn in 1-2.4)")
     p.add_argument("--quick", action="store_true",
                    help="the CI run (under 3 minutes): both scenarios, short runs, every fault "
                         "kind at least once in the sharded one")
@@ -92,7 +97,8 @@ def plans(a):
         return [(s, 480, 120, S.counts_for(s, 110, 10, 4)) for s in scen]
     scen = ["sharded", "single"] if a.scenario == "both" else [a.scenario]
     base = a.seconds if a.baseline_seconds is None else a.baseline_seconds
-    return [(s, a.seconds, base, S.counts_for(s, a.worker_kills, a.server_kills, a.others))
+    only = {k for k in a.only.split(",") if k}
+    return [(s, a.seconds, base, S.counts_for(s, a.worker_kills, a.server_kills, a.others, only))
             for s in scen]
 
 
@@ -131,7 +137,7 @@ def one_run(a, work, corpus, scenario, seconds, counts, name, wrong_model):
     if counts:
         fault_end = seconds * (1 - opts.quiet_tail)
         faults = S.make(a.seed, scenario, opts.warmup, fault_end, a.trainers, 2, counts,
-                        opts.lease, opts.server_gap)
+                        opts.lease, opts.server_gap, a.shard_down)
         print(f"{scenario}/{name}: {len(faults)} faults in [{opts.warmup:.0f}, "
               f"{fault_end:.0f}) s of a {seconds:.0f} s run (seed {a.seed})")
     else:

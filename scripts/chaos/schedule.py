@@ -43,26 +43,33 @@ class Fault:
         return f"{self.time:7.2f}s {self.kind} target={self.target} hold={self.hold:.2f}{extra}"
 
 
-def counts_for(scenario, worker_kills, server_kills, others):
+def counts_for(scenario, worker_kills, server_kills, others, only=None):
     """How many faults of each kind: `worker_kills` SIGKILLs of trainers, `server_kills` server
-    processes taken away (spread over the kinds the scenario has), `others` of every other kind."""
+    processes taken away (spread over the kinds the scenario has), `others` of every other kind;
+    with `only` (a set of kinds), of those kinds alone."""
     if scenario == "sharded":
         kill_kinds = [SHARD_KILL, COORDINATOR_KILL, DRAIN, CORRUPT_CHECKPOINT]
     else:
         kill_kinds = [SERVER_KILL, DRAIN, CORRUPT_CHECKPOINT]
+    if only:
+        kill_kinds = [k for k in kill_kinds if k in only] or kill_kinds
     counts = {WORKER_KILL: worker_kills}
     for i in range(server_kills):
         k = kill_kinds[i % len(kill_kinds)]
         counts[k] = counts.get(k, 0) + 1
     for k in (WORKER_FREEZE, LINK_CUT, LINK_STALL, DISK_FULL, BAD_TOKEN, WRONG_MODEL):
         counts[k] = others
+    if only:
+        counts = {k: n for k, n in counts.items() if k in only}
     return counts
 
 
-def make(seed, scenario, start, end, trainers, shards, counts, lease_seconds, server_gap):
+def make(seed, scenario, start, end, trainers, shards, counts, lease_seconds, server_gap,
+         shard_down=None):
     """The schedule: faults of `counts` in [start, end) seconds. Server-side faults are at least
     `server_gap` seconds apart (and their holds fit inside the gap); worker-side ones are placed
-    uniformly. Raises ValueError when the server-side faults do not fit."""
+    uniformly. shard_down: the seconds a killed shard process stays down (default 1-2.4 s,
+    drawn). Raises ValueError when the server-side faults do not fit."""
     rng = random.Random(seed)
     faults = []
     server = []
@@ -79,7 +86,9 @@ def make(seed, scenario, start, end, trainers, shards, counts, lease_seconds, se
             t = start + slot * server_gap + rng.uniform(0, server_gap * 0.2)
             if kind == SHARD_KILL:
                 # The operator's scenario: down for a couple of seconds, then back.
-                faults.append(Fault(t, kind, rng.randrange(shards), rng.uniform(1.0, 2.4)))
+                down = rng.uniform(1.0, 2.4)
+                faults.append(Fault(t, kind, rng.randrange(shards),
+                                    down if shard_down is None else shard_down))
             elif kind == CORRUPT_CHECKPOINT:
                 target = rng.randrange(shards) if scenario == "sharded" else 0
                 faults.append(Fault(t, kind, target, rng.uniform(0.5, 1.5),
