@@ -330,7 +330,8 @@ def check(run, bin_dir, stop_results):
         results.append(Result("held-out loss falls after the faults", "PASS" if ok else "FAIL",
                               f"mean of the first 3 evaluations in the fault phase "
                               f"{start_loss:.4f} -> mean of the last 3 after it {end_loss:.4f} "
-                              f"(version 0: {ev[0][1]:.4f}; {len(ev)} evaluations)"))
+                              f"(first evaluation, version {ev[0][0]}: {ev[0][1]:.4f}; "
+                              f"{len(ev)} evaluations)"))
     else:
         results.append(Result("held-out loss falls after the faults", "FAIL",
                               f"too few evaluations ({len(ev)})"))

@@ -136,8 +136,11 @@ def one_run(a, work, corpus, scenario, seconds, counts, name, wrong_model):
     faults = []
     if counts:
         fault_end = seconds * (1 - opts.quiet_tail)
-        faults = S.make(a.seed, scenario, opts.warmup, fault_end, a.trainers, 2, counts,
-                        opts.lease, opts.server_gap, a.shard_down)
+        try:
+            faults = S.make(a.seed, scenario, opts.warmup, fault_end, a.trainers, 2, counts,
+                            opts.lease, opts.server_gap, a.shard_down)
+        except ValueError as e:
+            sys.exit(f"scripts/soak: {e}: raise --seconds or lower --server-kills")
         print(f"{scenario}/{name}: {len(faults)} faults in [{opts.warmup:.0f}, "
               f"{fault_end:.0f}) s of a {seconds:.0f} s run (seed {a.seed})")
     else:
