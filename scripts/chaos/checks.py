@@ -163,11 +163,21 @@ def lost_updates(run, history):
                                  S.DISK_FULL):
             lost.append(0)
         elif k == S.WORKER_KILL:
-            lost.append(1)
+            # The task in flight, when the start it killed had joined (a kill during start-up
+            # loses nothing).
+            p = run.procs[f["detail"].split()[0]]
+            n = sum(1 for t in p.starts if t - run.t0 <= f["time"])
+            segments = p.log_text().split("=== start")[1:]
+            lost.append(1 if 0 < n <= len(segments) and "joined as worker" in segments[n - 1]
+                        else 0)
         elif k == S.WORKER_FREEZE:
+            # Its task is lost when the lease ran out: after the thaw it joins again.
             name = f["detail"].split()[0]
-            text = run.procs[name].log_text()
-            lost.append(1 if ("lease" in text and "joining again" in text) else 0)
+            w0, w1 = wall_of(run, f["time"]), wall_of(run, f["time"] + f["hold"] + 5.0)
+            rejoined = any("joining again" in line and (t := log_seconds(line)) is not None
+                           and w0 <= t <= w1
+                           for line in run.procs[name].log_text().splitlines())
+            lost.append(1 if rejoined else 0)
         elif run.sharded:
             offset = f.get("journal_offset", 0)
             lost.append(next((n for pos, n in undone_at if pos >= offset), 0))

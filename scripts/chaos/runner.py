@@ -356,7 +356,7 @@ class Run:
 
     def _probe(self, f):
         """A worker that must be refused: a bad token, or another model's fingerprint."""
-        n = sum(1 for x in self.refusals if x["kind"] == f.kind)
+        n = sum(1 for x in self.procs if x.startswith(f.kind))
         name = f"{f.kind}{n}"
         if f.kind == S.BAD_TOKEN:
             args = self._worker_args(name, token=self.bad_token, extra=["--connect_timeout=5"])
