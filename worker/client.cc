@@ -166,7 +166,7 @@ absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses,
   return absl::OkStatus();
 }
 
-absl::Duration ServerClient::AwaitServers(absl::Duration wait) {
+absl::Duration ServerClient::AwaitServers(absl::Duration wait, const std::atomic<bool>* stop) {
   std::vector<std::shared_ptr<grpc::Channel>> channels = {channel_};
   for (const Shard& shard : *Shards()) channels.push_back(shard.channel);
   bool all_up = true;
@@ -176,7 +176,13 @@ absl::Duration ServerClient::AwaitServers(absl::Duration wait) {
   if (all_up) return wait;
   const auto deadline = std::chrono::system_clock::now() + absl::ToChronoMicroseconds(wait);
   for (const auto& channel : channels) {
-    if (!channel->WaitForConnected(deadline)) break;
+    // In slices, so that a stopping worker does not wait out a whole backoff.
+    while (!channel->WaitForConnected(
+        std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(100)))) {
+      if ((stop != nullptr && stop->load()) || std::chrono::system_clock::now() >= deadline) {
+        return absl::ZeroDuration();
+      }
+    }
   }
   return absl::ZeroDuration();
 }

@@ -8,6 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -102,7 +103,7 @@ class ServerClient final : public ServerApi {
   // A gRPC channel whose connection broke fails calls at once until it reconnects, and it
   // reconnects only when a call asks it to: each try would only start the connection the next
   // one uses, a whole backoff wait later. This waits for the connections instead.
-  absl::Duration AwaitServers(absl::Duration wait) override;
+  absl::Duration AwaitServers(absl::Duration wait, const std::atomic<bool>* stop) override;
   ServerClient(const ServerClient&) = delete;
   ServerClient& operator=(const ServerClient&) = delete;
 

@@ -70,7 +70,7 @@ class ServerSession {
                                      std::vector<std::vector<float>>& delta, uint64_t* pushed);
   absl::Status ReportEval(const v1::EvalReport& report) { return server_.ReportEval(report); }
   // ServerApi::AwaitServers.
-  absl::Duration AwaitServers(absl::Duration wait) { return server_.AwaitServers(wait); }
+  absl::Duration AwaitServers(absl::Duration wait) { return server_.AwaitServers(wait, &stop_); }
 
   // Partial synchronization. The layer group of each spec layer (JoinReply.layer_groups; empty
   // when the server synchronizes the whole model).
@@ -130,7 +130,7 @@ absl::StatusOr<T> ServerSession::Retry(const char* kind,
       return result;
     }
     CountRetry(kind);
-    const absl::Duration rest = server_.AwaitServers(backoff.Failure());
+    const absl::Duration rest = server_.AwaitServers(backoff.Failure(), &stop_);
     if (rest > absl::ZeroDuration()) sleep_(rest);
   }
 }

@@ -1,6 +1,7 @@
 // A scripted aloe-server for the worker's unit tests (no network), and task builders.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -84,7 +85,7 @@ class FakeServer final : public ServerApi {
     absl::MutexLock lock(&mu_);
     await_servers_ = std::move(await);
   }
-  absl::Duration AwaitServers(absl::Duration wait) override {
+  absl::Duration AwaitServers(absl::Duration wait, const std::atomic<bool>* stop) override {
     std::function<absl::Duration(absl::Duration)> await;
     {
       absl::MutexLock lock(&mu_);
