@@ -75,6 +75,9 @@ ABSL_FLAG(std::string, advertise, "",
 ABSL_FLAG(std::string, advertise_push, "",
           "--role shard or single: the HOST:PORT workers are told for raw pushes (default: "
           "--push_listen)");
+ABSL_FLAG(std::string, record_commits, "",
+          "Testing, --role shard: append every update this process commits to this file, for "
+          "aloe-replay to replay the coordinator's --order_journal in one process");
 ABSL_FLAG(std::string, token_file, "",
           "--role shard: file whose first line is the token this shard presents to the "
           "coordinator (security.token_file)");
@@ -108,6 +111,7 @@ LaunchFlags FromFlags() {
   f.advertise = absl::GetFlag(FLAGS_advertise);
   f.advertise_push = absl::GetFlag(FLAGS_advertise_push);
   f.token_file = absl::GetFlag(FLAGS_token_file);
+  f.record_commits = absl::GetFlag(FLAGS_record_commits);
   return f;
 }
 

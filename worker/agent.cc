@@ -265,7 +265,11 @@ absl::Status Agent::AfterTask(const v1::Task& task, absl::Status status) {
   }
   env_.metrics->Add(kRetries, 1, {"task"});
   env_.metrics->Set(kRetryBackoff, absl::ToDoubleSeconds(*delay));
-  if (*delay > absl::ZeroDuration()) env_.sleep(*delay);
+  if (*delay > absl::ZeroDuration()) {
+    // A shard process that went away is asked again as soon as it is back.
+    const absl::Duration rest = session_.AwaitServers(*delay);
+    if (rest > absl::ZeroDuration()) env_.sleep(rest);
+  }
   return absl::OkStatus();
 }
 

@@ -62,13 +62,21 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
+grpc::ChannelArguments WorkerChannelArguments() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(2 << 20);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kReconnectBackoffInitialMs);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kReconnectBackoffMaxMs);
+  return args;
+}
+
 ServerClient::ServerClient(const ClientOptions& options)
     : token_(options.token),
       raw_push_(options.raw_push),
       pull_streams_(std::max<uint32_t>(1, options.pull_streams)),
       credentials_(grpc::InsecureChannelCredentials()),
+      channel_args_(WorkerChannelArguments()),
       shards_(std::make_shared<const ShardSet>()) {
-  channel_args_.SetMaxReceiveMessageSize(2 << 20);
   if (!options.tls_ca_pem.empty()) {
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = options.tls_ca_pem;
@@ -156,6 +164,27 @@ absl::Status ServerClient::SetShards(const std::vector<std::string>& addresses,
   absl::MutexLock lock(&mu_);
   shards_ = std::move(next);
   return absl::OkStatus();
+}
+
+absl::Duration ServerClient::AwaitServers(absl::Duration wait, const std::atomic<bool>* stop) {
+  std::vector<std::shared_ptr<grpc::Channel>> channels = {channel_};
+  for (const Shard& shard : *Shards()) channels.push_back(shard.channel);
+  bool all_up = true;
+  for (const auto& channel : channels) {
+    all_up &= channel->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY;
+  }
+  if (all_up) return wait;
+  const auto deadline = std::chrono::system_clock::now() + absl::ToChronoMicroseconds(wait);
+  for (const auto& channel : channels) {
+    // In slices, so that a stopping worker does not wait out a whole backoff.
+    while (!channel->WaitForConnected(
+        std::min(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(100)))) {
+      if ((stop != nullptr && stop->load()) || std::chrono::system_clock::now() >= deadline) {
+        return absl::ZeroDuration();
+      }
+    }
+  }
+  return absl::ZeroDuration();
 }
 
 std::shared_ptr<const ServerClient::ShardSet> ServerClient::Shards() const {

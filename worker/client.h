@@ -8,6 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -26,6 +27,18 @@ namespace aloe::worker {
 
 // The one place where grpc::Status becomes absl::Status on the worker side.
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// gRPC's wait between attempts to reconnect a channel, in milliseconds: from the first, doubling
+// up to the last. Its default (1 s growing by 1.6x up to 120 s) kept a worker off a restarted
+// server for many seconds after a short outage: a call fails at once while its channel waits
+// to reconnect. Bounded at 1 s, the channel is up within a second of the server; how often the
+// worker calls is bounded by its own RetryBackoff.
+inline constexpr int kReconnectBackoffInitialMs = 100;
+inline constexpr int kReconnectBackoffMaxMs = 1000;
+
+// The arguments of every channel a worker opens to the coordinator, a single server or a shard
+// process: the reconnect backoff above and a 2 MiB receive limit.
+grpc::ChannelArguments WorkerChannelArguments();
 
 // How to reach the server: plaintext, or TLS verified against a CA (with an optional client
 // certificate for mutual TLS), plus the shared token sent as x-aloe-token on every call.
@@ -86,6 +99,11 @@ absl::StatusOr<uint64_t> PullAgreedGroupVersion(absl::Span<const uint32_t> shard
 class ServerClient final : public ServerApi {
  public:
   explicit ServerClient(const ClientOptions& options);
+
+  // A gRPC channel whose connection broke fails calls at once until it reconnects, and it
+  // reconnects only when a call asks it to: each try would only start the connection the next
+  // one uses, a whole backoff wait later. This waits for the connections instead.
+  absl::Duration AwaitServers(absl::Duration wait, const std::atomic<bool>* stop) override;
   ServerClient(const ServerClient&) = delete;
   ServerClient& operator=(const ServerClient&) = delete;
 

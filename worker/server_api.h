@@ -4,6 +4,7 @@
 // agent's heartbeat and overlap threads call them beside the round loop.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/tensor_codec.h"
 #include "proto/aloe.pb.h"
@@ -28,6 +30,17 @@ class ServerApi {
   // The encoder that Push and PushGroup use for layers whose codec is CODEC_LOWRANK (null: such
   // a layer is refused). Implementations that encode nothing themselves ignore it.
   virtual void SetLowRankEncoder(std::shared_ptr<LowRankPushEncoder> encoder) {}
+
+  // The wait between two tries of a call that failed for want of a server process (a retry or a
+  // dropped task): blocks while a connection to the coordinator (or single server) or to a shard
+  // process is down, until every one is up again (then at once: the process is back) or `wait`
+  // passed. Returns what the caller must still sleep: all of `wait` when every connection was up
+  // at the start (the failure was the server's answer, not an outage), none otherwise. Ends
+  // early, within 100 ms, once *stop (when not null) is set. The default waits for nothing and
+  // returns `wait`.
+  virtual absl::Duration AwaitServers(absl::Duration wait, const std::atomic<bool>* stop) {
+    return wait;
+  }
 
   virtual absl::StatusOr<v1::JoinReply> Join(const v1::JoinRequest& request) = 0;
   virtual absl::StatusOr<v1::HeartbeatReply> Heartbeat(const v1::HeartbeatRequest& request) = 0;

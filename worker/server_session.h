@@ -69,6 +69,8 @@ class ServerSession {
   absl::StatusOr<v1::PushReply> Push(const v1::PushHeader& header,
                                      std::vector<std::vector<float>>& delta, uint64_t* pushed);
   absl::Status ReportEval(const v1::EvalReport& report) { return server_.ReportEval(report); }
+  // ServerApi::AwaitServers.
+  absl::Duration AwaitServers(absl::Duration wait) { return server_.AwaitServers(wait, &stop_); }
 
   // Partial synchronization. The layer group of each spec layer (JoinReply.layer_groups; empty
   // when the server synchronizes the whole model).
@@ -128,7 +130,8 @@ absl::StatusOr<T> ServerSession::Retry(const char* kind,
       return result;
     }
     CountRetry(kind);
-    sleep_(backoff.Failure());
+    const absl::Duration rest = server_.AwaitServers(backoff.Failure(), &stop_);
+    if (rest > absl::ZeroDuration()) sleep_(rest);
   }
 }
 

@@ -57,6 +57,9 @@ absl::Status CheckRoleFlags(const LaunchFlags& flags, const v1::ServerConfig& co
   if (!flags.order_journal.empty() && role != "coordinator") {
     return absl::InvalidArgumentError("--order_journal is for --role coordinator only");
   }
+  if (!flags.record_commits.empty() && role != "shard") {
+    return absl::InvalidArgumentError("--record_commits is for --role shard only");
+  }
   if (const std::string& push = flags.push_listen; !push.empty()) {
     if (role == "coordinator") {
       return absl::InvalidArgumentError(
@@ -161,6 +164,7 @@ ShardProcess::Options ShardProcessOptions(const LaunchFlags& flags,
   options.advertise_push = flags.advertise_push;
   options.token_file = flags.token_file;
   options.resume = flags.resume;
+  options.record_commits = flags.record_commits;
   return options;
 }
 

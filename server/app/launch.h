@@ -36,6 +36,7 @@ struct LaunchFlags {
   std::string advertise;
   std::string advertise_push;
   std::string token_file;
+  std::string record_commits;
 };
 
 // The config file with the flags' overrides, validated (common/config.h) together with the

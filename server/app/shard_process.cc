@@ -86,14 +86,23 @@ absl::Status ShardProcess::Start() {
   if (config.partial_sync().groups() > 1) {
     ALOE_ASSIGN_OR_RETURN(layer_groups, AssignLayerGroups(spec, config.partial_sync().groups()));
   }
+  if (!options_.record_commits.empty()) {
+    ALOE_ASSIGN_OR_RETURN(recorder_, CommitRecorder::Open(options_.record_commits));
+  }
   auto make_state =
-      [spec, index, config, layer_groups, executor = executor_.get()](
+      [spec, index, config, layer_groups, executor = executor_.get(), recorder = recorder_](
           std::vector<std::vector<float>> initial) -> absl::StatusOr<std::unique_ptr<ShardState>> {
     ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ShardState> state,
                           ShardState::Create(spec, index, std::move(initial),
                                              config.outer_optimizer(), config.apply_threads(),
                                              config.max_staged_updates(), *executor, layer_groups));
     if (config.penalty().enabled()) ALOE_RETURN_IF_ERROR(state->EnablePenalty(config.penalty()));
+    if (recorder != nullptr) {
+      state->SetCommitObserver([recorder](const std::vector<uint32_t>& owned,
+                                          const std::vector<const PendingUpdate*>& updates) {
+        recorder->Record(owned, updates);
+      });
+    }
     return state;
   };
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<ShardState> state, make_state(std::move(model.initial)));

@@ -20,6 +20,7 @@
 #include "server/app/server_role.h"
 #include "server/app/status_page.h"
 #include "server/core/checkpoint_store.h"
+#include "server/core/commit_record.h"
 #include "server/core/shard_state.h"
 #include "server/service/auth.h"
 #include "server/service/checkpoint_copies.h"
@@ -50,6 +51,9 @@ class ShardProcess final : public ServerRole {
     // Restore the newest checkpoint of checkpoint.dir/shard-<index> (or, with none and
     // checkpoint.replicate_shards, the coordinator's newest copy of it).
     bool resume = false;
+    // Testing: append every committed update to this file (server/core/commit_record.h; "" =
+    // none), for aloe-replay.
+    std::string record_commits;
   };
 
   explicit ShardProcess(Options options) : options_(std::move(options)) {}
@@ -83,6 +87,7 @@ class ShardProcess final : public ServerRole {
   std::unique_ptr<MetricsSink> metrics_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<CheckpointStore> checkpoints_;
+  std::shared_ptr<CommitRecorder> recorder_;  // --record_commits; null = none
   std::unique_ptr<v1::ShardControl::Stub> copies_stub_;
   std::unique_ptr<CheckpointUploader> uploader_;
   std::unique_ptr<ShardServer> shard_;

@@ -335,6 +335,7 @@ absl::Status ShardState::Commit(const v1::ShardOrder& order) {
   // Staged updates were checked against the spec when staged, so a failure here is an invariant
   // violation.
   const std::vector<const PendingUpdate*> inputs(updates.begin(), updates.end());
+  if (commit_observer_) commit_observer_(owned_, inputs);
   if (penalty_ != nullptr) {
     // As a single process: the discount scales the update (the staged copy, which this step
     // consumes), and the penalty's per-layer weights replace the entries' (paper 000 Alg. 2).

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -70,6 +71,14 @@ class ShardState {
   // The penalty's report per owned layer (local order) of the last COMMIT; empty without the
   // penalty.
   const std::vector<PenaltyModuleReport>& last_penalty_reports() const { return penalty_reports_; }
+
+  // Testing (aloe-server --record_commits): called by every COMMIT that passed its checks, before
+  // it is applied, with the owned layers' global ids and the updates it commits (owned layers in
+  // local order, as staged: before any discount). Not called for a commit of a layer group with
+  // no layer owned here.
+  using CommitObserver = std::function<void(const std::vector<uint32_t>& owned,
+                                            const std::vector<const PendingUpdate*>& updates)>;
+  void SetCommitObserver(CommitObserver observer) { commit_observer_ = std::move(observer); }
 
   uint32_t shard_index() const { return shard_index_; }
   // Global layer ids owned by this shard, ascending.
@@ -206,6 +215,7 @@ class ShardState {
   std::map<uint64_t, ModelSnapshot> retained_;      // older versions (local order) kept for pulls
   std::unique_ptr<PseudoGradientPenalty> penalty_;  // null = off; modules = owned layers
   std::vector<PenaltyModuleReport> penalty_reports_;
+  CommitObserver commit_observer_;  // may be empty
   // Idle: at most max_staged updates' owned layers.
   std::shared_ptr<FloatBufferPool> staging_buffers_;
 };

@@ -119,6 +119,25 @@ class AgentTest : public ::testing::Test {
     return agent.Run();
   }
 
+  // A shard process away for 30 s under capped, jittered drop waits: every request hands out
+  // task 1 until it is pushed (then STOP), and its pulls fail until then. Returns when the shard
+  // is back; *resumed becomes the time the task's first step began.
+  absl::Time ShardAwayForHalfAMinute(absl::Time* resumed) {
+    options_.drop_backoff_initial = absl::Milliseconds(100);
+    options_.drop_backoff_max = absl::Seconds(5);
+    options_.retry_jitter = 0.5;
+    options_.retry_seed = 7;
+    const absl::Time back = clock_.Now() + absl::Seconds(30);
+    server_.SetPullOutage(&clock_, back, absl::UnavailableError("shard 0 (x): connection refused"));
+    server_.set_task_source([](size_t pushes) -> absl::StatusOr<v1::Task> {
+      return pushes == 0 ? TrainTask(1, 0) : Kind(v1::Task::STOP);
+    });
+    trainer_.during_step = [this, resumed](const v1::Task&, uint32_t step) {
+      if (step == 0) *resumed = clock_.Now();
+    };
+    return back;
+  }
+
   AgentOptions options_;
   FakeServer server_;
   FakeTrainer::Shared trainer_;
@@ -234,19 +253,8 @@ TEST_F(AgentTest, RepeatedDropsBackOffExponentiallyUpToTheCapAndResetOnSuccess) 
 TEST_F(AgentTest, AShardAwayForHalfAMinuteIsAskedForAFewTimesThenTrainedOnAtOnce) {
   // Every request hands out task 1 until it is pushed; its pulls fail while the shard process is
   // away (30 s). A loop without pause asks once per round trip, without end on this clock.
-  options_.drop_backoff_initial = absl::Milliseconds(100);
-  options_.drop_backoff_max = absl::Seconds(5);
-  options_.retry_jitter = 0.5;
-  options_.retry_seed = 7;
-  const absl::Time back = clock_.Now() + absl::Seconds(30);
-  server_.SetPullOutage(&clock_, back, absl::UnavailableError("shard 0 (x): connection refused"));
-  server_.set_task_source([](size_t pushes) -> absl::StatusOr<v1::Task> {
-    return pushes == 0 ? TrainTask(1, 0) : Kind(v1::Task::STOP);
-  });
   absl::Time resumed = absl::InfinitePast();
-  trainer_.during_step = [&](const v1::Task&, uint32_t step) {
-    if (step == 0) resumed = clock_.Now();
-  };
+  const absl::Time back = ShardAwayForHalfAMinute(&resumed);
   RecordingMetrics metrics;
   ::testing::internal::CaptureStderr();
   EXPECT_THAT(Run(&metrics), IsOk());
@@ -361,6 +369,31 @@ TEST_F(AgentTest, ExpiredLeaseJoinsAgain) {
   EXPECT_EQ(server_.pushes().size(), 1u);
 }
 
+TEST_F(AgentTest, AShardBackFromAnOutageIsTrainedOnAsSoonAsItsConnectionIsUp) {
+  // As above, but the server API waits for the shard's connection (ServerClient::AwaitServers):
+  // the backoff wait ends when the shard is back instead of a whole capped wait later.
+  absl::Time resumed = absl::InfinitePast();
+  const absl::Time back = ShardAwayForHalfAMinute(&resumed);
+  std::vector<absl::Duration> awaited;
+  server_.set_await_servers([&](absl::Duration wait) {
+    awaited.push_back(wait);
+    const absl::Duration left = back - clock_.Now();
+    if (left <= absl::ZeroDuration()) return wait;  // every connection up: sleep it all
+    sleeper_.Advance(std::min(wait, left));
+    return absl::ZeroDuration();
+  });
+  EXPECT_THAT(Run(), IsOk());
+  EXPECT_EQ(resumed, back);  // not up to 5 s later
+  EXPECT_TRUE(sleeps_.empty());
+  // The same capped, jittered waits bound the tries while the shard is away.
+  const size_t attempts = server_.pulls().size();
+  EXPECT_GE(attempts, 13u);
+  EXPECT_LE(attempts, 19u);
+  ASSERT_EQ(awaited.size(), attempts - 2);
+  EXPECT_LE(awaited.back(), absl::Seconds(5));
+  ASSERT_EQ(server_.pushes().size(), 1u);
+}
+
 TEST_F(AgentTest, ServerUnreachableIsRetriedUntilTheConnectTimeout) {
   options_.connect_timeout = absl::Seconds(1);
   options_.retry_interval = absl::Milliseconds(250);
@@ -373,6 +406,20 @@ TEST_F(AgentTest, ServerUnreachableIsRetriedUntilTheConnectTimeout) {
               ElementsAre(absl::Milliseconds(250), absl::Milliseconds(500), absl::Seconds(1)));
   EXPECT_EQ(metrics.Value(kRetries, {"request"}), 3);
   EXPECT_EQ(server_.leaves(), 0);  // the server's failure is not the worker's: no leave
+}
+
+TEST_F(AgentTest, ARestartedServerIsAskedAgainOnceItsConnectionIsUp) {
+  options_.retry_interval = absl::Milliseconds(250);
+  for (int i = 0; i < 2; ++i) server_.AddTask(absl::UnavailableError("connection refused"));
+  server_.AddTask(Kind(v1::Task::STOP));
+  std::vector<absl::Duration> awaited;
+  server_.set_await_servers([&](absl::Duration wait) {
+    awaited.push_back(wait);
+    return absl::ZeroDuration();  // the connection came up: no sleep after it
+  });
+  EXPECT_THAT(Run(), IsOk());
+  EXPECT_THAT(awaited, ElementsAre(absl::Milliseconds(250), absl::Milliseconds(500)));
+  EXPECT_TRUE(sleeps_.empty());
 }
 
 // The heartbeat thread waits on the fake clock: a test advances it from inside a round (the

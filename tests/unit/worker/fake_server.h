@@ -1,6 +1,7 @@
 // A scripted aloe-server for the worker's unit tests (no network), and task builders.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -78,6 +79,19 @@ class FakeServer final : public ServerApi {
     outage_clock_ = clock;
     outage_until_ = until;
     outage_error_ = std::move(error);
+  }
+  // AwaitServers answers with `await` (default: waits for nothing, returns the whole wait).
+  void set_await_servers(std::function<absl::Duration(absl::Duration)> await) {
+    absl::MutexLock lock(&mu_);
+    await_servers_ = std::move(await);
+  }
+  absl::Duration AwaitServers(absl::Duration wait, const std::atomic<bool>* stop) override {
+    std::function<absl::Duration(absl::Duration)> await;
+    {
+      absl::MutexLock lock(&mu_);
+      await = await_servers_;
+    }
+    return await ? await(wait) : wait;
   }
   // Every heartbeat of `worker_id` from now on is answered `error`.
   void SetHeartbeatError(uint64_t worker_id, absl::Status error) {
@@ -253,6 +267,7 @@ class FakeServer final : public ServerApi {
   }
 
  private:
+  std::function<absl::Duration(absl::Duration)> await_servers_ ABSL_GUARDED_BY(mu_);
   absl::Mutex mu_;
   double lease_seconds_ ABSL_GUARDED_BY(mu_) = 3600;
   std::deque<absl::StatusOr<v1::Task>> tasks_ ABSL_GUARDED_BY(mu_);
