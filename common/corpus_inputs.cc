@@ -8,9 +8,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/durable_file.h"
 #include "common/json_reader.h"
 #include "common/status_macros.h"
-#include "common/text_file.h"
 
 namespace aloe {
 namespace {
@@ -103,7 +103,7 @@ absl::StatusOr<std::vector<InputFile>> ListInputFiles(const std::string& dir, In
 
 absl::StatusOr<std::vector<std::string>> ReadJsonlDocuments(const std::string& path,
                                                             std::string_view field) {
-  ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadTextFile(path));
+  ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadWholeFile(path));
   std::vector<std::string> documents;
   size_t start = 0;
   while (start < contents.size()) {
@@ -140,7 +140,7 @@ absl::StatusOr<std::vector<std::string>> ReadJsonlDocuments(const std::string& p
 
 absl::StatusOr<std::string> ReadInputText(const InputFile& file, std::string_view jsonl_field,
                                           std::string_view separator) {
-  if (file.format != InputFormat::kJsonl) return ReadTextFile(file.path);
+  if (file.format != InputFormat::kJsonl) return ReadWholeFile(file.path);
   ALOE_ASSIGN_OR_RETURN(const std::vector<std::string> documents,
                         ReadJsonlDocuments(file.path, jsonl_field));
   return absl::StrJoin(documents, absl::string_view(separator.data(), separator.size()));

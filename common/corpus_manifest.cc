@@ -15,7 +15,6 @@
 #include "absl/strings/str_split.h"
 #include "common/durable_file.h"
 #include "common/status_macros.h"
-#include "common/text_file.h"
 #include "common/token_shard.h"
 
 namespace aloe {
@@ -80,7 +79,7 @@ absl::StatusOr<std::vector<CorpusShardInfo>> LoadCorpusManifest(const std::strin
 
 absl::StatusOr<CorpusInfo> LoadCorpusInfo(const std::string& dir) {
   const std::string path = CorpusManifestPath(dir);
-  ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadTextFile(path));
+  ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadWholeFile(path));
   auto bad_line = [&path](int line_no, const std::string& problem) {
     return absl::InvalidArgumentError(absl::StrFormat("%s: line %d: %s", path, line_no, problem));
   };

@@ -5,9 +5,9 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "common/durable_file.h"
 #include "common/json_reader.h"
 #include "common/status_macros.h"
-#include "common/text_file.h"
 
 namespace aloe {
 namespace {
@@ -171,8 +171,8 @@ std::vector<std::string_view> Gpt2PreTokenize(std::string_view text) {
 
 absl::StatusOr<std::unique_ptr<Gpt2Tokenizer>> Gpt2Tokenizer::Load(const std::string& encoder_json,
                                                                    const std::string& vocab_bpe) {
-  ALOE_ASSIGN_OR_RETURN(const std::string json, ReadTextFile(encoder_json));
-  ALOE_ASSIGN_OR_RETURN(const std::string bpe, ReadTextFile(vocab_bpe));
+  ALOE_ASSIGN_OR_RETURN(const std::string json, ReadWholeFile(encoder_json));
+  ALOE_ASSIGN_OR_RETURN(const std::string bpe, ReadWholeFile(vocab_bpe));
   std::unique_ptr<Gpt2Tokenizer> t(new Gpt2Tokenizer());
 
   uint32_t to_unicode[256];

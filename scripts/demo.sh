@@ -7,7 +7,7 @@
 # Stops every process it started (also on Ctrl-C).
 #
 # Usage: scripts/demo.sh [--mode async|sync] [--no-compare] [--seconds N] [--slowdown F]
-#                        [--shards N] [--config FILE]
+#                        [--shards N] [--config FILE] [--tokenizer byte|gpt2]
 #   --mode M       async: grace-period batching, Delayed Nesterov, DyLU (default);
 #                  sync: DiLoCo round barrier, outer Nesterov
 #   --no-compare   run only the job of --mode (the default runs the other mode after it)
@@ -18,6 +18,9 @@
 #                  takes raw pushes (--push_listen) besides gRPC
 #   --config FILE  server config of --mode's job (default deploy/configs/demo-async.textproto
 #                  or demo.textproto); the comparison job uses the other default
+#   --tokenizer T  byte: one token per byte (default); gpt2: GPT-2's BPE (vocabulary 50257,
+#                  data/sotu-gpt2) on deploy/configs/demo-gpt2.textproto, one sync job, no
+#                  comparison (a CPU spends most of each step in the 50257-way output layer)
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "$0")/lib.sh"
@@ -28,6 +31,7 @@ CONFIG=""
 MODE=async
 COMPARE=1
 SHARDS=0
+TOKENIZER=byte
 while [ $# -gt 0 ]; do
   case "$1" in
     --mode) MODE="$2"; shift 2 ;;
@@ -36,7 +40,8 @@ while [ $# -gt 0 ]; do
     --slowdown) SLOWDOWN="$2"; shift 2 ;;
     --shards) SHARDS="$2"; shift 2 ;;
     --config) CONFIG="$2"; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --tokenizer) TOKENIZER="$2"; shift 2 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -52,6 +57,15 @@ case "$MODE" in
   async) OTHER=sync ;;
   *) echo "demo.sh: --mode must be async or sync" >&2; exit 2 ;;
 esac
+CORPUS=data/sotu
+case "$TOKENIZER" in
+  byte) ;;
+  gpt2)
+    CORPUS=data/sotu-gpt2 MODE=sync COMPARE=0
+    CONFIG="${CONFIG:-$ALOE_ROOT/deploy/configs/demo-gpt2.textproto}"
+    ;;
+  *) echo "demo.sh: --tokenizer must be byte or gpt2, got '$TOKENIZER'" >&2; exit 2 ;;
+esac
 CONFIG="${CONFIG:-$(config_of "$MODE")}"
 if ! [[ "$SHARDS" =~ ^[0-9]+$ ]] || [ "$SHARDS" -gt 16 ]; then
   echo "demo.sh: --shards must be a number of shard processes in [0, 16], got '$SHARDS'" >&2
@@ -66,7 +80,7 @@ cd "$ALOE_ROOT"
 "$ALOE_ROOT/scripts/install-deps.sh"
 aloe_log "building aloe-server, aloe-worker, aloe-corpus"
 aloe_build aloe-server aloe-worker aloe-corpus
-"$ALOE_ROOT/scripts/prepare-corpus.sh" data/sotu
+"$ALOE_ROOT/scripts/prepare-corpus.sh" --tokenizer "$TOKENIZER" "$CORPUS"
 aloe_blas_env
 
 OUT_DIR="$ALOE_ROOT/out/demo"
@@ -128,7 +142,7 @@ run_job() {
     aloe_log "the server is layer-sharded: $SHARDS shard processes hold the parameters, status pages on ports ${shard_metrics[*]}"
   fi
 
-  local worker=("$ALOE_BIN_DIR/aloe-worker" --server="127.0.0.1:$grpc_port" --corpus_dir=data/sotu)
+  local worker=("$ALOE_BIN_DIR/aloe-worker" --server="127.0.0.1:$grpc_port" --corpus_dir="$CORPUS")
   declare -A role_pid
   "${worker[@]}" --role=evaluator --name=evaluator --eval_sequences=48 >"$run_dir/evaluator.log" 2>&1 &
   role_pid[evaluator]=$!

@@ -172,7 +172,8 @@ def main():
                             ("reshaped", "lm_head.weight has shape [16, 256], the model [256, 16]"),
                             ("truncated", "truncated: tensor lm_head.weight ends at byte")]:
             code, log = run_server(bin_dir, work, config(work / f"{tag}.safetensors"), tag)
-            check(code != 0 and expect in log, f"{tag} file refused: {expect!r} ({log.strip()[-200:]})")
+            check(code != 0 and expect in log,
+                  f"{tag} file refused: {expect!r} ({log.strip()[-200:]})")
 
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0

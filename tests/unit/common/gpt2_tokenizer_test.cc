@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/durable_file.h"
 #include "common/status_matchers.h"
-#include "common/text_file.h"
 
 #ifndef ALOE_SOURCE_DIR
 #error "ALOE_SOURCE_DIR must name the source tree (tests/CMakeLists.txt)"
@@ -252,7 +252,7 @@ TEST_F(Gpt2ReferenceTest, MatchesTheReferenceEncoder) {
   const std::string command = absl::StrCat("node ", kReferenceDriver, " ", package_, " ", dir_,
                                            "/texts.json ", dir_, "/ids.json");
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
-  absl::StatusOr<std::string> out = ReadTextFile(dir_ + "/ids.json");
+  absl::StatusOr<std::string> out = ReadWholeFile(dir_ + "/ids.json");
   ASSERT_THAT(out, IsOk());
   const std::vector<std::vector<uint32_t>> want = ParseIdArrays(*out);
   ASSERT_EQ(want.size(), texts.size());

@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/durable_file.h"
 #include "common/status_matchers.h"
-#include "common/text_file.h"
 
 namespace aloe {
 namespace {
@@ -94,7 +94,7 @@ std::vector<std::vector<uint32_t>> SpmEncode(const std::string& dir, const std::
                                            dir, "/in.txt > ", dir, "/out.txt");
   EXPECT_EQ(std::system(command.c_str()), 0) << command;
   std::vector<std::vector<uint32_t>> lines;
-  absl::StatusOr<std::string> out = ReadTextFile(dir + "/out.txt");
+  absl::StatusOr<std::string> out = ReadWholeFile(dir + "/out.txt");
   EXPECT_THAT(out, IsOk());
   for (absl::string_view line : absl::StrSplit(*out, '\n', absl::SkipEmpty())) {
     lines.emplace_back();
