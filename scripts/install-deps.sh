@@ -14,8 +14,9 @@ PACKAGES=(
   libssl-dev
   # aloe-corpus --tokenizer sentencepiece; spm_encode for its golden test
   libsentencepiece-dev sentencepiece
-  # tests/integration/byo_model_test.cc scripts TorchScript modules with Debian's PyTorch
-  python3-torch
+  # tests/integration/byo_model_test.cc scripts TorchScript modules with Debian's PyTorch;
+  # the Python worker (worker/python) speaks gRPC with Debian's grpcio and protobuf
+  python3-torch python3-grpcio python3-protobuf
   # scripts/fuzz.sh: clang, libFuzzer and the sanitizer runtimes, llvm-symbolizer
   clang libclang-rt-dev llvm
   # scripts/lint.sh; tests/integration/deploy_flags_test.py reads the manifests with python3-yaml

@@ -91,10 +91,10 @@ if have promtool "Prometheus configuration"; then
   done
 fi
 
-# Python: *.py under scripts/, tests/ and deploy/, and extensionless scripts with a python
+# Python: *.py under scripts/, tests/, deploy/ and worker/python/, and extensionless scripts with a python
 # shebang; flake8 (pyflakes and pycodestyle) with the settings in .flake8, in one run.
 mapfile -t python_files < <(
-  { git ls-files 'scripts/*.py' 'tests/*.py' 'deploy/*.py' 2>/dev/null
+  { git ls-files 'scripts/*.py' 'tests/*.py' 'deploy/*.py' 'worker/python/*.py' 2>/dev/null
     git ls-files scripts 2>/dev/null | while read -r f; do
       case "${f##*/}" in
         *.*) ;;
