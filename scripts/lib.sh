@@ -31,6 +31,8 @@ aloe_build() {
 # One job on a fresh aloe-server: starts $ALOE_BIN_DIR/aloe-server with CONFIG (logs and port
 # file in DIR), runs one aloe-worker on CORPUS with the remaining flags until the server's stop
 # condition, and waits for both. Returns non-zero (log tails on stderr) when either fails.
+# ALOE_JOB_WORKER names another worker program taking --server and --corpus_dir (the Python
+# worker's example); aloe-worker also gets --metrics=off.
 # Usage: aloe_one_worker_job DIR CONFIG CORPUS [worker flags...]
 aloe_one_worker_job() {
   local dir="$1" config="$2" corpus="$3"
@@ -48,8 +50,10 @@ aloe_one_worker_job() {
     return 1
   fi
   local rc=0
-  "$ALOE_BIN_DIR/aloe-worker" --server="127.0.0.1:$port" --corpus_dir="$corpus" --metrics=off \
-    "$@" >"$dir/worker.log" 2>&1 || rc=$?
+  local worker=("$ALOE_BIN_DIR/aloe-worker" --metrics=off)
+  if [ -n "${ALOE_JOB_WORKER:-}" ]; then worker=("$ALOE_JOB_WORKER"); fi
+  "${worker[@]}" --server="127.0.0.1:$port" --corpus_dir="$corpus" "$@" >"$dir/worker.log" 2>&1 ||
+    rc=$?
   # A failed worker leaves the server waiting for work: stop it (SIGTERM drains and exits).
   if [ "$rc" -ne 0 ]; then kill "$server" 2>/dev/null || true; fi
   wait "$server" || [ "$rc" -ne 0 ] || rc=1
