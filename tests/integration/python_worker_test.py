@@ -6,6 +6,8 @@ train the same model together through real servers, with an aloe-worker evaluato
   trainers push every round, with the same bytes per push; the held-out loss falls; and the
   Python TransformerLM, loaded with the version 0 the Python client pulled, gives the held-out
   loss the C++ evaluator reported for version 0 (the same function).
+- restart: the server is SIGKILLed mid-job and restarted with --resume; the Python worker
+  retries, joins again and finishes the job; one with a wrong token exits 1 naming the refusal.
 - sharded: a coordinator and two shard processes, async Delayed Nesterov; the Python worker
   pulls from and pushes to both shard processes in bf16 (its own codec choice), and the
   held-out loss falls from version 0's (evaluated in Python: the evaluator may join later).
@@ -63,6 +65,15 @@ aggregation {{ mode: AGGREGATION_ASYNC min_workers: 1 }}
 shard_processes: 2
 max_versions: 16
 """
+RESTART = COMMON + """
+listen_address: "127.0.0.1:{port}"
+outer_optimizer {{ type: OUTER_NESTEROV lr: 0.7 momentum: 0.9 }}
+aggregation {{ mode: AGGREGATION_ASYNC min_workers: 1 }}
+checkpoint {{ dir: "{checkpoints}" every_versions: 2 keep: 2 }}
+security {{ token_file: "{tokens}" }}
+max_versions: 40
+"""
+TOKEN = "python-worker-token"
 EVAL_SEQUENCES = 16
 
 
@@ -251,6 +262,46 @@ class PythonWorkerTest(unittest.TestCase):
                                num_heads=2, ffn_mult=4))()).parameters())
         self.assertEqual(int(py.group(5)), 2 * params * int(py.group(1)))
         self.assertIn("(2 shard processes)", cluster.log("python"))
+
+    def test_server_restart_and_wrong_token(self):
+        cluster = Cluster(self.tmp, "restart")
+        self.addCleanup(cluster.stop)
+        port = free_port()
+        tokens = os.path.join(cluster.dir, "tokens")
+        with open(tokens, "w") as f:
+            f.write("python %s\n" % TOKEN)
+        for name, token in (("good", TOKEN), ("bad", "not-the-token")):
+            with open(os.path.join(cluster.dir, name + ".token"), "w") as f:
+                f.write(token + "\n")
+        config = self.config(cluster, RESTART, port=port, tokens=tokens,
+                             checkpoints=os.path.join(cluster.dir, "ckpt"))
+        server = [os.path.join(BIN_DIR, "aloe-server"), "--config=" + config]
+        cluster.start("server", server + ["--port_file=" + os.path.join(cluster.dir,
+                                                                        "server.ports")])
+        cluster.ports("server")
+        train = [sys.executable, os.path.join(PYTHON_DIR, "examples", "train.py"),
+                 "--server=127.0.0.1:%d" % port, "--corpus_dir=" + self.corpus]
+        cluster.start("bad", train + ["--token_file=" + os.path.join(cluster.dir, "bad.token")])
+        cluster.start("python", train + ["--name=python", "--token_file=" +
+                                         os.path.join(cluster.dir, "good.token")])
+        self.assertEqual(cluster.procs["bad"].wait(60), 1, cluster.log("bad"))
+        self.assertRegex(cluster.log("bad"), r"train\.py: joining .*UNAUTHENTICATED")
+
+        deadline = time.time() + 120
+        while not re.search(r"version ([6-9]|\d\d) ", cluster.log("python")):
+            self.assertLess(time.time(), deadline, cluster.logs())
+            time.sleep(0.1)
+        cluster.procs["server"].send_signal(signal.SIGKILL)
+        cluster.procs["server"].wait()
+        time.sleep(1.0)
+        cluster.start("server2", server + ["--resume"])
+        cluster.wait(["server2", "python"], 240)
+        log = cluster.log("python")
+        self.assertRegex(log, r"joining again")
+        self.assertRegex(cluster.log("server2"), r"summary: version 40")
+        py = re.search(r"train\.py: (\d+) rounds", log)
+        self.assertIsNotNone(py, log)
+        print("restart: the Python worker joined again and pushed %s rounds in all" % py.group(1))
 
 
 def main():
