@@ -16,6 +16,12 @@
 
 namespace aloe::server {
 
+// Whether a member of `role` trains (ROLE_UNSPECIFIED means trainer); evaluators and observers
+// do not.
+inline bool IsTrainerRole(v1::Role role) {
+  return role == v1::ROLE_TRAINER || role == v1::ROLE_UNSPECIFIED;
+}
+
 struct Member {
   uint64_t id = 0;
   std::string name;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/config.h"
 #include "common/imported_model.h"
 #include "common/layer_groups.h"
@@ -198,7 +199,8 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
   if (request.name().size() > 256) {
     return absl::InvalidArgumentError("worker name longer than 256 bytes");
   }
-  if (request.model_fingerprint() != model_fingerprint_) {
+  // An observer trains nothing, so it may read whatever model the server trains.
+  if (request.role() != v1::ROLE_OBSERVER && request.model_fingerprint() != model_fingerprint_) {
     if (model_fingerprint_.empty()) {
       return absl::FailedPreconditionError(absl::StrFormat(
           "this server trains the built-in transformer, but the worker brings its own model "
@@ -217,7 +219,7 @@ absl::StatusOr<v1::JoinReply> ServerCore::Join(const v1::JoinRequest& request) {
       backend_->CheckJoin(request.role(), membership_.LiveIds(v1::ROLE_TRAINER).size()));
   const uint64_t id = membership_.Join(request.name(), request.role());
   metrics_.Add(kWorkersJoined, 1);
-  if (request.role() != v1::ROLE_EVALUATOR) {
+  if (IsTrainerRole(request.role())) {
     trainer_labels_[id] = {absl::StrCat(id), request.name()};
   }
   v1::JoinReply reply;
@@ -273,6 +275,10 @@ v1::Task ServerCore::NewTask(v1::Task::Kind kind) {
 
 absl::StatusOr<v1::Task> ServerCore::RequestTask(const v1::TaskRequest& request) {
   ALOE_ASSIGN_OR_RETURN(const Member* member, LiveMember(request.worker_id()));
+  if (member->role == v1::ROLE_OBSERVER) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker %d joined as an observer: it reads the model and takes no tasks", member->id));
+  }
   ALOE_RETURN_IF_ERROR(membership_.Renew(member->id, 0));
   if (request.start_group()) return StartGroup(member->id, request.group());
   auto open = open_tasks_.find(member->id);
@@ -553,8 +559,9 @@ absl::StatusOr<ModelSnapshot> ServerCore::SnapshotFor(const v1::PullRequest& req
   if (request.latest() || request.version() == version()) return Snapshot();
   auto it = retained_.find(request.version());
   if (it == retained_.end()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "version %d is not available; the current version is %d", request.version(), version()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("version %d is not available (at version %d; retained: [%s])",
+                        request.version(), version(), absl::StrJoin(RetainedVersions(), ", ")));
   }
   return it->second;
 }
@@ -1016,7 +1023,7 @@ void ServerCore::RecordPush(uint64_t worker, uint64_t staleness, uint64_t bytes)
 
 std::vector<LiveWorker> ServerCore::LiveWorkers() const {
   std::vector<LiveWorker> workers;
-  for (const v1::Role role : {v1::ROLE_TRAINER, v1::ROLE_EVALUATOR}) {
+  for (const v1::Role role : {v1::ROLE_TRAINER, v1::ROLE_EVALUATOR, v1::ROLE_OBSERVER}) {
     for (const uint64_t id : membership_.LiveIds(role)) {
       const Member* m = membership_.Find(id);
       LiveWorker w;
@@ -1036,7 +1043,7 @@ std::vector<LiveWorker> ServerCore::LiveWorkers() const {
         w.pushes = a->second.pushes;
         w.received_bytes = a->second.bytes;
       }
-      w.state = draining_ ? "draining" : "waiting";
+      w.state = role == v1::ROLE_OBSERVER ? "reading" : draining_ ? "draining" : "waiting";
       if (auto open = open_tasks_.find(id); open != open_tasks_.end()) {
         const bool eval = open->second.task.kind() == v1::Task::EVAL;
         w.state = eval ? "evaluating" : "training";

@@ -62,7 +62,7 @@ struct LiveWorker {
   // Payload bytes of those pushes as this process received them (0 where shard processes do).
   uint64_t received_bytes = 0;
   // "training" or "evaluating" (an open task), "waiting" (for a round, a grace window or its
-  // next task), "draining" (no new work).
+  // next task), "draining" (no new work), "reading" (an observer).
   std::string state;
 };
 

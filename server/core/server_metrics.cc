@@ -43,7 +43,7 @@ std::vector<MetricDef> ServerMetricCatalogue() {
       {kUpdatesApplied, K::kCounter, "Worker pseudo-gradients aggregated into outer steps", {}},
       {kUpdatesRejected, K::kCounter, "Pushes rejected, by reason", {}, {"reason"}},
       {kTokensLearned, K::kCounter, "Training tokens in applied updates", {}},
-      {kLiveWorkers, K::kGauge, "Live members (trainers and evaluators)", {}},
+      {kLiveWorkers, K::kGauge, "Live members (trainers, evaluators and observers)", {}},
       {kWorkersJoined, K::kCounter, "Workers that joined", {}},
       {kWorkersLeft, K::kCounter, "Workers that left gracefully", {}},
       {kWorkersExpired, K::kCounter, "Workers dropped because their lease expired", {}},

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "server/core/membership.h"
 
 namespace aloe::server {
 
@@ -61,7 +62,7 @@ absl::Status ShardCommitLog::CheckJoin(v1::Role role, size_t live_trainers) cons
                         shard_addresses_.size()));
   }
   const size_t groups = group_versions_.size();
-  if (sync_ && role != v1::ROLE_EVALUATOR && (live_trainers + 1) * groups > max_staged_) {
+  if (sync_ && IsTrainerRole(role) && (live_trainers + 1) * groups > max_staged_) {
     if (groups == 1) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "this layer-sharded sync server has %d trainers, as many as max_staged_updates (%d): "

@@ -54,7 +54,10 @@ std::string Pairs(const std::vector<std::pair<std::string, double>>& pairs) {
   return out + "]";
 }
 
-const char* RoleName(v1::Role role) { return role == v1::ROLE_EVALUATOR ? "evaluator" : "trainer"; }
+const char* RoleName(v1::Role role) {
+  if (role == v1::ROLE_EVALUATOR) return "evaluator";
+  return role == v1::ROLE_OBSERVER ? "observer" : "trainer";
+}
 
 std::string CodecName(v1::Codec codec) {
   return codec == v1::CODEC_UNSPECIFIED ? "fp32" : CodecLabel(codec);

@@ -24,13 +24,16 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/config.h"
 #include "common/corpus_manifest.h"
 #include "common/model_spec.h"
 #include "common/raw_push.h"
+#include "common/status_macros.h"
 #include "common/tensor_codec.h"
 #include "common/token_shard.h"
 #include "proto/aloe.grpc.pb.h"
 #include "tests/testing/subprocess.h"
+#include "worker/client.h"
 
 namespace aloe::testing {
 
@@ -91,6 +94,46 @@ inline absl::Status RawExchange(const std::string& address, const std::string& b
   return s;
 }
 
+// The header of a simulated worker's push of update `update_id` for `task`.
+inline v1::PushHeader TrainHeader(uint64_t worker_id, const v1::Task& task, uint64_t update_id) {
+  v1::PushHeader header;
+  header.set_worker_id(worker_id);
+  header.set_task_id(task.task_id());
+  header.set_update_id(update_id);
+  header.set_base_version(task.base_version());
+  header.set_steps_done(task.local_steps());
+  header.set_tokens_learned(100);
+  header.set_codec(v1::CODEC_FP32);
+  return header;
+}
+
+// Plaintext client options for the server (or coordinator) on loopback port `port`.
+inline worker::ClientOptions ClientOptionsFor(int port) {
+  worker::ClientOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  return options;
+}
+
+// Joins `client` as trainer `name`, retried while the shards assemble (up to 30 s), and points it
+// at the shard processes (and their raw push listeners) of the reply.
+inline absl::StatusOr<v1::JoinReply> JoinTrainer(worker::ServerClient& client,
+                                                 const std::string& name) {
+  v1::JoinRequest join;
+  join.set_name(name);
+  join.set_role(v1::ROLE_TRAINER);
+  absl::StatusOr<v1::JoinReply> joined;
+  for (int i = 0; i < 300; ++i) {
+    joined = client.Join(join);
+    if (joined.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!joined.ok()) return joined.status();
+  ALOE_RETURN_IF_ERROR(client.SetShards(
+      {joined->shard_addresses().begin(), joined->shard_addresses().end()},
+      {joined->shard_push_addresses().begin(), joined->shard_push_addresses().end()}));
+  return joined;
+}
+
 class LoopbackTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -113,6 +156,25 @@ class LoopbackTest : public ::testing::Test {
   }
 
   std::string Bin(const std::string& name) { return std::string(ALOE_BIN_DIR) + "/" + name; }
+
+  // The config of a server role started in this process: the loopback corpus, a tiny model,
+  // sync rounds of one trainer and `extra` config text; written to dir_/<name> and loaded
+  // (common/config.h). A failure is reported and gives the default config.
+  v1::ServerConfig InProcessConfig(const std::string& name, const std::string& extra) {
+    std::ofstream(dir_ + "/" + name) << absl::StrCat(R"(
+      listen_address: "127.0.0.1:0"
+      metrics_address: "off"
+      corpus_dir: ")",
+                                                     dir_, R"("
+      model { vocab_size: 256 seq_len: 32 d_model: 32 num_layers: 1 num_heads: 2 }
+      inner_optimizer { batch_size: 2 }
+      aggregation { min_workers: 1 }
+      )",
+                                                     extra);
+    absl::StatusOr<v1::ServerConfig> config = LoadServerConfig(dir_ + "/" + name);
+    EXPECT_TRUE(config.ok()) << config.status();
+    return config.ok() ? *config : v1::ServerConfig();
+  }
 
   static constexpr char kNesterov[] =
       "outer_optimizer { type: OUTER_NESTEROV lr: 0.7 momentum: 0.9 }";

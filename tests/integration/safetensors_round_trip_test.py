@@ -7,9 +7,10 @@ Usage: safetensors_round_trip_test.py BIN_DIR
    GPT-2-style (nanoGPT) name, half of them float32 and half bfloat16.
 2. Starts aloe-server with init_file pointing at it and no workers; it stops after a second and
    writes its checkpoint of version 0.
+   While it runs, aloe-export --server writes its live model as live.safetensors.
 3. aloe-export writes that checkpoint as out.safetensors and config.json.
-4. Reads out.safetensors with json + numpy and compares every tensor, bit for bit, with what
-   step 1 wrote; checks config.json.
+4. Reads out.safetensors and live.safetensors with json + numpy and compares every tensor, bit
+   for bit, with what step 1 wrote; checks config.json.
 5. Files that do not fit (a tensor missing, one reshaped, a truncated file) stop the server at
    start, naming the tensor or the byte offset.
 """
@@ -75,9 +76,10 @@ def read_safetensors(path):
     return out, metadata
 
 
-def run_server(bin_dir, work, config_text, tag):
-    """Starts aloe-server on `config_text`; once it listens, SIGTERM makes it write its final
-    checkpoint and exit. Returns (exit code, its log)."""
+def run_server(bin_dir, work, config_text, tag, while_live=None):
+    """Starts aloe-server on `config_text`; once it listens, calls while_live(grpc port) when
+    given, then SIGTERM makes it write its final checkpoint and exit. Returns (exit code, its
+    log)."""
     config = work / f"{tag}.textproto"
     config.write_text(config_text)
     ports = work / f"{tag}.ports"
@@ -90,6 +92,10 @@ def run_server(bin_dir, work, config_text, tag):
         while server.poll() is None and not ports.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         if server.poll() is None:
+            if while_live is not None:
+                time.sleep(0.1)  # the port file is complete
+                port = dict(kv.split("=") for kv in ports.read_text().split())["grpc"]
+                while_live(int(port))
             server.send_signal(signal.SIGTERM)
         try:
             code = server.wait(timeout=60)
@@ -136,7 +142,16 @@ def main():
                 checkpoint {{ dir: "{work / 'ckpt'}" }}
                 """)
 
-        code, log = run_server(bin_dir, work, config(work / "init.safetensors"), "server")
+        live = {}
+
+        def export_live(port):
+            live["run"] = subprocess.run(
+                [str(bin_dir / "aloe-export"), f"--server=127.0.0.1:{port}",
+                 f"--out={work / 'live.safetensors'}"],
+                capture_output=True, text=True, timeout=60)
+
+        code, log = run_server(bin_dir, work, config(work / "init.safetensors"), "server",
+                               export_live)
         check(code == 0, "server started from init.safetensors and checkpointed version 0"
               + ("" if code == 0 else f" ({log[-300:]})"))
         out = subprocess.run([str(bin_dir / "aloe-export"), f"--config={work / 'server.textproto'}",
@@ -157,6 +172,16 @@ def main():
             cfg = json.loads((work / "config.json").read_text())
             check((cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["vocab_size"],
                    cfg["block_size"]) == (LAYERS, D, 2, VOCAB, SEQ), f"config.json {cfg}")
+        run = live.get("run")
+        said = "" if run is None else f" ({run.stdout.strip()} {run.stderr[-300:]})"
+        check(run is not None and run.returncode == 0 and "exported version 0" in run.stdout,
+              "aloe-export --server" + said)
+        if run is not None and run.returncode == 0:
+            exported, metadata = read_safetensors(work / "live.safetensors")
+            same = [name for name in tensors if name in exported
+                    and exported[name].tobytes() == tensors[name].tobytes()]
+            check(sorted(exported) == sorted(tensors) and len(same) == len(tensors),
+                  f"the live model: {len(same)} of {len(tensors)} tensors bit-identical")
 
         # Files that do not fit the model stop the server at start, naming what is wrong.
         missing = dict(tensors)

@@ -4,12 +4,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "common/config.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/app/coordinator.h"
 #include "server/app/shard_process.h"
@@ -29,20 +27,7 @@ class ServerRolesTest : public testing::LoopbackTest {
  protected:
   // The loopback corpus and a tiny model, with `extra` config text.
   v1::ServerConfig Config(const std::string& extra) {
-    const std::string path = dir_ + "/roles.textproto";
-    std::ofstream(path) << absl::StrCat(R"(
-      listen_address: "127.0.0.1:0"
-      metrics_address: "off"
-      corpus_dir: ")",
-                                        dir_, R"("
-      model { vocab_size: 256 seq_len: 32 d_model: 32 num_layers: 1 num_heads: 2 }
-      inner_optimizer { batch_size: 2 }
-      aggregation { min_workers: 1 }
-      )",
-                                        extra);
-    absl::StatusOr<v1::ServerConfig> config = LoadServerConfig(path);
-    EXPECT_TRUE(config.ok()) << config.status();
-    return config.ok() ? *config : v1::ServerConfig();
+    return InProcessConfig("roles.textproto", extra);
   }
 
   static std::unique_ptr<v1::Coordinator::Stub> Dial(int port) {

@@ -126,26 +126,6 @@ std::vector<std::vector<float>> PseudoGradient(const v1::ModelSpec& spec, uint64
   return layers;
 }
 
-// The header of a simulated worker's push of update `update_id` for `task`.
-v1::PushHeader TrainHeader(uint64_t worker_id, const v1::Task& task, uint64_t update_id) {
-  v1::PushHeader header;
-  header.set_worker_id(worker_id);
-  header.set_task_id(task.task_id());
-  header.set_update_id(update_id);
-  header.set_base_version(task.base_version());
-  header.set_steps_done(task.local_steps());
-  header.set_tokens_learned(100);
-  header.set_codec(v1::CODEC_FP32);
-  return header;
-}
-
-// Plaintext client options for the coordinator on loopback port `port`.
-worker::ClientOptions ClientOptionsFor(int port) {
-  worker::ClientOptions options;
-  options.address = absl::StrCat("127.0.0.1:", port);
-  return options;
-}
-
 // What the simulated workers share with the test.
 struct Simulation {
   std::atomic<bool> stop{false};
@@ -240,25 +220,6 @@ std::vector<v1::PushChunk> ShardChunks(const v1::ModelSpec& spec, uint32_t shard
     }
   }
   return chunks;
-}
-
-// Joins `client` as trainer `name`, retried while the shards assemble (up to 30 s), and points it
-// at the shard processes (and their raw push listeners) of the reply.
-absl::StatusOr<v1::JoinReply> JoinTrainer(worker::ServerClient& client, const std::string& name) {
-  v1::JoinRequest join;
-  join.set_name(name);
-  join.set_role(v1::ROLE_TRAINER);
-  absl::StatusOr<v1::JoinReply> joined;
-  for (int i = 0; i < 300; ++i) {
-    joined = client.Join(join);
-    if (joined.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  if (!joined.ok()) return joined.status();
-  ALOE_RETURN_IF_ERROR(client.SetShards(
-      {joined->shard_addresses().begin(), joined->shard_addresses().end()},
-      {joined->shard_push_addresses().begin(), joined->shard_push_addresses().end()}));
-  return joined;
 }
 
 // The float32 bytes of the layers of `spec` that shard process `shard` owns, in layer order.

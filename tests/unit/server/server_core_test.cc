@@ -523,6 +523,54 @@ TEST_F(ServerCoreTest, PullOfAnOldVersionIsRefused) {
   EXPECT_THAT(core_->SnapshotFor(pull), StatusIs(absl::StatusCode::kNotFound, HasSubstr("77")));
 }
 
+TEST_F(ServerCoreTest, AnObserverReadsTheModelButTakesNoTaskAndIsNoTrainer) {
+  v1::JoinRequest request;
+  request.set_name("aloe-export");
+  request.set_role(v1::ROLE_OBSERVER);
+  request.set_model_fingerprint("not-this-model");  // an observer reads any model
+  absl::StatusOr<v1::JoinReply> joined = core_->Join(request);
+  ASSERT_THAT(joined, IsOk());
+  const uint64_t observer = joined->worker_id();
+  EXPECT_EQ(joined->model_spec().layers_size(), core_->spec().layers_size());
+  v1::TaskRequest ask;
+  ask.set_worker_id(observer);
+  EXPECT_THAT(core_->RequestTask(ask),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("takes no tasks")));
+
+  // Not counted as a trainer: the first round still waits for min_workers 2 trainers.
+  const uint64_t a = Join();
+  EXPECT_EQ(Request(a).kind(), v1::Task::WAIT);
+  const uint64_t b = Join();
+  const v1::Task ta = Request(a);
+  const v1::Task tb = Request(b);
+  ASSERT_THAT(core_->SubmitUpdate(Update(a, ta, 1.0f)), IsOk());
+  ASSERT_THAT(core_->SubmitUpdate(Update(b, tb, 3.0f)), IsOk());
+  ASSERT_EQ(core_->version(), 1u);
+
+  v1::PullRequest pull;
+  pull.set_worker_id(observer);
+  pull.set_latest(true);
+  absl::StatusOr<ModelSnapshot> latest = core_->SnapshotFor(pull);
+  ASSERT_THAT(latest, IsOk());
+  EXPECT_EQ(latest->version, 1u);
+  pull.set_latest(false);
+  pull.set_version(0);
+  EXPECT_THAT(core_->SnapshotFor(pull),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("version 0 is not available (at version 1; retained: [])")));
+
+  const std::vector<LiveWorker> live = core_->LiveWorkers();
+  auto it =
+      std::find_if(live.begin(), live.end(), [&](const LiveWorker& w) { return w.id == observer; });
+  ASSERT_NE(it, live.end());
+  EXPECT_EQ(it->role, v1::ROLE_OBSERVER);
+  EXPECT_EQ(it->state, "reading");
+  v1::LeaveRequest leave;
+  leave.set_worker_id(observer);
+  EXPECT_THAT(core_->Leave(leave), IsOk());
+  EXPECT_EQ(metrics_.Value("aloe_live_workers"), 2);
+}
+
 }  // namespace
 }  // namespace aloe::server
 
@@ -1759,6 +1807,7 @@ TEST_F(ServerCoreTest, AShardedSyncServerTakesNoMoreTrainersThanStagingSlots) {
                              HasSubstr("would stop every round"))));
   EXPECT_EQ(metrics_.Value("aloe_workers_joined_total"), 2);  // the refusal changed nothing
   Join(v1::ROLE_EVALUATOR);
+  Join(v1::ROLE_OBSERVER);  // neither trains
   v1::LeaveRequest leave;
   leave.set_worker_id(a);
   ASSERT_THAT(core_->Leave(leave), IsOk());
