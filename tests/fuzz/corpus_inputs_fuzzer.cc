@@ -19,6 +19,11 @@
 //     within the input.
 //   - An accepted one yields at most one document per non-blank line; the documents written
 //     again as .jsonl records read back the same, and so does the input with CRLF line ends.
+//   - A line with escapes that protobuf's JSON parser reads too, as an object with a string
+//     "text", gives the same text (where protobuf alone accepts, it is the laxer one).
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -26,6 +31,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -161,7 +167,36 @@ void AppendJsonString(std::string_view s, std::string* out) {
   out->push_back('"');
 }
 
+// Differential: a line that both protobuf's JSON parser and ours read, as an object with a
+// string "text", gives the same text. Only agreement is checked where both accept: protobuf is
+// the laxer (raw control characters, unknown escapes like \q). Lines without an escape are
+// left out: protobuf's parser is slow to set up, and the escapes are what could decode wrong.
+void CheckJsonlLineAgainstProtobuf(std::string_view line) {
+  if (line.find('\\') == std::string_view::npos) return;
+  google::protobuf::Struct record;
+  if (!google::protobuf::util::JsonStringToMessage(std::string(line), &record).ok()) return;
+  const auto text = record.fields().find("text");
+  if (text == record.fields().end() ||
+      text->second.kind_case() != google::protobuf::Value::kStringValue) {
+    return;
+  }
+  const absl::StatusOr<std::vector<std::string>> ours =
+      ParseJsonlDocuments(line, kJsonlPath, "text");
+  if (!ours.ok()) return;
+  FUZZ_CHECK(ours->size() == 1 && (*ours)[0] == text->second.string_value(),
+             "protobuf reads \"text\" as \"%s\"; ours as \"%s\"",
+             absl::CHexEscape(text->second.string_value()).c_str(),
+             ours->size() == 1 ? absl::CHexEscape((*ours)[0]).c_str() : "not one document");
+}
+
 void CheckJsonl(std::string_view bytes) {
+  for (size_t start = 0; start < bytes.size();) {
+    size_t end = bytes.find('\n', start);
+    if (end == std::string_view::npos) end = bytes.size();
+    CheckJsonlLineAgainstProtobuf(bytes.substr(start, end - start));
+    start = end + 1;
+  }
+
   const absl::StatusOr<std::vector<std::string>> documents =
       ParseJsonlDocuments(bytes, kJsonlPath, "text");
   if (!documents.ok()) {
