@@ -104,6 +104,12 @@ absl::StatusOr<std::vector<InputFile>> ListInputFiles(const std::string& dir, In
 absl::StatusOr<std::vector<std::string>> ReadJsonlDocuments(const std::string& path,
                                                             std::string_view field) {
   ALOE_ASSIGN_OR_RETURN(const std::string contents, ReadWholeFile(path));
+  return ParseJsonlDocuments(contents, path, field);
+}
+
+absl::StatusOr<std::vector<std::string>> ParseJsonlDocuments(std::string_view contents,
+                                                             const std::string& path,
+                                                             std::string_view field) {
   std::vector<std::string> documents;
   size_t start = 0;
   while (start < contents.size()) {

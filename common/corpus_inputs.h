@@ -36,6 +36,11 @@ absl::StatusOr<std::vector<InputFile>> ListInputFiles(const std::string& dir, In
 // not one JSON object, is truncated, or lacks `field` as a string.
 absl::StatusOr<std::vector<std::string>> ReadJsonlDocuments(const std::string& path,
                                                             std::string_view field);
+// ReadJsonlDocuments over a file's `contents` in memory; `path` only names the file in
+// messages.
+absl::StatusOr<std::vector<std::string>> ParseJsonlDocuments(std::string_view contents,
+                                                             const std::string& path,
+                                                             std::string_view field);
 
 // The text of a .txt or .jsonl input: the file itself, or its documents joined by
 // `separator`.

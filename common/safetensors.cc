@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -44,10 +45,17 @@ void AppendJsonString(std::string_view s, std::string* out) {
   out->push_back('"');
 }
 
-uint64_t Elements(const std::vector<int64_t>& shape) {
-  uint64_t n = 1;
-  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
-  return n;
+// The bytes of a tensor of `shape` (dimensions >= 0) and `width`-byte elements; false when
+// that does not fit 64 bits.
+bool TensorBytes(const std::vector<int64_t>& shape, uint64_t width, uint64_t* bytes) {
+  *bytes = 0;
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return true;
+  uint64_t n = width;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(d), &n)) return false;
+  }
+  *bytes = n;
+  return true;
 }
 
 float HalfToFloat(uint16_t h) {
@@ -126,7 +134,8 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const Safetens
             absl::StrFormat("%s: tensor %s has a negative dimension", path, t.name));
       }
     }
-    if (Elements(t.shape) != t.values.size()) {
+    uint64_t elements = 0;
+    if (!TensorBytes(t.shape, 1, &elements) || elements != t.values.size()) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s: tensor %s has %d values for shape [%s]", path, t.name,
                           t.values.size(), absl::StrJoin(t.shape, ", ")));
@@ -208,8 +217,11 @@ absl::StatusOr<SafetensorsFile> DecodeSafetensors(std::string_view bytes,
     e.end = static_cast<uint64_t>(end);
     entries.push_back(std::move(e));
   }
-  std::sort(entries.begin(), entries.end(),
-            [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
+  // Data order. A tensor of no bytes shares its offset with the next one and goes first, so
+  // that it does not seem to overlap it; names order the rest of the ties deterministically.
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
   uint64_t covered = 0;
   for (const Entry& e : entries) {
     const size_t width = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
@@ -217,14 +229,19 @@ absl::StatusOr<SafetensorsFile> DecodeSafetensors(std::string_view bytes,
       return bad(
           absl::StrFormat("tensor %s: dtype %s (ALOE reads F32, BF16 and F16)", e.name, e.dtype));
     }
-    const uint64_t n = Elements(e.shape);
-    if (e.end - e.begin != n * width) {
+    uint64_t bytes_needed = 0;
+    if (!TensorBytes(e.shape, width, &bytes_needed)) {
+      return bad(absl::StrFormat("tensor %s: shape [%s] of %s needs more than 2^64 bytes", e.name,
+                                 absl::StrJoin(e.shape, ", "), e.dtype));
+    }
+    if (e.end - e.begin != bytes_needed) {
       return bad(
           absl::StrFormat("tensor %s: shape [%s] of %s needs %d bytes, data_offsets "
                           "[%d, %d] hold %d",
-                          e.name, absl::StrJoin(e.shape, ", "), e.dtype, n * width, e.begin, e.end,
-                          e.end - e.begin));
+                          e.name, absl::StrJoin(e.shape, ", "), e.dtype, bytes_needed, e.begin,
+                          e.end, e.end - e.begin));
     }
+    const uint64_t n = bytes_needed / width;
     if (e.begin < covered) {
       return bad(absl::StrFormat("tensor %s: its data at byte %d overlaps the tensor before it",
                                  e.name, data_start + e.begin));
@@ -240,7 +257,8 @@ absl::StatusOr<SafetensorsFile> DecodeSafetensors(std::string_view bytes,
     t.values.resize(n);
     const char* p = data.data() + e.begin;
     if (width == 4) {
-      std::memcpy(t.values.data(), p, n * 4);
+      // A tensor of no elements has no buffer to copy into: memcpy may not take null.
+      if (n > 0) std::memcpy(t.values.data(), p, n * 4);
     } else {
       for (uint64_t i = 0; i < n; ++i) {
         uint16_t h;

@@ -33,7 +33,7 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const Safetens
                               const std::map<std::string, std::string>& metadata = {});
 
 struct SafetensorsFile {
-  std::vector<SafetensorsTensor> tensors;  // in the order of their data
+  std::vector<SafetensorsTensor> tensors;  // in the order of their data (ties: smaller, then name)
   std::map<std::string, std::string> metadata;
 };
 

@@ -79,6 +79,10 @@ absl::Status WriteTokenShard(const std::string& path, absl::Span<const uint32_t>
                           tokens[i], i, vocab_size));
     }
   }
+  return WriteFileAtomically(path, EncodeTokenShard(tokens, vocab_size));
+}
+
+std::string EncodeTokenShard(absl::Span<const uint32_t> tokens, uint32_t vocab_size) {
   const uint32_t dtype = vocab_size <= kMaxUint16Vocab ? 2 : 4;
   std::string buf(kTokenShardHeaderBytes + tokens.size() * dtype, '\0');
   char* p = buf.data();
@@ -94,10 +98,10 @@ absl::Status WriteTokenShard(const std::string& path, absl::Span<const uint32_t>
       const uint16_t t = static_cast<uint16_t>(tokens[i]);
       std::memcpy(body + 2 * i, &t, 2);
     }
-  } else {
+  } else if (!tokens.empty()) {  // an empty span may hold null, which memcpy may not take
     std::memcpy(body, tokens.data(), tokens.size() * 4);
   }
-  return WriteFileAtomically(path, buf);
+  return buf;
 }
 
 const char* TokenFileFormatName(TokenFileFormat format) {
@@ -194,16 +198,71 @@ absl::StatusOr<Layout> LlmcLayout(const std::string& path, const unsigned char* 
   return Layout{kLlmcHeaderBytes, version == 1 ? 2u : 4u, static_cast<uint64_t>(count), 0};
 }
 
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& path,
-                                                             TokenFileFormat format,
-                                                             uint32_t vocab_size) {
+// Only an ALOE token shard records its vocabulary.
+absl::Status CheckVocabGiven(const std::string& path, TokenFileFormat format, uint32_t vocab_size) {
   if (format != TokenFileFormat::kAloe && vocab_size == 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: a %s token file needs the vocab_size of its tokens", path,
                         TokenFileFormatName(format)));
   }
+  return absl::OkStatus();
+}
+
+// The layout of the `file_bytes` bytes at `h` as a token file of `format`, checked against
+// the size; Open's contract.
+absl::StatusOr<Layout> CheckedLayout(const std::string& path, const unsigned char* h,
+                                     uint64_t file_bytes, TokenFileFormat format,
+                                     uint32_t vocab_size) {
+  ALOE_RETURN_IF_ERROR(CheckVocabGiven(path, format, vocab_size));
+  if (file_bytes == 0) {
+    return absl::InvalidArgumentError(
+        format == TokenFileFormat::kAloe
+            ? absl::StrFormat(
+                  "%s: truncated header (0 bytes; a token shard starts with a %d-byte header)",
+                  path, kTokenShardHeaderBytes)
+            : absl::StrFormat("%s: empty file: no tokens", path));
+  }
+  absl::StatusOr<Layout> parsed = format == TokenFileFormat::kAloe ? AloeLayout(path, h, file_bytes)
+                                  : format == TokenFileFormat::kLlmc
+                                      ? LlmcLayout(path, h, file_bytes)
+                                      : Layout{0, 2, file_bytes / 2, vocab_size};
+  ALOE_ASSIGN_OR_RETURN(Layout layout, std::move(parsed));
+  if (format == TokenFileFormat::kAloe && vocab_size != 0 && layout.vocab_size != vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: byte offset 24: vocab_size %d, but the corpus manifest says %d", path,
+                        layout.vocab_size, vocab_size));
+  }
+  if (format != TokenFileFormat::kAloe) layout.vocab_size = vocab_size;
+  const uint64_t dtype = layout.dtype;
+  const uint64_t body_bytes = file_bytes - layout.header_bytes;
+  // Compare by division so a corrupt token count cannot overflow the multiplication.
+  if (body_bytes % dtype != 0 || body_bytes / dtype != layout.tokens) {
+    if (format == TokenFileFormat::kAloe) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: truncated: header says %u tokens but the file holds %u (%u body bytes, %u per "
+          "token)",
+          path, layout.tokens, body_bytes / dtype, body_bytes, dtype));
+    }
+    if (format == TokenFileFormat::kUint16) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: truncated: byte offset %d starts half a uint16 token (the size must be even)", path,
+          file_bytes - 1));
+    }
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %s: the header (byte offset 8) says %d tokens, which end at byte offset %d, but the "
+        "file ends at byte offset %d",
+        path, body_bytes / dtype < layout.tokens ? "truncated" : "trailing bytes", layout.tokens,
+        layout.header_bytes + layout.tokens * dtype, file_bytes));
+  }
+  return layout;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& path,
+                                                             TokenFileFormat format,
+                                                             uint32_t vocab_size) {
+  ALOE_RETURN_IF_ERROR(CheckVocabGiven(path, format, vocab_size));
   FdCloser fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) {
@@ -217,75 +276,53 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
     return absl::InvalidArgumentError(absl::StrFormat("%s: not a regular file", path));
   }
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
-  if (file_bytes == 0) {
-    // mmap refuses zero bytes, and no format is empty.
-    return absl::InvalidArgumentError(
-        format == TokenFileFormat::kAloe
-            ? absl::StrFormat(
-                  "%s: truncated header (0 bytes; a token shard starts with a %d-byte header)",
-                  path, kTokenShardHeaderBytes)
-            : absl::StrFormat("%s: empty file: no tokens", path));
-  }
+  // mmap refuses zero bytes; no format is empty.
+  if (file_bytes == 0) return CheckedLayout(path, nullptr, 0, format, vocab_size).status();
   void* mapping = ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) return ErrnoError(path, "mmap", errno);
   // The mapping stays valid after the descriptor closes.
-  auto unmap_and = [&](absl::Status status) {
+  absl::StatusOr<Layout> layout = CheckedLayout(path, static_cast<const unsigned char*>(mapping),
+                                                file_bytes, format, vocab_size);
+  if (!layout.ok()) {
     ::munmap(mapping, file_bytes);
-    return status;
-  };
-  const auto* h = static_cast<const unsigned char*>(mapping);
-  absl::StatusOr<Layout> layout = format == TokenFileFormat::kAloe ? AloeLayout(path, h, file_bytes)
-                                  : format == TokenFileFormat::kLlmc
-                                      ? LlmcLayout(path, h, file_bytes)
-                                      : Layout{0, 2, file_bytes / 2, vocab_size};
-  if (!layout.ok()) return unmap_and(layout.status());
-  if (format == TokenFileFormat::kAloe && vocab_size != 0 && layout->vocab_size != vocab_size) {
-    return unmap_and(absl::InvalidArgumentError(
-        absl::StrFormat("%s: byte offset 24: vocab_size %d, but the corpus manifest says %d", path,
-                        layout->vocab_size, vocab_size)));
+    return layout.status();
   }
-  if (format != TokenFileFormat::kAloe) layout->vocab_size = vocab_size;
-  const uint64_t dtype = layout->dtype;
-  const uint64_t body_bytes = file_bytes - layout->header_bytes;
-  // Compare by division so a corrupt token count cannot overflow the multiplication.
-  if (body_bytes % dtype != 0 || body_bytes / dtype != layout->tokens) {
-    if (format == TokenFileFormat::kAloe) {
-      return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
-          "%s: truncated: header says %u tokens but the file holds %u (%u body bytes, %u per "
-          "token)",
-          path, layout->tokens, body_bytes / dtype, body_bytes, dtype)));
-    }
-    if (format == TokenFileFormat::kUint16) {
-      return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
-          "%s: truncated: byte offset %d starts half a uint16 token (the size must be even)", path,
-          file_bytes - 1)));
-    }
-    return unmap_and(absl::InvalidArgumentError(absl::StrFormat(
-        "%s: %s: the header (byte offset 8) says %d tokens, which end at byte offset %d, but the "
-        "file ends at byte offset %d",
-        path, body_bytes / dtype < layout->tokens ? "truncated" : "trailing bytes", layout->tokens,
-        layout->header_bytes + layout->tokens * dtype, file_bytes)));
-  }
-  return std::unique_ptr<TokenShard>(new TokenShard(path, mapping, file_bytes, layout->header_bytes,
-                                                    layout->dtype, layout->tokens,
-                                                    layout->vocab_size));
+  return std::unique_ptr<TokenShard>(new TokenShard(path, mapping, file_bytes, "",
+                                                    layout->header_bytes, layout->dtype,
+                                                    layout->tokens, layout->vocab_size));
 }
 
-TokenShard::TokenShard(std::string path, void* mapping, size_t mapping_bytes, size_t header_bytes,
-                       uint32_t dtype_bytes, uint64_t num_tokens, uint32_t vocab_size)
+absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::FromBytes(std::string path,
+                                                                  std::string bytes,
+                                                                  TokenFileFormat format,
+                                                                  uint32_t vocab_size) {
+  ALOE_ASSIGN_OR_RETURN(const Layout layout,
+                        CheckedLayout(path, reinterpret_cast<const unsigned char*>(bytes.data()),
+                                      bytes.size(), format, vocab_size));
+  return std::unique_ptr<TokenShard>(new TokenShard(std::move(path), nullptr, 0, std::move(bytes),
+                                                    layout.header_bytes, layout.dtype,
+                                                    layout.tokens, layout.vocab_size));
+}
+
+TokenShard::TokenShard(std::string path, void* mapping, size_t mapping_bytes, std::string bytes,
+                       size_t header_bytes, uint32_t dtype_bytes, uint64_t num_tokens,
+                       uint32_t vocab_size)
     : path_(std::move(path)),
       mapping_(mapping),
       mapping_bytes_(mapping_bytes),
+      bytes_(std::move(bytes)),
       header_bytes_(header_bytes),
       dtype_bytes_(dtype_bytes),
       num_tokens_(num_tokens),
       vocab_size_(vocab_size) {}
 
-TokenShard::~TokenShard() { ::munmap(mapping_, mapping_bytes_); }
+TokenShard::~TokenShard() {
+  if (mapping_ != nullptr) ::munmap(mapping_, mapping_bytes_);
+}
 
 void TokenShard::Read(uint64_t offset, uint64_t count, int64_t* out) const {
   assert(offset <= num_tokens_ && count <= num_tokens_ - offset);
-  const char* body = static_cast<const char*>(mapping_) + header_bytes_;
+  const char* body = data() + header_bytes_;
   if (dtype_bytes_ == 2) {
     const char* p = body + 2 * offset;
     for (uint64_t i = 0; i < count; ++i) {
@@ -305,7 +342,7 @@ void TokenShard::Read(uint64_t offset, uint64_t count, int64_t* out) const {
 
 absl::Status TokenShard::CheckTokenRange() const {
   constexpr uint64_t kChunk = 1 << 16;
-  std::vector<int64_t> tokens(kChunk);
+  std::vector<int64_t> tokens(std::min(kChunk, num_tokens_));
   for (uint64_t from = 0; from < num_tokens_; from += kChunk) {
     const uint64_t n = std::min(kChunk, num_tokens_ - from);
     Read(from, n, tokens.data());

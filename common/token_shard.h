@@ -59,6 +59,8 @@ absl::StatusOr<TokenFileFormat> ParseTokenFileFormat(std::string_view name);
 // vocab_size is 0 or a token is >= vocab_size (the message names the first such index).
 absl::Status WriteTokenShard(const std::string& path, absl::Span<const uint32_t> tokens,
                              uint32_t vocab_size);
+// The bytes WriteTokenShard writes. Precondition: vocab_size > 0 and every token is below it.
+std::string EncodeTokenShard(absl::Span<const uint32_t> tokens, uint32_t vocab_size);
 
 // A read-only, memory-mapped token shard. The mapping lives as long as the object. Thread-safe:
 // all methods only read.
@@ -81,6 +83,11 @@ class TokenShard final : public TokenSource {
   static absl::StatusOr<std::unique_ptr<TokenShard>> Open(const std::string& path,
                                                           TokenFileFormat format,
                                                           uint32_t vocab_size);
+  // Open's checks over a file's bytes in memory, which the shard keeps; `path` only names the
+  // file in messages. Errors as Open's, bar kNotFound and kInternal.
+  static absl::StatusOr<std::unique_ptr<TokenShard>> FromBytes(std::string path, std::string bytes,
+                                                               TokenFileFormat format,
+                                                               uint32_t vocab_size);
 
   ~TokenShard() override;
   TokenShard(const TokenShard&) = delete;
@@ -102,12 +109,17 @@ class TokenShard final : public TokenSource {
   absl::Status CheckTokenRange() const;
 
  private:
-  TokenShard(std::string path, void* mapping, size_t mapping_bytes, size_t header_bytes,
-             uint32_t dtype_bytes, uint64_t num_tokens, uint32_t vocab_size);
+  TokenShard(std::string path, void* mapping, size_t mapping_bytes, std::string bytes,
+             size_t header_bytes, uint32_t dtype_bytes, uint64_t num_tokens, uint32_t vocab_size);
+  // The file's first byte: the mapping's, or that of the bytes held in memory.
+  const char* data() const {
+    return mapping_ != nullptr ? static_cast<const char*>(mapping_) : bytes_.data();
+  }
 
   const std::string path_;
-  void* const mapping_;  // owned; munmap'ed in the destructor
+  void* const mapping_;  // owned, munmap'ed in the destructor; null for a shard held in memory
   const size_t mapping_bytes_;
+  const std::string bytes_;  // the file of FromBytes
   const size_t header_bytes_;
   const uint32_t dtype_bytes_;
   const uint64_t num_tokens_;

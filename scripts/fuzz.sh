@@ -2,16 +2,17 @@
 # Builds the libFuzzer targets of tests/fuzz (clang, ASan + UBSan) in their own build folder and
 # fuzzes each for a bounded time over a temporary copy of its seeds (tests/fuzz/corpus/<target>/
 # and the saved crash inputs tests/fuzz/crashes/<target>-*), so the checkout is never written.
-# Usage: scripts/fuzz.sh [--seconds N] [--target push_decoder|push_wire|raw_push|config|all] [-- libFuzzer flags]
+# Usage: scripts/fuzz.sh [--seconds N] [--target T] [-- libFuzzer flags]
 #   --seconds N  fuzzing time per target, default 60
-#   --target T   push_decoder, push_wire, raw_push, config or all (default)
+#   --target T   push_decoder, push_wire, raw_push, config, safetensors, corpus_inputs or all
+#                (default)
 # Build folder: $ALOE_FUZZ_BUILD_DIR, default build-fuzz/. Ends with `fuzz: N passed, M failed`
 # and exits 1 when a target crashed, leaked, ran out of memory or timed out.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh disable=SC1091
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-usage() { sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 seconds=60
 target=all
@@ -31,9 +32,10 @@ if ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
   echo "fuzz.sh: --seconds needs a positive whole number, got '$seconds'" >&2; exit 2
 fi
 case "$target" in
-  all) targets=(push_decoder push_wire raw_push config) ;;
-  push_decoder|push_wire|raw_push|config) targets=("$target") ;;
-  *) echo "fuzz.sh: unknown target '$target' (push_decoder, push_wire, raw_push, config or all)" >&2; exit 2 ;;
+  all) targets=(push_decoder push_wire raw_push config safetensors corpus_inputs) ;;
+  push_decoder|push_wire|raw_push|config|safetensors|corpus_inputs) targets=("$target") ;;
+  *) echo "fuzz.sh: unknown target '$target' (push_decoder, push_wire, raw_push, config," \
+          "safetensors, corpus_inputs or all)" >&2; exit 2 ;;
 esac
 
 build_dir="${ALOE_FUZZ_BUILD_DIR:-$ALOE_ROOT/build-fuzz}"

@@ -25,8 +25,9 @@ start=$(date +%s)
 aloe_build
 aloe_log "build took $(( $(date +%s) - start ))s; running tests"
 (cd "$ALOE_BUILD_DIR" && ctest --output-on-failure --timeout 600 -j2 "$@")
-# The full run also fuzzes the push decoder, the push message parser, the raw push wire format
-# and the config loader for a bounded time (a separate clang build of the fuzz targets only; tests/fuzz/README.md).
+# The full run also fuzzes the push decoder, the push message parser, the raw push wire format,
+# the config loader and the model and data file readers for a bounded time (a separate clang
+# build of the fuzz targets only; tests/fuzz/README.md).
 # ALOE_FUZZ_SECONDS=0 skips it.
 fuzz_seconds="${ALOE_FUZZ_SECONDS:-60}"
 if [ $# -eq 0 ] && [ "$fuzz_seconds" != 0 ]; then

@@ -122,6 +122,23 @@ TEST(CorpusInputsTest, RefusesMalformedRecordsNamingFileAndByteOffset) {
                                                    HasSubstr("byte offset 8: expected ':'")));
 }
 
+TEST(CorpusInputsTest, ParsesJsonlFromMemoryLikeTheFile) {
+  const std::string dir = TestDir();
+  const std::string path = dir + "/mem.jsonl";
+  const std::string contents = "{\"text\": \"a\"}\r\n\n{\"text\": \"b\", \"n\": [1]}\n";
+  WriteFile(path, contents);
+  const absl::StatusOr<std::vector<std::string>> parsed =
+      ParseJsonlDocuments(contents, "mem.jsonl", "text");
+  ASSERT_THAT(parsed, IsOk());
+  EXPECT_THAT(*parsed, ElementsAre("a", "b"));
+  const absl::StatusOr<std::vector<std::string>> read = ReadJsonlDocuments(path, "text");
+  ASSERT_THAT(read, IsOk());
+  EXPECT_EQ(*read, *parsed);
+  EXPECT_THAT(ParseJsonlDocuments(contents + "{\"text\": 1}", "mem.jsonl", "text"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("mem.jsonl: byte offset 49: field \"text\" is not a string")));
+}
+
 TEST(CorpusInputsTest, HeldoutTokenFilesAreNamedVal) {
   EXPECT_TRUE(IsHeldoutTokenFile("val"));
   EXPECT_TRUE(IsHeldoutTokenFile("fineweb_val_000000"));

@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "common/byte_io.h"
 #include "common/model_spec.h"
 #include "common/safetensors_model.h"
@@ -96,6 +97,46 @@ TEST(SafetensorsTest, MalformedFilesAreRefusedNamingTheFileTensorAndOffset) {
                          AllOf(HasSubstr("model.safetensors: "), HasSubstr(c.expect))))
         << c.expect;
   }
+}
+
+TEST(SafetensorsTest, EmptyTensorsAtTheOffsetOfAnotherAreNotOverlaps) {
+  // Writers put a tensor of no elements where the next one starts. Whatever order the header
+  // lists them in, the file reads, empty tensors first at an offset, then by name.
+  const std::string e0 = R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[0,0]})";
+  const std::string x = R"("x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  const std::string d4 = R"("d":{"dtype":"BF16","shape":[2,0],"data_offsets":[4,4]})";
+  const std::string c4 = R"("c":{"dtype":"F32","shape":[0],"data_offsets":[4,4]})";
+  const std::string y = R"("y":{"dtype":"F32","shape":[1],"data_offsets":[4,8]})";
+  for (const std::string& header : {absl::StrCat("{", x, ",", e0, ",", y, ",", d4, ",", c4, "}"),
+                                    absl::StrCat("{", y, ",", c4, ",", d4, ",", e0, ",", x, "}")}) {
+    const absl::StatusOr<SafetensorsFile> file =
+        DecodeSafetensors(File(header, Floats({1, 2})), "f");
+    ASSERT_THAT(file, IsOk()) << header;
+    std::vector<std::string> names;
+    for (const SafetensorsTensor& t : file->tensors) names.push_back(t.name);
+    EXPECT_THAT(names, ElementsAre("e", "x", "c", "d", "y"));
+    EXPECT_THAT(file->tensors[1].values, ElementsAre(1));
+    EXPECT_THAT(file->tensors[3].values, ElementsAre());
+    EXPECT_THAT(file->tensors[4].values, ElementsAre(2));
+  }
+}
+
+TEST(SafetensorsTest, ShapesWhoseByteSizeWrapsAroundAreRefused) {
+  // 2^31 * 2^31 floats are 2^64 bytes, which wrap to the 0 bytes of data_offsets [0, 0]; 2^32 *
+  // 2^32 elements wrap to none. Neither may pass as an empty tensor or reach an allocation.
+  for (const std::string shape : {"2147483648,2147483648", "4294967296,4294967296"}) {
+    const std::string header =
+        absl::StrCat(R"({"t":{"dtype":"F32","shape":[)", shape, R"(],"data_offsets":[0,0]}})");
+    EXPECT_THAT(DecodeSafetensors(File(header, ""), "model.safetensors").status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("model.safetensors: tensor t: shape ["),
+                               HasSubstr("needs more than 2^64 bytes"))))
+        << shape;
+  }
+  EXPECT_THAT(WriteSafetensors(::testing::TempDir() + "/st_wraps.safetensors",
+                               {{"t", {int64_t{1} << 32, int64_t{1} << 32}, {}}}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("0 values for shape [4294967296, 4294967296]")));
 }
 
 TEST(SafetensorsTest, WriterRefusesDuplicateNamesAndValuesThatMissTheShape) {

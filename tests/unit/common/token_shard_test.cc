@@ -349,6 +349,43 @@ TEST(TokenShardTest, AloeShardMustMatchTheCorpusVocab) {
                                  "50257")));
 }
 
+TEST(TokenShardTest, FromBytesChecksAndReadsLikeOpen) {
+  const std::string path = TempPath("mem.tok");
+  ASSERT_THAT(WriteTokenShard(path, {5, 0, 65535}, 65536), IsOk());
+  const std::string bytes = ReadBytes(path);
+  EXPECT_EQ(EncodeTokenShard({5, 0, 65535}, 65536), bytes);
+  absl::StatusOr<std::unique_ptr<TokenShard>> shard =
+      TokenShard::FromBytes("mem.tok", bytes, TokenFileFormat::kAloe, 0);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ((*shard)->path(), "mem.tok");
+  EXPECT_EQ((*shard)->vocab_size(), 65536u);
+  EXPECT_THAT(ReadAll(**shard), ElementsAreArray({5, 0, 65535}));
+  // The same refusals, word for word, bar the name.
+  const std::string cut = bytes.substr(0, bytes.size() - 2);
+  WriteBytes(path, cut);
+  const absl::Status opened = TokenShard::Open(path).status();
+  EXPECT_THAT(opened, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("truncated")));
+  EXPECT_EQ(TokenShard::FromBytes(path, cut, TokenFileFormat::kAloe, 0).status(), opened);
+  EXPECT_THAT(TokenShard::FromBytes("x.bin", "", TokenFileFormat::kLlmc, 50257),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("x.bin: empty file")));
+  EXPECT_THAT(TokenShard::FromBytes("x.bin", LlmcFile({1, 2}, 2, 20240520, 7),
+                                    TokenFileFormat::kLlmc, 50257),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("byte offset 4: version 7")));
+}
+
+TEST(TokenShardTest, EncodesAnEmptyShardOfWideTokens) {
+  // Four-byte tokens (vocab > 65536) and none of them: only the header, whose dtype says 4.
+  const std::string bytes = EncodeTokenShard({}, 100000);
+  ASSERT_EQ(bytes.size(), 32u);
+  EXPECT_EQ(bytes[12], 4);
+  absl::StatusOr<std::unique_ptr<TokenShard>> shard =
+      TokenShard::FromBytes("empty.tok", bytes, TokenFileFormat::kAloe, 0);
+  ASSERT_THAT(shard, IsOk());
+  EXPECT_EQ((*shard)->num_tokens(), 0u);
+  EXPECT_EQ((*shard)->dtype_bytes(), 4u);
+  EXPECT_THAT((*shard)->CheckTokenRange(), IsOk());
+}
+
 TEST(TokenFileFormatTest, NamesRoundTrip) {
   for (TokenFileFormat f :
        {TokenFileFormat::kAloe, TokenFileFormat::kLlmc, TokenFileFormat::kUint16}) {
