@@ -48,7 +48,7 @@ svg text{font:11px system-ui,sans-serif;fill:#57606a}
 <section><h2>Job</h2><table id="job"><tbody></tbody></table></section>
 <section><h2>Data shards: learned share vs size share</h2><table id="data-shards"><thead><tr><th>shard</th><th class="n">learned</th><th class="n">size</th><th></th><th class="n">p(next)</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Rejected pushes</h2><table id="rejections"><tbody></tbody></table></section>
-<section id="shards-section"><h2>Shard processes</h2><table id="shard-processes"><thead><tr><th>process</th><th>address</th><th class="n">version</th></tr></thead><tbody></tbody></table><table id="figures"><tbody></tbody></table></section>
+<section id="shards-section"><h2>Shard processes</h2><table id="shard-processes"><thead><tr><th>process</th><th>address</th><th class="n" title="the version the coordinator has committed for each shard process to follow; its own page shows the version it applied">committed version</th></tr></thead><tbody></tbody></table><table id="figures"><tbody></tbody></table></section>
 </main>
 <script>
 "use strict";
