@@ -61,8 +61,11 @@ absl::StatusOr<ExportResult> WriteModel(const ExportOptions& options, const v1::
   result.version = version;
   result.source = std::move(source);
   result.tensors = tensors.size();
-  ALOE_ASSIGN_OR_RETURN(const std::string written, ReadWholeFile(options.out));
-  result.bytes = written.size();
+  struct stat st;
+  if (::stat(options.out.c_str(), &st) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot stat ", options.out, " after writing it"));
+  }
+  result.bytes = static_cast<uint64_t>(st.st_size);
   return result;
 }
 
