@@ -35,11 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN_DIR = os.path.join(ROOT, "build", "bin")
 PYTHON_DIR = os.path.join(ROOT, "worker", "python")
 sys.path.insert(0, PYTHON_DIR)
+sys.path.insert(0, os.path.join(ROOT, "tests", "testing"))
 CACHE = tempfile.mkdtemp(prefix="aloe-pyproto-")
 atexit.register(shutil.rmtree, CACHE, True)
 os.environ.setdefault("ALOE_CACHE_DIR", CACHE)
 
 import aloe  # noqa: E402
+import unittest_main  # noqa: E402
 
 COMMON = """
 metrics_address: "127.0.0.1:0"
@@ -179,9 +181,7 @@ class PythonWorkerTest(unittest.TestCase):
         with aloe.Worker(address, self.corpus, name="probe") as probe:
             layers = probe.client.pull(probe.worker_id, version, probe.spec)
             model = aloe.TransformerLM(probe.model_config)
-            with torch.no_grad():
-                for p, values in zip(model.parameters(), probe._tensors(layers)):
-                    p.copy_(torch.from_numpy(values).view(p.shape))
+            probe.set_parameters(model, layers)
             seq = probe.model_config.seq_len
             tokens = probe.corpus.tokens(probe.joined.heldout_file)
         windows = min(EVAL_SEQUENCES, tokens.shape[0] // (seq + 1))
@@ -304,15 +304,10 @@ class PythonWorkerTest(unittest.TestCase):
         print("restart: the Python worker joined again and pushed %s rounds in all" % py.group(1))
 
 
-def main():
+def set_bin_dir(path):
     global BIN_DIR
-    args = sys.argv[1:]
-    if "--bin-dir" in args:
-        i = args.index("--bin-dir")
-        BIN_DIR = args[i + 1]
-        del args[i:i + 2]
-    unittest.main(argv=[sys.argv[0]] + args, verbosity=2)
+    BIN_DIR = path
 
 
 if __name__ == "__main__":
-    main()
+    unittest_main.main(set_bin_dir)

@@ -23,6 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN_DIR = os.path.join(ROOT, "build", "bin")
 sys.path.insert(0, os.path.join(ROOT, "worker", "python"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "testing"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 
 CACHE = tempfile.mkdtemp(prefix="aloe-pyproto-")
@@ -30,6 +31,7 @@ atexit.register(shutil.rmtree, CACHE, True)
 os.environ.setdefault("ALOE_CACHE_DIR", CACHE)
 
 import aloe  # noqa: E402
+import unittest_main  # noqa: E402
 from aloe import codec, data, schedule  # noqa: E402
 from aloe._proto import config_pb2, model_pb2  # noqa: E402
 
@@ -249,15 +251,10 @@ class TransformerTest(unittest.TestCase):
             self.assertFalse(torch.allclose(model(a)[:, 3:], model(b)[:, 3:]))
 
 
-def main():
+def set_bin_dir(path):
     global BIN_DIR
-    args = sys.argv[1:]
-    if "--bin-dir" in args:
-        i = args.index("--bin-dir")
-        BIN_DIR = args[i + 1]
-        del args[i:i + 2]
-    unittest.main(argv=[sys.argv[0]] + args, verbosity=2)
+    BIN_DIR = path
 
 
 if __name__ == "__main__":
-    main()
+    unittest_main.main(set_bin_dir)

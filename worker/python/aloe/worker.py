@@ -336,21 +336,26 @@ class Worker:
         model spec by name and shape; the optimizer's state is untouched) and keeps it as the
         base of the pseudo-gradient. Returns False when the task was dropped (its base version
         is gone, or the server lost this worker): skip it, tasks() goes on."""
-        self._check_module(module)
         try:
             task.base = self._with_retries("pull", lambda: self.client.pull(
                 self.joined.worker_id, task.base_version, self.spec))
         except RpcError as e:
             return self._drop(task, e)
-        with torch.no_grad():
-            for p, values in zip(module.parameters(), self._tensors(task.base)):
-                p.copy_(torch.from_numpy(values).view(p.shape))
+        self.set_parameters(module, task.base)
         try:  # this worker holds the base version now: the server need not keep it for it
             self.client.heartbeat(cpb.HeartbeatRequest(worker_id=self.joined.worker_id,
                                                        pulled_task_id=task.id))
         except RpcError as e:
             log.warning("could not report task %d's base version as pulled: %s", task.id, e)
         return True
+
+    def set_parameters(self, module, layers):
+        """Copies `layers` (one flat float32 array per spec layer, as Client.pull returns
+        them) into the module's parameters, checked against the spec by name and shape."""
+        self._check_module(module)
+        with torch.no_grad():
+            for p, values in zip(module.parameters(), self._tensors(layers)):
+                p.copy_(torch.from_numpy(values).view(p.shape))
 
     def push(self, module, task):
         """Pushes base - current (the pseudo-gradient) of the task's steps. Returns the
