@@ -272,6 +272,19 @@ absl::StatusOr<SafetensorsFile> DecodeSafetensors(std::string_view bytes,
       }
     }
   }
+  // Tensors of no bytes that follow one another in data order go by name, whatever their
+  // offsets: ALOE's writer puts them at one offset, so that a file reads back in the order it
+  // was written.
+  auto run = file.tensors.begin();
+  while (run != file.tensors.end()) {
+    const auto is_empty = [](const SafetensorsTensor& t) { return t.values.empty(); };
+    run = std::find_if(run, file.tensors.end(), is_empty);
+    const auto run_end = std::find_if_not(run, file.tensors.end(), is_empty);
+    std::sort(run, run_end, [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+      return a.name < b.name;
+    });
+    run = run_end;
+  }
   return file;
 }
 

@@ -33,7 +33,9 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const Safetens
                               const std::map<std::string, std::string>& metadata = {});
 
 struct SafetensorsFile {
-  std::vector<SafetensorsTensor> tensors;  // in the order of their data (ties: smaller, then name)
+  // In the order of their data; ties go smaller first, then by name, as does each run of
+  // consecutive tensors of no elements.
+  std::vector<SafetensorsTensor> tensors;
   std::map<std::string, std::string> metadata;
 };
 
