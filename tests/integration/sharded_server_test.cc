@@ -364,7 +364,9 @@ TEST_F(ShardedServerTest, ATrainerBeyondTheStagingSlotsWaitsAndJoinsWhenOneLeave
       kNesterov, {"--role=coordinator"});
   ASSERT_GT(port, 0);
   for (int i = 0; i < 2; ++i) shards_[i] = StartShard(i, port, false);
-  auto first = StartWorker(port, "trainer", 0);
+  // Slowed down, so that the job cannot end before the second trainer has started and asked
+  // (alone on an idle host, 40 rounds take the first one about 3 s).
+  auto first = StartWorker(port, "trainer", 0, 30);
   ASSERT_TRUE(WaitForText(dir_ + "/trainer0.log", "joined as worker", absl::Seconds(60)))
       << ReadFile(dir_ + "/trainer0.log") << ShardLogs();
   auto second = StartWorker(port, "trainer", 1);
