@@ -35,8 +35,8 @@ absl::Status CoordinatorServer::Start() {
   if (config.checkpoint().replicate_shards()) {
     options.replica_dir = config.checkpoint().dir() + "/replicas";
     options.keep = config.checkpoint().keep();
-    options.metrics = &runner_->metrics();
   }
+  options.metrics = &runner_->metrics();
   if (auth.enabled() && !auth.HasIdentity(options.shard_identity)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "security.token_file %s has no token of identity \"%s\" (security.shard_identity): "

@@ -121,6 +121,12 @@ std::vector<MetricDef> ServerMetricCatalogue() {
        "shard process's checkpoints",
        {},
        {"process"}},
+      {kShardProcessAppliedVersion,
+       K::kGauge,
+       "Coordinator: the version each shard process reports it has applied (behind "
+       "aloe_model_version while commits are on their way to it)",
+       {},
+       {"process"}},
       {kTrainLoss, K::kGauge, "Mean inner training loss reported with the last update", {}},
       {kPenaltyAnomalies,
        K::kCounter,

@@ -47,6 +47,8 @@ inline constexpr char kLowRankEffectiveRank[] = "aloe_lowrank_effective_rank";
 inline constexpr char kAdaptiveLocalSteps[] = "aloe_adaptive_local_steps";
 // Coordinator with checkpoint.replicate_shards: per shard process (label "process").
 inline constexpr char kShardProcessCopyVersion[] = "aloe_shard_checkpoint_copy_version";
+// Coordinator: the version each shard process reports it applied (label "process").
+inline constexpr char kShardProcessAppliedVersion[] = "aloe_shard_applied_version";
 // EDiT pseudo-gradient penalty (paper 000 Alg. 2), one observation per (update, layer) or layer;
 // no per-worker labels.
 inline constexpr char kPenaltyAnomalies[] = "aloe_penalty_anomalies_total";

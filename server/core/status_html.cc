@@ -48,7 +48,7 @@ svg text{font:11px system-ui,sans-serif;fill:#57606a}
 <section><h2>Job</h2><table id="job"><tbody></tbody></table></section>
 <section><h2>Data shards: learned share vs size share</h2><table id="data-shards"><thead><tr><th>shard</th><th class="n">learned</th><th class="n">size</th><th></th><th class="n">p(next)</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Rejected pushes</h2><table id="rejections"><tbody></tbody></table></section>
-<section id="shards-section"><h2>Shard processes</h2><table id="shard-processes"><thead><tr><th>process</th><th>address</th><th class="n" title="the version the coordinator has committed for each shard process to follow; its own page shows the version it applied">committed version</th></tr></thead><tbody></tbody></table><table id="figures"><tbody></tbody></table></section>
+<section id="shards-section"><h2>Shard processes</h2><table id="shard-processes"><thead><tr><th>process</th><th>address</th><th class="n" title="the version the coordinator has committed for each shard process to follow">committed version</th><th class="n" title="the version each shard process reports it has applied; behind the committed one while commits are on their way">applied version</th></tr></thead><tbody></tbody></table><table id="figures"><tbody></tbody></table></section>
 </main>
 <script>
 "use strict";
@@ -111,7 +111,7 @@ function render(s){
       (100*d.size_share).toFixed(1)+'%</td><td><span class="bar learned" style="width:'+(120*d.learned_share).toFixed(0)+'px"></span><br><span class="bar size" style="width:'+
       (120*d.size_share).toFixed(0)+'px"></span></td><td class="n">'+num(d.probability,3)+"</td></tr>";}).join(""));
   rows("rejections",s.rejections.map(function(r){return '<tr data-reason="'+esc(r[0])+'"><th>'+esc(r[0])+'</th><td class="n">'+num(r[1],0)+"</td></tr>";}).join(""));
-  rows("shard-processes",s.shard_processes.map(function(p){return "<tr><td>"+p.index+"</td><td>"+esc(p.address||"away")+'</td><td class="n">'+p.version+"</td></tr>";}).join("")||'<tr><td colspan="3">parameters held in this process</td></tr>');
+  rows("shard-processes",s.shard_processes.map(function(p){return "<tr><td>"+p.index+"</td><td>"+esc(p.address||"away")+'</td><td class="n">'+p.version+'</td><td class="n">'+p.applied_version+"</td></tr>";}).join("")||'<tr><td colspan="4">parameters held in this process</td></tr>');
   rows("figures",s.figures.map(function(f){return "<tr><th>"+esc(f[0])+'</th><td class="n">'+num(f[1],0)+"</td></tr>";}).join(""));
   // Both plots span the same time.
   var x0=Math.min.apply(null,[0].concat(s.history.versions.map(function(v){return v[0];}),s.history.losses.map(function(l){return l[0];})));

@@ -182,6 +182,8 @@ StatusSnapshot CaptureStatus(const ServerCore& core, const v1::ServerConfig& con
         p.address = addresses.shard_addresses(static_cast<int>(i));
       }
       p.version = log->version();
+      p.applied_version =
+          static_cast<uint64_t>(metrics.Value(kShardProcessAppliedVersion, {std::to_string(i)}));
       s.shard_processes.push_back(std::move(p));
     }
   }
@@ -276,7 +278,7 @@ std::string StatusJson(const StatusSnapshot& s, const StatusHistory& history) {
   for (size_t i = 0; i < s.shard_processes.size(); ++i) {
     const StatusSnapshot::ShardProcess& p = s.shard_processes[i];
     absl::StrAppend(&out, i ? "," : "", "{\"index\":", p.index, ",\"address\":", Quote(p.address),
-                    ",\"version\":", p.version, "}");
+                    ",\"version\":", p.version, ",\"applied_version\":", p.applied_version, "}");
   }
   // Shares: of the tokens learned so far, and of the corpus' tokens.
   uint64_t learned = 0;

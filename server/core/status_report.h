@@ -40,6 +40,8 @@ struct StatusSnapshot {
     uint32_t index = 0;
     std::string address;   // where workers reach it; "" = away
     uint64_t version = 0;  // the version the coordinator has committed for it to follow
+    // The version it reported it applied (aloe_shard_applied_version); 0 before any report.
+    uint64_t applied_version = 0;
   };
   std::vector<ShardProcess> shard_processes;
   struct DataShard {

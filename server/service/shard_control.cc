@@ -264,6 +264,24 @@ grpc::Status ShardControlService::StoreCheckpoint(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status ShardControlService::ReportApplied(grpc::ServerContext* context,
+                                                const v1::AppliedReport* request, v1::AppliedAck*) {
+  if (grpc::Status caller = CheckShardCaller(*context, "ReportApplied"); !caller.ok()) {
+    return caller;
+  }
+  if (request->shard_index() >= options_.shard_processes) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("a report of shard %d, but this coordinator has %d shard "
+                                        "processes",
+                                        request->shard_index(), options_.shard_processes));
+  }
+  if (options_.metrics != nullptr) {
+    options_.metrics->Set(kShardProcessAppliedVersion, static_cast<double>(request->version()),
+                          {std::to_string(request->shard_index())});
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status ShardControlService::FetchCheckpoint(grpc::ServerContext* context,
                                                   const v1::FetchCheckpointRequest* request,
                                                   grpc::ServerWriter<v1::CheckpointPiece>* writer) {

@@ -52,7 +52,8 @@ class ShardControlService final : public v1::ShardControl::Service, private Feed
     // (<replica_dir>/shard-<i>, the newest `keep` each); "" = none are kept.
     std::string replica_dir;
     uint32_t keep = 3;
-    // Gets aloe_shard_checkpoint_copy_version per stored copy; null = none.
+    // Gets aloe_shard_checkpoint_copy_version per stored copy and aloe_shard_applied_version per
+    // ReportApplied; null = none.
     MetricsSink* metrics = nullptr;
   };
   // handle and auth must outlive the service.
@@ -65,6 +66,8 @@ class ShardControlService final : public v1::ShardControl::Service, private Feed
   // checkpoint.replicate_shards: waits until a copy of `version` of every shard process's
   // checkpoints is kept, up to `timeout`; false on timeout (true when none are kept).
   bool AwaitCopies(uint64_t version, absl::Duration timeout) ABSL_LOCKS_EXCLUDED(copies_mu_);
+  grpc::Status ReportApplied(grpc::ServerContext*, const v1::AppliedReport*,
+                             v1::AppliedAck*) override;
   grpc::Status StoreCheckpoint(grpc::ServerContext*, grpc::ServerReader<v1::CheckpointPiece>*,
                                v1::StoreCheckpointReply*) override ABSL_LOCKS_EXCLUDED(copies_mu_);
   grpc::Status FetchCheckpoint(grpc::ServerContext*, const v1::FetchCheckpointRequest*,

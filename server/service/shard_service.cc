@@ -35,6 +35,13 @@ ShardFollower::Options FollowerOptions(const ShardServer::Options& options) {
   return follow;
 }
 
+AppliedReporter::Options ReporterOptions(const ShardServer::Options& options) {
+  AppliedReporter::Options report;
+  report.shard_index = options.shard_index;
+  report.token = options.token;
+  return report;
+}
+
 }  // namespace
 
 ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, Options options,
@@ -45,6 +52,7 @@ ShardServer::ShardServer(v1::ModelSpec spec, std::unique_ptr<ShardState> state, 
       auth_(auth),
       metrics_(metrics),
       control_(v1::ShardControl::NewStub(options_.coordinator)),
+      applied_(*control_, ReporterOptions(options_)),
       follow_transport_(*control_, options_.token),
       follower_(FollowerOptions(options_), follow_transport_, *this, follow_wait_),
       state_(std::move(state)) {}
@@ -58,6 +66,7 @@ void ShardServer::Publish() {
   metrics_.Set(kModelVersion, static_cast<double>(state_->version()));
   metrics_.Set(kStagedUpdates, static_cast<double>(state_->staged_count()));
   metrics_.Set(kStagedBytes, static_cast<double>(state_->staged_bytes()));
+  applied_.Set(state_->version());
 }
 
 grpc::Status ShardServer::ServePull(grpc::ServerContext* context, const v1::PullRequest* request,

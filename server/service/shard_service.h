@@ -33,6 +33,7 @@
 #include "server/core/shard_follower.h"
 #include "server/core/shard_state.h"
 #include "server/core/update_assembler.h"
+#include "server/service/applied_reporter.h"
 #include "server/service/auth.h"
 #include "server/service/checkpoint_copies.h"
 #include "server/service/parameter_wire.h"
@@ -168,6 +169,7 @@ class ShardServer final : public PushIngestService, private FollowedState {
   Authenticator& auth_;
   MetricsSink& metrics_;
   std::unique_ptr<v1::ShardControl::Stub> control_;
+  AppliedReporter applied_;  // every version Publish sees
   GrpcFollowTransport follow_transport_;
   InterruptibleWait follow_wait_;
   ShardFollower follower_;

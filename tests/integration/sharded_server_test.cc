@@ -642,6 +642,24 @@ TEST_F(ShardedServerTest, ALostShardHostStartsAgainFromTheCoordinatorsCopy) {
   ASSERT_TRUE(reached) << ShardLogs();
   // The coordinator says how current its copies are.
   EXPECT_GE(Scraped("aloe_shard_checkpoint_copy_version{process=\"1\"}"), 4) << ShardLogs();
+  // And how far each shard process has applied the commits, as the processes report it; its
+  // status page shows the same.
+  for (const char* process : {"0", "1"}) {
+    const std::string series =
+        absl::StrCat("aloe_shard_applied_version{process=\"", process, "\"}");
+    double applied = std::nan("");
+    for (int i = 0; i < 100 && !(applied >= 4); ++i) {
+      applied = Scraped(series);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_GE(applied, 4) << series << "\n" << ShardLogs();
+    EXPECT_LE(applied, Scraped("aloe_model_version")) << series;
+  }
+  const std::string status = HttpGet(metrics_port_, "/status.json");
+  EXPECT_TRUE(absl::StrContains(status, "{\"index\":1,\"address\":\"127.0.0.1:")) << status;
+  const size_t applied_at = status.find("\"applied_version\":");
+  ASSERT_NE(applied_at, std::string::npos) << status;
+  EXPECT_NE(status.substr(applied_at, 20), "\"applied_version\":0,") << status;
   shard1->Signal(SIGKILL);
   ASSERT_TRUE(shard1->Wait(absl::Seconds(10)).has_value());
   ASSERT_EQ(std::system(("rm -rf " + ckpt + "/shard-1").c_str()), 0);
@@ -706,6 +724,21 @@ TEST_F(ShardedServerTest, ALostShardHostStartsAgainFromTheCoordinatorsCopy) {
   EXPECT_EQ(fetched.status().code(), absl::StatusCode::kInvalidArgument) << fetched.status();
   fetched = server::FetchCheckpointCopy(*stub, "", 1);
   EXPECT_EQ(fetched.status().code(), absl::StatusCode::kNotFound) << fetched.status();
+  for (const uint32_t shard : {1u, 2u}) {
+    grpc::ClientContext context;
+    v1::AppliedReport report;
+    report.set_shard_index(shard);
+    report.set_version(3);
+    v1::AppliedAck ack;
+    const grpc::Status reported = stub->ReportApplied(&context, report, &ack);
+    EXPECT_EQ(reported.error_code(),
+              shard == 1 ? grpc::StatusCode::OK : grpc::StatusCode::INVALID_ARGUMENT)
+        << reported.error_message();
+    if (shard == 2) {
+      EXPECT_TRUE(absl::StrContains(reported.error_message(), "has 2 shard processes"))
+          << reported.error_message();
+    }
+  }
   EXPECT_EQ(::access((ckpt + "2/replicas").c_str(), F_OK), -1) << "a refused copy was written";
   server_->Signal(SIGTERM);
   server_->Wait(absl::Seconds(30));
