@@ -314,7 +314,9 @@ struct EchoThroughLink {
         link(StartLink({echo.address()}, Direction(0, absl::Milliseconds(2)),
                        Direction(0, absl::Milliseconds(2)))),
         fd(link != nullptr ? Connect(link->address(0)) : -1) {
-    if (fd >= 0) EXPECT_LT(PingPong(fd), absl::Seconds(1));
+    if (fd >= 0) {
+      EXPECT_LT(PingPong(fd), absl::Seconds(1));
+    }
   }
   ~EchoThroughLink() {
     if (fd >= 0) close(fd);
