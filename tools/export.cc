@@ -6,6 +6,7 @@
 #include <map>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/config.h"
@@ -142,6 +143,14 @@ absl::StatusOr<ExportResult> ExportLive(const ExportOptions& options) {
       return absl::UnavailableError(
           absl::StrCat("cannot reach aloe-server at ", address,
                        " (or it is not ready): ", joined.status().message()));
+    }
+    if (joined.status().code() == absl::StatusCode::kInvalidArgument &&
+        absl::StrContains(joined.status().message(), "unknown role")) {
+      // A server older than the observer role: it cannot be exported from while it runs.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "aloe-server at ", address, " refuses the observer role (", joined.status().message(),
+          "): it predates export from a live server; export its newest checkpoint instead "
+          "(--checkpoint with --config)"));
     }
     return AtServer(address, joined.status());
   }

@@ -6,10 +6,12 @@
 //    not reached, and an unreachable server, are refused naming them, and write nothing;
 //  - a coordinator with two shard processes: the export gathers every layer from the shard
 //    process that owns it, equal to the stepped model bit for bit;
-//  - a server that requires a token refuses an export without one.
+//  - a server that requires a token refuses an export without one;
+//  - a server older than the observer role is named, with the way out (its checkpoint).
 #include "tools/export.h"
 
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -292,6 +294,34 @@ TEST_F(ExportTest, AServerThatRequiresATokenRefusesAnExportWithoutOne) {
   EXPECT_EQ(exported->version, 0u);
   EXPECT_TRUE(Exists(alice.out));
   EXPECT_THAT(server.Shutdown("test"), IsOk());
+}
+
+// A server from before the observer role: its Join refuses role 3 as a current server refuses
+// a role it does not know.
+class PreObserverCoordinator final : public v1::Coordinator::Service {
+ public:
+  grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest* request, v1::JoinReply*) override {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("unknown role ", static_cast<int>(request->role())));
+  }
+};
+
+TEST_F(ExportTest, AServerOlderThanTheObserverRoleIsNamedWithTheWayOut) {
+  PreObserverCoordinator older;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&older);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_GT(port, 0);
+  const ExportOptions options = Live(port, "older.safetensors");
+  EXPECT_THAT(ExportModel(options),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr(absl::StrCat("aloe-server at 127.0.0.1:", port)),
+                             HasSubstr("unknown role 3"),
+                             HasSubstr("export its newest checkpoint instead"))));
+  EXPECT_FALSE(Exists(options.out));
+  server->Shutdown();
 }
 
 }  // namespace
