@@ -8,6 +8,11 @@ version, held-out loss and perplexity, live workers, each trainer's steps/s and 
 rejections by reason, data shards, the checkpoint's version; and that both plots drew their
 series. Keeps a screenshot: status_page.png in --out-dir.
 
+Then a layer-sharded server (a coordinator, two shard processes, one trainer, frozen the same
+way): the coordinator's page lists both shard processes with their addresses, the version it
+committed for them, and the version each reports it applied, against the coordinator's
+/metrics (aloe_model_version, aloe_shard_applied_version).
+
 Without chromium it exits 77 (ctest SKIP_RETURN_CODE), except under CI (environment CI set),
 where scripts/install-deps.sh installs it and its absence is a failure.
 
@@ -22,6 +27,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +53,19 @@ local_work {{ mode: LOCAL_WORK_DYLU }}
 checkpoint {{ dir: "{checkpoints}" every_versions: 3 keep: 2 }}
 local_steps: 8
 eval_every: 2
+lease_seconds: 120
+"""
+
+SHARDED_CONFIG = """
+listen_address: "127.0.0.1:0"
+metrics_address: "127.0.0.1:0"
+corpus_dir: "{corpus}"
+model {{ vocab_size: 256 seq_len: 32 d_model: 32 num_layers: 2 num_heads: 2 }}
+inner_optimizer {{ lr: 0.003 batch_size: 4 total_steps: 100000 }}
+outer_optimizer {{ type: OUTER_NESTEROV lr: 0.7 momentum: 0.9 }}
+aggregation {{ mode: AGGREGATION_ASYNC min_workers: 1 }}
+shard_processes: 2
+local_steps: 8
 lease_seconds: 120
 """
 
@@ -127,13 +146,24 @@ def cell(row, cls):
     raise AssertionError(f"row without a {cls} cell")
 
 
-class StatusPageTest(unittest.TestCase):
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LivePage(unittest.TestCase):
+    """A server role's page over real processes that a subclass starts in setUpClass (start,
+    then freeze); their logs are kept in a temporary directory until tearDownClass."""
+
     tmp = None
     procs = []
+    metrics_url = None
 
     @classmethod
-    def setUpClass(cls):
+    def make_corpus(cls):
         cls.tmp = tempfile.mkdtemp(prefix="aloe-status-")
+        cls.procs = []
         text = os.path.join(cls.tmp, "text")
         os.makedirs(text)
         for doc in sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))[:6]:
@@ -141,38 +171,28 @@ class StatusPageTest(unittest.TestCase):
         corpus = os.path.join(cls.tmp, "corpus")
         subprocess.run([os.path.join(BIN_DIR, "aloe-corpus"), f"--input_dir={text}",
                         f"--output_dir={corpus}"], check=True, stdout=subprocess.DEVNULL)
-        config = os.path.join(cls.tmp, "server.textproto")
+        return corpus
+
+    @classmethod
+    def start_server(cls, name, config_text, flags=()):
+        """Starts aloe-server with `config_text`; returns its {"grpc": port, "metrics": port}."""
+        config = os.path.join(cls.tmp, name + ".textproto")
         with open(config, "w") as f:
-            f.write(CONFIG.format(corpus=corpus, checkpoints=os.path.join(cls.tmp, "ckpt")))
-        ports = os.path.join(cls.tmp, "ports")
-        cls.start("server", [os.path.join(BIN_DIR, "aloe-server"), f"--config={config}",
-                             f"--port_file={ports}"])
+            f.write(config_text)
+        ports = os.path.join(cls.tmp, name + ".ports")
+        cls.start(name, [os.path.join(BIN_DIR, "aloe-server"), f"--config={config}",
+                         f"--port_file={ports}", *flags])
         for _ in range(300):
             if os.path.exists(ports) and os.path.getsize(ports) > 0:
                 break
             time.sleep(0.1)
         with open(ports) as f:
-            found = dict(kv.split("=") for kv in f.read().split())
-        cls.metrics_url = f"http://127.0.0.1:{found['metrics']}"
-        worker = [os.path.join(BIN_DIR, "aloe-worker"), f"--server=127.0.0.1:{found['grpc']}",
-                  f"--corpus_dir={corpus}", "--metrics=off", "--device=cpu"]
-        cls.start("evaluator", worker + ["--role=evaluator", "--name=evaluator",
-                                         "--eval_sequences=8"])
-        cls.start("trainer-fast", worker + ["--name=trainer-fast"])
-        cls.start("trainer-slow", worker + ["--name=trainer-slow", "--slowdown=2"])
-        # A few evaluations and a checkpoint, so that both plots have points.
-        deadline = time.time() + 150
-        while time.time() < deadline:
-            status = json.loads(get(cls.metrics_url + "/status.json"))
-            losses = status["history"]["losses"]
-            if len(losses) >= 3 and losses[-1][0] - losses[0][0] >= 5 and status["checkpoint"]:
-                break
-            time.sleep(1)
-        # Freeze the workers: from here on the server's numbers stay put.
-        for name, proc in cls.procs:
-            if name != "server":
-                proc.send_signal(signal.SIGSTOP)
-        time.sleep(2)  # a grace window open at the freeze closes
+            return dict(kv.split("=") for kv in f.read().split())
+
+    @classmethod
+    def worker_argv(cls, grpc_port, corpus):
+        return [os.path.join(BIN_DIR, "aloe-worker"), f"--server=127.0.0.1:{grpc_port}",
+                f"--corpus_dir={corpus}", "--metrics=off", "--device=cpu"]
 
     @classmethod
     def start(cls, name, argv):
@@ -180,6 +200,14 @@ class StatusPageTest(unittest.TestCase):
         with open(os.path.join(cls.tmp, name + ".log"), "w") as log:
             cls.procs.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                                      env=env)))
+
+    @classmethod
+    def freeze(cls, names):
+        """Stops the processes `names` (SIGSTOP): from here on the server's numbers stay put."""
+        for name, proc in cls.procs:
+            if name in names:
+                proc.send_signal(signal.SIGSTOP)
+        time.sleep(2)  # a grace window open at the freeze closes; the last reports arrive
 
     @classmethod
     def tearDownClass(cls):
@@ -212,6 +240,30 @@ class StatusPageTest(unittest.TestCase):
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         return proc.stdout
+
+
+class StatusPageTest(LivePage):
+
+    @classmethod
+    def setUpClass(cls):
+        corpus = cls.make_corpus()
+        found = cls.start_server("server", CONFIG.format(
+            corpus=corpus, checkpoints=os.path.join(cls.tmp, "ckpt")))
+        cls.metrics_url = f"http://127.0.0.1:{found['metrics']}"
+        worker = cls.worker_argv(found["grpc"], corpus)
+        cls.start("evaluator", worker + ["--role=evaluator", "--name=evaluator",
+                                         "--eval_sequences=8"])
+        cls.start("trainer-fast", worker + ["--name=trainer-fast"])
+        cls.start("trainer-slow", worker + ["--name=trainer-slow", "--slowdown=2"])
+        # A few evaluations and a checkpoint, so that both plots have points.
+        deadline = time.time() + 150
+        while time.time() < deadline:
+            status = json.loads(get(cls.metrics_url + "/status.json"))
+            losses = status["history"]["losses"]
+            if len(losses) >= 3 and losses[-1][0] - losses[0][0] >= 5 and status["checkpoint"]:
+                break
+            time.sleep(1)
+        cls.freeze({"evaluator", "trainer-fast", "trainer-slow"})
 
     def test_page_shows_the_servers_numbers_and_draws_its_plots(self):
         before = parse_metrics(get(self.metrics_url + "/metrics"))
@@ -298,6 +350,49 @@ class StatusPageTest(unittest.TestCase):
         with self.assertRaises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(request, timeout=10)
         self.assertEqual(caught.exception.code, 405)
+
+
+class CoordinatorPageTest(LivePage):
+
+    @classmethod
+    def setUpClass(cls):
+        corpus = cls.make_corpus()
+        config = SHARDED_CONFIG.format(corpus=corpus)
+        found = cls.start_server("coordinator", config, ["--role=coordinator"])
+        cls.metrics_url = f"http://127.0.0.1:{found['metrics']}"
+        cls.shard_addresses = []
+        for index in range(2):
+            address = f"127.0.0.1:{free_port()}"
+            cls.shard_addresses.append(address)
+            cls.start_server(f"shard{index}", config,
+                             ["--role=shard", f"--shard_index={index}", f"--listen={address}",
+                              f"--coordinator=127.0.0.1:{found['grpc']}"])
+        cls.start("trainer", cls.worker_argv(found["grpc"], corpus) + ["--name=trainer"])
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if json.loads(get(cls.metrics_url + "/status.json"))["version"] >= 5:
+                break
+            time.sleep(0.5)
+        cls.freeze({"trainer"})
+
+    def test_page_shows_each_shard_processs_committed_and_applied_version(self):
+        metrics = parse_metrics(get(self.metrics_url + "/metrics"))
+        dom = Dom(self.chromium("--dump-dom"))
+        version = metrics[("aloe_model_version", frozenset())]
+        self.assertGreaterEqual(version, 5, self.logs())
+        self.assertEqual(int(dom.by_id("version")["text"]), version)
+        rows = [r for r in dom.elements
+                if r["tag"] == "tr" and r in descendants(dom.by_id("shard-processes"))
+                and any(c["tag"] == "td" for c in r["children"])]
+        self.assertEqual(len(rows), 2, self.logs())
+        for index, row in enumerate(rows):
+            cells = [c["text"].strip() for c in row["children"] if c["tag"] == "td"]
+            applied = metrics[("aloe_shard_applied_version",
+                               frozenset({("process", str(index))}))]
+            # Frozen: every commit reached both shard processes, and they said so.
+            self.assertEqual(applied, version, self.logs())
+            self.assertEqual(cells, [str(index), self.shard_addresses[index], str(int(version)),
+                                     str(int(applied))])
 
 
 if __name__ == "__main__":
