@@ -126,4 +126,9 @@ absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
   return batch;
 }
 
+torch::Tensor BatchOnDevice(const torch::Tensor& batch, const torch::Device& device) {
+  if (!device.is_cuda()) return batch.to(device);
+  return batch.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 }  // namespace aloe::worker

@@ -63,4 +63,10 @@ absl::StatusOr<torch::Tensor> ReadBatch(const TokenSource& data,
                                         const std::vector<uint64_t>& starts, int64_t window,
                                         uint32_t vocab_size);
 
+// A batch read on the host, on `device`. A CUDA device gets it through page-locked memory and
+// an asynchronous copy, ordered on the device's current stream before the step's kernels: the
+// host does not wait for the device (a copy from pageable memory would wait for every kernel
+// queued before it).
+torch::Tensor BatchOnDevice(const torch::Tensor& batch, const torch::Device& device);
+
 }  // namespace aloe::worker

@@ -23,6 +23,7 @@
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
+#include "worker/inner_adamw.h"
 #include "worker/script_model.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
@@ -145,7 +146,7 @@ struct LocalTrainer::Impl {
   ScriptModelPtr script;              // a bring-your-own TorchScript model
   torch::Device device{torch::kCPU};  // where parameters, activations and AdamW state live
   std::vector<torch::Tensor> params;  // model parameters in spec order
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<InnerAdamW> optimizer;
 
   // Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1].
   torch::Tensor Loss(const torch::Tensor& batch) {
@@ -162,18 +163,10 @@ struct LocalTrainer::Impl {
   // LayerNorm gains/shifts are not decayed towards zero.
   absl::Status MakeOptimizer() {
     try {
-      std::vector<torch::Tensor> decay;
-      std::vector<torch::Tensor> no_decay;
-      for (const torch::Tensor& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-      const auto options = torch::optim::AdamWOptions(inner.lr())
-                               .betas(std::make_tuple(inner.beta1(), inner.beta2()))
-                               .eps(inner.eps())
-                               .weight_decay(inner.weight_decay());
-      std::vector<torch::optim::OptimizerParamGroup> groups;
-      groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(options));
-      groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                        torch::optim::AdamWOptions(options).weight_decay(0)));
-      optimizer = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+      std::vector<bool> decay;
+      for (const torch::Tensor& p : params) decay.push_back(p.dim() >= 2);
+      optimizer =
+          std::make_unique<InnerAdamW>(params, std::move(decay), inner, DefaultAdamWKernel(device));
     } catch (const std::exception& e) {
       return LibTorchError("creating AdamW", e);
     }
@@ -292,19 +285,12 @@ absl::StatusOr<double> LocalTrainer::Evaluate(const EvalRequest& request) {
 absl::StatusOr<InnerState> LocalTrainer::SaveInnerState() const {
   InnerState state;
   try {
+    const InnerAdamW& adam = *impl_->optimizer;
     std::vector<torch::Tensor> first, second;  // spec order, like params
-    for (const torch::Tensor& p : impl_->params) {
-      const auto& saved = impl_->optimizer->state();
-      const auto it = saved.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
-      if (it == saved.end()) {
-        first.push_back(torch::zeros_like(p));
-        second.push_back(torch::zeros_like(p));
-        continue;
-      }
-      const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-      state.steps = std::max<uint64_t>(state.steps, static_cast<uint64_t>(adam.step()));
-      first.push_back(adam.exp_avg());
-      second.push_back(adam.exp_avg_sq());
+    for (size_t i = 0; i < adam.size(); ++i) {
+      state.steps = std::max<uint64_t>(state.steps, static_cast<uint64_t>(adam.steps(i)));
+      first.push_back(adam.exp_avg(i));
+      second.push_back(adam.exp_avg_sq(i));
     }
     ALOE_RETURN_IF_ERROR(CopyParametersIntoLayers(first, impl_->spec, &state.first));
     ALOE_RETURN_IF_ERROR(CopyParametersIntoLayers(second, impl_->spec, &state.second));
@@ -325,14 +311,7 @@ absl::Status LocalTrainer::RestoreInnerState(const InnerState& state) {
     }
     ALOE_RETURN_IF_ERROR(CopyLayersIntoParameters(state.first, impl_->spec, first));
     ALOE_RETURN_IF_ERROR(CopyLayersIntoParameters(state.second, impl_->spec, second));
-    auto& saved = impl_->optimizer->state();
-    for (size_t i = 0; i < impl_->params.size(); ++i) {
-      auto adam = std::make_unique<torch::optim::AdamWParamState>();
-      adam->step(static_cast<int64_t>(state.steps));
-      adam->exp_avg(first[i]);
-      adam->exp_avg_sq(second[i]);
-      saved[c10::guts::to_string(impl_->params[i].unsafeGetTensorImpl())] = std::move(adam);
-    }
+    impl_->optimizer->Restore(static_cast<int64_t>(state.steps), first, second);
   } catch (const std::exception& e) {
     return LibTorchError("restoring the AdamW state", e);
   }
@@ -364,37 +343,44 @@ absl::StatusOr<TrainStats> LocalTrainer::Train(const TokenSource& data, uint32_t
   std::vector<uint64_t> starts(batch_size);
   TrainStats stats;
   double loss_sum = 0;
+  // On a GPU the host queues steps ahead of the device and reads the losses back once, at the
+  // round's end, unless each step must be timed on its own (a slowdown to emulate, a time
+  // budget to stop at): then every step ends with the device idle, as on the CPU.
+  const bool time_each_step = !impl_->device.is_cuda() || slowdown > 1.0 ||
+                              time_budget_seconds > 0 || step_slowdowns_.has_value();
   try {
     ApplyTrainerThreads();
     impl_->SetTraining(true);
     const auto round_start = std::chrono::steady_clock::now();
+    torch::Tensor queued_loss_sum;  // float64 on the device, without time_each_step
     for (uint32_t i = 0; i < steps; ++i) {
       if (interrupt != nullptr && interrupt->load()) break;
       const auto t0 = std::chrono::steady_clock::now();
       for (uint64_t& s : starts) s = start_dist(rng);
       ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
                             ReadBatch(data, starts, window, impl_->model_config.vocab_size()));
-      batch = batch.to(impl_->device);
+      batch = BatchOnDevice(batch, impl_->device);
       const double lr = InnerLearningRate(impl_->inner, lr_step + i);  // paper 002 Eq. 3
-      for (torch::optim::OptimizerParamGroup& group : impl_->optimizer->param_groups()) {
-        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-      }
-      impl_->optimizer->zero_grad();
+      impl_->optimizer->ZeroGrad();
       torch::Tensor loss;
       {
         TrainingAutocast autocast;  // --autocast bf16: the forward pass only
         loss = impl_->Loss(batch);
       }
       loss.backward();
-      if (impl_->inner.grad_clip() > 0) {
-        torch::nn::utils::clip_grad_norm_(impl_->params, impl_->inner.grad_clip());
+      const double max_norm = impl_->inner.grad_clip();
+      impl_->optimizer->Step(
+          lr, max_norm > 0 ? GradClipFactor(impl_->params, max_norm) : torch::Tensor());
+      ++stats.steps;
+      if (!time_each_step) {
+        const torch::Tensor step_loss = loss.detach().to(torch::kFloat64);
+        queued_loss_sum = queued_loss_sum.defined() ? queued_loss_sum + step_loss : step_loss;
+        continue;
       }
-      impl_->optimizer->step();
       loss_sum += loss.item<double>();
       const double step_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       stats.compute_seconds += step_seconds;
-      ++stats.steps;
       const double factor =
           slowdown * (step_slowdowns_.has_value() ? step_slowdowns_->Next() : 1.0);
       if (factor > 1.0) {
@@ -406,6 +392,12 @@ absl::StatusOr<TrainStats> LocalTrainer::Train(const TokenSource& data, uint32_t
               time_budget_seconds) {
         break;
       }
+    }
+    if (!time_each_step) {
+      // Waits for the queued steps: the round's compute time is the whole loop's.
+      if (queued_loss_sum.defined()) loss_sum = queued_loss_sum.item<double>();
+      stats.compute_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count();
     }
   } catch (const std::exception& e) {
     return LibTorchError("training step", e);
@@ -438,7 +430,7 @@ absl::StatusOr<double> LocalTrainer::Evaluate(const TokenSource& heldout, uint32
       for (uint64_t r = 0; r < rows; ++r) starts[r] = (first + r) * window;
       ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
                             ReadBatch(heldout, starts, window, impl_->model_config.vocab_size()));
-      batch = batch.to(impl_->device);
+      batch = BatchOnDevice(batch, impl_->device);
       loss_sum += impl_->Loss(batch).item<double>() * static_cast<double>(rows * seq_len);
     }
   } catch (const std::exception& e) {

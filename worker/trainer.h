@@ -136,7 +136,10 @@ class LocalTrainer final : public TrainerInterface {
   //   - sets the lr of every parameter group to InnerLearningRate(inner, lr_step + i)
   //     (paper 002 Eq. 3; lr_step is the data shard's schedule position);
   //   - forward, mean cross-entropy, backward, global grad-norm clip to grad_clip (if > 0),
-  //     AdamW step.
+  //     AdamW step (worker/inner_adamw.h).
+  // On a GPU the host queues the steps without waiting for each (compute_seconds is then the
+  // round's wall time up to the device finishing its last step), except with a slowdown, a step
+  // trace or a time budget, which time every step.
   // `slowdown` >= 1 emulates slower hardware: after each step the trainer sleeps
   // (slowdown - 1) x that step's compute time (not counted in compute_seconds).
   // `time_budget_seconds` > 0 (A-EDiT, paper 000 Sec. 3.3) ends the round at the first step end

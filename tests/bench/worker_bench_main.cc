@@ -4,6 +4,20 @@
 // No LocalTrainer, no schedule, no status plumbing: what LibTorch alone achieves on this machine
 // (with denormals flushed to zero, as the trainers run).
 //
+// The bare loop's inner-step arithmetic is chosen piece by piece, so that each change to the
+// trainer's step is measured on its own against the same loop without it:
+//   --bare_adamw   libtorch: torch::optim::AdamW (one update per tensor); foreach: the
+//                  trainer's multi-tensor AdamW (worker/inner_adamw.h); fused: its fused CUDA
+//                  kernel (GPU only)
+//   --bare_clip    libtorch: torch::nn::utils::clip_grad_norm_ (one norm per tensor, then the
+//                  norm read back to the host); one_pass: GradClipFactor, one multi-tensor pass,
+//                  applied inside the AdamW step (the fused kernel's gradient scale)
+//   --bare_sync    step: every step copies its batch from pageable memory and reads its loss
+//                  back (the host waits for the device twice a step); round: batches through
+//                  page-locked memory, the losses read back once per timed block
+// The defaults (foreach or fused by device, one_pass, round) are the trainer's own code: with
+// --trainer, the ratio then compares the trainer with a bare loop of the same step.
+//
 // Output (one line):
 //   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count> device=<d>
 //       flops_per_token=<F> [mfu=<m>]
@@ -12,6 +26,10 @@
 // LocalTrainer::Train, from the same initial parameters, the two taking turns in --blocks blocks;
 // a second line follows
 //   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare> [mfu=<m>]
+// and with --round_steps H > 0 a third, the cost of a round boundary through the trainer (the
+// pseudo-gradient read to the host, the next base written to the device: what the device waits
+// for between two rounds) against a round of H steps at the trainer's measured step time:
+//   aloe_round boundary_seconds=<b> step_seconds=<s> round_steps=<H> idle_fraction=<b/(b+H s)>
 // Both run on --device (worker/trainer.h SetTrainerDevice), with --autocast bf16 both run their
 // forward passes under bf16 autocast. flops_per_token is the model's training FLOPs per token,
 // 6 N + 12 L d T (N: parameters of the matrix products, i.e. all but the token and position
@@ -36,6 +54,7 @@
 #include "common/status_macros.h"
 #include "common/token_shard.h"
 #include "common/token_source.h"
+#include "worker/inner_adamw.h"
 #include "worker/torch_util.h"
 #include "worker/trainer.h"
 #include "worker/transformer.h"
@@ -62,6 +81,18 @@ ABSL_FLAG(int32_t, blocks, 4,
           "taking turns");
 ABSL_FLAG(std::string, device, "cpu", "cpu | cuda | cuda:I | auto (as aloe-worker --device)");
 ABSL_FLAG(std::string, autocast, "off", "off | bf16 (as aloe-worker --autocast)");
+ABSL_FLAG(std::string, bare_adamw, "default",
+          "The bare loop's AdamW: libtorch | foreach | fused | default (fused on a GPU, "
+          "else foreach: the trainer's)");
+ABSL_FLAG(std::string, bare_clip, "one_pass",
+          "The bare loop's gradient-norm clip: libtorch | "
+          "one_pass (the trainer's)");
+ABSL_FLAG(std::string, bare_sync, "round",
+          "When the bare loop's host waits for the device: "
+          "step | round (the trainer's)");
+ABSL_FLAG(int32_t, round_steps, 0,
+          "With --trainer and > 0: also time a round boundary against a round of this many "
+          "steps");
 ABSL_FLAG(double, peak_tflops, 0,
           "The device's peak dense TFLOP/s for the run's precision (e.g. 989 for an H100 SXM in "
           "bf16); > 0 prints the model FLOPs utilisation (mfu)");
@@ -143,37 +174,93 @@ absl::Status Run() {
                                                               (peak_tflops * 1e12))
                            : std::string();
   };
-  torch::optim::AdamW optimizer(model->parameters(),
-                                torch::optim::AdamWOptions(inner.lr())
-                                    .betas(std::make_tuple(inner.beta1(), inner.beta2()))
-                                    .eps(inner.eps())
-                                    .weight_decay(inner.weight_decay()));
+  const std::string adamw = absl::GetFlag(FLAGS_bare_adamw);
+  const std::string clip_kind = absl::GetFlag(FLAGS_bare_clip);
+  const std::string sync = absl::GetFlag(FLAGS_bare_sync);
+  if (adamw != "libtorch" && adamw != "foreach" && adamw != "fused" && adamw != "default") {
+    return absl::InvalidArgumentError("--bare_adamw must be libtorch, foreach, fused or default");
+  }
+  if (adamw == "fused" && !device.is_cuda()) {
+    return absl::InvalidArgumentError("--bare_adamw=fused needs a CUDA --device");
+  }
+  if (clip_kind != "libtorch" && clip_kind != "one_pass") {
+    return absl::InvalidArgumentError("--bare_clip must be libtorch or one_pass");
+  }
+  if (sync != "step" && sync != "round") {
+    return absl::InvalidArgumentError("--bare_sync must be step or round");
+  }
+  const bool one_pass_clip = clip_kind == "one_pass";
+  const bool sync_each_step = sync == "step";
+  // Matrices decay, biases and LayerNorm parameters do not: the trainer's groups.
+  const std::vector<torch::Tensor> params = model->parameters();
+  std::unique_ptr<torch::optim::AdamW> libtorch_adamw;
+  std::unique_ptr<InnerAdamW> inner_adamw;
+  if (adamw == "libtorch") {
+    libtorch_adamw = LibTorchAdamW(params, inner);
+  } else {
+    std::vector<bool> decay;
+    for (const torch::Tensor& p : params) decay.push_back(p.dim() >= 2);
+    const AdamWKernel kernel = adamw == "fused"     ? AdamWKernel::kFused
+                               : adamw == "foreach" ? AdamWKernel::kForEach
+                                                    : DefaultAdamWKernel(device);
+    inner_adamw = std::make_unique<InnerAdamW>(params, std::move(decay), inner, kernel);
+  }
+  std::printf("bare_step adamw=%s clip=%s sync=%s\n",
+              libtorch_adamw                                 ? "libtorch"
+              : inner_adamw->kernel() == AdamWKernel::kFused ? "fused"
+                                                             : "foreach",
+              clip_kind.c_str(), sync.c_str());
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start(0, data->num_tokens() - window);
-  // Runs `n` bare steps; returns the seconds of those at index >= warmup (counted over all calls).
+  // Runs `n` bare steps; returns their seconds unless they are warmup steps (a call's steps are
+  // all warmup or all timed).
   int bare_steps_done = 0;
   auto bare_steps = [&](int n) {
-    double seconds = 0;
+    const bool timed = bare_steps_done >= warmup;
+    const auto t0 = std::chrono::steady_clock::now();
+    torch::Tensor queued_loss;  // --bare_sync=round: the losses, read back once
     for (int k = 0; k < n; ++k, ++bare_steps_done) {
-      const auto t0 = std::chrono::steady_clock::now();
       torch::Tensor batch = torch::empty({batch_size, window}, torch::kInt64);
       for (int64_t b = 0; b < batch_size; ++b) {
         data->Read(start(rng), window, batch.data_ptr<int64_t>() + b * window);
       }
-      batch = batch.to(device);
-      optimizer.zero_grad();
+      batch = sync_each_step ? batch.to(device) : BatchOnDevice(batch, device);
+      if (inner_adamw) {
+        inner_adamw->ZeroGrad();
+      } else {
+        libtorch_adamw->zero_grad();
+      }
       torch::Tensor loss;
       {
         TrainingAutocast bf16;  // --autocast bf16: the forward pass, as the trainer does
         loss = model->Loss(batch);
       }
       loss.backward();
-      torch::nn::utils::clip_grad_norm_(model->parameters(), inner.grad_clip());
-      optimizer.step();
-      loss.item<double>();
-      if (bare_steps_done >= warmup) seconds += Since(t0);
+      torch::Tensor clip;
+      if (one_pass_clip) {
+        clip = GradClipFactor(params, inner.grad_clip());
+      } else {
+        torch::nn::utils::clip_grad_norm_(params, inner.grad_clip());
+      }
+      if (inner_adamw) {
+        inner_adamw->Step(inner.lr(), clip);
+      } else {
+        if (clip.defined()) {
+          torch::NoGradGuard no_grad;
+          for (const torch::Tensor& p : params) {
+            if (p.grad().defined()) p.grad().mul_(clip);
+          }
+        }
+        libtorch_adamw->step();
+      }
+      if (sync_each_step) {
+        loss.item<double>();
+      } else {
+        queued_loss = queued_loss.defined() ? queued_loss + loss.detach() : loss.detach();
+      }
     }
-    return seconds;
+    if (queued_loss.defined()) queued_loss.item<double>();
+    return timed ? Since(t0) : 0.0;
   };
   // With --trainer the two loops take turns, one block each, starting from the same
   // parameters: both see the same machine state, and neither trains a model the other has
@@ -220,6 +307,25 @@ absl::Status Run() {
         static_cast<double>(trainer_steps) * batch_size * config.seq_len() / trainer_seconds;
     std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f%s\n", tps,
                 trainer_steps, trainer_seconds, tps / bare_tps, mfu(tps).c_str());
+    const int round_steps = absl::GetFlag(FLAGS_round_steps);
+    if (round_steps > 0) {
+      // As between two rounds of aloe-worker (worker/agent_round.cc): the pseudo-gradient
+      // against the round's base, then the next base into the model.
+      std::vector<std::vector<float>> base, delta;
+      ALOE_RETURN_IF_ERROR(trainer->GetParameters(&base));
+      constexpr int kRepeats = 3;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < kRepeats; ++r) {
+        ALOE_RETURN_IF_ERROR(trainer->PseudoGradient(base, &delta));
+        ALOE_RETURN_IF_ERROR(trainer->SetParameters(base));
+      }
+      const double boundary = Since(t0) / kRepeats;
+      const double step_seconds = trainer_seconds / trainer_steps;
+      std::printf(
+          "aloe_round boundary_seconds=%.4f step_seconds=%.4f round_steps=%d "
+          "idle_fraction=%.4f\n",
+          boundary, step_seconds, round_steps, boundary / (boundary + round_steps * step_seconds));
+    }
   }
   return absl::OkStatus();
 }
