@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "proto/aloe.grpc.pb.h"
 #include "server/service/auth.h"
+#include "tests/testing/loopback_server.h"
 
 namespace aloe::server {
 namespace {
@@ -64,16 +65,7 @@ class FakeShardControl final : public v1::ShardControl::Service {
 
 class AppliedReporterTest : public ::testing::Test {
  protected:
-  AppliedReporterTest() {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&fake_);
-    server_ = builder.BuildAndStart();
-    stub_ = v1::ShardControl::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                                          grpc::InsecureChannelCredentials()));
-  }
-  ~AppliedReporterTest() override { server_->Shutdown(); }
+  AppliedReporterTest() : stub_(v1::ShardControl::NewStub(server_.Channel())) {}
 
   AppliedReporter::Options Options(absl::Duration period) {
     AppliedReporter::Options options;
@@ -84,7 +76,7 @@ class AppliedReporterTest : public ::testing::Test {
   }
 
   FakeShardControl fake_;
-  std::unique_ptr<grpc::Server> server_;
+  ::aloe::testing::LoopbackServer server_{&fake_};
   std::unique_ptr<v1::ShardControl::Stub> stub_;
 };
 

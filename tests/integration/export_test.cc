@@ -32,6 +32,7 @@
 #include "server/app/shard_process.h"
 #include "server/app/single_process_server.h"
 #include "tests/integration/loopback_cluster.h"
+#include "tests/testing/loopback_server.h"
 #include "worker/client.h"
 
 namespace aloe {
@@ -308,11 +309,8 @@ class PreObserverCoordinator final : public v1::Coordinator::Service {
 
 TEST_F(ExportTest, AServerOlderThanTheObserverRoleIsNamedWithTheWayOut) {
   PreObserverCoordinator older;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&older);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  const ::aloe::testing::LoopbackServer server({&older});
+  const int port = server.port();
   ASSERT_GT(port, 0);
   const ExportOptions options = Live(port, "older.safetensors");
   EXPECT_THAT(ExportModel(options),
@@ -321,7 +319,6 @@ TEST_F(ExportTest, AServerOlderThanTheObserverRoleIsNamedWithTheWayOut) {
                              HasSubstr("unknown role 3"),
                              HasSubstr("export its newest checkpoint instead"))));
   EXPECT_FALSE(Exists(options.out));
-  server->Shutdown();
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "common/raw_push.h"
 #include "common/status_matchers.h"
 #include "common/tensor_codec.h"
+#include "tests/testing/loopback_server.h"
 #include "tests/testing/subprocess.h"
 #include "worker/client.h"
 
@@ -103,19 +104,9 @@ class FakeParameterService final : public v1::ParameterService::Service {
 
 // A fake served on 127.0.0.1 at a port the OS chose.
 struct FakeServer {
-  FakeServer() {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service);
-    server = builder.BuildAndStart();
-    address = "127.0.0.1:" + std::to_string(port);
-  }
-  ~FakeServer() { server->Shutdown(); }
-
   FakeParameterService service;
-  std::unique_ptr<grpc::Server> server;
-  std::string address;
+  ::aloe::testing::LoopbackServer loopback{&service};
+  const std::string& address = loopback.address();
 };
 
 // Three layers, owned by shards 0, 1, 0; layer 1 takes two chunks.
