@@ -17,15 +17,18 @@
 #                               build-cuda) against python3's torch and builds the worker, the
 #                               server, the worker benchmark and the worker tests. Writes
 #                               $ALOE_BUILD_DIR/env.sh, which sets LD_LIBRARY_PATH for them.
-#   scripts/gpu.sh check [tests|bench|job]...
+#   scripts/gpu.sh check [tests|bench|profile|job]...
 #                               On that build: the worker tests (the GPU ones no longer skip);
 #                               the GPU benchmark (tokens/s and MFU of a 124M model in bf16
 #                               autocast through the worker's trainer and a bare LibTorch loop in
-#                               the same run); a real job (aloe-server and aloe-worker --device on
-#                               the GPU, 4 rounds). All three by default.
+#                               the same run, the bare loop once per inner-step change, and the
+#                               GPU's idle share of a round); a profile of the same model's step
+#                               (scripts/gpu-profile.py: GPU time by kernel category); a real
+#                               job (aloe-server and aloe-worker --device on the GPU, 4 rounds).
+#                               All four by default.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
 # (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
-# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_TEST_SECONDS.
+# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS, ALOE_GPU_TEST_SECONDS.
 set -euo pipefail
 ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # shellcheck source=scripts/lib.sh
@@ -160,19 +163,50 @@ check_tests() {
 }
 
 # A GPT-2-small-sized model (12 layers of width 768, 1024 tokens, vocabulary 24576: 124M
-# parameters) in bf16 autocast: the worker's trainer vs a bare LibTorch loop in the same run, and
-# the model FLOPs utilisation against ALOE_PEAK_TFLOPS (default 989: H100 SXM dense bf16; 989
-# also for an H200).
+# parameters) in bf16 autocast, its model FLOPs utilisation against ALOE_PEAK_TFLOPS (default
+# 989: H100 SXM dense bf16; 989 also for an H200). The bare LibTorch loop runs once per change to
+# the inner step, each added to the ones before it (worker/inner_adamw.h), so that each is
+# measured on its own: LibTorch's AdamW and clip with the host waiting for the device twice a
+# step; then the multi-tensor AdamW; the fused AdamW kernel; the one-pass clip folded into it;
+# the host no longer waiting each step. The last is the trainer's own step: it runs against the
+# worker's trainer in the same run (their ratio), and the cost of a round boundary is timed
+# against a round of ALOE_GPU_ROUND_STEPS (default 100) steps.
 check_bench() {
-  local peak="${ALOE_PEAK_TFLOPS:-989}"
-  "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 --trainer \
-    --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
-    --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
-    --threads=4 --peak_tflops="$peak" | tee "$ALOE_BUILD_DIR/gpu-bench.log"
-  awk -v peak="$peak" '/^aloe_trainer/ {
-    for (i = 1; i <= NF; ++i) { split($i, kv, "="); v[kv[1]] = kv[2] }
-    printf "gpu: tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare LibTorch)\n",
-      v["tokens_per_second"], v["mfu"], peak, v["ratio"] }' "$ALOE_BUILD_DIR/gpu-bench.log"
+  local peak="${ALOE_PEAK_TFLOPS:-989}" log="$ALOE_BUILD_DIR/gpu-bench.log"
+  local variants=("libtorch libtorch step" "foreach libtorch step" "fused libtorch step"
+    "fused one_pass step" "fused one_pass round")
+  : >"$log"
+  local v adamw clip sync last=$((${#variants[@]} - 1)) i=0
+  for v in "${variants[@]}"; do
+    read -r adamw clip sync <<<"$v"
+    local extra=()
+    [ "$i" -eq "$last" ] && extra=(--trainer --round_steps="${ALOE_GPU_ROUND_STEPS:-100}")
+    "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 \
+      --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
+      --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
+      --threads=4 --peak_tflops="$peak" --bare_adamw="$adamw" --bare_clip="$clip" \
+      --bare_sync="$sync" "${extra[@]}" | tee -a "$log"
+    i=$((i + 1))
+  done
+  awk -v peak="$peak" '
+    function fields(   i, kv) { delete v; for (i = 1; i <= NF; ++i) { split($i, kv, "="); v[kv[1]] = kv[2] } }
+    /^bare_step/ { fields(); step = v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] }
+    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-44s tokens_per_second=%s mfu=%s%s\n",
+      step, v["tokens_per_second"], v["mfu"], prev ? sprintf(" (x%.3f)", v["tokens_per_second"] / prev) : "";
+      prev = v["tokens_per_second"] }
+    /^aloe_trainer/ { fields(); printf "gpu: trainer tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",
+      v["tokens_per_second"], v["mfu"], peak, v["ratio"] }
+    /^aloe_round/ { fields(); printf "gpu: round boundary %s s against %s steps of %s s: the GPU idle %.2f%% of a round\n",
+      v["boundary_seconds"], v["round_steps"], v["step_seconds"], 100 * v["idle_fraction"] }' "$log"
+}
+
+# Where a step of the same 124M model spends the GPU's time: scripts/gpu-profile.py (PyTorch
+# eager, the same ATen kernels as the trainer) under torch.profiler, by kernel category and the
+# longest kernels.
+check_profile() {
+  "${PYTHON:-python3}" "$ALOE_ROOT/scripts/gpu-profile.py" --device="$DEVICE" \
+    --batch_size="${ALOE_GPU_BATCH:-16}" --peak_tflops="${ALOE_PEAK_TFLOPS:-989}" \
+    --trace="$ALOE_BUILD_DIR/gpu-profile.json" | tee "$ALOE_BUILD_DIR/gpu-profile.log"
 }
 
 # A real job: aloe-server and one aloe-worker on the device (bf16 autocast) train the worker
@@ -200,7 +234,7 @@ check_job() {
   fi
 }
 
-# check [tests|bench|job]...: all three by default, on ALOE_GPU_DEVICE (default cuda:0).
+# check [tests|bench|profile|job]...: all four by default, on ALOE_GPU_DEVICE (default cuda:0).
 check() {
   [ -f "$ALOE_BUILD_DIR/env.sh" ] || { echo "gpu.sh: run scripts/gpu.sh build first" >&2; exit 1; }
   # shellcheck source=/dev/null
@@ -210,11 +244,11 @@ check() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   fi
   local stages=("$@") stage
-  [ ${#stages[@]} -gt 0 ] || stages=(tests bench job)
+  [ ${#stages[@]} -gt 0 ] || stages=(tests bench profile job)
   for stage in "${stages[@]}"; do
     case "$stage" in
-      tests|bench|job) aloe_log "check: $stage"; "check_$stage" ;;
-      *) echo "gpu.sh: unknown check stage '$stage' (tests, bench or job)" >&2; exit 2 ;;
+      tests|bench|profile|job) aloe_log "check: $stage"; "check_$stage" ;;
+      *) echo "gpu.sh: unknown check stage '$stage' (tests, bench, profile or job)" >&2; exit 2 ;;
     esac
   done
 }

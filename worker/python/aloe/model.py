@@ -8,6 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+# PyTorch 2.x has fused attention; 1.13 (Debian 12's) runs the three-step form.
+FUSED_ATTENTION = hasattr(F, "scaled_dot_product_attention")
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model, num_heads):
@@ -20,6 +23,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, causal_mask):
         b, t, d = x.shape
         qkv = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if FUSED_ATTENTION:
+            # One fused kernel, as aloe-worker on LibTorch 2.x: the same function up to rounding.
+            y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, t, d))
         q = qkv[0] * (1.0 / math.sqrt(self.head_dim))
         scores = torch.matmul(q, qkv[1].transpose(-2, -1)).masked_fill(causal_mask, -math.inf)
         y = torch.matmul(torch.softmax(scores, -1), qkv[2])
