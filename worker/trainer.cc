@@ -245,26 +245,8 @@ absl::Status LocalTrainer::SetLayers(absl::Span<const uint32_t> ids,
 
 absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>& base,
                                           std::vector<std::vector<float>>* out) const {
-  const v1::ModelSpec& spec = impl_->spec;
-  if (base.size() != static_cast<size_t>(spec.layers_size())) {
-    return absl::InvalidArgumentError(absl::StrFormat("base has %d layers, the model spec has %d",
-                                                      base.size(), spec.layers_size()));
-  }
-  for (int l = 0; l < spec.layers_size(); ++l) {
-    if (base[l].size() != spec.layers(l).num_elements()) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("base layer %d \"%s\" has %d elements, the model spec has %d", l,
-                          spec.layers(l).name(), base[l].size(), spec.layers(l).num_elements()));
-    }
-  }
-  ALOE_RETURN_IF_ERROR(GetParameters(out));
-  for (size_t l = 0; l < base.size(); ++l) {
-    const float* b = base[l].data();
-    float* g = (*out)[l].data();
-    const size_t n = base[l].size();
-    for (size_t i = 0; i < n; ++i) g[i] = b[i] - g[i];
-  }
-  return absl::OkStatus();
+  ApplyTrainerThreads();
+  return PseudoGradientOfParameters(impl_->params, impl_->spec, base, out);
 }
 
 void LocalTrainer::SetStepSlowdowns(StepSlowdowns slowdowns) {

@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -248,11 +249,14 @@ absl::Status LoadParameters(const std::vector<std::vector<float>>& layers,
   }
 }
 
-absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
-                                      const v1::ModelSpec& spec,
-                                      std::vector<std::vector<float>>* layers,
-                                      absl::Span<const uint32_t> only) {
-  ALOE_ASSIGN_OR_RETURN(const std::vector<uint32_t> ids, LayersToCopy(spec, only));
+namespace {
+
+// Writes each spec layer of `ids` into (*layers)[l] (resized), one tensor at a time: a flat
+// host view of the tensor's place in the buffer is handed to `write(param, view, l, offset)`.
+template <typename Write>
+absl::Status WriteLayers(const std::vector<torch::Tensor>& params, const v1::ModelSpec& spec,
+                         const std::vector<uint32_t>& ids, std::vector<std::vector<float>>* layers,
+                         const char* what, Write write) {
   const std::vector<size_t> first = FirstTensorOfLayers(spec);
   try {
     torch::NoGradGuard no_grad;
@@ -260,17 +264,54 @@ absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
     for (uint32_t l : ids) {
       std::vector<float>& out = (*layers)[l];
       out.resize(spec.layers(l).num_elements());
-      size_t offset = 0;
+      int64_t offset = 0;
       for (int t = 0; t < spec.layers(l).tensors_size(); ++t) {
-        const torch::Tensor p = params[first[l] + t].detach().to(torch::kCPU).contiguous();
-        std::memcpy(out.data() + offset, p.data_ptr<float>(), p.numel() * sizeof(float));
+        const torch::Tensor p = params[first[l] + t].detach().reshape({-1});
+        torch::Tensor view = torch::from_blob(out.data() + offset, {p.numel()}, torch::kFloat32);
+        write(p, view, l, offset);
         offset += p.numel();
       }
     }
   } catch (const std::exception& e) {
-    return LibTorchError("reading parameters", e);
+    return LibTorchError(what, e);
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
+                                      const v1::ModelSpec& spec,
+                                      std::vector<std::vector<float>>* layers,
+                                      absl::Span<const uint32_t> only) {
+  ALOE_ASSIGN_OR_RETURN(const std::vector<uint32_t> ids, LayersToCopy(spec, only));
+  // Straight into the buffer: from a GPU, one copy to the host and no second one.
+  return WriteLayers(
+      params, spec, ids, layers, "reading parameters",
+      [](const torch::Tensor& p, torch::Tensor& view, uint32_t, int64_t) { view.copy_(p); });
+}
+
+absl::Status PseudoGradientOfParameters(const std::vector<torch::Tensor>& params,
+                                        const v1::ModelSpec& spec,
+                                        const std::vector<std::vector<float>>& base,
+                                        std::vector<std::vector<float>>* out) {
+  if (absl::Status fits = CheckLayerSizes(base, spec); !fits.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("base: ", fits.message()));
+  }
+  ALOE_ASSIGN_OR_RETURN(const std::vector<uint32_t> ids, LayersToCopy(spec, {}));
+  return WriteLayers(
+      params, spec, ids, out, "computing the pseudo-gradient",
+      [&base](const torch::Tensor& p, torch::Tensor& view, uint32_t l, int64_t offset) {
+        // from_blob does not write through `from`: the const_cast only satisfies its signature.
+        const torch::Tensor from = torch::from_blob(const_cast<float*>(base[l].data()) + offset,
+                                                    {p.numel()}, torch::kFloat32);
+        if (p.is_cpu()) {
+          at::sub_out(view, from, p);  // one pass: base and parameters in, the difference out
+        } else {
+          view.copy_(p);
+          at::sub_out(view, from, view);
+        }
+      });
 }
 
 }  // namespace aloe::worker

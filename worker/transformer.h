@@ -117,6 +117,15 @@ absl::Status CopyParametersIntoLayers(const std::vector<torch::Tensor>& params,
                                       std::vector<std::vector<float>>* layers,
                                       absl::Span<const uint32_t> only = {});
 
+// out[l] = base[l] - the concatenated values of spec layer l's tensors, in float32 (the DiLoCo
+// pseudo-gradient), in one pass over parameters in host memory (a GPU's are copied into `out`
+// first). kInvalidArgument when `base` does not fit the spec (CheckLayerSizes); kInternal on a
+// LibTorch error.
+absl::Status PseudoGradientOfParameters(const std::vector<torch::Tensor>& params,
+                                        const v1::ModelSpec& spec,
+                                        const std::vector<std::vector<float>>& base,
+                                        std::vector<std::vector<float>>* out);
+
 // Copies `layers` (one flat float32 buffer per spec layer, tensors concatenated in spec order)
 // into the parameters of `module`, without recording autograd history. Returns
 // kInvalidArgument when the layer count or a layer's size differs from `spec`, and

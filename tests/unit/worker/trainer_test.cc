@@ -268,6 +268,10 @@ TEST(LocalTrainerTest, PseudoGradientIsBaseMinusEnd) {
     }
   }
   EXPECT_TRUE(any_nonzero);
+  Layers short_base = base;
+  short_base[1].pop_back();
+  EXPECT_THAT(trainer->PseudoGradient(short_base, &g),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("base: layer 1")));
 }
 
 // Raises `flag` once `after` windows have been read (batch size 8: 16 windows = during step 2).
