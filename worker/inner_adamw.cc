@@ -95,6 +95,10 @@ InnerAdamW::InnerAdamW(std::vector<torch::Tensor> params, std::vector<bool> deca
 }
 
 void InnerAdamW::ZeroGrad() {
+  if (!params_.empty() && params_.front().is_cuda()) {
+    for (torch::Tensor& p : params_) p.mutable_grad() = torch::Tensor();
+    return;
+  }
   std::vector<torch::Tensor> grads;
   grads.reserve(params_.size());
   for (torch::Tensor& p : params_) {

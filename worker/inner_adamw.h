@@ -53,8 +53,11 @@ class InnerAdamW {
   InnerAdamW(std::vector<torch::Tensor> params, std::vector<bool> decay,
              const v1::InnerOptimizerConfig& inner, AdamWKernel kernel);
 
-  // Zeroes every defined gradient in place (torch::optim::Optimizer::zero_grad of LibTorch
-  // 1.13): the buffers stay, so the next backward pass accumulates into the same memory.
+  // Clears the gradients before a backward pass. On the CPU every defined gradient is zeroed in
+  // place (torch::optim::Optimizer::zero_grad of LibTorch 1.13: a parameter left out of a
+  // step's loss then steps on a zero gradient). On a GPU they are dropped (LibTorch 2.x's
+  // zero_grad): the backward pass writes fresh ones without first reading zeros, and a
+  // parameter left out of the loss takes no step.
   void ZeroGrad();
 
   // One AdamW step with learning rate `lr` on every parameter that has a gradient:
