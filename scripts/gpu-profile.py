@@ -17,6 +17,10 @@ and fused kernels), softmax_ce (softmax and cross-entropy), norm (LayerNorm), co
 memset, dtype casts), elementwise (everything else). On the CPU the device's kernels are the CPU
 operators (self time), in the same categories.
 
+With --compile MODE (PyTorch 2.x) the forward pass and loss go through torch.compile: the
+same profile then shows what kernel fusion, and with reduce-overhead CUDA graphs, would gain
+over eager, an upper bound for doing the same by hand in LibTorch.
+
 scripts/gpu.sh check profile runs it on the GPU machine with the benchmark's 124M model.
 """
 
@@ -70,6 +74,11 @@ def parse_args(argv):
                    help="> 0 prints the model FLOPs utilisation (6 N + 12 L d T per token)")
     p.add_argument("--top", type=int, default=20, help="kernels listed by time")
     p.add_argument("--trace", default="", help="also keep the Chrome trace here")
+    p.add_argument("--compile", default="off",
+                   choices=["off", "default", "reduce-overhead", "max-autotune"],
+                   help="run the forward and loss through torch.compile in this mode (PyTorch "
+                        "2.x): what kernel fusion (and, with reduce-overhead, CUDA graphs) "
+                        "would gain over eager")
     args = p.parse_args(argv)
     for name in ("seq_len", "d_model", "num_layers", "num_heads", "batch_size", "steps"):
         if getattr(args, name) < 1:
@@ -96,6 +105,9 @@ def flops_per_token(model, args):
 
 
 def make_step(model, args, device):
+    loss_of = model.loss
+    if args.compile != "off":
+        loss_of = torch.compile(model.loss, mode=args.compile)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
@@ -114,7 +126,7 @@ def make_step(model, args, device):
             batch = batch.pin_memory().to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=False)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
-            loss = model.loss(batch)
+            loss = loss_of(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -161,6 +173,10 @@ def device_events(trace, on_gpu):
 def main(argv):
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.compile != "off" and not hasattr(torch, "compile"):
+        print(f"gpu-profile: --compile needs PyTorch 2.x; this is {torch.__version__}",
+              file=sys.stderr)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"gpu-profile: {args.device}: PyTorch sees no CUDA GPU", file=sys.stderr)
         return 1
@@ -196,7 +212,7 @@ def main(argv):
     tokens = args.batch_size * args.seq_len
     tps = tokens / wall
     line = (f"profile step_ms={1e3 * wall:.2f} tokens_per_second={tps:.1f} loss={loss:.4f} "
-            f"adamw={optimizer_kind} device={device}")
+            f"adamw={optimizer_kind} compile={args.compile} device={device}")
     if args.peak_tflops > 0:
         line += f" mfu={tps * flops_per_token(model, args) / (args.peak_tflops * 1e12):.3f}"
     print(line)

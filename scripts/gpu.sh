@@ -28,7 +28,8 @@
 #                               All four by default.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
 # (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
-# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS, ALOE_GPU_TEST_SECONDS.
+# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS, ALOE_GPU_COMPILE,
+# ALOE_GPU_TEST_SECONDS.
 set -euo pipefail
 ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # shellcheck source=scripts/lib.sh
@@ -203,10 +204,18 @@ check_bench() {
 # Where a step of the same 124M model spends the GPU's time: scripts/gpu-profile.py (PyTorch
 # eager, the same ATen kernels as the trainer) under torch.profiler, by kernel category and the
 # longest kernels.
+# ALOE_GPU_COMPILE=MODE (a torch.compile mode, e.g. default) profiles the step compiled too: the
+# gain that fusion would bring, before writing it by hand.
 check_profile() {
-  "${PYTHON:-python3}" "$ALOE_ROOT/scripts/gpu-profile.py" --device="$DEVICE" \
-    --batch_size="${ALOE_GPU_BATCH:-16}" --peak_tflops="${ALOE_PEAK_TFLOPS:-989}" \
-    --trace="$ALOE_BUILD_DIR/gpu-profile.json" | tee "$ALOE_BUILD_DIR/gpu-profile.log"
+  local modes=(off) mode
+  [ -n "${ALOE_GPU_COMPILE:-}" ] && modes+=("$ALOE_GPU_COMPILE")
+  : >"$ALOE_BUILD_DIR/gpu-profile.log"
+  for mode in "${modes[@]}"; do
+    "${PYTHON:-python3}" "$ALOE_ROOT/scripts/gpu-profile.py" --device="$DEVICE" \
+      --batch_size="${ALOE_GPU_BATCH:-16}" --peak_tflops="${ALOE_PEAK_TFLOPS:-989}" \
+      --compile="$mode" --trace="$ALOE_BUILD_DIR/gpu-profile-$mode.json" |
+      tee -a "$ALOE_BUILD_DIR/gpu-profile.log"
+  done
 }
 
 # A real job: aloe-server and one aloe-worker on the device (bf16 autocast) train the worker

@@ -49,6 +49,15 @@ class GpuProfileTest(unittest.TestCase):
             self.assertGreater(float(categories[name]["ms"]), 0, name)
         self.assertEqual(len([x for x in lines if x.startswith("profile kernel=")]), 5)
 
+    def test_compile_without_pytorch_2_is_refused_by_name(self):
+        if hasattr(gpu_profile.torch, "compile"):
+            self.skipTest("this PyTorch has torch.compile")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = gpu_profile.main(["--device", "cpu", "--compile", "default"])
+        self.assertEqual(rc, 2)
+        self.assertIn("--compile needs PyTorch 2.x", err.getvalue())
+
     def test_categories_of_cuda_kernel_names(self):
         for name, want in [
                 ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
