@@ -11,6 +11,7 @@
 
 #include <fstream>
 #include <functional>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -92,7 +93,45 @@ bool WaitForText(const std::string& path, const std::string& text, absl::Duratio
   });
 }
 
+namespace {
+
+// Whether a listening socket could bind 127.0.0.1:port now.
+bool CanBind(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return ok;
+}
+
+// The first port of the kernel's ephemeral range (what bind to port 0 and connect hand out).
+int EphemeralLow() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 32768;
+  in >> low;
+  return low > 0 ? low : 32768;
+}
+
+}  // namespace
+
 int FreePort() {
+  // A port below the ephemeral range: no listener bound to port 0 and no outgoing connection
+  // of a test running beside this one can take it before its use, as they can take a port
+  // that bind(0) handed out and that was closed again.
+  const int low = 10000;
+  const int high = EphemeralLow();
+  if (high - low >= 1000) {
+    thread_local std::mt19937 rng(std::random_device{}() ^ static_cast<unsigned>(getpid()));
+    std::uniform_int_distribution<int> pick(low, high - 1);
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      const int port = pick(rng);
+      if (CanBind(port)) return port;
+    }
+  }
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;

@@ -42,7 +42,8 @@ bool WaitForText(const std::string& path, const std::string& text, absl::Duratio
 std::string HttpGet(int port, const std::string& path);
 
 // A loopback port that was free a moment ago (for processes that need a fixed port, such as
-// shard processes: workers are told their addresses).
+// shard processes: workers are told their addresses). Drawn at random below the kernel's
+// ephemeral range, so that no port-0 listener or outgoing connection takes it meanwhile.
 int FreePort();
 
 }  // namespace aloe::testing
