@@ -30,14 +30,25 @@ class GpuProfileTest(unittest.TestCase):
             rc = gpu_profile.main(["--device", "cpu", "--vocab_size", "128", "--seq_len", "32",
                                    "--d_model", "32", "--num_layers", "2", "--num_heads", "2",
                                    "--batch_size", "2", "--warmup", "1", "--steps", "2",
-                                   "--peak_tflops", "1", "--top", "5"])
+                                   "--peak_tflops", "0.001", "--top", "5"])
         self.assertEqual(rc, 0)
         lines = out.getvalue().splitlines()
         head = fields(lines[0])
         self.assertGreater(float(head["step_ms"]), 0)
         self.assertAlmostEqual(float(head["tokens_per_second"]),
                                2 * 32 / (float(head["step_ms"]) / 1e3), delta=0.01 * 2000)
-        self.assertGreater(float(head["mfu"]), 0)
+        # 6 N + 12 L d T by hand: per block qkv 32*96+96, proj 32*32+32, fc1 32*128+128,
+        # fc2 128*32+32, two LayerNorms 2*64: 12704; two blocks, the head 32*128, ln_f 64.
+        n = 2 * 12704 + 32 * 128 + 64
+        flops = 6 * n + 12 * 2 * 32 * 32
+        self.assertEqual(gpu_profile.flops_per_token(
+            gpu_profile.TransformerLM(gpu_profile.Config(gpu_profile.parse_args(
+                ["--vocab_size", "128", "--seq_len", "32", "--d_model", "32", "--num_layers",
+                 "2", "--num_heads", "2"]))),
+            gpu_profile.parse_args(["--seq_len", "32", "--d_model", "32", "--num_layers", "2",
+                                    "--num_heads", "2"])), flops)
+        self.assertAlmostEqual(float(head["mfu"]),
+                               float(head["tokens_per_second"]) * flops / 1e9, delta=0.0011)
         busy = float(fields(lines[1])["busy_ms"])
         categories = {fields(x)["category"]: fields(x) for x in lines if "category=" in x}
         self.assertAlmostEqual(sum(float(c["ms"]) for c in categories.values()), busy,
