@@ -124,7 +124,8 @@ def make_step(model, args, device):
         batch = torch.stack([tokens[s:s + window] for s in starts.tolist()])
         if device.type == "cuda":
             batch = batch.pin_memory().to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=False)
+        # As the trainer: gradients dropped on a GPU, zeroed in place on the CPU.
+        optimizer.zero_grad(set_to_none=device.type == "cuda")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
             loss = loss_of(batch)
         loss.backward()
