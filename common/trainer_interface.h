@@ -70,6 +70,46 @@ struct EvalRequest {
   uint32_t max_sequences = 0;  // evaluate at most this many windows of seq_len + 1 tokens
 };
 
+// The boundary between two overlapped rounds (worker/agent_overlap.cc), kept where the trainer
+// keeps its parameters. Between rounds the trainer's device would otherwise wait while the host
+// takes the pseudo-gradient and writes the next start: with a device of its own (a GPU) the
+// trainer keeps the round's base and the pseudo-gradient there, and moves them to and from the
+// host beside training. A round is:
+//   StageStart(theta_next) [any thread, while the previous round trains]
+//   -> StartStaged(s): theta = theta_next + s * g_prev  (g_prev: the last EndRound's)
+//   -> Train -> EndRound(): g = theta_start - theta_end
+//   -> TakePseudoGradient(&g) [any thread, while the next round trains]
+// StageStart and TakePseudoGradient are the only calls that may run on another thread while
+// the trainer trains, one of each at a time. The caller orders them with the rounds: a
+// StageStart returns before the StartStaged that consumes it, and a TakePseudoGradient returns
+// before the next EndRound (which overwrites the pseudo-gradient). Inner optimizer state is
+// never touched.
+class RoundBoundary {
+ public:
+  virtual ~RoundBoundary() = default;
+
+  // Takes `layers` (TrainerInterface layers) as the next round's start. kInvalidArgument when
+  // they do not fit the parameters (the staged start, if any, is then unchanged).
+  virtual absl::Status StageStart(std::vector<std::vector<float>> layers) = 0;
+
+  // Makes the staged start plus `delta_scale` times the last EndRound's pseudo-gradient the
+  // parameters, and that start the base of the next EndRound (eager overlap applies the last
+  // round's pseudo-gradient locally at once with delta_scale = -outer lr; 0 = the staged start
+  // as it is). Consumes the staged start. kFailedPrecondition when nothing is staged, or when
+  // delta_scale != 0 and there is no pseudo-gradient (none yet, or taken already); nothing
+  // changes then.
+  virtual absl::Status StartStaged(float delta_scale) = 0;
+
+  // Ends the round begun by StartStaged: g = base - current parameters, kept for
+  // TakePseudoGradient and the next StartStaged. kFailedPrecondition without a started round.
+  virtual absl::Status EndRound() = 0;
+
+  // Moves the last EndRound's pseudo-gradient into *out (one buffer per layer, resized),
+  // waiting for it to reach the host. kFailedPrecondition when there is none (none yet, or
+  // taken already).
+  virtual absl::Status TakePseudoGradient(std::vector<std::vector<float>>* out) = 0;
+};
+
 class TrainerInterface {
  public:
   virtual ~TrainerInterface() = default;
@@ -120,6 +160,11 @@ class TrainerInterface {
   // kInvalidArgument when the request cannot be evaluated; kFailedPrecondition for a trainer
   // that does not evaluate.
   virtual absl::StatusOr<double> Evaluate(const EvalRequest& request) = 0;
+
+  // The trainer's own round boundary on its device (RoundBoundary), owned by the trainer; null
+  // (the default) when it has none: the caller then goes through SetParameters and
+  // PseudoGradient on the host (worker/round_boundary.h HostRoundBoundary).
+  virtual RoundBoundary* device_round_boundary() { return nullptr; }
 };
 
 }  // namespace aloe

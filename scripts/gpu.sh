@@ -28,8 +28,8 @@
 #                               All four by default.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
 # (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
-# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS, ALOE_GPU_COMPILE,
-# ALOE_GPU_TEST_SECONDS.
+# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS, ALOE_GPU_ROUNDS,
+# ALOE_GPU_COMPILE, ALOE_GPU_TEST_SECONDS.
 set -euo pipefail
 ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # shellcheck source=scripts/lib.sh
@@ -156,7 +156,7 @@ build() {
 check_tests() {
   local limit="${ALOE_GPU_TEST_SECONDS:-600}"
   timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
-    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*' ||
+    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*:RoundBoundaryTest.*' ||
     { echo "gpu.sh: aloe_worker_tests failed or ran past ${limit} s" >&2; exit 1; }
   # A GPU worker against a real server, against the same job on the CPU.
   timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_integration_tests" --gtest_filter='FsdpWorkerTest.*' ||
@@ -170,8 +170,9 @@ check_tests() {
 # measured on its own: LibTorch's AdamW and clip with the host waiting for the device twice a
 # step; then the multi-tensor AdamW; the fused AdamW kernel; the one-pass clip folded into it;
 # the host no longer waiting each step. The last is the trainer's own step: it runs against the
-# worker's trainer in the same run (their ratio), and the cost of a round boundary is timed
-# against a round of ALOE_GPU_ROUND_STEPS (default 100) steps.
+# worker's trainer in the same run (their ratio). Then ALOE_GPU_ROUNDS (default 2) overlapped
+# rounds of ALOE_GPU_ROUND_STEPS (default 100) steps run through the host and the device round
+# boundary against the same steps in one call: the GPU's idle time per round.
 check_bench() {
   local peak="${ALOE_PEAK_TFLOPS:-989}" log="$ALOE_BUILD_DIR/gpu-bench.log"
   local variants=("libtorch libtorch step" "foreach libtorch step" "fused libtorch step"
@@ -181,7 +182,8 @@ check_bench() {
   for v in "${variants[@]}"; do
     read -r adamw clip sync <<<"$v"
     local extra=()
-    [ "$i" -eq "$last" ] && extra=(--trainer --round_steps="${ALOE_GPU_ROUND_STEPS:-100}")
+    [ "$i" -eq "$last" ] && extra=(--trainer --round_steps="${ALOE_GPU_ROUND_STEPS:-100}"
+      --rounds="${ALOE_GPU_ROUNDS:-2}")
     "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 \
       --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
       --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
@@ -197,8 +199,8 @@ check_bench() {
       prev = v["tokens_per_second"] }
     /^aloe_trainer/ { fields(); printf "gpu: trainer tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",
       v["tokens_per_second"], v["mfu"], peak, v["ratio"] }
-    /^aloe_round/ { fields(); printf "gpu: round boundary %s s against %s steps of %s s: the GPU idle %.2f%% of a round\n",
-      v["boundary_seconds"], v["round_steps"], v["step_seconds"], 100 * v["idle_fraction"] }' "$log"
+    /^aloe_round/ { fields(); printf "gpu: %s rounds of %s steps, %s boundary: %s s a round, the GPU idle %s s of it (%.2f%%)\n",
+      v["rounds"], v["round_steps"], v["boundary"], v["round_seconds"], v["idle_seconds"], 100 * v["idle_fraction"] }' "$log"
 }
 
 # Where a step of the same 124M model spends the GPU's time: scripts/gpu-profile.py (PyTorch
@@ -218,8 +220,8 @@ check_profile() {
   done
 }
 
-# A real job: aloe-server and one aloe-worker on the device (bf16 autocast) train the worker
-# benchmark's model (deploy/configs/bench-worker.textproto: 4 rounds of 50 steps) on a corpus
+# A real job: aloe-server and one aloe-worker on the device (bf16 autocast, eager overlap through
+# the device round boundary) train the worker benchmark's model (deploy/configs/bench-worker.textproto: 4 rounds of 50 steps) on a corpus
 # made from this repository's own text (the GPU machine may have no other).
 check_job() {
   local job="$ALOE_BUILD_DIR/gpu-job"
@@ -235,8 +237,8 @@ check_job() {
     "$ALOE_ROOT/deploy/configs/bench-worker.textproto" >"$job/server.textproto"
   local rc=0
   aloe_one_worker_job "$job" "$job/server.textproto" "$job/corpus" --device="$DEVICE" \
-    --autocast=bf16 || rc=$?
-  grep -E 'training on|tokens_per_second' "$job/worker.log" | sed 's/^/job: /'
+    --autocast=bf16 --overlap=eager || rc=$?
+  grep -E 'training on|round boundary|tokens_per_second' "$job/worker.log" | sed 's/^/job: /'
   if [ "$rc" -ne 0 ]; then
     echo "gpu.sh: the job failed (exit $rc)" >&2
     exit 1

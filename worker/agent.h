@@ -21,12 +21,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -111,7 +113,13 @@ class Agent {
   absl::Status Train(const v1::Task& task);
   // Local work of one round from `start`; leaves start - end in delta_.
   absl::StatusOr<TrainStats> TrainRound(const v1::Task& task,
-                                        const std::vector<std::vector<float>>& start);
+                                        const std::vector<std::vector<float>>& start,
+                                        double* boundary_s);
+  // Local work of one round: `begin` puts the round's start into the trainer, `end` takes its
+  // pseudo-gradient (not called when no step was taken); then the inner state is saved when due.
+  // *boundary_s: the time spent outside the trainer's steps (RoundCosts::boundary_s).
+  absl::StatusOr<TrainStats> RunRound(const v1::Task& task, absl::FunctionRef<absl::Status()> begin,
+                                      absl::FunctionRef<absl::Status()> end, double* boundary_s);
   // Totals, metrics, the log line and the heartbeat's speed for a round whose push was answered.
   void ReportRound(const v1::Task& task, const TrainStats& stats, const v1::PushReply& reply,
                    const RoundCosts& costs);
@@ -130,9 +138,13 @@ class Agent {
 
   // agent_overlap.cc: overlapped rounds.
   absl::Status TrainOverlapped(v1::Task task);
-  // The background half of an overlapped round: pushes `delta` under `header` (if any), asks
-  // for the next task and pulls its base.
-  Communicated Communicate(const v1::PushHeader* header, std::vector<std::vector<float>>* delta);
+  // The boundary of overlapped rounds (AgentOptions::round_boundary), chosen once the trainer
+  // is made.
+  RoundBoundary& Boundary();
+  // The background half of an overlapped round: takes the pseudo-gradient of `previous` (if
+  // any) from the boundary (then sets *taken, also when there is none) and pushes it, asks for
+  // the next task, pulls its base and stages it as the next round's start.
+  Communicated Communicate(Pending* previous, std::promise<void>* taken);
   // The look-ahead task of a multi-rank node: the leader asks once every rank's push is in
   // (`pushed`: this rank's), and tells the others over the control group.
   absl::StatusOr<v1::Task> AskAheadAsNode(bool pushed);
@@ -140,7 +152,7 @@ class Agent {
   void SettlePrevious(Pending* previous, const Communicated& c, double blocked);
   // Whether the node trains the look-ahead task next: all ranks together, or none.
   absl::StatusOr<bool> TrainAhead(const v1::Task& task, const Communicated& c);
-  // No task ahead: pushes `pending` now and reports its round.
+  // No task ahead: takes the pseudo-gradient of `pending`, pushes it now and reports its round.
   absl::Status PushNow(Pending& pending);
 
   const AgentOptions options_;
@@ -153,6 +165,8 @@ class Agent {
   std::unique_ptr<TokenShardCache> corpus_;  // when env.open_shard is null
   std::map<std::string, const TokenSource*> shards_;
   std::unique_ptr<TrainerInterface> trainer_;
+  RoundBoundary* boundary_ = nullptr;  // Boundary(): the trainer's, or host_boundary_
+  std::unique_ptr<RoundBoundary> host_boundary_;
   std::unique_ptr<InnerStateStore> inner_store_;
   uint32_t rounds_unsaved_ = 0;  // rounds trained since the inner state was last saved
   RealSleeper real_sleeper_;     // when env.sleeper is null

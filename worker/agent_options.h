@@ -57,6 +57,12 @@ struct AgentOptions {
   // trains; eager also applies the round's pseudo-gradient locally at once.
   enum class Overlap { kOff, kDelayed, kEager };
   Overlap overlap = Overlap::kOff;
+  // Where an overlapped round's boundary runs (common/trainer_interface.h RoundBoundary): on the
+  // trainer's device (its own device_round_boundary(), e.g. a GPU's buffers and copy streams),
+  // or on the host (SetParameters and PseudoGradient). kAuto: the device when the trainer trains
+  // on a GPU (worker/trainer.h TrainerDevice). A trainer without one runs it on the host.
+  enum class Boundary { kAuto, kHost, kDevice };
+  Boundary round_boundary = Boundary::kAuto;
   // JoinRequest.model_fingerprint: a bring-your-own model's architecture fingerprint, "" for the
   // built-in transformer; the join reply must name the same. model_source names the model in
   // the error when it does not (e.g. the TorchScript file).

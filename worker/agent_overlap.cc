@@ -1,13 +1,15 @@
 // Overlapped rounds of the worker agent (paper 004): a round's push and the pull of the next
 // round's base run on a background thread while the next round trains.
 #include <future>
+#include <memory>
 #include <optional>
 #include <utility>
 
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/outer_kernels.h"
 #include "worker/agent.h"
+#include "worker/round_boundary.h"
+#include "worker/trainer.h"
 
 namespace aloe::worker {
 
@@ -17,8 +19,7 @@ struct Agent::Communicated {
   std::optional<absl::StatusOr<v1::PushReply>> push;
   uint64_t pushed = 0;
   absl::StatusOr<v1::Task> next = absl::UnknownError("not asked");
-  std::vector<std::vector<float>> base;
-  uint64_t pulled = 0;
+  uint64_t pulled = 0;  // the next round's base, staged in the boundary
 };
 
 // A trained round whose push is still to come: in the background while the next round trains,
@@ -26,18 +27,43 @@ struct Agent::Communicated {
 struct Agent::Pending {
   v1::Task task;
   v1::PushHeader header;
-  std::vector<std::vector<float>> delta;
+  std::vector<std::vector<float>> delta;  // taken from the boundary when it is pushed
   TrainStats stats;
   uint64_t pulled = 0;
-  double train = 0;    // its training time
-  double seconds = 0;  // its training time plus the waits for the network
-  double blocked = 0;  // of which waiting for the network
+  double train = 0;     // its training time
+  double seconds = 0;   // its training time plus the waits for the network
+  double blocked = 0;   // of which waiting for the network
+  double boundary = 0;  // of its training time, outside the steps
 };
 
-Agent::Communicated Agent::Communicate(const v1::PushHeader* header,
-                                       std::vector<std::vector<float>>* delta) {
+RoundBoundary& Agent::Boundary() {
+  if (boundary_ != nullptr) return *boundary_;
+  const bool device =
+      options_.round_boundary == AgentOptions::Boundary::kDevice ||
+      (options_.round_boundary == AgentOptions::Boundary::kAuto && TrainerDevice() != "cpu");
+  boundary_ = device ? trainer_->device_round_boundary() : nullptr;
+  if (boundary_ == nullptr) {
+    host_boundary_ = std::make_unique<HostRoundBoundary>(trainer_.get());
+    boundary_ = host_boundary_.get();
+  }
+  if (leader()) {
+    ALOE_LOG_INFO("worker", "overlapped rounds: the round boundary runs on the %s",
+                  boundary_ == host_boundary_.get() ? "host" : "trainer's device");
+  }
+  return *boundary_;
+}
+
+Agent::Communicated Agent::Communicate(Pending* previous, std::promise<void>* taken) {
   Communicated c;
-  if (header != nullptr) c.push = session_.Push(*header, *delta, &c.pushed);
+  if (previous != nullptr) {
+    // The pseudo-gradient reaches the host (a GPU's copy ran beside the training kernels).
+    absl::Status took = boundary_->TakePseudoGradient(&previous->delta);
+    taken->set_value();
+    c.push = took.ok() ? session_.Push(previous->header, previous->delta, &c.pushed)
+                       : absl::StatusOr<v1::PushReply>(took);
+  } else {
+    taken->set_value();
+  }
   const bool pushed = !c.push.has_value() || c.push->ok();
   if (env_.control == nullptr) {
     if (!pushed) return c;
@@ -46,7 +72,10 @@ Agent::Communicated Agent::Communicate(const v1::PushHeader* header,
     c.next = AskAheadAsNode(pushed);
   }
   if (c.next.ok() && c.next->kind() == v1::Task::TRAIN) {
-    absl::Status pulled = session_.Pull(c.next->base_version(), &c.base, &c.pulled).status();
+    std::vector<std::vector<float>> base;
+    absl::Status pulled = session_.Pull(c.next->base_version(), &base, &c.pulled).status();
+    // Staged here, beside training: on a GPU the copy to the device runs on its own stream.
+    if (pulled.ok()) pulled = boundary_->StageStart(std::move(base));
     if (!pulled.ok()) {
       c.next = pulled;
     } else {
@@ -95,7 +124,8 @@ void Agent::SettlePrevious(Pending* previous, const Communicated& c, double bloc
                          .pushed_bytes = c.pushed,
                          .train_s = previous->train,
                          .round_s = previous->seconds + blocked,
-                         .network_s = previous->blocked});
+                         .network_s = previous->blocked,
+                         .boundary_s = previous->boundary});
 }
 
 absl::StatusOr<bool> Agent::TrainAhead(const v1::Task& task, const Communicated& c) {
@@ -120,6 +150,7 @@ absl::StatusOr<bool> Agent::TrainAhead(const v1::Task& task, const Communicated&
 absl::Status Agent::PushNow(Pending& pending) {
   const absl::Time p0 = clock_.Now();
   uint64_t pushed = 0;
+  ALOE_RETURN_IF_ERROR(boundary_->TakePseudoGradient(&pending.delta));
   absl::StatusOr<v1::PushReply> reply = session_.Push(pending.header, pending.delta, &pushed);
   const double push_s = SecondsSince(p0);
   if (!reply.ok()) return reply.status();
@@ -128,28 +159,43 @@ absl::Status Agent::PushNow(Pending& pending) {
                          .pushed_bytes = pushed,
                          .train_s = pending.train,
                          .round_s = pending.seconds + push_s,
-                         .network_s = pending.blocked + push_s});
+                         .network_s = pending.blocked + push_s,
+                         .boundary_s = pending.boundary});
   return absl::OkStatus();
 }
 
 absl::Status Agent::TrainOverlapped(v1::Task task) {
+  RoundBoundary& boundary = Boundary();
   const absl::Time pull0 = clock_.Now();
   uint64_t pulled = 0;
   ALOE_RETURN_IF_ERROR(PullBase(task, &pulled));
+  ALOE_RETURN_IF_ERROR(boundary.StageStart(std::move(base_)));
+  base_.clear();
   double pull_s = SecondsSince(pull0);
-  std::vector<std::vector<float>> start = base_;
+  float delta_scale = 0;           // the first round starts from the pulled model as it is
   std::optional<Pending> pending;  // the previous round, pushed while this one trains
   while (true) {
     // The background thread owns `previous` (its delta and error-feedback residual) until get().
     std::optional<Pending> previous = std::move(pending);
     pending.reset();
     Pending* const push = previous.has_value() ? &*previous : nullptr;
-    std::future<Communicated> background = std::async(std::launch::async, [this, push] {
-      return push != nullptr ? Communicate(&push->header, &push->delta)
-                             : Communicate(nullptr, nullptr);
-    });
     const absl::Time t0 = clock_.Now();
-    absl::StatusOr<TrainStats> stats = TrainRound(task, start);
+    // Before the background half takes the last round's pseudo-gradient away: the eager start
+    // reads it.
+    ALOE_RETURN_IF_ERROR(boundary.StartStaged(delta_scale));
+    const double start_s = SecondsSince(t0);
+    std::promise<void> taken;  // the previous round's pseudo-gradient is out of the boundary
+    std::future<void> taken_out = taken.get_future();
+    std::future<Communicated> background =
+        std::async(std::launch::async, [this, push, &taken] { return Communicate(push, &taken); });
+    double end_s = 0;
+    absl::StatusOr<TrainStats> stats = RunRound(
+        task, [] { return absl::OkStatus(); },
+        [&] {
+          taken_out.wait();  // this round's pseudo-gradient takes its place
+          return boundary.EndRound();
+        },
+        &end_s);
     const absl::Time t1 = clock_.Now();
     Communicated c = background.get();
     const double blocked = SecondsSince(t1);
@@ -165,33 +211,28 @@ absl::Status Agent::TrainOverlapped(v1::Task task) {
       return c.push->status();  // the lease is gone: the caller joins again
     }
     if (stats->steps == 0) return absl::OkStatus();  // stopping before the first step (all ranks)
-    pending = Pending{task,
-                      session_.Header(task, *stats),
-                      std::move(delta_),
-                      *stats,
-                      pulled,
-                      train_s,
-                      train_s + pull_s,
-                      pull_s};
+    pending = Pending{.task = task,
+                      .header = session_.Header(task, *stats),
+                      .stats = *stats,
+                      .pulled = pulled,
+                      .train = train_s,
+                      .seconds = train_s + pull_s,
+                      .blocked = pull_s,
+                      .boundary = start_s + end_s};
     pull_s = 0;
     ALOE_ASSIGN_OR_RETURN(const bool next_train, TrainAhead(task, c));
     // No task ahead (stopping, draining, a server without look-ahead, an error): this round is
     // pushed now and the caller asks for work as usual.
     if (!next_train) return PushNow(*pending);
-    // The next round starts from the newest global model, which lacks this round's update
-    // (one-step delay); eager applies it locally at once, scaled by the outer lr, and the global
-    // model that includes it replaces this proxy one round later (paper 004). A rank does so on
-    // its slices.
+    // The next round starts from the newest global model, staged by the background half, which
+    // lacks this round's update (one-step delay); eager applies it locally at once, scaled by the
+    // outer lr, and the global model that includes it replaces this proxy one round later
+    // (paper 004). A rank does so on its slices.
     task = *std::move(c.next);
-    start = std::move(c.base);
     pulled = c.pulled;
-    if (options_.overlap == AgentOptions::Overlap::kEager) {
-      const float lr = session_.joined().outer_optimizer().lr();
-      for (size_t l = 0; l < start.size(); ++l) {
-        kernels::WeightedAccumulate(pending->delta[l].data(), -lr, start[l].data(),
-                                    start[l].size());
-      }
-    }
+    delta_scale = options_.overlap == AgentOptions::Overlap::kEager
+                      ? -session_.joined().outer_optimizer().lr()
+                      : 0.0f;
   }
 }
 

@@ -38,7 +38,8 @@ absl::Status Agent::Train(const v1::Task& task) {
   uint64_t pulled = 0;
   ALOE_RETURN_IF_ERROR(PullBase(task, &pulled));
   const absl::Time t1 = clock_.Now();
-  ALOE_ASSIGN_OR_RETURN(TrainStats stats, TrainRound(task, base_));
+  double boundary_s = 0;
+  ALOE_ASSIGN_OR_RETURN(TrainStats stats, TrainRound(task, base_, &boundary_s));
   const absl::Time t2 = clock_.Now();
   if (stats.steps == 0) return absl::OkStatus();
   uint64_t pushed = 0;
@@ -55,12 +56,24 @@ absl::Status Agent::Train(const v1::Task& task) {
                          .pushed_bytes = pushed,
                          .train_s = absl::ToDoubleSeconds(t2 - t1),
                          .round_s = absl::ToDoubleSeconds(t3 - t0),
-                         .network_s = absl::ToDoubleSeconds((t1 - t0) + (t3 - t2))});
+                         .network_s = absl::ToDoubleSeconds((t1 - t0) + (t3 - t2)),
+                         .boundary_s = boundary_s});
   return absl::OkStatus();
 }
 
 absl::StatusOr<TrainStats> Agent::TrainRound(const v1::Task& task,
-                                             const std::vector<std::vector<float>>& start) {
+                                             const std::vector<std::vector<float>>& start,
+                                             double* boundary_s) {
+  return RunRound(
+      task, [&] { return trainer_->SetParameters(start); },
+      [&] { return trainer_->PseudoGradient(start, &delta_); }, boundary_s);
+}
+
+absl::StatusOr<TrainStats> Agent::RunRound(const v1::Task& task,
+                                           absl::FunctionRef<absl::Status()> begin,
+                                           absl::FunctionRef<absl::Status()> end,
+                                           double* boundary_s) {
+  *boundary_s = 0;
   ALOE_ASSIGN_OR_RETURN(const TokenSource* data, Shard(task.shard_file()));
   TrainRequest request;
   request.data = data;
@@ -71,7 +84,9 @@ absl::StatusOr<TrainStats> Agent::TrainRound(const v1::Task& task,
   request.slowdown = options_.slowdown;
   request.time_budget_seconds = task.time_budget_seconds();
   request.interrupt = env_.stop;
-  ALOE_RETURN_IF_ERROR(trainer_->SetParameters(start));
+  const absl::Time b0 = clock_.Now();
+  ALOE_RETURN_IF_ERROR(begin());
+  *boundary_s += SecondsSince(b0);
   ALOE_ASSIGN_OR_RETURN(TrainStats stats, trainer_->Train(request));
   if (stats.steps == 0) {
     // Stopped before the first step: nothing to push; leaving hands the task back.
@@ -84,8 +99,10 @@ absl::StatusOr<TrainStats> Agent::TrainRound(const v1::Task& task,
     ALOE_LOG_INFO("worker", "stopping: pushing the %d of %d steps done", stats.steps,
                   task.local_steps());
   }
-  ALOE_RETURN_IF_ERROR(trainer_->PseudoGradient(start, &delta_));
+  const absl::Time e0 = clock_.Now();
+  ALOE_RETURN_IF_ERROR(end());
   SaveInnerState(/*now=*/false);
+  *boundary_s += SecondsSince(e0);
   return stats;
 }
 

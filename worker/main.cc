@@ -69,6 +69,12 @@ ABSL_FLAG(std::string, overlap, "off",
           "policy; with --nproc N every rank does this for its slices. With layer groups "
           "(partial_sync), the next task is taken ahead and trains while the last group push "
           "of a task travels");
+ABSL_FLAG(std::string, round_boundary, "auto",
+          "auto | host | device: with --overlap, where the boundary between two rounds runs. "
+          "device: the round's base and pseudo-gradient stay on the training device and move "
+          "to and from the host on copy streams beside training (three more model copies on the "
+          "device); host: through host buffers, the device waiting. auto: device on a GPU. A "
+          "multi-rank node (--nproc > 1) uses host");
 ABSL_FLAG(std::string, autocast, "off",
           "off | bf16: forward passes of training steps under LibTorch's bf16 autocast; "
           "parameters, gradients, AdamW state, pseudo-gradients and evaluation stay float32");
@@ -96,6 +102,7 @@ absl::StatusOr<AgentOptions> OptionsFromFlags() {
   const std::string role = absl::GetFlag(FLAGS_role);
   const std::string overlap = absl::GetFlag(FLAGS_overlap);
   const std::string autocast = absl::GetFlag(FLAGS_autocast);
+  const std::string boundary = absl::GetFlag(FLAGS_round_boundary);
   const bool many = absl::GetFlag(FLAGS_nproc) > 1;
   const bool traced = !absl::GetFlag(FLAGS_step_trace).empty();
   o.name = absl::GetFlag(FLAGS_name);
@@ -112,11 +119,16 @@ absl::StatusOr<AgentOptions> OptionsFromFlags() {
   o.overlap = overlap == "eager"     ? AgentOptions::Overlap::kEager
               : overlap == "delayed" ? AgentOptions::Overlap::kDelayed
                                      : AgentOptions::Overlap::kOff;
+  o.round_boundary = boundary == "host"     ? AgentOptions::Boundary::kHost
+                     : boundary == "device" ? AgentOptions::Boundary::kDevice
+                                            : AgentOptions::Boundary::kAuto;
   const std::pair<bool, std::string> refusals[] = {
       {role != "trainer" && !o.evaluator,
        absl::StrFormat("--role must be trainer or evaluator, got \"%s\"", role)},
       {overlap != "off" && overlap != "delayed" && overlap != "eager",
        absl::StrFormat("--overlap must be off, delayed or eager, got \"%s\"", overlap)},
+      {boundary != "auto" && boundary != "host" && boundary != "device",
+       absl::StrFormat("--round_boundary must be auto, host or device, got \"%s\"", boundary)},
       {autocast != "off" && autocast != "bf16",
        absl::StrFormat("--autocast must be off or bf16, got \"%s\"", autocast)},
       {many && o.evaluator, "--nproc > 1 is for trainers only"},

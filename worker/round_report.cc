@@ -33,6 +33,7 @@ void RoundReporter::Round(const v1::Task& task, const TrainStats& stats, const v
   tokens_ += stats.tokens;
   compute_s_ += stats.compute_seconds;
   network_s_ += costs.network_s;
+  boundary_s_ += costs.boundary_s;
   pushed_bytes_ += costs.pushed_bytes;
   if (!publish) return;
   Publish(task, stats, costs);
@@ -66,6 +67,7 @@ void RoundReporter::Publish(const v1::Task& task, const TrainStats& stats,
   metrics_.Add(kPushedBytes, static_cast<double>(costs.pushed_bytes));
   metrics_.Add(kComputeSeconds, stats.compute_seconds);
   metrics_.Add(kNetworkSeconds, costs.network_s);
+  metrics_.Add(kBoundarySeconds, costs.boundary_s);
 }
 
 void RoundReporter::Evaluated(uint64_t version, double loss, uint64_t pulled_bytes) {
@@ -83,10 +85,12 @@ void RoundReporter::Summary() const {
   ALOE_LOG_INFO("worker",
                 "summary: rounds=%d steps=%d tokens=%d wall_seconds=%.2f compute_seconds=%.2f "
                 "network_seconds=%.2f tokens_per_second=%.1f pushed_bytes=%d "
-                "blocked_on_network=%.4f tasks_from_push_replies=%d tasks_taken_ahead=%d",
+                "blocked_on_network=%.4f tasks_from_push_replies=%d tasks_taken_ahead=%d "
+                "boundary_seconds=%.3f",
                 rounds_, steps_, tokens_, wall, compute_s_, network_s_,
                 wall > 0 ? static_cast<double>(tokens_) / wall : 0.0, pushed_bytes_,
-                wall > 0 ? network_s_ / wall : 0.0, tasks_from_push_replies_, tasks_taken_ahead_);
+                wall > 0 ? network_s_ / wall : 0.0, tasks_from_push_replies_, tasks_taken_ahead_,
+                boundary_s_);
 }
 
 }  // namespace aloe::worker

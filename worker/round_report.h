@@ -27,6 +27,9 @@ struct RoundCosts {
   double train_s = 0;    // wall time of the steps, an emulated slowdown included
   double round_s = 0;    // the whole round: pull, steps, push
   double network_s = 0;  // of the round, the time spent waiting for the network
+  // Of train_s, the time outside the steps: the start put into the trainer, the pseudo-gradient
+  // taken out, the inner state saved. The training device is idle meanwhile.
+  double boundary_s = 0;
 };
 
 // Not thread-safe. `metrics` and `clock` must outlive this.
@@ -63,7 +66,7 @@ class RoundReporter {
   uint64_t rounds_ = 0, steps_ = 0, tokens_ = 0, pushed_bytes_ = 0;
   uint64_t tasks_from_push_replies_ = 0;
   uint64_t tasks_taken_ahead_ = 0;
-  double compute_s_ = 0, network_s_ = 0;
+  double compute_s_ = 0, network_s_ = 0, boundary_s_ = 0;
   std::optional<absl::Time> first_round_;
 };
 

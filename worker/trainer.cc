@@ -20,11 +20,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/logging.h"
 #include "common/lr_schedule.h"
 #include "common/model_spec.h"
 #include "common/status_macros.h"
 #include "worker/inner_adamw.h"
 #include "worker/script_model.h"
+#include "worker/tensor_round_boundary.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
 
@@ -147,6 +149,8 @@ struct LocalTrainer::Impl {
   torch::Device device{torch::kCPU};  // where parameters, activations and AdamW state live
   std::vector<torch::Tensor> params;  // model parameters in spec order
   std::unique_ptr<InnerAdamW> optimizer;
+  std::unique_ptr<TensorRoundBoundary> boundary;  // made at the first device_round_boundary()
+  bool boundary_failed = false;
 
   // Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1].
   torch::Tensor Loss(const torch::Tensor& batch) {
@@ -247,6 +251,21 @@ absl::Status LocalTrainer::PseudoGradient(const std::vector<std::vector<float>>&
                                           std::vector<std::vector<float>>* out) const {
   ApplyTrainerThreads();
   return PseudoGradientOfParameters(impl_->params, impl_->spec, base, out);
+}
+
+RoundBoundary* LocalTrainer::device_round_boundary() {
+  if (impl_->boundary == nullptr && !impl_->boundary_failed) {
+    absl::StatusOr<std::unique_ptr<TensorRoundBoundary>> made =
+        TensorRoundBoundary::Create(impl_->params, impl_->spec);
+    if (made.ok()) {
+      impl_->boundary = *std::move(made);
+    } else {
+      impl_->boundary_failed = true;
+      ALOE_LOG_WARNING("worker", "the round boundary stays on the host: %s",
+                       made.status().message());
+    }
+  }
+  return impl_->boundary.get();
 }
 
 void LocalTrainer::SetStepSlowdowns(StepSlowdowns slowdowns) {

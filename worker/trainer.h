@@ -164,6 +164,12 @@ class LocalTrainer final : public TrainerInterface {
 
   const v1::ModelSpec& spec() const;
 
+  // A TensorRoundBoundary (worker/tensor_round_boundary.h) over this trainer's parameters,
+  // made at the first call (three more copies of the parameters on the training device, two
+  // page-locked host copies on a GPU); null, with the reason logged, when it cannot be made
+  // (e.g. a TorchScript model with parameters that are not contiguous float32).
+  RoundBoundary* device_round_boundary() override;
+
   // Replays a step-time trace (aloe-worker --step_trace): from now on every step is slowed by
   // the trace's next factor, on top of `slowdown` (the two multiply). The cycle continues
   // across rounds.

@@ -17,6 +17,7 @@ inline constexpr char kPushedBytes[] = "aloe_worker_pushed_bytes_total";
 inline constexpr char kPulledBytes[] = "aloe_worker_pulled_bytes_total";
 inline constexpr char kComputeSeconds[] = "aloe_worker_compute_seconds_total";
 inline constexpr char kNetworkSeconds[] = "aloe_worker_network_seconds_total";
+inline constexpr char kBoundarySeconds[] = "aloe_worker_boundary_seconds_total";
 inline constexpr char kEvalLoss[] = "aloe_worker_eval_loss";
 inline constexpr char kModelVersion[] = "aloe_worker_model_version";
 inline constexpr char kInfo[] = "aloe_worker_info";
@@ -39,6 +40,11 @@ inline std::vector<MetricDef> WorkerMetricCatalogue() {
       {kPulledBytes, K::kCounter, "Parameter bytes pulled", {}},
       {kComputeSeconds, K::kCounter, "Seconds spent in local training steps", {}},
       {kNetworkSeconds, K::kCounter, "Seconds blocked on pull, push and task requests", {}},
+      {kBoundarySeconds,
+       K::kCounter,
+       "Seconds of the rounds' training time spent outside the steps, in the round boundary: "
+       "the start put into the trainer, the pseudo-gradient taken out, the inner state saved",
+       {}},
       {kEvalLoss, K::kGauge, "Held-out loss of the last evaluation (evaluator role)", {}},
       {kModelVersion, K::kGauge, "Global model version of the current task", {}},
       {kModelFlops,

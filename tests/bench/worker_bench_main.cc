@@ -26,10 +26,12 @@
 // LocalTrainer::Train, from the same initial parameters, the two taking turns in --blocks blocks;
 // a second line follows
 //   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare> [mfu=<m>]
-// and with --round_steps H > 0 a third, the cost of a round boundary through the trainer (the
-// pseudo-gradient read to the host, the next base written to the device: what the device waits
-// for between two rounds) against a round of H steps at the trainer's measured step time:
-//   aloe_round boundary_seconds=<b> step_seconds=<s> round_steps=<H> idle_fraction=<b/(b+H s)>
+// and with --round_steps H > 0 two more, one per round boundary (common/trainer_interface.h
+// RoundBoundary: host, then device): --rounds R overlapped rounds of H steps as aloe-worker
+// --overlap eager runs them, against the same R x H steps in one Train call; the difference is
+// what the device waited for between rounds:
+//   aloe_round boundary=<host|device> rounds=<R> round_steps=<H> round_seconds=<s>
+//       idle_seconds=<per round> idle_fraction=<idle / rounds' wall time>
 // Both run on --device (worker/trainer.h SetTrainerDevice), with --autocast bf16 both run their
 // forward passes under bf16 autocast. flops_per_token is the model's training FLOPs per token,
 // 6 N + 12 L d T (N: parameters of the matrix products, i.e. all but the token and position
@@ -38,6 +40,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -55,6 +58,7 @@
 #include "common/token_shard.h"
 #include "common/token_source.h"
 #include "worker/inner_adamw.h"
+#include "worker/round_boundary.h"
 #include "worker/torch_util.h"
 #include "worker/trainer.h"
 #include "worker/transformer.h"
@@ -91,8 +95,9 @@ ABSL_FLAG(std::string, bare_sync, "round",
           "When the bare loop's host waits for the device: "
           "step | round (the trainer's)");
 ABSL_FLAG(int32_t, round_steps, 0,
-          "With --trainer and > 0: also time a round boundary against a round of this many "
-          "steps");
+          "With --trainer and > 0: also time --rounds overlapped rounds of this many steps "
+          "through the host and the device round boundary against the same steps in one call");
+ABSL_FLAG(int32_t, rounds, 2, "With --round_steps: overlapped rounds timed per boundary");
 ABSL_FLAG(double, peak_tflops, 0,
           "The device's peak dense TFLOP/s for the run's precision (e.g. 989 for an H100 SXM in "
           "bf16); > 0 prints the model FLOPs utilisation (mfu)");
@@ -102,6 +107,38 @@ namespace {
 
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Wall time of `rounds` rounds of `round_steps` steps as aloe-worker --overlap eager runs them
+// (worker/agent_overlap.cc): the next start staged and the last pseudo-gradient taken on another
+// thread while a round trains, the eager start and the pseudo-gradient between rounds, through
+// the host boundary or the trainer's device boundary. The next start is the first one again
+// (what a pull would bring).
+absl::StatusOr<double> TimeOverlappedRounds(LocalTrainer& trainer, const TokenSource& data,
+                                            const v1::InnerOptimizerConfig& inner, bool on_device,
+                                            int rounds, int round_steps, uint64_t seed) {
+  HostRoundBoundary host(&trainer);
+  RoundBoundary* boundary = on_device ? trainer.device_round_boundary() : &host;
+  if (boundary == nullptr) return absl::FailedPreconditionError("no device round boundary");
+  std::vector<std::vector<float>> pulled, delta;
+  ALOE_RETURN_IF_ERROR(trainer.GetParameters(&pulled));
+  ALOE_RETURN_IF_ERROR(boundary->StageStart(pulled));
+  const float eager = -0.7f;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < rounds; ++r) {
+    ALOE_RETURN_IF_ERROR(boundary->StartStaged(r == 0 ? 0.0f : eager));
+    std::future<absl::Status> background = std::async(std::launch::async, [&]() -> absl::Status {
+      if (r > 0) ALOE_RETURN_IF_ERROR(boundary->TakePseudoGradient(&delta));
+      return r + 1 < rounds ? boundary->StageStart(pulled) : absl::OkStatus();
+    });
+    absl::Status trained =
+        trainer.Train(data, round_steps, inner.warmup_steps(), seed + 100 + r).status();
+    ALOE_RETURN_IF_ERROR(background.get());
+    ALOE_RETURN_IF_ERROR(trained);
+    ALOE_RETURN_IF_ERROR(boundary->EndRound());
+  }
+  ALOE_RETURN_IF_ERROR(boundary->TakePseudoGradient(&delta));
+  return Since(t0);
 }
 
 absl::StatusOr<std::unique_ptr<TokenSource>> OpenData(uint32_t vocab_size, uint64_t seed) {
@@ -309,22 +346,25 @@ absl::Status Run() {
                 trainer_steps, trainer_seconds, tps / bare_tps, mfu(tps).c_str());
     const int round_steps = absl::GetFlag(FLAGS_round_steps);
     if (round_steps > 0) {
-      // As between two rounds of aloe-worker (worker/agent_round.cc): the pseudo-gradient
-      // against the round's base, then the next base into the model.
-      std::vector<std::vector<float>> base, delta;
-      ALOE_RETURN_IF_ERROR(trainer->GetParameters(&base));
-      constexpr int kRepeats = 3;
+      // The same steps in one call, then as overlapped rounds through each boundary: what the
+      // rounds take beyond the one call is what the device waited for between them.
+      const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
       const auto t0 = std::chrono::steady_clock::now();
-      for (int r = 0; r < kRepeats; ++r) {
-        ALOE_RETURN_IF_ERROR(trainer->PseudoGradient(base, &delta));
-        ALOE_RETURN_IF_ERROR(trainer->SetParameters(base));
+      ALOE_RETURN_IF_ERROR(
+          trainer->Train(*data, rounds * round_steps, inner.warmup_steps(), seed).status());
+      const double one_call = Since(t0);
+      for (const bool on_device : {false, true}) {
+        ALOE_ASSIGN_OR_RETURN(
+            const double wall,
+            TimeOverlappedRounds(*trainer, *data, inner, on_device, rounds, round_steps, seed));
+        const double idle = std::max(0.0, wall - one_call);
+        std::printf(
+            "aloe_round boundary=%s rounds=%d round_steps=%d round_seconds=%.4f "
+            "idle_seconds=%.4f idle_fraction=%.4f\n",
+            on_device ? "device" : "host", rounds, round_steps, wall / rounds, idle / rounds,
+            idle / wall);
+        std::fflush(stdout);
       }
-      const double boundary = Since(t0) / kRepeats;
-      const double step_seconds = trainer_seconds / trainer_steps;
-      std::printf(
-          "aloe_round boundary_seconds=%.4f step_seconds=%.4f round_steps=%d "
-          "idle_fraction=%.4f\n",
-          boundary, step_seconds, round_steps, boundary / (boundary + round_steps * step_seconds));
     }
   }
   return absl::OkStatus();

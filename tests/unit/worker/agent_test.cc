@@ -10,7 +10,11 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/clock.h"
@@ -20,6 +24,7 @@
 #include "common/token_source.h"
 #include "tests/unit/worker/fake_server.h"
 #include "worker/inner_state_store.h"
+#include "worker/round_boundary.h"
 #include "worker/sleeper.h"
 #include "worker/worker_metrics.h"
 
@@ -41,6 +46,11 @@ class FakeTrainer final : public TrainerInterface {
     std::function<void(const v1::Task&, uint32_t)> during_step;
     double eval_loss = 1.5;
     std::vector<uint64_t> restored;  // the steps of each inner state restored
+    // Offers a device round boundary: the host one, recording each call and its thread.
+    bool device_boundary = false;
+    std::vector<std::pair<std::string, std::thread::id>> boundary_calls;
+    // Runs in each call to that boundary on the agent's thread (StartStaged, EndRound).
+    std::function<void()> in_round_boundary;
   };
   explicit FakeTrainer(Shared& shared) : shared_(shared) {}
 
@@ -70,6 +80,11 @@ class FakeTrainer final : public TrainerInterface {
     return absl::OkStatus();
   }
   absl::StatusOr<double> Evaluate(const EvalRequest& request) override { return shared_.eval_loss; }
+  RoundBoundary* device_round_boundary() override {
+    if (!shared_.device_boundary) return nullptr;
+    if (boundary_ == nullptr) boundary_ = std::make_unique<RecordingBoundary>(this, shared_);
+    return boundary_.get();
+  }
   // The inner state is the step count, in both moments.
   absl::StatusOr<InnerState> SaveInnerState() const override {
     const float steps = static_cast<float>(inner_steps_);
@@ -82,9 +97,43 @@ class FakeTrainer final : public TrainerInterface {
   }
 
  private:
+  class RecordingBoundary final : public RoundBoundary {
+   public:
+    RecordingBoundary(TrainerInterface* trainer, Shared& shared)
+        : host_(trainer), shared_(shared) {}
+    absl::Status StageStart(std::vector<std::vector<float>> layers) override {
+      Note("stage");
+      return host_.StageStart(std::move(layers));
+    }
+    absl::Status StartStaged(float delta_scale) override {
+      Note("start");
+      if (shared_.in_round_boundary) shared_.in_round_boundary();
+      return host_.StartStaged(delta_scale);
+    }
+    absl::Status EndRound() override {
+      Note("end");
+      if (shared_.in_round_boundary) shared_.in_round_boundary();
+      return host_.EndRound();
+    }
+    absl::Status TakePseudoGradient(std::vector<std::vector<float>>* out) override {
+      Note("take");
+      return host_.TakePseudoGradient(out);
+    }
+
+   private:
+    void Note(const char* call) {
+      std::lock_guard<std::mutex> lock(mu_);
+      shared_.boundary_calls.emplace_back(call, std::this_thread::get_id());
+    }
+    HostRoundBoundary host_;
+    Shared& shared_;
+    std::mutex mu_;
+  };
+
   Shared& shared_;
   uint64_t inner_steps_ = 0;
   std::vector<std::vector<float>> params_;
+  std::unique_ptr<RecordingBoundary> boundary_;
 };
 
 class AgentTest : public ::testing::Test {
@@ -310,12 +359,17 @@ TEST_F(AgentTest, DropLogIsBoundedAndCountsWhatItSkipped) {
 
 // Overlapped rounds: round 2 trains while round 1's push is in flight (its training waits for
 // that push), from the base the look-ahead pull fetched (delayed) or that base minus the outer
-// lr times round 1's pseudo-gradient (eager).
+// lr times round 1's pseudo-gradient (eager). The boundary between the rounds runs on the host
+// (SetParameters, PseudoGradient) or through the trainer's own device boundary, alike.
 class AgentOverlapTest : public AgentTest,
-                         public ::testing::WithParamInterface<AgentOptions::Overlap> {};
+                         public ::testing::WithParamInterface<
+                             std::tuple<AgentOptions::Overlap, AgentOptions::Boundary>> {};
 
 TEST_P(AgentOverlapTest, PushesRoundRWhileRoundRPlusOneTrains) {
-  options_.overlap = GetParam();
+  const auto [overlap, boundary] = GetParam();
+  options_.overlap = overlap;
+  options_.round_boundary = boundary;
+  trainer_.device_boundary = true;  // offered; used only when asked for
   server_.AddTask(TrainTask(1, /*base_version=*/0, /*steps=*/2));
   server_.AddTask(TrainTask(2, /*base_version=*/1, /*steps=*/2), /*ahead=*/true);
   server_.AddTask(Kind(v1::Task::STOP), /*ahead=*/true);
@@ -331,7 +385,7 @@ TEST_P(AgentOverlapTest, PushesRoundRWhileRoundRPlusOneTrains) {
   ASSERT_EQ(trainer_.starts.size(), 2u);
   EXPECT_THAT(trainer_.starts[0], ElementsAre(0, 0, 0, 0));
   // Round 1 pushed 2 everywhere; the outer lr is 0.5.
-  const float second = GetParam() == AgentOptions::Overlap::kEager ? 10 - 0.5f * 2 : 10;
+  const float second = overlap == AgentOptions::Overlap::kEager ? 10 - 0.5f * 2 : 10;
   EXPECT_THAT(trainer_.starts[1], ElementsAre(second, second, second, second));
   const std::vector<FakeServer::PushCall> pushes = server_.pushes();
   ASSERT_EQ(pushes.size(), 2u);
@@ -339,11 +393,54 @@ TEST_P(AgentOverlapTest, PushesRoundRWhileRoundRPlusOneTrains) {
   EXPECT_EQ(pushes[1].header.task_id(), 2u);
   EXPECT_EQ(pushes[1].header.base_version(), 1u);
   EXPECT_EQ(server_.leaves(), 1);
+  // The trainer's boundary when asked for (auto means the host on a CPU): round 2's start is
+  // staged while round 1 trains, round 1's pseudo-gradient taken while round 2 trains, both on
+  // the background thread; the last round's is taken for its push at once.
+  std::vector<std::string> main_calls, background_calls;
+  for (const auto& [call, thread] : trainer_.boundary_calls) {
+    (thread == std::this_thread::get_id() ? main_calls : background_calls).push_back(call);
+  }
+  if (boundary == AgentOptions::Boundary::kDevice) {
+    EXPECT_THAT(main_calls, ElementsAre("stage", "start", "end", "start", "end", "take"));
+    EXPECT_THAT(background_calls, ElementsAre("stage", "take"));
+    // Round 1's pseudo-gradient is out before round 2's end overwrites it.
+    std::vector<std::string> order;
+    for (const auto& call : trainer_.boundary_calls) order.push_back(call.first);
+    const auto first_take = std::find(order.begin(), order.end(), "take");
+    const auto second_end =
+        std::find(std::find(order.begin(), order.end(), "end") + 1, order.end(), "end");
+    EXPECT_LT(first_take, second_end) << ::testing::PrintToString(order);
+  } else {
+    EXPECT_TRUE(trainer_.boundary_calls.empty());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(DelayedAndEager, AgentOverlapTest,
-                         ::testing::Values(AgentOptions::Overlap::kDelayed,
-                                           AgentOptions::Overlap::kEager));
+                         ::testing::Combine(::testing::Values(AgentOptions::Overlap::kDelayed,
+                                                              AgentOptions::Overlap::kEager),
+                                            ::testing::Values(AgentOptions::Boundary::kAuto,
+                                                              AgentOptions::Boundary::kHost,
+                                                              AgentOptions::Boundary::kDevice)));
+
+// The time the rounds spend in the boundary, outside the steps, is counted: here each start and
+// each end of a round takes 0.25 s of the fake clock, two rounds 1 s.
+TEST_F(AgentTest, CountsTheTimeSpentInTheRoundBoundary) {
+  options_.overlap = AgentOptions::Overlap::kEager;
+  options_.round_boundary = AgentOptions::Boundary::kDevice;
+  trainer_.device_boundary = true;
+  trainer_.in_round_boundary = [this] { clock_.Advance(absl::Milliseconds(250)); };
+  server_.AddTask(TrainTask(1, /*base_version=*/0, /*steps=*/2));
+  server_.AddTask(TrainTask(2, /*base_version=*/1, /*steps=*/2), /*ahead=*/true);
+  server_.AddTask(Kind(v1::Task::STOP), /*ahead=*/true);
+  RecordingMetrics metrics;
+  ::testing::internal::CaptureStderr();
+  EXPECT_THAT(Run(&metrics), IsOk());
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(metrics.Value(kRounds), 2);
+  EXPECT_DOUBLE_EQ(metrics.Value(kBoundarySeconds), 1.0);
+  EXPECT_THAT(log, HasSubstr("boundary_seconds=1.000"));
+  EXPECT_THAT(log, HasSubstr("the round boundary runs on the trainer's device"));
+}
 
 TEST_F(AgentTest, EvaluatorReportsTheHeldOutLossOfTheVersion) {
   options_.evaluator = true;

@@ -24,6 +24,7 @@
 #include "common/model_spec.h"
 #include "common/status_matchers.h"
 #include "common/token_source.h"
+#include "tests/testing/tiny_transformer.h"
 #include "worker/trainer.h"
 
 namespace aloe::worker {
@@ -187,16 +188,7 @@ TEST(ShardLayoutTest, SlicesCoverEveryLayerOnce) {
 
 class FsdpTrainerTest : public ::testing::Test {
  protected:
-  static v1::TransformerConfig Model() {
-    v1::TransformerConfig c;
-    c.set_vocab_size(16);
-    c.set_seq_len(16);
-    c.set_d_model(32);
-    c.set_num_layers(2);
-    c.set_num_heads(2);
-    FillTransformerDefaults(&c);
-    return c;
-  }
+  static v1::TransformerConfig Model() { return ::aloe::testing::TinyTransformer(); }
   static v1::InnerOptimizerConfig Inner() {
     v1::InnerOptimizerConfig c;
     c.set_lr(1e-2f);

@@ -21,6 +21,7 @@
 #include "common/status_matchers.h"
 #include "common/step_times.h"
 #include "common/token_source.h"
+#include "tests/testing/tiny_transformer.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
 
@@ -33,18 +34,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Layers = std::vector<std::vector<float>>;
 
-constexpr uint32_t kVocab = 16;
+constexpr uint32_t kVocab = ::aloe::testing::kTinyVocab;
 
-v1::TransformerConfig TinyModel() {
-  v1::TransformerConfig c;
-  c.set_vocab_size(kVocab);
-  c.set_seq_len(16);
-  c.set_d_model(32);
-  c.set_num_layers(2);
-  c.set_num_heads(2);
-  FillTransformerDefaults(&c);
-  return c;
-}
+v1::TransformerConfig TinyModel() { return ::aloe::testing::TinyTransformer(); }
 
 v1::InnerOptimizerConfig Inner() {
   v1::InnerOptimizerConfig c;
