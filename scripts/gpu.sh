@@ -156,7 +156,7 @@ build() {
 check_tests() {
   local limit="${ALOE_GPU_TEST_SECONDS:-600}"
   timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
-    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*:RoundBoundaryTest.*' ||
+    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*:RoundBoundaryTest.*:LinearCrossEntropyTest.*' ||
     { echo "gpu.sh: aloe_worker_tests failed or ran past ${limit} s" >&2; exit 1; }
   # A GPU worker against a real server, against the same job on the CPU.
   timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_integration_tests" --gtest_filter='FsdpWorkerTest.*' ||
@@ -169,18 +169,20 @@ check_tests() {
 # the inner step, each added to the ones before it (worker/inner_adamw.h), so that each is
 # measured on its own: LibTorch's AdamW and clip with the host waiting for the device twice a
 # step; then the multi-tensor AdamW; the fused AdamW kernel; the one-pass clip folded into it;
-# the host no longer waiting each step. The last is the trainer's own step: it runs against the
+# the host no longer waiting each step; the head and loss fused in row chunks
+# (worker/linear_cross_entropy.h). The last is the trainer's own step: it runs against the
 # worker's trainer in the same run (their ratio). Then ALOE_GPU_ROUNDS (default 2) overlapped
 # rounds of ALOE_GPU_ROUND_STEPS (default 100) steps run through the host and the device round
 # boundary against the same steps in one call: the GPU's idle time per round.
 check_bench() {
   local peak="${ALOE_PEAK_TFLOPS:-989}" log="$ALOE_BUILD_DIR/gpu-bench.log"
-  local variants=("libtorch libtorch step" "foreach libtorch step" "fused libtorch step"
-    "fused one_pass step" "fused one_pass round")
+  local variants=("libtorch libtorch step unfused" "foreach libtorch step unfused"
+    "fused libtorch step unfused" "fused one_pass step unfused" "fused one_pass round unfused"
+    "fused one_pass round fused")
   : >"$log"
-  local v adamw clip sync last=$((${#variants[@]} - 1)) i=0
+  local v adamw clip sync loss last=$((${#variants[@]} - 1)) i=0
   for v in "${variants[@]}"; do
-    read -r adamw clip sync <<<"$v"
+    read -r adamw clip sync loss <<<"$v"
     local extra=()
     [ "$i" -eq "$last" ] && extra=(--trainer --round_steps="${ALOE_GPU_ROUND_STEPS:-100}"
       --rounds="${ALOE_GPU_ROUNDS:-2}")
@@ -188,13 +190,13 @@ check_bench() {
       --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
       --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
       --threads=4 --peak_tflops="$peak" --bare_adamw="$adamw" --bare_clip="$clip" \
-      --bare_sync="$sync" "${extra[@]}" | tee -a "$log"
+      --bare_sync="$sync" --bare_loss="$loss" "${extra[@]}" | tee -a "$log"
     i=$((i + 1))
   done
   awk -v peak="$peak" '
     function fields(   i, kv) { delete v; for (i = 1; i <= NF; ++i) { split($i, kv, "="); v[kv[1]] = kv[2] } }
-    /^bare_step/ { fields(); step = v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] }
-    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-44s tokens_per_second=%s mfu=%s%s\n",
+    /^bare_step/ { fields(); step = v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] ", " v["loss"] " loss" }
+    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-58s tokens_per_second=%s mfu=%s%s\n",
       step, v["tokens_per_second"], v["mfu"], prev ? sprintf(" (x%.3f)", v["tokens_per_second"] / prev) : "";
       prev = v["tokens_per_second"] }
     /^aloe_trainer/ { fields(); printf "gpu: trainer tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",

@@ -3,7 +3,6 @@
 #include <torch/version.h>
 
 #include <cmath>
-#include <cstring>
 #include <exception>
 #include <limits>
 #include <string>
@@ -12,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "worker/linear_cross_entropy.h"
 #include "worker/torch_util.h"
 
 // LibTorch 2.x has fused attention (scaled_dot_product_attention); Debian's LibTorch 1.13 runs
@@ -101,6 +101,10 @@ TransformerLMImpl::TransformerLMImpl(const v1::TransformerConfig& config) : conf
 }
 
 torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens) {
+  return head_(Hidden(tokens));
+}
+
+torch::Tensor TransformerLMImpl::Hidden(const torch::Tensor& tokens) {
   const int64_t time = tokens.size(1);
   torch::Tensor positions =
       torch::arange(time, torch::TensorOptions().dtype(torch::kInt64).device(tokens.device()));
@@ -113,13 +117,21 @@ torch::Tensor TransformerLMImpl::forward(const torch::Tensor& tokens) {
           .triu(1);
 #endif
   for (Block& block : block_list_) x = block(x, causal_mask);
-  return head_(ln_f_(x));
+  return ln_f_(x);
 }
 
 torch::Tensor TransformerLMImpl::Loss(const torch::Tensor& tokens) {
   const int64_t time = tokens.size(1) - 1;
-  torch::Tensor logits = forward(tokens.narrow(1, 0, time));
   torch::Tensor targets = tokens.narrow(1, 1, time).reshape({-1});
+  const bool fused = fused_loss_ == FusedLoss::kOn ||
+                     (fused_loss_ == FusedLoss::kAuto &&
+                      (tokens.is_cuda() || config_.vocab_size() >= kFusedLossCpuVocab));
+  if (fused) {
+    const torch::Tensor hidden = Hidden(tokens.narrow(1, 0, time));
+    return LinearCrossEntropy(hidden.reshape({-1, hidden.size(-1)}), head_->weight, targets,
+                              LinearCrossEntropyChunkRows(config_.vocab_size()));
+  }
+  torch::Tensor logits = forward(tokens.narrow(1, 0, time));
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets);
 }
 

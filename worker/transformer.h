@@ -75,8 +75,18 @@ class TransformerLMImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens);
 
   // Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
-  // tokens: [B, T + 1] int64, T <= seq_len.
+  // tokens: [B, T + 1] int64, T <= seq_len. The head and the loss run fused in row chunks
+  // (worker/linear_cross_entropy.h) when fused_loss() says so, else as forward() then LibTorch's
+  // cross_entropy.
   torch::Tensor Loss(const torch::Tensor& tokens);
+
+  // kAuto (the default): fused on a GPU, where the logits' passes in float32 cost device memory
+  // bandwidth, and on the CPU from kFusedLossCpuVocab tokens of vocabulary on, where those
+  // passes outgrow the caches (docs/benchmarks.md, worker-bench). The two compute the same loss
+  // and gradients to rounding.
+  enum class FusedLoss { kAuto, kOn, kOff };
+  static constexpr uint32_t kFusedLossCpuVocab = 4096;
+  void set_fused_loss(FusedLoss fused) { fused_loss_ = fused; }
 
   const v1::TransformerConfig& config() const { return config_; }
 
@@ -88,6 +98,10 @@ class TransformerLMImpl : public torch::nn::Module {
   std::vector<Block> block_list_;  // the same modules as blocks_, typed
   torch::nn::LayerNorm ln_f_{nullptr};
   torch::nn::Linear head_{nullptr};
+  FusedLoss fused_loss_ = FusedLoss::kAuto;
+
+  // ln_f(blocks(embeddings)): the head's input [B, T, d].
+  torch::Tensor Hidden(const torch::Tensor& tokens);
 };
 TORCH_MODULE(TransformerLM);
 

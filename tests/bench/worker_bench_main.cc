@@ -15,7 +15,10 @@
 //   --bare_sync    step: every step copies its batch from pageable memory and reads its loss
 //                  back (the host waits for the device twice a step); round: batches through
 //                  page-locked memory, the losses read back once per timed block
-// The defaults (foreach or fused by device, one_pass, round) are the trainer's own code: with
+//   --bare_loss    unfused: the head's logits, then LibTorch's cross_entropy; fused: the head
+//                  and the loss in row chunks (worker/linear_cross_entropy.h)
+// The defaults (foreach or fused by device, one_pass, round, the model's own loss: fused on a
+// GPU) are the trainer's own code: with
 // --trainer, the ratio then compares the trainer with a bare loop of the same step.
 //
 // Output (one line):
@@ -91,6 +94,9 @@ ABSL_FLAG(std::string, bare_adamw, "default",
 ABSL_FLAG(std::string, bare_clip, "one_pass",
           "The bare loop's gradient-norm clip: libtorch | "
           "one_pass (the trainer's)");
+ABSL_FLAG(std::string, bare_loss, "default",
+          "The bare loop's head and loss: unfused | fused | default (fused on a GPU, as the "
+          "trainer's model)");
 ABSL_FLAG(std::string, bare_sync, "round",
           "When the bare loop's host waits for the device: "
           "step | round (the trainer's)");
@@ -214,6 +220,13 @@ absl::Status Run() {
   const std::string adamw = absl::GetFlag(FLAGS_bare_adamw);
   const std::string clip_kind = absl::GetFlag(FLAGS_bare_clip);
   const std::string sync = absl::GetFlag(FLAGS_bare_sync);
+  const std::string loss_kind = absl::GetFlag(FLAGS_bare_loss);
+  if (loss_kind != "unfused" && loss_kind != "fused" && loss_kind != "default") {
+    return absl::InvalidArgumentError("--bare_loss must be unfused, fused or default");
+  }
+  model->set_fused_loss(loss_kind == "fused"     ? TransformerLMImpl::FusedLoss::kOn
+                        : loss_kind == "unfused" ? TransformerLMImpl::FusedLoss::kOff
+                                                 : TransformerLMImpl::FusedLoss::kAuto);
   if (adamw != "libtorch" && adamw != "foreach" && adamw != "fused" && adamw != "default") {
     return absl::InvalidArgumentError("--bare_adamw must be libtorch, foreach, fused or default");
   }
@@ -242,11 +255,12 @@ absl::Status Run() {
                                                     : DefaultAdamWKernel(device);
     inner_adamw = std::make_unique<InnerAdamW>(params, std::move(decay), inner, kernel);
   }
-  std::printf("bare_step adamw=%s clip=%s sync=%s\n",
+  const bool fused_loss = loss_kind == "fused" || (loss_kind == "default" && device.is_cuda());
+  std::printf("bare_step adamw=%s clip=%s sync=%s loss=%s\n",
               libtorch_adamw                                 ? "libtorch"
               : inner_adamw->kernel() == AdamWKernel::kFused ? "fused"
                                                              : "foreach",
-              clip_kind.c_str(), sync.c_str());
+              clip_kind.c_str(), sync.c_str(), fused_loss ? "fused" : "unfused");
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start(0, data->num_tokens() - window);
   // Runs `n` bare steps; returns their seconds unless they are warmup steps (a call's steps are
