@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -126,23 +127,21 @@ absl::Status TensorRoundBoundary::EndRound() {
   if (!has_base_) return absl::FailedPreconditionError("no round started (StartStaged)");
   try {
     torch::NoGradGuard no_grad;
+    std::optional<c10::Stream> training;
     if (device_.is_cuda()) {
       // The last pseudo-gradient's copy to the host reads delta_: the difference waits for it.
-      const c10::Stream training =
-          c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_);
-      delta_copied_->block(training);
-      for (size_t i = 0; i < params_.size(); ++i) {
-        at::sub_out(delta_views_[i], base_views_[i], params_[i]);
-      }
-      delta_ready_->record(training);
+      training = c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_);
+      delta_copied_->block(*training);
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::sub_out(delta_views_[i], base_views_[i], params_[i]);
+    }
+    if (training.has_value()) {
+      delta_ready_->record(*training);
       delta_ready_->block(*to_host_);
       c10::StreamGuard on_copy_stream(*to_host_);
       host_delta_.copy_(delta_, /*non_blocking=*/true);
       delta_copied_->record(*to_host_);
-    } else {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        at::sub_out(delta_views_[i], base_views_[i], params_[i]);
-      }
     }
   } catch (const std::exception& e) {
     return LibTorchError("computing the pseudo-gradient", e);
