@@ -156,7 +156,7 @@ build() {
 check_tests() {
   local limit="${ALOE_GPU_TEST_SECONDS:-600}"
   timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_worker_tests" \
-    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*:RoundBoundaryTest.*:LinearCrossEntropyTest.*' ||
+    --gtest_filter='*Gpu*:*Nccl*:TrainerDevice*:FsdpTrainerTest.*:LocalTrainerTest.*:RoundBoundaryTest.*:LinearCrossEntropyTest.*:StepGraphTest.*:InnerAdamWTest.*' ||
     { echo "gpu.sh: aloe_worker_tests failed or ran past ${limit} s" >&2; exit 1; }
   # A GPU worker against a real server, against the same job on the CPU.
   timeout "$limit" "$ALOE_BUILD_DIR/bin/aloe_integration_tests" --gtest_filter='FsdpWorkerTest.*' ||
@@ -170,39 +170,43 @@ check_tests() {
 # measured on its own: LibTorch's AdamW and clip with the host waiting for the device twice a
 # step; then the multi-tensor AdamW; the fused AdamW kernel; the one-pass clip folded into it;
 # the host no longer waiting each step; the head and loss fused in row chunks
-# (worker/linear_cross_entropy.h). The last is the trainer's own step: it runs against the
-# worker's trainer in the same run (their ratio). Then ALOE_GPU_ROUNDS (default 2) overlapped
-# rounds of ALOE_GPU_ROUND_STEPS (default 100) steps run through the host and the device round
-# boundary against the same steps in one call: the GPU's idle time per round.
+# (worker/linear_cross_entropy.h); the whole step as one CUDA graph (worker/step_graph.h). The
+# last two run against the worker's trainer in the same run, with the same CUDA graph setting
+# (their ratio), and each then times ALOE_GPU_ROUNDS (default 2) overlapped rounds of
+# ALOE_GPU_ROUND_STEPS (default 100) steps through the host and the device round boundary
+# against the same steps in one call: the GPU's idle time per round.
 check_bench() {
   local peak="${ALOE_PEAK_TFLOPS:-989}" log="$ALOE_BUILD_DIR/gpu-bench.log"
-  local variants=("libtorch libtorch step unfused" "foreach libtorch step unfused"
-    "fused libtorch step unfused" "fused one_pass step unfused" "fused one_pass round unfused"
-    "fused one_pass round fused")
+  local variants=("libtorch libtorch step unfused false" "foreach libtorch step unfused false"
+    "fused libtorch step unfused false" "fused one_pass step unfused false"
+    "fused one_pass round unfused false" "fused one_pass round fused false"
+    "fused one_pass round fused true")
   : >"$log"
-  local v adamw clip sync loss last=$((${#variants[@]} - 1)) i=0
+  local v adamw clip sync loss graphs first_trainer=$((${#variants[@]} - 2)) i=0 failed=0
   for v in "${variants[@]}"; do
-    read -r adamw clip sync loss <<<"$v"
+    read -r adamw clip sync loss graphs <<<"$v"
     local extra=()
-    [ "$i" -eq "$last" ] && extra=(--trainer --round_steps="${ALOE_GPU_ROUND_STEPS:-100}"
-      --rounds="${ALOE_GPU_ROUNDS:-2}")
+    [ "$i" -ge "$first_trainer" ] && extra=(--trainer
+      --round_steps="${ALOE_GPU_ROUND_STEPS:-100}" --rounds="${ALOE_GPU_ROUNDS:-2}")
     "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 \
       --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
       --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
       --threads=4 --peak_tflops="$peak" --bare_adamw="$adamw" --bare_clip="$clip" \
-      --bare_sync="$sync" --bare_loss="$loss" "${extra[@]}" | tee -a "$log"
+      --bare_sync="$sync" --bare_loss="$loss" --cuda_graphs="$graphs" "${extra[@]}" |
+      tee -a "$log" || { aloe_log "check bench: the variant '$v' failed"; failed=1; }
     i=$((i + 1))
   done
   awk -v peak="$peak" '
     function fields(   i, kv) { delete v; for (i = 1; i <= NF; ++i) { split($i, kv, "="); v[kv[1]] = kv[2] } }
-    /^bare_step/ { fields(); step = v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] ", " v["loss"] " loss" }
-    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-58s tokens_per_second=%s mfu=%s%s\n",
+    /^bare_step/ { fields(); step = v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] ", " v["loss"] " loss, graph " v["graph"] }
+    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-68s tokens_per_second=%s mfu=%s%s\n",
       step, v["tokens_per_second"], v["mfu"], prev ? sprintf(" (x%.3f)", v["tokens_per_second"] / prev) : "";
       prev = v["tokens_per_second"] }
-    /^aloe_trainer/ { fields(); printf "gpu: trainer tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",
-      v["tokens_per_second"], v["mfu"], peak, v["ratio"] }
-    /^aloe_round/ { fields(); printf "gpu: %s rounds of %s steps, %s boundary: %s s a round, the GPU idle %s s of it (%.2f%%)\n",
-      v["rounds"], v["round_steps"], v["boundary"], v["round_seconds"], v["idle_seconds"], 100 * v["idle_fraction"] }' "$log"
+    /^aloe_trainer/ { fields(); graph = v["graph"]; printf "gpu: trainer (graph %s) tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",
+      graph, v["tokens_per_second"], v["mfu"], peak, v["ratio"] }
+    /^aloe_round/ { fields(); printf "gpu: %s rounds of %s steps, %s boundary, graph %s: %s s a round, the GPU idle %s s of it (%.2f%%)\n",
+      v["rounds"], v["round_steps"], v["boundary"], graph, v["round_seconds"], v["idle_seconds"], 100 * v["idle_fraction"] }' "$log"
+  return "$failed"
 }
 
 # Where a step of the same 124M model spends the GPU's time: scripts/gpu-profile.py (PyTorch
@@ -218,7 +222,8 @@ check_profile() {
     "${PYTHON:-python3}" "$ALOE_ROOT/scripts/gpu-profile.py" --device="$DEVICE" \
       --batch_size="${ALOE_GPU_BATCH:-16}" --peak_tflops="${ALOE_PEAK_TFLOPS:-989}" \
       --compile="$mode" --trace="$ALOE_BUILD_DIR/gpu-profile-$mode.json" |
-      tee -a "$ALOE_BUILD_DIR/gpu-profile.log"
+      tee -a "$ALOE_BUILD_DIR/gpu-profile.log" ||
+      { echo "gpu.sh: the profile (compile $mode) failed" >&2; exit 1; }
   done
 }
 
@@ -240,7 +245,8 @@ check_job() {
   local rc=0
   aloe_one_worker_job "$job" "$job/server.textproto" "$job/corpus" --device="$DEVICE" \
     --autocast=bf16 --overlap=eager || rc=$?
-  grep -E 'training on|round boundary|tokens_per_second' "$job/worker.log" | sed 's/^/job: /'
+  grep -E 'training on|round boundary|CUDA graph|tokens_per_second' "$job/worker.log" |
+    sed 's/^/job: /'
   if [ "$rc" -ne 0 ]; then
     echo "gpu.sh: the job failed (exit $rc)" >&2
     exit 1
@@ -248,28 +254,45 @@ check_job() {
 }
 
 # check [tests|bench|profile|job]...: all four by default, on ALOE_GPU_DEVICE (default cuda:0).
+# Each stage runs in a process of its own (gpu.sh stage NAME) and a failed one does not stop the
+# next: one session on a GPU reports every stage. Exits 1 naming the stages that failed.
 check() {
   [ -f "$ALOE_BUILD_DIR/env.sh" ] || { echo "gpu.sh: run scripts/gpu.sh build first" >&2; exit 1; }
-  # shellcheck source=/dev/null
-  . "$ALOE_BUILD_DIR/env.sh"
-  DEVICE="${ALOE_GPU_DEVICE:-cuda:0}"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   fi
-  local stages=("$@") stage
+  local stages=("$@") stage failed=()
   [ ${#stages[@]} -gt 0 ] || stages=(tests bench profile job)
   for stage in "${stages[@]}"; do
     case "$stage" in
-      tests|bench|profile|job) aloe_log "check: $stage"; "check_$stage" ;;
+      tests|bench|profile|job) ;;
       *) echo "gpu.sh: unknown check stage '$stage' (tests, bench, profile or job)" >&2; exit 2 ;;
     esac
   done
+  for stage in "${stages[@]}"; do
+    aloe_log "check: $stage"
+    "$ALOE_ROOT/scripts/gpu.sh" stage "$stage" || failed+=("$stage")
+  done
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu.sh: check failed: ${failed[*]}" >&2
+    exit 1
+  fi
+  aloe_log "check: ${stages[*]} passed"
+}
+
+# stage NAME: one check stage (check runs each so).
+stage() {
+  # shellcheck source=/dev/null
+  . "$ALOE_BUILD_DIR/env.sh"
+  DEVICE="${ALOE_GPU_DEVICE:-cuda:0}"
+  "check_$1"
 }
 
 case "${1:-}" in
   bundle) shift; bundle "$@" ;;
   build) shift; build "$@" ;;
   check) shift; check "$@" ;;
+  stage) shift; stage "$1" ;;
   -h|--help) usage ;;
   *) usage >&2; exit 2 ;;
 esac

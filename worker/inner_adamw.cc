@@ -15,6 +15,10 @@ namespace {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
 #define ALOE_FOREACH_MUL_TENSOR 1
 #endif
+// LibTorch 2.3 has the fused AdamW kernel that reads its learning rate from a device tensor.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define ALOE_FUSED_ADAMW_TENSOR_LR 1
+#endif
 
 std::vector<torch::Tensor> Pick(const std::vector<torch::Tensor>& all,
                                 const std::vector<size_t>& group) {
@@ -92,6 +96,11 @@ InnerAdamW::InnerAdamW(std::vector<torch::Tensor> params, std::vector<bool> deca
       step_tensors_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat32)));
     }
   }
+#if defined(ALOE_FUSED_ADAMW_TENSOR_LR)
+  if (kernel_ == AdamWKernel::kFused && !params_.empty()) {
+    device_lr_ = torch::zeros({}, params_.front().options().dtype(torch::kFloat32));
+  }
+#endif
 }
 
 void InnerAdamW::ZeroGrad() {
@@ -111,6 +120,12 @@ void InnerAdamW::ZeroGrad() {
 }
 
 void InnerAdamW::Step(double lr, const torch::Tensor& clip) {
+  if (capturable()) {
+    SetLearningRate(lr);
+    LaunchStep(clip);
+    CountStep();
+    return;
+  }
   torch::NoGradGuard no_grad;
   // Parameters of one decay choice and one step count share their scalars: one group each.
   std::map<std::pair<bool, int64_t>, std::vector<size_t>> groups;
@@ -167,6 +182,43 @@ void InnerAdamW::StepFused(const std::vector<size_t>& group, bool decayed, doubl
   at::_fused_adam_(p, g, m, v, /*max_exp_avg_sqs=*/{}, t, lr, beta1_, beta2_,
                    /*weight_decay=*/0.0, eps_, /*amsgrad=*/false, /*maximize=*/false, grad_scale,
                    /*found_inf=*/c10::optional<torch::Tensor>());
+}
+
+void InnerAdamW::SetLearningRate(double lr) {
+  if (!capturable()) throw std::logic_error("InnerAdamW: no device learning rate");
+  device_lr_.fill_(lr);
+}
+
+void InnerAdamW::LaunchStep(const torch::Tensor& clip) {
+  if (!capturable()) throw std::logic_error("InnerAdamW: no device learning rate");
+  torch::NoGradGuard no_grad;
+  launched_.clear();
+  std::vector<size_t> plain, decayed;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad().defined()) continue;
+    launched_.push_back(i);
+    (decay_[i] ? decayed : plain).push_back(i);
+  }
+  // The fused kernel divides each gradient by its scale: the clip's reciprocal.
+  c10::optional<torch::Tensor> grad_scale;
+  if (clip.defined()) grad_scale = clip.reciprocal();
+  for (const bool decay : {false, true}) {
+    const std::vector<size_t>& group = decay ? decayed : plain;
+    if (group.empty()) continue;
+    auto [p, g, m, v] = Gather(group);
+    std::vector<torch::Tensor> t = Pick(step_tensors_, group);
+    at::_foreach_add_(t, 1.0);
+#if defined(ALOE_FUSED_ADAMW_TENSOR_LR)
+    // AdamW's decoupled decay inside the kernel: p -= lr * weight_decay * p before the update.
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, t, device_lr_, beta1_, beta2_,
+                      decay ? weight_decay_ : 0.0, eps_, /*amsgrad=*/false, /*maximize=*/false,
+                      grad_scale, /*found_inf=*/c10::optional<torch::Tensor>());
+#endif
+  }
+}
+
+void InnerAdamW::CountStep() {
+  for (size_t i : launched_) ++steps_[i];
 }
 
 void InnerAdamW::Restore(int64_t steps, const std::vector<torch::Tensor>& first,

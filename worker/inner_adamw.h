@@ -65,7 +65,23 @@ class InnerAdamW {
   //   v = b2 v + (1 - b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
   // with t the parameter's step count after this step. `clip` is GradClipFactor's tensor, or
   // undefined for none; the gradients themselves may be left scaled by it.
+  // With a device learning rate (capturable()) this is SetLearningRate(lr), LaunchStep(clip),
+  // CountStep().
   void Step(double lr, const torch::Tensor& clip);
+
+  // Whether the step can be captured in a CUDA graph (worker/step_graph.h): the fused kernel of a
+  // LibTorch that takes its learning rate as a device tensor, so that nothing the step launches
+  // depends on a host value that changes from step to step (the step counts live on the device
+  // too). On such an optimizer a step may be split in three:
+  bool capturable() const { return device_lr_.defined(); }
+  // Writes lr into the device tensor the next launched (or replayed) step reads.
+  void SetLearningRate(double lr);
+  // Launches one step of every parameter that has a gradient now, with the learning rate of the
+  // device tensor; counts nothing on the host. The parameters it stepped are remembered.
+  void LaunchStep(const torch::Tensor& clip);
+  // Counts one step on the host for each parameter the last LaunchStep stepped: after Step's
+  // launch, or after each replay of a graph that captured LaunchStep.
+  void CountStep();
 
   AdamWKernel kernel() const { return kernel_; }
   size_t size() const { return params_.size(); }
@@ -94,6 +110,8 @@ class InnerAdamW {
   std::vector<torch::Tensor> m_, v_;
   std::vector<int64_t> steps_;
   std::vector<torch::Tensor> step_tensors_;  // kFused: float32 step counts on the device
+  torch::Tensor device_lr_;       // capturable(): the learning rate, float32 on the device
+  std::vector<size_t> launched_;  // capturable(): what the last LaunchStep stepped
 };
 
 }  // namespace aloe::worker

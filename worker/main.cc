@@ -78,6 +78,11 @@ ABSL_FLAG(std::string, round_boundary, "auto",
 ABSL_FLAG(std::string, autocast, "off",
           "off | bf16: forward passes of training steps under LibTorch's bf16 autocast; "
           "parameters, gradients, AdamW state, pseudo-gradients and evaluation stay float32");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "On a GPU: run the built-in transformer's inner step as one CUDA graph, captured after "
+          "3 eager steps and replayed (one launch a step instead of one per kernel; the same "
+          "arithmetic). Needs a CUDA LibTorch >= 2.3; single-process trainers only. false: "
+          "launch every kernel");
 ABSL_FLAG(std::string, torchscript, "",
           "Bring-your-own model: a TorchScript file whose forward(inputs) returns logits or "
           "forward(inputs, targets) the loss; the server trains aloe-import-model's import of it");
@@ -152,6 +157,7 @@ absl::StatusOr<int> Main() {
                                       !absl::GetFlag(FLAGS_rendezvous).empty()));
   SetTrainerThreads(options.threads);
   SetTrainerAutocastBf16(absl::GetFlag(FLAGS_autocast) == "bf16");
+  SetTrainerCudaGraphs(absl::GetFlag(FLAGS_cuda_graphs));
   ConfigureAllocatorForTraining();
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<MetricsSink> metrics,
                         StartWorkerMetrics(absl::GetFlag(FLAGS_metrics)));

@@ -26,6 +26,7 @@
 #include "common/status_macros.h"
 #include "worker/inner_adamw.h"
 #include "worker/script_model.h"
+#include "worker/step_graph.h"
 #include "worker/tensor_round_boundary.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
@@ -35,6 +36,7 @@ namespace {
 
 std::atomic<int> g_trainer_threads{1};
 std::atomic<bool> g_autocast_bf16{false};
+std::atomic<bool> g_cuda_graphs{true};
 std::atomic<int> g_device_index{-1};  // -1: the CPU; else the CUDA device's index
 
 }  // namespace
@@ -123,6 +125,10 @@ void SetTrainerAutocastBf16(bool on) { g_autocast_bf16.store(on, std::memory_ord
 
 bool TrainerAutocastBf16() { return g_autocast_bf16.load(std::memory_order_relaxed); }
 
+void SetTrainerCudaGraphs(bool on) { g_cuda_graphs.store(on, std::memory_order_relaxed); }
+
+bool TrainerCudaGraphs() { return g_cuda_graphs.load(std::memory_order_relaxed); }
+
 void ConfigureAllocatorForTraining() {
 #if defined(__GLIBC__)
   mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's maximum on 64-bit
@@ -151,6 +157,48 @@ struct LocalTrainer::Impl {
   std::unique_ptr<InnerAdamW> optimizer;
   std::unique_ptr<TensorRoundBoundary> boundary;  // made at the first device_round_boundary()
   bool boundary_failed = false;
+  // A GPU's steps through one CUDA graph: considered at the first step (Graphed()), null where
+  // steps run eagerly.
+  std::unique_ptr<GraphedSteps> graphed;
+  bool graphs_decided = false;
+
+  // Clears the gradients, takes the loss of `batch` (the forward pass under --autocast) and its
+  // gradients, and returns the loss; *clip becomes GradClipFactor's tensor (undefined without
+  // a clip). The AdamW step is the caller's: eager, or launched inside a graph.
+  torch::Tensor LossAndGradients(const torch::Tensor& batch, torch::Tensor* clip) {
+    optimizer->ZeroGrad();
+    torch::Tensor loss;
+    {
+      TrainingAutocast autocast;  // --autocast bf16: the forward pass only
+      loss = Loss(batch);
+    }
+    loss.backward();
+    const double max_norm = inner.grad_clip();
+    *clip = max_norm > 0 ? GradClipFactor(params, max_norm) : torch::Tensor();
+    return loss;
+  }
+
+  // The graph of the built-in transformer's step on a GPU, or null where steps run eagerly.
+  GraphedSteps* Graphed() {
+    if (!graphs_decided) {
+      graphs_decided = true;
+      if (device.is_cuda() && !script && TrainerCudaGraphs() && CudaGraphsAvailable() &&
+          optimizer->capturable()) {
+        try {
+          graphed = std::make_unique<GraphedSteps>(
+              optimizer.get(), device, [this](const torch::Tensor& batch) {
+                torch::Tensor clip;
+                torch::Tensor loss = LossAndGradients(batch, &clip);
+                optimizer->LaunchStep(clip);
+                return loss;
+              });
+        } catch (const std::exception& e) {
+          ALOE_LOG_WARNING("worker", "the inner step runs without a CUDA graph: %s", e.what());
+        }
+      }
+    }
+    return graphed.get();
+  }
 
   // Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1].
   torch::Tensor Loss(const torch::Tensor& batch) {
@@ -268,6 +316,10 @@ RoundBoundary* LocalTrainer::device_round_boundary() {
   return impl_->boundary.get();
 }
 
+bool LocalTrainer::replays_cuda_graph() const {
+  return impl_->graphed != nullptr && impl_->graphed->replaying();
+}
+
 void LocalTrainer::SetStepSlowdowns(StepSlowdowns slowdowns) {
   step_slowdowns_ = std::move(slowdowns);
 }
@@ -360,18 +412,15 @@ absl::StatusOr<TrainStats> LocalTrainer::Train(const TokenSource& data, uint32_t
       for (uint64_t& s : starts) s = start_dist(rng);
       ALOE_ASSIGN_OR_RETURN(torch::Tensor batch,
                             ReadBatch(data, starts, window, impl_->model_config.vocab_size()));
-      batch = BatchOnDevice(batch, impl_->device);
       const double lr = InnerLearningRate(impl_->inner, lr_step + i);  // paper 002 Eq. 3
-      impl_->optimizer->ZeroGrad();
       torch::Tensor loss;
-      {
-        TrainingAutocast autocast;  // --autocast bf16: the forward pass only
-        loss = impl_->Loss(batch);
+      if (GraphedSteps* graphed = impl_->Graphed()) {
+        loss = graphed->Step(batch, lr);
+      } else {
+        torch::Tensor clip;
+        loss = impl_->LossAndGradients(BatchOnDevice(batch, impl_->device), &clip);
+        impl_->optimizer->Step(lr, clip);
       }
-      loss.backward();
-      const double max_norm = impl_->inner.grad_clip();
-      impl_->optimizer->Step(
-          lr, max_norm > 0 ? GradClipFactor(impl_->params, max_norm) : torch::Tensor());
       ++stats.steps;
       if (!time_each_step) {
         const torch::Tensor step_loss = loss.detach().to(torch::kFloat64);

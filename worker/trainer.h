@@ -52,6 +52,14 @@ int TrainerThreads();
 void SetTrainerAutocastBf16(bool on);
 bool TrainerAutocastBf16();
 
+// Whether the built-in transformer's inner step runs as one CUDA graph on a GPU (aloe-worker
+// --cuda_graphs, worker/step_graph.h): captured after 3 eager steps, then replayed, one launch
+// a step instead of one per kernel. Needs a CUDA LibTorch >= 2.3 (CudaGraphsAvailable); a
+// TorchScript model, the CPU and FsdpTrainer always step eagerly. On by default; the same
+// arithmetic either way. Read when a trainer takes its first GPU step. Thread-safe.
+void SetTrainerCudaGraphs(bool on);
+bool TrainerCudaGraphs();
+
 // The device the inner loop of this process trains on (aloe-worker --device):
 //   "cpu"; "cuda" (GPU 0) or "cuda:I" (GPU I); "auto": GPU 0 when LibTorch sees a GPU, else cpu.
 // The model's parameters, activations and gradients and the AdamW state live there (FsdpTrainer:
@@ -137,6 +145,7 @@ class LocalTrainer final : public TrainerInterface {
   //     (paper 002 Eq. 3; lr_step is the data shard's schedule position);
   //   - forward, mean cross-entropy, backward, global grad-norm clip to grad_clip (if > 0),
   //     AdamW step (worker/inner_adamw.h).
+  // On a GPU the step is replayed as a CUDA graph from its 4th step on (SetTrainerCudaGraphs).
   // On a GPU the host queues the steps without waiting for each (compute_seconds is then the
   // round's wall time up to the device finishing its last step), except with a slowdown, a step
   // trace or a time budget, which time every step.
@@ -169,6 +178,10 @@ class LocalTrainer final : public TrainerInterface {
   // page-locked host copies on a GPU); null, with the reason logged, when it cannot be made
   // (e.g. a TorchScript model with parameters that are not contiguous float32).
   RoundBoundary* device_round_boundary() override;
+
+  // Whether this trainer's steps now replay a CUDA graph (SetTrainerCudaGraphs): false on the
+  // CPU, before the capture and after a failed one.
+  bool replays_cuda_graph() const;
 
   // Replays a step-time trace (aloe-worker --step_trace): from now on every step is slowed by
   // the trace's next factor, on top of `slowdown` (the two multiply). The cycle continues

@@ -17,8 +17,11 @@
 //                  page-locked memory, the losses read back once per timed block
 //   --bare_loss    unfused: the head's logits, then LibTorch's cross_entropy; fused: the head
 //                  and the loss in row chunks (worker/linear_cross_entropy.h)
+//   --cuda_graphs  the whole step as one CUDA graph (worker/step_graph.h), where the step can
+//                  be captured: a GPU, the fused AdamW, the one_pass clip, round sync; the
+//                  trainer's too (worker/trainer.h SetTrainerCudaGraphs)
 // The defaults (foreach or fused by device, one_pass, round, the model's own loss: fused on a
-// GPU) are the trainer's own code: with
+// GPU, CUDA graphs on) are the trainer's own code: with
 // --trainer, the ratio then compares the trainer with a bare loop of the same step.
 //
 // Output (one line):
@@ -28,7 +31,8 @@
 // that follow --warmup untimed ones. With --trainer the same number of steps also runs through
 // LocalTrainer::Train, from the same initial parameters, the two taking turns in --blocks blocks;
 // a second line follows
-//   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare> [mfu=<m>]
+//   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare>
+//       graph=<on|off> [mfu=<m>]
 // and with --round_steps H > 0 two more, one per round boundary (common/trainer_interface.h
 // RoundBoundary: host, then device): --rounds R overlapped rounds of H steps as aloe-worker
 // --overlap eager runs them, against the same R x H steps in one Train call; the difference is
@@ -62,6 +66,7 @@
 #include "common/token_source.h"
 #include "worker/inner_adamw.h"
 #include "worker/round_boundary.h"
+#include "worker/step_graph.h"
 #include "worker/torch_util.h"
 #include "worker/trainer.h"
 #include "worker/transformer.h"
@@ -100,6 +105,9 @@ ABSL_FLAG(std::string, bare_loss, "default",
 ABSL_FLAG(std::string, bare_sync, "round",
           "When the bare loop's host waits for the device: "
           "step | round (the trainer's)");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "On a GPU: the bare loop's step (when it can be captured) and the trainer's as one "
+          "CUDA graph each");
 ABSL_FLAG(int32_t, round_steps, 0,
           "With --trainer and > 0: also time --rounds overlapped rounds of this many steps "
           "through the host and the device round boundary against the same steps in one call");
@@ -256,11 +264,30 @@ absl::Status Run() {
     inner_adamw = std::make_unique<InnerAdamW>(params, std::move(decay), inner, kernel);
   }
   const bool fused_loss = loss_kind == "fused" || (loss_kind == "default" && device.is_cuda());
-  std::printf("bare_step adamw=%s clip=%s sync=%s loss=%s\n",
+  // The same step, captured once and replayed (the trainer's GraphedSteps), where it can be.
+  SetTrainerCudaGraphs(absl::GetFlag(FLAGS_cuda_graphs));
+  std::unique_ptr<GraphedSteps> graphed;
+  if (TrainerCudaGraphs() && CudaGraphsAvailable() && device.is_cuda() && inner_adamw &&
+      inner_adamw->capturable() && one_pass_clip && !sync_each_step) {
+    graphed =
+        std::make_unique<GraphedSteps>(inner_adamw.get(), device, [&](const torch::Tensor& batch) {
+          inner_adamw->ZeroGrad();
+          torch::Tensor loss;
+          {
+            TrainingAutocast bf16;
+            loss = model->Loss(batch);
+          }
+          loss.backward();
+          inner_adamw->LaunchStep(GradClipFactor(params, inner.grad_clip()));
+          return loss;
+        });
+  }
+  std::printf("bare_step adamw=%s clip=%s sync=%s loss=%s graph=%s\n",
               libtorch_adamw                                 ? "libtorch"
               : inner_adamw->kernel() == AdamWKernel::kFused ? "fused"
                                                              : "foreach",
-              clip_kind.c_str(), sync.c_str(), fused_loss ? "fused" : "unfused");
+              clip_kind.c_str(), sync.c_str(), fused_loss ? "fused" : "unfused",
+              graphed ? "on" : "off");
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start(0, data->num_tokens() - window);
   // Runs `n` bare steps; returns their seconds unless they are warmup steps (a call's steps are
@@ -274,6 +301,11 @@ absl::Status Run() {
       torch::Tensor batch = torch::empty({batch_size, window}, torch::kInt64);
       for (int64_t b = 0; b < batch_size; ++b) {
         data->Read(start(rng), window, batch.data_ptr<int64_t>() + b * window);
+      }
+      if (graphed) {
+        const torch::Tensor loss = graphed->Step(batch, inner.lr());
+        queued_loss = queued_loss.defined() ? queued_loss + loss : loss.clone();
+        continue;
       }
       batch = sync_each_step ? batch.to(device) : BatchOnDevice(batch, device);
       if (inner_adamw) {
@@ -356,8 +388,9 @@ absl::Status Run() {
   if (with_trainer) {
     const double tps =
         static_cast<double>(trainer_steps) * batch_size * config.seq_len() / trainer_seconds;
-    std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f%s\n", tps,
-                trainer_steps, trainer_seconds, tps / bare_tps, mfu(tps).c_str());
+    std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f graph=%s%s\n",
+                tps, trainer_steps, trainer_seconds, tps / bare_tps,
+                trainer->replays_cuda_graph() ? "on" : "off", mfu(tps).c_str());
     const int round_steps = absl::GetFlag(FLAGS_round_steps);
     if (round_steps > 0) {
       // The same steps in one call, then as overlapped rounds through each boundary: what the

@@ -5,9 +5,12 @@
 #include <cmath>
 #include <memory>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/lr_schedule.h"
+#include "worker/step_graph.h"
 #include "worker/trainer.h"
 
 namespace aloe::worker {
@@ -23,6 +26,19 @@ v1::InnerOptimizerConfig Inner() {
 
 // Parameters of assorted shapes: matrices (decayed) and vectors (not), one of them large enough
 // that LibTorch vectorises its kernels.
+// A parameter's state in a LibTorch optimizer: keyed by a string of the parameter's address in
+// older LibTorch versions, by the address itself in newer ones.
+template <typename Optimizer>
+const torch::optim::OptimizerParamState& StateOf(const Optimizer& optimizer,
+                                                 const torch::Tensor& p) {
+  using Key = typename std::decay_t<decltype(optimizer.state())>::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    return *optimizer.state().at(c10::str(p.unsafeGetTensorImpl()));
+  } else {
+    return *optimizer.state().at(p.unsafeGetTensorImpl());
+  }
+}
+
 std::vector<torch::Tensor> MakeParams(uint64_t seed) {
   torch::manual_seed(seed);
   std::vector<torch::Tensor> params;
@@ -104,8 +120,8 @@ TEST(InnerAdamWTest, MatchesLibTorchAdamWAndClipBitForBitOnTheCpu) {
   // there, on a zero gradient, in both.
   EXPECT_EQ(adam.steps(skip), 8);
   for (size_t i = 0; i < adam.size(); ++i) {
-    const auto& state = static_cast<const torch::optim::AdamWParamState&>(
-        *reference.state().at(c10::guts::to_string(theirs[i].unsafeGetTensorImpl())));
+    const auto& state =
+        static_cast<const torch::optim::AdamWParamState&>(StateOf(reference, theirs[i]));
     EXPECT_EQ(adam.steps(i), state.step()) << "parameter " << i;
     EXPECT_TRUE(torch::equal(adam.exp_avg(i), state.exp_avg())) << "first moment " << i;
     EXPECT_TRUE(torch::equal(adam.exp_avg_sq(i), state.exp_avg_sq())) << "second moment " << i;
@@ -186,6 +202,15 @@ TEST(InnerAdamWTest, RestoreSetsMomentsAndStepsAndRefusesWrongShapes) {
                std::invalid_argument);
 }
 
+// The multi-tensor step takes its learning rate from the host: it cannot be split for a graph.
+TEST(InnerAdamWTest, OnlyTheFusedKernelReadsItsLearningRateFromTheDevice) {
+  std::vector<torch::Tensor> params = MakeParams(3);
+  InnerAdamW adam(params, DecayFlags(params), Inner(), AdamWKernel::kForEach);
+  EXPECT_FALSE(adam.capturable());
+  EXPECT_THROW(adam.SetLearningRate(0.1), std::logic_error);
+  EXPECT_THROW(adam.LaunchStep(torch::Tensor()), std::logic_error);
+}
+
 // On a GPU (skipped without one): the fused kernel with the clip folded into its gradient scale
 // against the multi-tensor one, over steps where the clip acts and where it does not.
 TEST(InnerAdamWTest, FusedKernelOnTheGpuMatchesTheMultiTensorOne) {
@@ -198,6 +223,8 @@ TEST(InnerAdamWTest, FusedKernelOnTheGpuMatchesTheMultiTensorOne) {
   }
   InnerAdamW a(fused, DecayFlags(fused), inner, AdamWKernel::kFused);
   InnerAdamW b(foreach, DecayFlags(foreach), inner, AdamWKernel::kForEach);
+  EXPECT_EQ(a.capturable(), CudaGraphsAvailable()) << "the learning rate on the device";
+  EXPECT_FALSE(b.capturable());
   for (int step = 0; step < 6; ++step) {
     for (auto [adam, params] : {std::pair{&a, &fused}, std::pair{&b, &foreach}}) {
       adam->ZeroGrad();

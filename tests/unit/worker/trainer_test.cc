@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,6 +23,7 @@
 #include "common/step_times.h"
 #include "common/token_source.h"
 #include "tests/testing/tiny_transformer.h"
+#include "worker/step_graph.h"
 #include "worker/torch_util.h"
 #include "worker/transformer.h"
 
@@ -478,6 +480,76 @@ TEST(LocalTrainerTest, TrainsOnTheGpuAsOnTheCpu) {
   EXPECT_LE(error, 1e-4);
   EXPECT_GT(relative(gpu_bf16, gpu), 1e-4) << "bf16 autocast changed nothing on the GPU";
   EXPECT_GT(relative(gpu, InitializeParameters(BuildTransformerSpec(TinyModel(), 2), 1)), 1e-3);
+}
+
+// CUDA graphs are for GPUs: on the CPU the setting changes nothing, bit for bit.
+TEST(LocalTrainerTest, StepsEagerlyOnTheCpuWhateverTheCudaGraphSetting) {
+  const InMemoryTokenSource data = PeriodicTokens(2000);
+  auto train = [&](bool graphs) {
+    SetTrainerCudaGraphs(graphs);
+    auto trainer = MakeTrainer();
+    EXPECT_NE(trainer, nullptr);
+    EXPECT_THAT(trainer->Train(data, 5, 0, /*seed=*/3), IsOk());
+    EXPECT_FALSE(trainer->replays_cuda_graph());
+    SetTrainerCudaGraphs(true);
+    return Params(*trainer);
+  };
+  EXPECT_TRUE(TrainerCudaGraphs()) << "on by default";
+  EXPECT_EQ(train(true), train(false));
+}
+
+// On a GPU (skipped without one): steps replayed from a CUDA graph (worker/step_graph.h) end
+// where eager steps end, in float32 and in bf16 autocast, across two Train calls with the
+// learning rate changing every step and parameters set in place between them; both count the
+// same AdamW steps and report the same losses.
+TEST(LocalTrainerTest, CudaGraphStepsMatchEagerStepsOnTheGpu) {
+  if (VisibleGpus() == 0) GTEST_SKIP() << "no GPU visible to LibTorch";
+  ASSERT_TRUE(CudaGraphsAvailable()) << "a CUDA LibTorch without CUDA graphs";
+  const InMemoryTokenSource data = PeriodicTokens(4000);
+  const Layers restart = InitializeParameters(BuildTransformerSpec(TinyModel(), 2), 9);
+  for (const bool bf16 : {false, true}) {
+    auto train = [&](bool graphs, std::vector<double>* losses) {
+      EXPECT_THAT(SetTrainerDevice("cuda:0"), IsOk());
+      SetTrainerAutocastBf16(bf16);
+      SetTrainerCudaGraphs(graphs);
+      auto trainer = MakeTrainer();
+      EXPECT_NE(trainer, nullptr);
+      // 3 eager steps, the capture, 2 replays; then 4 more replays from other parameters.
+      auto first = trainer->Train(data, 6, /*lr_step=*/0, /*seed=*/100);
+      EXPECT_THAT(first, IsOk());
+      EXPECT_EQ(trainer->replays_cuda_graph(), graphs);
+      EXPECT_THAT(trainer->SetParameters(restart), IsOk());
+      auto second = trainer->Train(data, 4, /*lr_step=*/6, /*seed=*/101);
+      EXPECT_THAT(second, IsOk());
+      if (first.ok() && second.ok()) *losses = {first->mean_loss, second->mean_loss};
+      auto state = trainer->SaveInnerState();
+      EXPECT_THAT(state, IsOk());
+      if (state.ok()) {
+        EXPECT_EQ(state->steps, 10u);
+      }
+      SetTrainerCudaGraphs(true);
+      SetTrainerAutocastBf16(false);
+      EXPECT_THAT(SetTrainerDevice("cpu"), IsOk());
+      return Params(*trainer);
+    };
+    std::vector<double> graph_losses, eager_losses;
+    const Layers graphed = train(true, &graph_losses);
+    const Layers eager = train(false, &eager_losses);
+    double diff = 0, norm = 0;
+    for (size_t l = 0; l < eager.size(); ++l) {
+      for (size_t i = 0; i < eager[l].size(); ++i) {
+        diff += std::pow(double(graphed[l][i]) - eager[l][i], 2);
+        norm += std::pow(double(eager[l][i]), 2);
+      }
+    }
+    std::printf("CUDA graph vs eager steps (%s): relative difference %.3g\n",
+                bf16 ? "bf16" : "float32", std::sqrt(diff / norm));
+    EXPECT_LE(std::sqrt(diff / norm), 1e-5) << (bf16 ? "bf16" : "float32");
+    ASSERT_EQ(graph_losses.size(), 2u);
+    ASSERT_EQ(eager_losses.size(), 2u);
+    for (size_t r = 0; r < 2; ++r) EXPECT_NEAR(graph_losses[r], eager_losses[r], 1e-5) << r;
+    EXPECT_NE(graphed, InitializeParameters(BuildTransformerSpec(TinyModel(), 2), 1));
+  }
 }
 
 TEST(LocalTrainerTest, EvaluateIsDeterministicAndChangesNothing) {
