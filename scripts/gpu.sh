@@ -17,6 +17,15 @@
 #                               build-cuda) against python3's torch and builds the worker, the
 #                               server, the worker benchmark and the worker tests. Writes
 #                               $ALOE_BUILD_DIR/env.sh, which sets LD_LIBRARY_PATH for them.
+#   scripts/gpu.sh headers [DIR]
+#                               Anywhere, no GPU: compile-checks (g++ -fsyntax-only) every
+#                               LibTorch translation unit of the worker and its tests as a CUDA
+#                               build compiles it, against the newest LibTorch headers Debian has
+#                               (libtorch-dev of ALOE_HEADERS_SUITE, default sid) and CUDA's
+#                               (nvidia-cuda-dev of its non-free section: about 1 GB, fetched
+#                               once into DIR, default build-headers). Catches what a newer
+#                               LibTorch or the CUDA-only code would break before a GPU session.
+#                               Debian has no NCCL headers: the NCCL code is not checked.
 #   scripts/gpu.sh check [tests|bench|profile|job]...
 #                               On that build: the worker tests (the GPU ones no longer skip);
 #                               the GPU benchmark (tokens/s and MFU of a 124M model in bf16
@@ -28,8 +37,8 @@
 #                               All four by default.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
 # (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
-# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS, ALOE_GPU_ROUNDS,
-# ALOE_GPU_COMPILE, ALOE_GPU_TEST_SECONDS.
+# ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_SWEEP, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS,
+# ALOE_GPU_ROUNDS, ALOE_GPU_COMPILE, ALOE_GPU_TEST_SECONDS, ALOE_HEADERS_SUITE.
 set -euo pipefail
 ALOE_BUILD_DIR="${ALOE_BUILD_DIR:-$(cd "$(dirname "$0")/.." && pwd)/build-cuda}"
 # shellcheck source=scripts/lib.sh
@@ -71,25 +80,84 @@ bundle() {
   aloe_log "bundle: $kept packages in $dir ($(du -sh "$dir" | cut -f1)); $dropped base-system packages left out"
 }
 
-# Downloads libgloo-dev of $GLOO_SUITE into DIR, from the mirror this machine's apt uses, signed
-# by Debian's archive keyring, through apt lists of its own (the system's are left alone).
-gloo_headers() {
-  local dir="$1" uri
+# apt_download DIR SUITE COMPONENTS PACKAGE...: downloads the packages' .deb files of Debian's
+# SUITE (COMPONENTS: e.g. "main non-free") into DIR, from the mirror this machine's apt uses,
+# signed by Debian's archive keyring, through apt lists of its own (the system's are left alone).
+apt_download() {
+  local dir="$1" suite="$2" components="$3" uri
+  shift 3
   uri="$(sed -n 's/^URIs: *\([^ ]*\).*/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null |
     grep -v security | head -1)"
   [ -n "$uri" ] || uri="$(awk '$1 == "deb" && $3 ~ /^bookworm$/ { print $2; exit }' \
     /etc/apt/sources.list 2>/dev/null)"
   [ -n "$uri" ] || { echo "gpu.sh: no Debian mirror found in /etc/apt's sources" >&2; exit 1; }
-  local apt="$dir/.apt-$GLOO_SUITE"
+  local apt="$dir/.apt-$suite"
   mkdir -p "$apt/lists/partial"
-  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri $GLOO_SUITE main" \
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $uri $suite $components" \
     >"$apt/sources.list"
   local o=(-o Dir::Etc::SourceList="$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
     -o Dir::State::Lists="$apt/lists" -o Debug::NoLocking=1)
-  { apt-get -q "${o[@]}" update && (cd "$dir" && apt-get -q "${o[@]}" download libgloo-dev); } \
+  { apt-get -q "${o[@]}" update && (cd "$dir" && apt-get -q "${o[@]}" download "$@"); } \
     >>"$dir/apt.log" 2>&1 || { cat "$dir/apt.log" >&2; exit 1; }
   rm -rf "$apt"
-  aloe_log "bundle: Gloo's headers from $GLOO_SUITE: $(cd "$dir" && ls libgloo-dev_*.deb)"
+}
+
+# Gloo's headers of $GLOO_SUITE into DIR, for the bundle.
+gloo_headers() {
+  apt_download "$1" "$GLOO_SUITE" main libgloo-dev
+  aloe_log "bundle: Gloo's headers from $GLOO_SUITE: $(cd "$1" && ls libgloo-dev_*.deb)"
+}
+
+# headers [DIR]: the compile check against a newer LibTorch's and CUDA's headers (usage above).
+headers() {
+  local dir="${1:-$ALOE_ROOT/build-headers}" suite="${ALOE_HEADERS_SUITE:-sid}"
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+  local root="$dir/root" version_h="usr/include/torch/csrc/api/include/torch/version.h"
+  if [ ! -f "$root/$version_h" ] || [ ! -f "$root/usr/include/cuda_runtime_api.h" ]; then
+    aloe_log "headers: fetching libtorch-dev, nvidia-cuda-dev, libcu++-dev and libgloo-dev of $suite (about 1 GB)"
+    rm -rf "$root" "$dir"/*.deb
+    apt_download "$dir" "$suite" "main non-free" libtorch-dev nvidia-cuda-dev libcu++-dev libgloo-dev
+    mkdir -p "$root"
+    local deb
+    for deb in "$dir"/*.deb; do
+      dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$root" --wildcards './usr/include/*'
+    done
+    rm -f "$dir"/*.deb
+    # Generated by a CUDA build of LibTorch; Debian's CPU-only build does not ship it.
+    mkdir -p "$root/usr/include/c10/cuda/impl"
+    printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' \
+      >"$root/usr/include/c10/cuda/impl/cuda_cmake_macros.h"
+  fi
+  local torch_version
+  torch_version="$(grep -rhE '^#define TORCH_VERSION_(MAJOR|MINOR|PATCH) ' \
+    "$root/usr/include/torch" | awk '{ print $3 }' | paste -sd.)"
+  # The generated protocol headers come from the CPU build.
+  local cpu_build="$ALOE_ROOT/build"
+  [ -f "$cpu_build/build.ninja" ] ||
+    cmake -S "$ALOE_ROOT" -B "$cpu_build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build "$cpu_build" -- aloe_proto_grpc >/dev/null
+  local flags=(-std=c++20 -fsyntax-only -DALOE_WITH_TORCH_CUDA=1 -DUSE_C10D_GLOO=1
+    '-DALOE_BIN_DIR=""' '-DALOE_SOURCE_DIR=""' -I"$ALOE_ROOT" -I"$cpu_build"
+    -I"$root/usr/include" -I"$root/usr/include/torch/csrc/api/include")
+  local files
+  mapfile -t files < <(cd "$ALOE_ROOT" && git ls-files 'worker/*.cc' 'tests/unit/worker/*.cc' \
+    'tests/bench/*.cc' 'tests/integration/*.cc' | grep -v '^worker/python/')
+  aloe_log "headers: checking ${#files[@]} files against LibTorch $torch_version and CUDA's headers"
+  local log="$dir/check.log"
+  : >"$log"
+  # shellcheck disable=SC2016 # the inner shell expands its own variables
+  printf '%s\n' "${files[@]}" | (cd "$ALOE_ROOT" && xargs -P "$(nproc)" -I{} sh -c \
+    'e=$(mktemp); g++ "$@" {} >/dev/null 2>"$e" || { echo "FAIL {}"; cat "$e"; }; rm -f "$e"' \
+    _ "${flags[@]}") >>"$log" 2>&1
+  local failed
+  failed="$(grep -c '^FAIL ' "$log" || true)"
+  if [ "$failed" -gt 0 ]; then
+    grep -E '^FAIL |error' "$log" | head -60 >&2
+    echo "gpu.sh: $failed of ${#files[@]} files fail to compile against LibTorch $torch_version (all in $log)" >&2
+    exit 1
+  fi
+  aloe_log "headers: all ${#files[@]} files compile against LibTorch $torch_version and CUDA's headers"
 }
 
 torch_prefix() {
@@ -167,39 +235,41 @@ check_tests() {
 # parameters) in bf16 autocast, its model FLOPs utilisation against ALOE_PEAK_TFLOPS (default
 # 989: H100 SXM dense bf16; 989 also for an H200). The bare LibTorch loop runs once per change to
 # the inner step, each added to the ones before it (worker/inner_adamw.h), so that each is
-# measured on its own: LibTorch's AdamW and clip with the host waiting for the device twice a
-# step; then the multi-tensor AdamW; the fused AdamW kernel; the one-pass clip folded into it;
-# the host no longer waiting each step; the head and loss fused in row chunks
-# (worker/linear_cross_entropy.h); the whole step as one CUDA graph (worker/step_graph.h). The
-# last two run against the worker's trainer in the same run, with the same CUDA graph setting
-# (their ratio), and each then times ALOE_GPU_ROUNDS (default 2) overlapped rounds of
-# ALOE_GPU_ROUND_STEPS (default 100) steps through the host and the device round boundary
-# against the same steps in one call: the GPU's idle time per round.
+# measured on its own, at ALOE_GPU_BATCH (default 16) sequences a step: LibTorch's AdamW and
+# clip with the host waiting for the device twice a step; then the multi-tensor AdamW; the fused
+# AdamW kernel; the one-pass clip folded into it; the host no longer waiting each step; the head
+# and loss fused in row chunks (worker/linear_cross_entropy.h); the whole step as one CUDA graph
+# (worker/step_graph.h). The last two run against the worker's trainer in the same run, with the
+# same CUDA graph setting (their ratio), and each then times ALOE_GPU_ROUNDS (default 2)
+# overlapped rounds of ALOE_GPU_ROUND_STEPS (default 100) steps through the host and the device
+# round boundary against the same steps in one call: the GPU's idle time per round. Last, the
+# whole step and the trainer at each batch of ALOE_GPU_SWEEP (default "32 64"; "" for none).
 check_bench() {
   local peak="${ALOE_PEAK_TFLOPS:-989}" log="$ALOE_BUILD_DIR/gpu-bench.log"
+  local batch="${ALOE_GPU_BATCH:-16}" rounds=(--round_steps="${ALOE_GPU_ROUND_STEPS:-100}"
+    --rounds="${ALOE_GPU_ROUNDS:-2}")
   local variants=("libtorch libtorch step unfused false" "foreach libtorch step unfused false"
     "fused libtorch step unfused false" "fused one_pass step unfused false"
     "fused one_pass round unfused false" "fused one_pass round fused false"
     "fused one_pass round fused true")
   : >"$log"
-  local v adamw clip sync loss graphs first_trainer=$((${#variants[@]} - 2)) i=0 failed=0
+  local v first_trainer=$((${#variants[@]} - 2)) i=0 failed=0
   for v in "${variants[@]}"; do
-    read -r adamw clip sync loss graphs <<<"$v"
-    local extra=()
-    [ "$i" -ge "$first_trainer" ] && extra=(--trainer
-      --round_steps="${ALOE_GPU_ROUND_STEPS:-100}" --rounds="${ALOE_GPU_ROUNDS:-2}")
-    "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 \
-      --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
-      --batch_size="${ALOE_GPU_BATCH:-16}" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 \
-      --threads=4 --peak_tflops="$peak" --bare_adamw="$adamw" --bare_clip="$clip" \
-      --bare_sync="$sync" --bare_loss="$loss" --cuda_graphs="$graphs" "${extra[@]}" |
-      tee -a "$log" || { aloe_log "check bench: the variant '$v' failed"; failed=1; }
+    if [ "$i" -ge "$first_trainer" ]; then
+      bench_run "$batch" "$v" --trainer "${rounds[@]}" || failed=1
+    else
+      bench_run "$batch" "$v" || failed=1
+    fi
     i=$((i + 1))
+  done
+  local b
+  for b in ${ALOE_GPU_SWEEP-32 64}; do
+    bench_run "$b" "${variants[${#variants[@]} - 1]}" --trainer || failed=1
   done
   awk -v peak="$peak" '
     function fields(   i, kv) { delete v; for (i = 1; i <= NF; ++i) { split($i, kv, "="); v[kv[1]] = kv[2] } }
-    /^bare_step/ { fields(); step = v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] ", " v["loss"] " loss, graph " v["graph"] }
-    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-68s tokens_per_second=%s mfu=%s%s\n",
+    /^bare_step/ { fields(); step = "batch " v["batch"] ", " v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] ", " v["loss"] " loss, graph " v["graph"] }
+    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-78s tokens_per_second=%s mfu=%s%s\n",
       step, v["tokens_per_second"], v["mfu"], prev ? sprintf(" (x%.3f)", v["tokens_per_second"] / prev) : "";
       prev = v["tokens_per_second"] }
     /^aloe_trainer/ { fields(); graph = v["graph"]; printf "gpu: trainer (graph %s) tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",
@@ -207,6 +277,21 @@ check_bench() {
     /^aloe_round/ { fields(); printf "gpu: %s rounds of %s steps, %s boundary, graph %s: %s s a round, the GPU idle %s s of it (%.2f%%)\n",
       v["rounds"], v["round_steps"], v["boundary"], graph, v["round_seconds"], v["idle_seconds"], 100 * v["idle_fraction"] }' "$log"
   return "$failed"
+}
+
+# bench_run BATCH "ADAMW CLIP SYNC LOSS GRAPHS" [FLAG...]: one aloe-bench-worker run of the 124M
+# model into check_bench's log; fails (after logging which) when the run does.
+bench_run() {
+  local batch="$1" adamw clip sync loss graphs
+  read -r adamw clip sync loss graphs <<<"$2"
+  shift 2
+  "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 \
+    --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
+    --batch_size="$batch" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 --threads=4 \
+    --peak_tflops="${ALOE_PEAK_TFLOPS:-989}" --bare_adamw="$adamw" --bare_clip="$clip" \
+    --bare_sync="$sync" --bare_loss="$loss" --cuda_graphs="$graphs" "$@" |
+    tee -a "$ALOE_BUILD_DIR/gpu-bench.log" ||
+    { aloe_log "check bench: batch $batch, $adamw $clip $sync $loss graphs=$graphs failed"; return 1; }
 }
 
 # Where a step of the same 124M model spends the GPU's time: scripts/gpu-profile.py (PyTorch
@@ -290,6 +375,7 @@ stage() {
 
 case "${1:-}" in
   bundle) shift; bundle "$@" ;;
+  headers) shift; headers "$@" ;;
   build) shift; build "$@" ;;
   check) shift; check "$@" ;;
   stage) shift; stage "$1" ;;

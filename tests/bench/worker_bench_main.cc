@@ -282,7 +282,8 @@ absl::Status Run() {
           return loss;
         });
   }
-  std::printf("bare_step adamw=%s clip=%s sync=%s loss=%s graph=%s\n",
+  std::printf("bare_step batch=%lld adamw=%s clip=%s sync=%s loss=%s graph=%s\n",
+              static_cast<long long>(batch_size),
               libtorch_adamw                                 ? "libtorch"
               : inner_adamw->kernel() == AdamWKernel::kFused ? "fused"
                                                              : "foreach",
