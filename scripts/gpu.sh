@@ -21,11 +21,12 @@
 #                               Anywhere, no GPU: compile-checks (g++ -fsyntax-only) every
 #                               LibTorch translation unit of the worker and its tests as a CUDA
 #                               build compiles it, against the newest LibTorch headers Debian has
-#                               (libtorch-dev of ALOE_HEADERS_SUITE, default sid) and CUDA's
-#                               (nvidia-cuda-dev of its non-free section: about 1 GB, fetched
-#                               once into DIR, default build-headers). Catches what a newer
-#                               LibTorch or the CUDA-only code would break before a GPU session.
-#                               Debian has no NCCL headers: the NCCL code is not checked.
+#                               (libtorch-dev of ALOE_HEADERS_SUITE, default sid, fetched once
+#                               into DIR, default build-headers) and CUDA's (/usr/local/cuda's;
+#                               without it nvidia-cuda-dev of the suite's non-free section, about
+#                               1 GB). Catches what a newer LibTorch or the CUDA-only code would
+#                               break before a GPU session. Debian has no NCCL headers: the NCCL
+#                               code is not checked.
 #   scripts/gpu.sh check [tests|bench|profile|job]...
 #                               On that build: the worker tests (the GPU ones no longer skip);
 #                               the GPU benchmark (tokens/s and MFU of a 124M model in bf16
@@ -114,10 +115,16 @@ headers() {
   mkdir -p "$dir"
   dir="$(cd "$dir" && pwd)"
   local root="$dir/root" version_h="usr/include/torch/csrc/api/include/torch/version.h"
-  if [ ! -f "$root/$version_h" ] || [ ! -f "$root/usr/include/cuda_runtime_api.h" ]; then
-    aloe_log "headers: fetching libtorch-dev, nvidia-cuda-dev, libcu++-dev and libgloo-dev of $suite (about 1 GB)"
+  local cuda_include=/usr/local/cuda/include components=main packages=(libtorch-dev libgloo-dev)
+  if [ ! -f "$cuda_include/cuda_runtime_api.h" ]; then
+    cuda_include="$root/usr/include"
+    components="main non-free"
+    packages+=(nvidia-cuda-dev libcu++-dev)
+  fi
+  if [ ! -f "$root/$version_h" ] || [ ! -f "$cuda_include/cuda_runtime_api.h" ]; then
+    aloe_log "headers: fetching ${packages[*]} of $suite"
     rm -rf "$root" "$dir"/*.deb
-    apt_download "$dir" "$suite" "main non-free" libtorch-dev nvidia-cuda-dev libcu++-dev libgloo-dev
+    apt_download "$dir" "$suite" "$components" "${packages[@]}"
     mkdir -p "$root"
     local deb
     for deb in "$dir"/*.deb; do
@@ -139,11 +146,11 @@ headers() {
   cmake --build "$cpu_build" -- aloe_proto_grpc >/dev/null
   local flags=(-std=c++20 -fsyntax-only -DALOE_WITH_TORCH_CUDA=1 -DUSE_C10D_GLOO=1
     '-DALOE_BIN_DIR=""' '-DALOE_SOURCE_DIR=""' -I"$ALOE_ROOT" -I"$cpu_build"
-    -I"$root/usr/include" -I"$root/usr/include/torch/csrc/api/include")
+    -I"$root/usr/include" -I"$root/usr/include/torch/csrc/api/include" -I"$cuda_include")
   local files
   mapfile -t files < <(cd "$ALOE_ROOT" && git ls-files 'worker/*.cc' 'tests/unit/worker/*.cc' \
     'tests/bench/*.cc' 'tests/integration/*.cc' | grep -v '^worker/python/')
-  aloe_log "headers: checking ${#files[@]} files against LibTorch $torch_version and CUDA's headers"
+  aloe_log "headers: checking ${#files[@]} files against LibTorch $torch_version and the CUDA headers in $cuda_include"
   local log="$dir/check.log"
   : >"$log"
   # shellcheck disable=SC2016 # the inner shell expands its own variables
