@@ -5,9 +5,11 @@
 // The arithmetic is LibTorch's torch::optim::AdamW and torch::nn::utils::clip_grad_norm_ (the
 // inner optimizer of docs/algorithms.md). On the CPU the kForEach kernels compute exactly what
 // those do, bit for bit (each multi-tensor operation runs the same per-tensor kernel there). On
-// a CUDA device kFused runs one fused Adam kernel for every tensor with the same step count,
-// with the decoupled weight decay as one multi-tensor product before it and the clip folded into
-// the kernel as its gradient scale: the same formulas, in a different float rounding order.
+// a CUDA device kFused runs LibTorch's fused AdamW kernel once for the decayed tensors and once
+// for the rest, with the learning rate and the step counts read from device tensors and the clip
+// folded into the kernel as its gradient scale (LibTorch < 2.3: the fused Adam kernel per step
+// count, after one multi-tensor product for the decay): the same formulas, in a different float
+// rounding order.
 //
 // Includes <torch/torch.h>: only for translation units that use LibTorch anyway.
 #pragma once
@@ -24,7 +26,7 @@ namespace aloe::worker {
 
 enum class AdamWKernel {
   kForEach,  // multi-tensor operations (_foreach_*), on every device
-  kFused,    // LibTorch's fused Adam kernel: CUDA tensors only
+  kFused,    // LibTorch's fused AdamW kernel: CUDA tensors only
 };
 
 // The kernel for parameters on `device`: kFused on CUDA, kForEach elsewhere.

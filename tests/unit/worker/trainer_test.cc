@@ -544,10 +544,15 @@ TEST(LocalTrainerTest, CudaGraphStepsMatchEagerStepsOnTheGpu) {
     }
     std::printf("CUDA graph vs eager steps (%s): relative difference %.3g\n",
                 bf16 ? "bf16" : "float32", std::sqrt(diff / norm));
-    EXPECT_LE(std::sqrt(diff / norm), 1e-5) << (bf16 ? "bf16" : "float32");
+    // The same kernels either way, but the fused attention's backward may sum in another order
+    // from run to run; a graph that replayed a stale batch or learning rate would miss by far more.
+    const double tolerance = bf16 ? 1e-4 : 1e-5;
+    EXPECT_LE(std::sqrt(diff / norm), tolerance) << (bf16 ? "bf16" : "float32");
     ASSERT_EQ(graph_losses.size(), 2u);
     ASSERT_EQ(eager_losses.size(), 2u);
-    for (size_t r = 0; r < 2; ++r) EXPECT_NEAR(graph_losses[r], eager_losses[r], 1e-5) << r;
+    for (size_t r = 0; r < 2; ++r) {
+      EXPECT_NEAR(graph_losses[r], eager_losses[r], tolerance * std::abs(eager_losses[r])) << r;
+    }
     EXPECT_NE(graphed, InitializeParameters(BuildTransformerSpec(TinyModel(), 2), 1));
   }
 }
