@@ -102,6 +102,14 @@ class Cluster:
         with open(os.path.join(self.dir, name + ".log")) as f:
             return f.read()
 
+    def wait_for_log(self, name, text, timeout):
+        """Waits until `name`'s log holds `text`."""
+        deadline = time.time() + timeout
+        while text not in self.log(name):
+            if self.procs[name].poll() is not None or time.time() > deadline:
+                raise AssertionError("%s never logged %r\n%s" % (name, text, self.logs()))
+            time.sleep(0.05)
+
     def logs(self):
         return "".join("--- %s:\n%s\n" % (n, self.log(n)[-3000:]) for n in self.procs)
 
@@ -169,6 +177,9 @@ class PythonWorkerTest(unittest.TestCase):
                "--corpus_dir=" + self.corpus, "--metrics=off", "--device=cpu"]
         cluster.start("evaluator", cpp + ["--role=evaluator", "--name=evaluator",
                                           "--eval_sequences=%d" % EVAL_SEQUENCES])
+        # The trainers start once version 0 is evaluated: on a loaded host they can otherwise
+        # make version 1 before the evaluator has joined, and version 0 is never evaluated.
+        cluster.wait_for_log("evaluator", "eval version 0:", 120)
         cluster.start("cpp", cpp + ["--name=cpp"])
         cluster.start("python", [sys.executable,
                                  os.path.join(PYTHON_DIR, "examples", "train.py"),
