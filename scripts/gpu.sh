@@ -35,7 +35,8 @@
 #                               GPU's idle share of a round); a profile of the same model's step
 #                               (scripts/gpu-profile.py: GPU time by kernel category); a real
 #                               job (aloe-server and aloe-worker --device on the GPU, 4 rounds).
-#                               All four by default.
+#                               All four by default; a failed stage does not stop the next, and
+#                               the check exits 1 naming every stage that failed.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
 # (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
 # ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_SWEEP, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS,
