@@ -209,6 +209,11 @@ absl::StatusOr<Reply> Unary(const ServerClient& client, v1::Coordinator::Stub* s
   client.PrepareContext(&context, kControlDeadlineSeconds);
   Reply reply;
   absl::Status s = FromGrpcStatus((stub->*method)(&context, request, &reply));
+  // This client never cancels a unary call: CANCELLED is the server ending it, as a server
+  // that shuts down does with the calls in flight. The worker takes it as the server away.
+  if (s.code() == absl::StatusCode::kCancelled) {
+    return absl::UnavailableError(absl::StrCat("the server ended the call: ", s.message()));
+  }
   if (!s.ok()) return s;
   return reply;
 }
