@@ -21,11 +21,14 @@ With --compile MODE (PyTorch 2.x) the forward pass and loss go through torch.com
 same profile then shows what kernel fusion, and with reduce-overhead CUDA graphs, would gain
 over eager, an upper bound for doing the same by hand in LibTorch.
 
+With --attention KERNEL the attention runs on that kernel alone (aloe-worker --attention).
+
 scripts/gpu.sh check profile runs it on the GPU machine with the benchmark's 124M model.
 """
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -51,6 +54,24 @@ CATEGORIES = [
 ]
 
 
+# aloe-worker --attention's names for torch.nn.attention.SDPBackend's members.
+ATTENTION = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+             "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def attention_kernel(name):
+    """A context manager that lets attention use the kernel `name` alone; None where this PyTorch
+    cannot choose (no torch.nn.attention, or no such kernel)."""
+    if ATTENTION[name] is None:
+        return contextlib.nullcontext()
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    backend = getattr(SDPBackend, ATTENTION[name], None)
+    return None if backend is None else sdpa_kernel(backend)
+
+
 def category(name):
     for label, pattern in CATEGORIES:
         if pattern.search(name):
@@ -72,6 +93,9 @@ def parse_args(argv):
     p.add_argument("--autocast", choices=["off", "bf16"], default="bf16")
     p.add_argument("--peak_tflops", type=float, default=0.0,
                    help="> 0 prints the model FLOPs utilisation (6 N + 12 L d T per token)")
+    p.add_argument("--attention", default="auto", choices=sorted(ATTENTION),
+                   help="the fused attention's kernel (torch.nn.attention.sdpa_kernel, PyTorch "
+                        ">= 2.3), as aloe-worker --attention; auto: PyTorch's own choice")
     p.add_argument("--top", type=int, default=20, help="kernels listed by time")
     p.add_argument("--trace", default="", help="also keep the Chrome trace here")
     p.add_argument("--compile", default="off",
@@ -106,6 +130,7 @@ def flops_per_token(model, args):
 
 def make_step(model, args, device):
     loss_of = model.loss
+    attention = args.attention
     if args.compile != "off":
         loss_of = torch.compile(model.loss, mode=args.compile)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -126,7 +151,8 @@ def make_step(model, args, device):
             batch = batch.pin_memory().to(device, non_blocking=True)
         # As the trainer: gradients dropped on a GPU, zeroed in place on the CPU.
         optimizer.zero_grad(set_to_none=device.type == "cuda")
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"), \
+                attention_kernel(attention):
             loss = loss_of(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -178,6 +204,10 @@ def main(argv):
         print(f"gpu-profile: --compile needs PyTorch 2.x; this is {torch.__version__}",
               file=sys.stderr)
         return 2
+    if attention_kernel(args.attention) is None:
+        print(f"gpu-profile: --attention {args.attention} needs torch.nn.attention (PyTorch >= "
+              f"2.3) with that kernel; this is {torch.__version__}", file=sys.stderr)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"gpu-profile: {args.device}: PyTorch sees no CUDA GPU", file=sys.stderr)
         return 1
@@ -213,7 +243,8 @@ def main(argv):
     tokens = args.batch_size * args.seq_len
     tps = tokens / wall
     line = (f"profile step_ms={1e3 * wall:.2f} tokens_per_second={tps:.1f} loss={loss:.4f} "
-            f"adamw={optimizer_kind} compile={args.compile} device={device}")
+            f"adamw={optimizer_kind} compile={args.compile} attention={args.attention} "
+            f"device={device}")
     if args.peak_tflops > 0:
         line += f" mfu={tps * flops_per_token(model, args) / (args.peak_tflops * 1e12):.3f}"
     print(line)

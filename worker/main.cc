@@ -83,6 +83,12 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "3 eager steps and replayed (one launch a step instead of one per kernel; the same "
           "arithmetic). Needs a CUDA LibTorch >= 2.3; single-process trainers only. false: "
           "launch every kernel");
+ABSL_FLAG(std::string, attention, "auto",
+          "auto | flash | cudnn | efficient | math: the kernel of the built-in transformer's "
+          "fused attention (LibTorch 2.x). auto: LibTorch's choice; flash: FlashAttention (16-bit "
+          "inputs: with --autocast bf16 on a GPU); cudnn: cuDNN's (a GPU, LibTorch >= 2.4, "
+          "16-bit inputs); efficient: the memory-efficient kernel (a GPU); math: unfused. A "
+          "kernel that cannot take the model is refused, naming why, before training");
 ABSL_FLAG(std::string, torchscript, "",
           "Bring-your-own model: a TorchScript file whose forward(inputs) returns logits or "
           "forward(inputs, targets) the loss; the server trains aloe-import-model's import of it");
@@ -158,6 +164,9 @@ absl::StatusOr<int> Main() {
   SetTrainerThreads(options.threads);
   SetTrainerAutocastBf16(absl::GetFlag(FLAGS_autocast) == "bf16");
   SetTrainerCudaGraphs(absl::GetFlag(FLAGS_cuda_graphs));
+  ALOE_ASSIGN_OR_RETURN(const AttentionKernel attention,
+                        ParseAttentionKernel(absl::GetFlag(FLAGS_attention)));
+  ALOE_RETURN_IF_ERROR(SetAttentionKernel(attention));
   ConfigureAllocatorForTraining();
   ALOE_ASSIGN_OR_RETURN(std::unique_ptr<MetricsSink> metrics,
                         StartWorkerMetrics(absl::GetFlag(FLAGS_metrics)));

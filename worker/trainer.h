@@ -60,6 +60,27 @@ bool TrainerAutocastBf16();
 void SetTrainerCudaGraphs(bool on);
 bool TrainerCudaGraphs();
 
+// The kernels behind LibTorch 2.x's fused attention (scaled_dot_product_attention), as
+// aloe-worker --attention names them: auto (LibTorch picks among all, in its own order: on a GPU
+// FlashAttention first where it applies), flash (FlashAttention; also on the CPU), cudnn
+// (cuDNN's fused attention; GPU, LibTorch >= 2.4), efficient (the memory-efficient kernel; GPU)
+// and math (the unfused reference: scores, softmax, weighted sum). All compute the same function
+// up to rounding. Implemented in worker/transformer.cc, which holds the attention.
+enum class AttentionKernel { kAuto, kFlash, kCudnn, kEfficient, kMath };
+
+// kInvalidArgument naming the choices for another name.
+absl::StatusOr<AttentionKernel> ParseAttentionKernel(const std::string& name);
+const char* AttentionKernelName(AttentionKernel kernel);
+
+// Lets the built-in transformer's attention use `kernel` alone in this process (LibTorch's
+// global context; kAuto enables every kernel again). kFailedPrecondition, nothing changed, where
+// this LibTorch has no such kernel (1.13 runs the unfused form: only auto and math) or the
+// training device cannot run it (cudnn and efficient need a GPU): call after SetTrainerDevice.
+// Trainers check at creation that the kernel takes their model (CheckAttentionKernelRuns,
+// worker/transformer.h). Not thread-safe with training.
+absl::Status SetAttentionKernel(AttentionKernel kernel);
+AttentionKernel CurrentAttentionKernel();
+
 // The device the inner loop of this process trains on (aloe-worker --device):
 //   "cpu"; "cuda" (GPU 0) or "cuda:I" (GPU I); "auto": GPU 0 when LibTorch sees a GPU, else cpu.
 // The model's parameters, activations and gradients and the AdamW state live there (FsdpTrainer:

@@ -2,10 +2,12 @@
 
 #include <torch/version.h>
 
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -13,6 +15,7 @@
 #include "common/status_macros.h"
 #include "worker/linear_cross_entropy.h"
 #include "worker/torch_util.h"
+#include "worker/trainer.h"
 
 // LibTorch 2.x has fused attention (scaled_dot_product_attention); Debian's LibTorch 1.13 runs
 // the three-step form.
@@ -20,6 +23,12 @@
 #define ALOE_FUSED_ATTENTION 1
 #else
 #define ALOE_FUSED_ATTENTION 0
+#endif
+// cuDNN's fused attention is one of them from LibTorch 2.4 on.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define ALOE_CUDNN_ATTENTION 1
+#else
+#define ALOE_CUDNN_ATTENTION 0
 #endif
 
 namespace aloe::worker {
@@ -30,7 +39,100 @@ std::string ShapeString(const Shape& shape) {
   return absl::StrFormat("[%s]", absl::StrJoin(shape.begin(), shape.end(), ","));
 }
 
+constexpr std::pair<AttentionKernel, const char*> kAttentionKernels[] = {
+    {AttentionKernel::kAuto, "auto"},   {AttentionKernel::kFlash, "flash"},
+    {AttentionKernel::kCudnn, "cudnn"}, {AttentionKernel::kEfficient, "efficient"},
+    {AttentionKernel::kMath, "math"},
+};
+
+std::atomic<AttentionKernel> g_attention{AttentionKernel::kAuto};
+
 }  // namespace
+
+absl::StatusOr<AttentionKernel> ParseAttentionKernel(const std::string& name) {
+  for (const auto& [kernel, known] : kAttentionKernels) {
+    if (name == known) return kernel;
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "attention kernel must be auto, flash, cudnn, efficient or math, got \"%s\"", name));
+}
+
+const char* AttentionKernelName(AttentionKernel kernel) {
+  for (const auto& [known, name] : kAttentionKernels) {
+    if (kernel == known) return name;
+  }
+  return "unknown";
+}
+
+absl::Status SetAttentionKernel(AttentionKernel kernel) {
+  const char* name = AttentionKernelName(kernel);
+#if !ALOE_FUSED_ATTENTION
+  if (kernel != AttentionKernel::kAuto && kernel != AttentionKernel::kMath) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "attention kernel %s: LibTorch %d.%d has no fused attention (it runs the unfused form: "
+        "auto or math); build against LibTorch 2.x",
+        name, TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
+  }
+#else
+  if (!ALOE_CUDNN_ATTENTION && kernel == AttentionKernel::kCudnn) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("attention kernel cudnn needs LibTorch >= 2.4; this one is %d.%d",
+                        TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR));
+  }
+  const torch::Device device = TrainingDevice();
+  if ((kernel == AttentionKernel::kCudnn || kernel == AttentionKernel::kEfficient) &&
+      !device.is_cuda()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "attention kernel %s runs on a GPU; the training device is %s", name, device.str()));
+  }
+  try {
+    const bool all = kernel == AttentionKernel::kAuto;
+    at::Context& context = at::globalContext();
+    context.setSDPUseFlash(all || kernel == AttentionKernel::kFlash);
+    context.setSDPUseMemEfficient(all || kernel == AttentionKernel::kEfficient);
+    context.setSDPUseMath(all || kernel == AttentionKernel::kMath);
+#if ALOE_CUDNN_ATTENTION
+    context.setSDPUseCuDNN(all || kernel == AttentionKernel::kCudnn);
+#endif
+  } catch (const std::exception& e) {
+    return LibTorchError("choosing the attention kernel", e);
+  }
+#endif
+  g_attention.store(kernel, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+AttentionKernel CurrentAttentionKernel() { return g_attention.load(std::memory_order_relaxed); }
+
+absl::Status CheckAttentionKernelRuns(const v1::TransformerConfig& config,
+                                      const torch::Device& device, torch::ScalarType dtype) {
+  const AttentionKernel kernel = CurrentAttentionKernel();
+  if (!ALOE_FUSED_ATTENTION || kernel == AttentionKernel::kAuto) return absl::OkStatus();
+#if ALOE_FUSED_ATTENTION
+  const int64_t heads = config.num_heads();
+  const int64_t head_dim = config.d_model() / heads;
+  try {
+    torch::AutoGradMode grad(true);
+    // The layout of CausalSelfAttentionImpl::forward's q, k and v: views of one [B, T, 3, H,
+    // head_dim] projection.
+    const torch::Tensor projected =
+        torch::randn({1, 8, 3, heads, head_dim}, torch::TensorOptions().device(device))
+            .to(dtype)
+            .set_requires_grad(true);
+    const torch::Tensor qkv = projected.permute({2, 0, 3, 1, 4});
+    at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], /*attn_mask=*/{},
+                                     /*dropout_p=*/0.0, /*is_causal=*/true)
+        .sum()
+        .backward();
+  } catch (const std::exception& e) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("attention kernel %s cannot run %d heads of %d on %s in %s: %s",
+                        AttentionKernelName(kernel), heads, head_dim, device.str(),
+                        c10::toString(dtype), LibTorchError("attention", e).message()));
+  }
+#endif
+  return absl::OkStatus();
+}
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t num_heads)
     : num_heads_(num_heads), head_dim_(d_model / num_heads) {

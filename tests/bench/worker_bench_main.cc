@@ -20,13 +20,17 @@
 //   --cuda_graphs  the whole step as one CUDA graph (worker/step_graph.h), where the step can
 //                  be captured: a GPU, the fused AdamW, the one_pass clip, round sync; the
 //                  trainer's too (worker/trainer.h SetTrainerCudaGraphs)
+//   --attention    the fused attention's kernel (worker/trainer.h AttentionKernel), for the
+//                  trainer too
 // The defaults (foreach or fused by device, one_pass, round, the model's own loss: fused on a
 // GPU, CUDA graphs on) are the trainer's own code: with
 // --trainer, the ratio then compares the trainer with a bare loop of the same step.
 //
-// Output (one line):
+// Output (two lines):
+//   bare_step batch=<b> adamw=<kind> clip=<kind> sync=<kind> loss=<kind> graph=<asked>
+//       attention=<kernel>
 //   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count> device=<d>
-//       flops_per_token=<F> [mfu=<m>]
+//       flops_per_token=<F> graph=<on: the steps replayed a CUDA graph> [mfu=<m>]
 // where tokens are predicted tokens (batch_size * seq_len per step) over the --steps timed steps
 // that follow --warmup untimed ones. With --trainer the same number of steps also runs through
 // LocalTrainer::Train, from the same initial parameters, the two taking turns in --blocks blocks;
@@ -108,6 +112,9 @@ ABSL_FLAG(std::string, bare_sync, "round",
 ABSL_FLAG(bool, cuda_graphs, true,
           "On a GPU: the bare loop's step (when it can be captured) and the trainer's as one "
           "CUDA graph each");
+ABSL_FLAG(std::string, attention, "auto",
+          "auto | flash | cudnn | efficient | math: the attention kernel of the bare loop and "
+          "the trainer (as aloe-worker --attention)");
 ABSL_FLAG(int32_t, round_steps, 0,
           "With --trainer and > 0: also time --rounds overlapped rounds of this many steps "
           "through the host and the device round boundary against the same steps in one call");
@@ -201,6 +208,9 @@ absl::Status Run() {
     return absl::InvalidArgumentError("--autocast must be off or bf16");
   }
   SetTrainerAutocastBf16(autocast == "bf16");
+  ALOE_ASSIGN_OR_RETURN(const AttentionKernel attention,
+                        ParseAttentionKernel(absl::GetFlag(FLAGS_attention)));
+  ALOE_RETURN_IF_ERROR(SetAttentionKernel(attention));
   const double peak_tflops = absl::GetFlag(FLAGS_peak_tflops);
   if (!(peak_tflops >= 0)) return absl::InvalidArgumentError("--peak_tflops must be >= 0");
   const torch::Device device = TrainingDevice();
@@ -216,6 +226,8 @@ absl::Status Run() {
   // Flush-to-zero and denormals-are-zero on this thread and its intra-op threads, as every
   // trainer sets them: like with like.
   FlushDenormals();
+  ALOE_RETURN_IF_ERROR(CheckAttentionKernelRuns(
+      config, device, TrainerAutocastBf16() ? torch::kBFloat16 : torch::kFloat32));
   TransformerLM model(config);
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *model));
   model->to(device);
@@ -282,13 +294,13 @@ absl::Status Run() {
           return loss;
         });
   }
-  std::printf("bare_step batch=%lld adamw=%s clip=%s sync=%s loss=%s graph=%s\n",
+  std::printf("bare_step batch=%lld adamw=%s clip=%s sync=%s loss=%s graph=%s attention=%s\n",
               static_cast<long long>(batch_size),
               libtorch_adamw                                 ? "libtorch"
               : inner_adamw->kernel() == AdamWKernel::kFused ? "fused"
                                                              : "foreach",
               clip_kind.c_str(), sync.c_str(), fused_loss ? "fused" : "unfused",
-              graphed ? "on" : "off");
+              graphed ? "on" : "off", AttentionKernelName(attention));
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start(0, data->num_tokens() - window);
   // Runs `n` bare steps; returns their seconds unless they are warmup steps (a call's steps are
@@ -381,9 +393,10 @@ absl::Status Run() {
   const double bare_tps = tokens / seconds;
   std::printf(
       "bare_libtorch tokens_per_second=%.1f steps=%d seconds=%.3f params=%llu device=%s "
-      "flops_per_token=%.4g%s\n",
+      "flops_per_token=%.4g graph=%s%s\n",
       bare_tps, steps, seconds, static_cast<unsigned long long>(TotalElements(spec)),
-      device_name.c_str(), flops_per_token, mfu(bare_tps).c_str());
+      device_name.c_str(), flops_per_token, graphed && graphed->replaying() ? "on" : "off",
+      mfu(bare_tps).c_str());
   std::fflush(stdout);
 
   if (with_trainer) {

@@ -69,12 +69,29 @@ class GpuProfileTest(unittest.TestCase):
         self.assertEqual(rc, 2)
         self.assertIn("--compile needs PyTorch 2.x", err.getvalue())
 
+    def test_the_attention_kernel_is_chosen_or_refused_by_name(self):
+        small = ["--device", "cpu", "--vocab_size", "128", "--seq_len", "32", "--d_model", "32",
+                 "--num_layers", "2", "--num_heads", "2", "--batch_size", "2", "--warmup", "1",
+                 "--steps", "1", "--attention", "math"]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = gpu_profile.main(small)
+        if gpu_profile.attention_kernel("math") is None:  # no torch.nn.attention
+            self.assertEqual(rc, 2)
+            self.assertIn("--attention math needs torch.nn.attention", err.getvalue())
+            return
+        self.assertEqual(rc, 0, err.getvalue())
+        self.assertEqual(fields(out.getvalue().splitlines()[0])["attention"], "math")
+
     def test_categories_of_cuda_kernel_names(self):
         for name, want in [
                 ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
                 ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "matmul"),
                 ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>",
                  "attention"),
+                ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64",
+                 "attention"),
+                ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"),
                 ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<"
                  "FusedAdamMathFunctor<float, 4>>", "optimizer"),
                 ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>",

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
@@ -496,6 +497,108 @@ TEST(LocalTrainerTest, StepsEagerlyOnTheCpuWhateverTheCudaGraphSetting) {
   };
   EXPECT_TRUE(TrainerCudaGraphs()) << "on by default";
   EXPECT_EQ(train(true), train(false));
+}
+
+// --attention: names in and out; a kernel the device or this LibTorch lacks is refused with
+// nothing changed; math (the unfused reference) trains as LibTorch's own choice does.
+TEST(LocalTrainerTest, AttentionKernelsAreChosenByNameAndRefusedWhereTheyCannotRun) {
+  for (const char* name : {"auto", "flash", "cudnn", "efficient", "math"}) {
+    auto kernel = ParseAttentionKernel(name);
+    ASSERT_THAT(kernel, IsOk()) << name;
+    EXPECT_STREQ(AttentionKernelName(*kernel), name);
+  }
+  EXPECT_THAT(
+      ParseAttentionKernel("fast"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("auto, flash, cudnn, efficient or math"), HasSubstr("\"fast\""))));
+  ASSERT_EQ(CurrentAttentionKernel(), AttentionKernel::kAuto) << "LibTorch's choice by default";
+  ASSERT_EQ(TrainerDevice(), "cpu");
+  // Kernels for GPUs only, or (LibTorch 1.13) no fused attention at all.
+  for (const AttentionKernel gpu_only : {AttentionKernel::kCudnn, AttentionKernel::kEfficient}) {
+    EXPECT_THAT(SetAttentionKernel(gpu_only), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                                       HasSubstr(AttentionKernelName(gpu_only))));
+    EXPECT_EQ(CurrentAttentionKernel(), AttentionKernel::kAuto);
+  }
+#if TORCH_VERSION_MAJOR >= 2
+  EXPECT_THAT(SetAttentionKernel(AttentionKernel::kFlash), IsOk()) << "LibTorch 2.x's CPU kernel";
+#else
+  EXPECT_THAT(SetAttentionKernel(AttentionKernel::kFlash),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("no fused attention")));
+  EXPECT_EQ(CurrentAttentionKernel(), AttentionKernel::kAuto);
+#endif
+  const InMemoryTokenSource data = PeriodicTokens(2000);
+  auto train = [&](AttentionKernel kernel) {
+    EXPECT_THAT(SetAttentionKernel(kernel), IsOk());
+    EXPECT_EQ(CurrentAttentionKernel(), kernel);
+    auto trainer = MakeTrainer();
+    EXPECT_NE(trainer, nullptr);
+    EXPECT_THAT(trainer->Train(data, 5, 0, /*seed=*/3), IsOk());
+    EXPECT_THAT(SetAttentionKernel(AttentionKernel::kAuto), IsOk());
+    return Params(*trainer);
+  };
+  const Layers automatic = train(AttentionKernel::kAuto);
+  const Layers math = train(AttentionKernel::kMath);
+  double diff = 0, norm = 0;
+  for (size_t l = 0; l < automatic.size(); ++l) {
+    for (size_t i = 0; i < automatic[l].size(); ++i) {
+      diff += std::pow(double(math[l][i]) - automatic[l][i], 2);
+      norm += std::pow(double(automatic[l][i]), 2);
+    }
+  }
+  EXPECT_LE(std::sqrt(diff / norm), 1e-4) << "the same function up to rounding";
+  EXPECT_NE(math, InitializeParameters(BuildTransformerSpec(TinyModel(), 2), 1));
+}
+
+// On a GPU (skipped without one): every kernel this LibTorch has trains the model as LibTorch's
+// own choice does in bf16 autocast (a kernel that saw later tokens, or none, would learn the
+// periodic sequence at another pace), and one that cannot take float32 is refused when the
+// trainer is created, naming the kernel.
+TEST(LocalTrainerTest, EveryAttentionKernelTrainsAlikeOnTheGpu) {
+  if (VisibleGpus() == 0) GTEST_SKIP() << "no GPU visible to LibTorch";
+  ASSERT_THAT(SetTrainerDevice("cuda:0"), IsOk());
+  const InMemoryTokenSource data = PeriodicTokens(4000);
+  auto losses = [&](AttentionKernel kernel) -> std::vector<double> {
+    std::vector<double> out;
+    EXPECT_THAT(SetAttentionKernel(kernel), IsOk()) << AttentionKernelName(kernel);
+    SetTrainerAutocastBf16(true);
+    auto trainer = MakeTrainer();
+    if (trainer != nullptr) {
+      for (int round = 0; round < 3; ++round) {
+        auto stats = trainer->Train(data, 10, /*lr_step=*/10 * round, /*seed=*/50 + round);
+        EXPECT_THAT(stats, IsOk()) << AttentionKernelName(kernel);
+        out.push_back(stats.ok() ? stats->mean_loss : 0.0);
+      }
+    }
+    SetTrainerAutocastBf16(false);
+    EXPECT_THAT(SetAttentionKernel(AttentionKernel::kAuto), IsOk());
+    return out;
+  };
+  const std::vector<double> automatic = losses(AttentionKernel::kAuto);
+  ASSERT_EQ(automatic.size(), 3u);
+  EXPECT_LT(automatic[2], 0.8 * automatic[0]) << "the periodic tokens are learned";
+  for (const AttentionKernel kernel : {AttentionKernel::kFlash, AttentionKernel::kCudnn,
+                                       AttentionKernel::kEfficient, AttentionKernel::kMath}) {
+    if (kernel == AttentionKernel::kCudnn && !SetAttentionKernel(kernel).ok()) {
+      std::printf("attention kernel cudnn: not in this LibTorch\n");
+      continue;
+    }
+    const std::vector<double> got = losses(kernel);
+    ASSERT_EQ(got.size(), 3u) << AttentionKernelName(kernel);
+    std::printf("attention kernel %s: round losses %.4f %.4f %.4f (auto %.4f %.4f %.4f)\n",
+                AttentionKernelName(kernel), got[0], got[1], got[2], automatic[0], automatic[1],
+                automatic[2]);
+    for (size_t r = 0; r < got.size(); ++r) {
+      EXPECT_NEAR(got[r], automatic[r], 0.03 * automatic[r]) << AttentionKernelName(kernel);
+    }
+  }
+  // FlashAttention takes 16-bit inputs only: float32 training is refused up front.
+  ASSERT_THAT(SetAttentionKernel(AttentionKernel::kFlash), IsOk());
+  EXPECT_THAT(
+      LocalTrainer::Create(TinyModel(), Inner(), BuildTransformerSpec(TinyModel(), 2), 1),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               HasSubstr("attention kernel flash cannot run 2 heads of 16 on cuda:0 in Float")));
+  EXPECT_THAT(SetAttentionKernel(AttentionKernel::kAuto), IsOk());
+  EXPECT_THAT(SetTrainerDevice("cpu"), IsOk());
 }
 
 // On a GPU (skipped without one): steps replayed from a CUDA graph (worker/step_graph.h) end
