@@ -253,8 +253,11 @@ check_tests() {
 # overlapped rounds of ALOE_GPU_ROUND_STEPS (default 100) steps through the host and the device
 # round boundary against the same steps in one call: the GPU's idle time per round. Then the
 # whole step with each attention kernel of ALOE_GPU_ATTENTION (default "cudnn efficient"; the
-# runs before take LibTorch's own choice, FlashAttention). Last, the whole step and the trainer
-# at each batch of ALOE_GPU_SWEEP (default "32 64"; "" for none).
+# runs before take LibTorch's own choice, FlashAttention), and computed in bf16 throughout
+# with float32 master parameters (--bare_precision=bf16: what dropping autocast's float32
+# activations would gain). Last, the whole step and the trainer at each batch of ALOE_GPU_SWEEP
+# (default "32 64"; "" for none). Each bare loop line gives its mean loss: a variant that
+# computes something else stands out.
 check_bench() {
   local peak="${ALOE_PEAK_TFLOPS:-989}" log="$ALOE_BUILD_DIR/gpu-bench.log"
   local batch="${ALOE_GPU_BATCH:-16}" rounds=(--round_steps="${ALOE_GPU_ROUND_STEPS:-100}"
@@ -273,20 +276,22 @@ check_bench() {
     fi
     i=$((i + 1))
   done
-  # The whole step with each other attention kernel (the variants run LibTorch's own choice).
+  # The whole step with each other attention kernel (the variants run LibTorch's own choice),
+  # then computed in bf16 throughout with float32 master parameters instead of autocast.
   local a
   for a in ${ALOE_GPU_ATTENTION-cudnn efficient}; do
     bench_run "$batch" "${variants[${#variants[@]} - 1]} $a" || failed=1
   done
+  bench_run "$batch" "${variants[${#variants[@]} - 1]} auto bf16" || failed=1
   local b
   for b in ${ALOE_GPU_SWEEP-32 64}; do
     bench_run "$b" "${variants[${#variants[@]} - 1]}" --trainer || failed=1
   done
   awk -v peak="$peak" '
     function fields(   i, kv) { delete v; for (i = 1; i <= NF; ++i) { split($i, kv, "="); v[kv[1]] = kv[2] } }
-    /^bare_step/ { fields(); step = "batch " v["batch"] ", " v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] ", " v["loss"] " loss, attention " v["attention"] ", graph " }
-    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-98s tokens_per_second=%s mfu=%s%s\n",
-      step v["graph"], v["tokens_per_second"], v["mfu"], prev ? sprintf(" (x%.3f)", v["tokens_per_second"] / prev) : "";
+    /^bare_step/ { fields(); step = "batch " v["batch"] ", " v["adamw"] " adamw, " v["clip"] " clip, host waits each " v["sync"] ", " v["loss"] " loss, attention " v["attention"] ", " v["precision"] ", graph " }
+    /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-108s tokens_per_second=%s mfu=%s loss=%s%s\n",
+      step v["graph"], v["tokens_per_second"], v["mfu"], v["loss"], prev ? sprintf(" (x%.3f)", v["tokens_per_second"] / prev) : "";
       prev = v["tokens_per_second"] }
     /^aloe_trainer/ { fields(); graph = v["graph"]; printf "gpu: trainer (graph %s) tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",
       graph, v["tokens_per_second"], v["mfu"], peak, v["ratio"] }
@@ -295,22 +300,23 @@ check_bench() {
   return "$failed"
 }
 
-# bench_run BATCH "ADAMW CLIP SYNC LOSS GRAPHS [ATTENTION]" [FLAG...]: one aloe-bench-worker run
-# of the 124M model into check_bench's log; fails (after logging which) when the run does.
+# bench_run BATCH "ADAMW CLIP SYNC LOSS GRAPHS [ATTENTION [PRECISION]]" [FLAG...]: one
+# aloe-bench-worker run of the 124M model into check_bench's log; fails (after logging which)
+# when the run does.
 bench_run() {
-  local batch="$1" adamw clip sync loss graphs attention
-  read -r adamw clip sync loss graphs attention <<<"$2"
-  attention="${attention:-auto}"
+  local batch="$1" adamw clip sync loss graphs attention precision
+  read -r adamw clip sync loss graphs attention precision <<<"$2"
+  attention="${attention:-auto}" precision="${precision:-autocast}"
   shift 2
   "$ALOE_BUILD_DIR/bin/aloe-bench-worker" --device="$DEVICE" --autocast=bf16 \
     --vocab_size=24576 --seq_len=1024 --d_model=768 --num_layers=12 --num_heads=12 \
     --batch_size="$batch" --steps="${ALOE_GPU_STEPS:-30}" --warmup=5 --threads=4 \
     --peak_tflops="${ALOE_PEAK_TFLOPS:-989}" --bare_adamw="$adamw" --bare_clip="$clip" \
     --bare_sync="$sync" --bare_loss="$loss" --cuda_graphs="$graphs" --attention="$attention" \
-    "$@" |
+    --bare_precision="$precision" "$@" |
     tee -a "$ALOE_BUILD_DIR/gpu-bench.log" ||
     { aloe_log "check bench: batch $batch, $adamw $clip $sync $loss graphs=$graphs" \
-      "attention=$attention failed"; return 1; }
+      "attention=$attention precision=$precision failed"; return 1; }
 }
 
 # Where a step of the same 124M model spends the GPU's time: scripts/gpu-profile.py (PyTorch

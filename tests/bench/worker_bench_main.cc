@@ -22,15 +22,22 @@
 //                  trainer's too (worker/trainer.h SetTrainerCudaGraphs)
 //   --attention    the fused attention's kernel (worker/trainer.h AttentionKernel), for the
 //                  trainer too
+//   --bare_precision
+//                  autocast: the forward pass under --autocast, as the trainer; bf16: a bf16
+//                  copy of the model runs forward and backward without autocast (no float32
+//                  activations: LayerNorm, residual stream, casts), its gradients are copied
+//                  into float32 master parameters for the clip and AdamW, which are copied
+//                  back: what training in bf16 would gain, measured before the trainer does it
 // The defaults (foreach or fused by device, one_pass, round, the model's own loss: fused on a
 // GPU, CUDA graphs on) are the trainer's own code: with
 // --trainer, the ratio then compares the trainer with a bare loop of the same step.
 //
 // Output (two lines):
 //   bare_step batch=<b> adamw=<kind> clip=<kind> sync=<kind> loss=<kind> graph=<asked>
-//       attention=<kernel>
+//       attention=<kernel> precision=<autocast|bf16>
 //   bare_libtorch tokens_per_second=<X> steps=<n> seconds=<s> params=<count> device=<d>
-//       flops_per_token=<F> graph=<on: the steps replayed a CUDA graph> [mfu=<m>]
+//       flops_per_token=<F> graph=<on: the steps replayed a CUDA graph>
+//       loss=<mean of the timed steps' losses> [mfu=<m>]
 // where tokens are predicted tokens (batch_size * seq_len per step) over the --steps timed steps
 // that follow --warmup untimed ones. With --trainer the same number of steps also runs through
 // LocalTrainer::Train, from the same initial parameters, the two taking turns in --blocks blocks;
@@ -109,6 +116,10 @@ ABSL_FLAG(std::string, bare_loss, "default",
 ABSL_FLAG(std::string, bare_sync, "round",
           "When the bare loop's host waits for the device: "
           "step | round (the trainer's)");
+ABSL_FLAG(std::string, bare_precision, "autocast",
+          "The bare loop's arithmetic: autocast (as --autocast, the trainer's) | bf16 (a bf16 "
+          "copy of the model computes the step: activations, LayerNorm, residual stream and "
+          "gradients in bf16; float32 master parameters take the clip and AdamW)");
 ABSL_FLAG(bool, cuda_graphs, true,
           "On a GPU: the bare loop's step (when it can be captured) and the trainer's as one "
           "CUDA graph each");
@@ -259,6 +270,16 @@ absl::Status Run() {
   if (sync != "step" && sync != "round") {
     return absl::InvalidArgumentError("--bare_sync must be step or round");
   }
+  const std::string precision = absl::GetFlag(FLAGS_bare_precision);
+  if (precision != "autocast" && precision != "bf16") {
+    return absl::InvalidArgumentError("--bare_precision must be autocast or bf16");
+  }
+  const bool pure_bf16 = precision == "bf16";
+  if (pure_bf16 && (adamw == "libtorch" || clip_kind != "one_pass")) {
+    return absl::InvalidArgumentError(
+        "--bare_precision=bf16 steps the master parameters with --bare_adamw foreach, fused or "
+        "default and --bare_clip one_pass");
+  }
   const bool one_pass_clip = clip_kind == "one_pass";
   const bool sync_each_step = sync == "step";
   // Matrices decay, biases and LayerNorm parameters do not: the trainer's groups.
@@ -276,6 +297,47 @@ absl::Status Run() {
     inner_adamw = std::make_unique<InnerAdamW>(params, std::move(decay), inner, kernel);
   }
   const bool fused_loss = loss_kind == "fused" || (loss_kind == "default" && device.is_cuda());
+  // --bare_precision=bf16: the model that computes, a bf16 copy of `model`, whose parameters
+  // stay the masters. The masters' gradients are allocated once and overwritten every step.
+  TransformerLM bf16_model{nullptr};
+  std::vector<torch::Tensor> bf16_params;
+  if (pure_bf16) {
+    bf16_model = TransformerLM(config);
+    bf16_model->set_fused_loss(fused_loss ? TransformerLMImpl::FusedLoss::kOn
+                                          : TransformerLMImpl::FusedLoss::kOff);
+    bf16_model->to(device, torch::kBFloat16);
+    bf16_params = bf16_model->parameters();
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      bf16_params[i].copy_(params[i]);
+      params[i].mutable_grad() = torch::zeros_like(params[i]);
+    }
+  }
+  // A step's loss and the masters' gradients; after the AdamW step, copy_back() makes the bf16
+  // copy the masters' values again (--bare_precision=bf16).
+  auto loss_and_gradients = [&](const torch::Tensor& batch) {
+    torch::Tensor loss;
+    if (!pure_bf16) {
+      inner_adamw->ZeroGrad();
+      {
+        TrainingAutocast bf16;
+        loss = model->Loss(batch);
+      }
+      loss.backward();
+      return loss;
+    }
+    for (torch::Tensor& p : bf16_params) p.mutable_grad().reset();
+    loss = bf16_model->Loss(batch);
+    loss.backward();
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i)
+      params[i].mutable_grad().copy_(bf16_params[i].grad());
+    return loss;
+  };
+  auto copy_back = [&]() {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < bf16_params.size(); ++i) bf16_params[i].copy_(params[i]);
+  };
   // The same step, captured once and replayed (the trainer's GraphedSteps), where it can be.
   SetTrainerCudaGraphs(absl::GetFlag(FLAGS_cuda_graphs));
   std::unique_ptr<GraphedSteps> graphed;
@@ -283,44 +345,56 @@ absl::Status Run() {
       inner_adamw->capturable() && one_pass_clip && !sync_each_step) {
     graphed =
         std::make_unique<GraphedSteps>(inner_adamw.get(), device, [&](const torch::Tensor& batch) {
-          inner_adamw->ZeroGrad();
-          torch::Tensor loss;
-          {
-            TrainingAutocast bf16;
-            loss = model->Loss(batch);
-          }
-          loss.backward();
+          const torch::Tensor loss = loss_and_gradients(batch);
           inner_adamw->LaunchStep(GradClipFactor(params, inner.grad_clip()));
+          copy_back();
           return loss;
         });
   }
-  std::printf("bare_step batch=%lld adamw=%s clip=%s sync=%s loss=%s graph=%s attention=%s\n",
-              static_cast<long long>(batch_size),
-              libtorch_adamw                                 ? "libtorch"
-              : inner_adamw->kernel() == AdamWKernel::kFused ? "fused"
-                                                             : "foreach",
-              clip_kind.c_str(), sync.c_str(), fused_loss ? "fused" : "unfused",
-              graphed ? "on" : "off", AttentionKernelName(attention));
+  std::printf(
+      "bare_step batch=%lld adamw=%s clip=%s sync=%s loss=%s graph=%s attention=%s "
+      "precision=%s\n",
+      static_cast<long long>(batch_size),
+      libtorch_adamw                                 ? "libtorch"
+      : inner_adamw->kernel() == AdamWKernel::kFused ? "fused"
+                                                     : "foreach",
+      clip_kind.c_str(), sync.c_str(), fused_loss ? "fused" : "unfused", graphed ? "on" : "off",
+      AttentionKernelName(attention), precision.c_str());
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<uint64_t> start(0, data->num_tokens() - window);
   // Runs `n` bare steps; returns their seconds unless they are warmup steps (a call's steps are
   // all warmup or all timed).
   int bare_steps_done = 0;
+  double timed_loss = 0;  // the sum of the timed steps' losses
   auto bare_steps = [&](int n) {
     const bool timed = bare_steps_done >= warmup;
     const auto t0 = std::chrono::steady_clock::now();
     torch::Tensor queued_loss;  // --bare_sync=round: the losses, read back once
+    double block_loss = 0;
+    auto take_loss = [&](const torch::Tensor& loss) {
+      if (sync_each_step) {
+        block_loss += loss.item<double>();
+      } else {
+        queued_loss = queued_loss.defined() ? queued_loss + loss.detach() : loss.detach().clone();
+      }
+    };
     for (int k = 0; k < n; ++k, ++bare_steps_done) {
       torch::Tensor batch = torch::empty({batch_size, window}, torch::kInt64);
       for (int64_t b = 0; b < batch_size; ++b) {
         data->Read(start(rng), window, batch.data_ptr<int64_t>() + b * window);
       }
       if (graphed) {
-        const torch::Tensor loss = graphed->Step(batch, inner.lr());
-        queued_loss = queued_loss.defined() ? queued_loss + loss : loss.clone();
+        take_loss(graphed->Step(batch, inner.lr()));
         continue;
       }
       batch = sync_each_step ? batch.to(device) : BatchOnDevice(batch, device);
+      if (pure_bf16) {
+        const torch::Tensor loss = loss_and_gradients(batch);
+        inner_adamw->Step(inner.lr(), GradClipFactor(params, inner.grad_clip()));
+        copy_back();
+        take_loss(loss);
+        continue;
+      }
       if (inner_adamw) {
         inner_adamw->ZeroGrad();
       } else {
@@ -349,13 +423,10 @@ absl::Status Run() {
         }
         libtorch_adamw->step();
       }
-      if (sync_each_step) {
-        loss.item<double>();
-      } else {
-        queued_loss = queued_loss.defined() ? queued_loss + loss.detach() : loss.detach();
-      }
+      take_loss(loss);
     }
-    if (queued_loss.defined()) queued_loss.item<double>();
+    if (queued_loss.defined()) block_loss += queued_loss.item<double>();
+    if (timed) timed_loss += block_loss;
     return timed ? Since(t0) : 0.0;
   };
   // With --trainer the two loops take turns, one block each, starting from the same
@@ -393,10 +464,10 @@ absl::Status Run() {
   const double bare_tps = tokens / seconds;
   std::printf(
       "bare_libtorch tokens_per_second=%.1f steps=%d seconds=%.3f params=%llu device=%s "
-      "flops_per_token=%.4g graph=%s%s\n",
+      "flops_per_token=%.4g graph=%s loss=%.4f%s\n",
       bare_tps, steps, seconds, static_cast<unsigned long long>(TotalElements(spec)),
       device_name.c_str(), flops_per_token, graphed && graphed->replaying() ? "on" : "off",
-      mfu(bare_tps).c_str());
+      timed_loss / steps, mfu(bare_tps).c_str());
   std::fflush(stdout);
 
   if (with_trainer) {
