@@ -293,8 +293,8 @@ check_bench() {
     /^bare_libtorch/ { fields(); printf "gpu: bare loop, %-108s tokens_per_second=%s mfu=%s loss=%s%s\n",
       step v["graph"], v["tokens_per_second"], v["mfu"], v["loss"], prev ? sprintf(" (x%.3f)", v["tokens_per_second"] / prev) : "";
       prev = v["tokens_per_second"] }
-    /^aloe_trainer/ { fields(); graph = v["graph"]; printf "gpu: trainer (graph %s) tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step)\n",
-      graph, v["tokens_per_second"], v["mfu"], peak, v["ratio"] }
+    /^aloe_trainer/ { fields(); graph = v["graph"]; printf "gpu: trainer (graph %s) tokens_per_second=%s mfu=%s (peak %s TFLOP/s) ratio=%s (bare loop of the same step) loss=%s\n",
+      graph, v["tokens_per_second"], v["mfu"], peak, v["ratio"], v["loss"] }
     /^aloe_round/ { fields(); printf "gpu: %s rounds of %s steps, %s boundary, graph %s: %s s a round, the GPU idle %s s of it (%.2f%%)\n",
       v["rounds"], v["round_steps"], v["boundary"], graph, v["round_seconds"], v["idle_seconds"], 100 * v["idle_fraction"] }' "$log"
   return "$failed"

@@ -43,7 +43,7 @@
 // LocalTrainer::Train, from the same initial parameters, the two taking turns in --blocks blocks;
 // a second line follows
 //   aloe_trainer tokens_per_second=<X> steps=<n> seconds=<s> ratio=<trainer / bare>
-//       graph=<on|off> [mfu=<m>]
+//       graph=<on|off> loss=<mean of its steps' losses> [mfu=<m>]
 // and with --round_steps H > 0 two more, one per round boundary (common/trainer_interface.h
 // RoundBoundary: host, then device): --rounds R overlapped rounds of H steps as aloe-worker
 // --overlap eager runs them, against the same R x H steps in one Train call; the difference is
@@ -444,6 +444,7 @@ absl::Status Run() {
   }
   double seconds = bare_steps(warmup);
   double trainer_seconds = 0;
+  double trainer_loss = 0;  // the sum of its timed steps' losses
   int trainer_steps = 0;
   for (int b = 0; b < blocks; ++b) {
     const int n = steps / blocks + (b < steps % blocks ? 1 : 0);
@@ -454,6 +455,7 @@ absl::Status Run() {
           trainer->Train(*data, n, inner.warmup_steps() + trainer_steps, seed + 1 + b));
       trainer_seconds += stats.compute_seconds;
       trainer_steps += static_cast<int>(stats.steps);
+      trainer_loss += stats.mean_loss * static_cast<double>(stats.steps);
       return absl::OkStatus();
     };
     if (b % 2 == 1) ALOE_RETURN_IF_ERROR(run_trainer());  // alternate who goes first
@@ -473,9 +475,12 @@ absl::Status Run() {
   if (with_trainer) {
     const double tps =
         static_cast<double>(trainer_steps) * batch_size * config.seq_len() / trainer_seconds;
-    std::printf("aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f graph=%s%s\n",
-                tps, trainer_steps, trainer_seconds, tps / bare_tps,
-                trainer->replays_cuda_graph() ? "on" : "off", mfu(tps).c_str());
+    std::printf(
+        "aloe_trainer tokens_per_second=%.1f steps=%d seconds=%.3f ratio=%.3f graph=%s "
+        "loss=%.4f%s\n",
+        tps, trainer_steps, trainer_seconds, tps / bare_tps,
+        trainer->replays_cuda_graph() ? "on" : "off",
+        trainer_steps > 0 ? trainer_loss / trainer_steps : 0.0, mfu(tps).c_str());
     const int round_steps = absl::GetFlag(FLAGS_round_steps);
     if (round_steps > 0) {
       // The same steps in one call, then as overlapped rounds through each boundary: what the
