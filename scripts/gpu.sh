@@ -27,16 +27,18 @@
 #                               1 GB). Catches what a newer LibTorch or the CUDA-only code would
 #                               break before a GPU session. Debian has no NCCL headers: the NCCL
 #                               code is not checked.
-#   scripts/gpu.sh check [tests|bench|profile|job]...
-#                               On that build: the worker tests (the GPU ones no longer skip);
-#                               the GPU benchmark (tokens/s and MFU of a 124M model in bf16
-#                               autocast through the worker's trainer and a bare LibTorch loop in
-#                               the same run, the bare loop once per inner-step change, and the
-#                               GPU's idle share of a round); a profile of the same model's step
-#                               (scripts/gpu-profile.py: GPU time by kernel category); a real
-#                               job (aloe-server and aloe-worker --device on the GPU, 4 rounds).
-#                               All four by default; a failed stage does not stop the next, and
-#                               the check exits 1 naming every stage that failed.
+#   scripts/gpu.sh check [bench|tests|job|profile]...
+#                               On that build: the GPU benchmark (tokens/s and MFU of a 124M
+#                               model in bf16 autocast through the worker's trainer and a bare
+#                               LibTorch loop in the same run, the bare loop once per inner-step
+#                               change, and the GPU's idle share of a round); the worker tests
+#                               (the GPU ones no longer skip); a real job (aloe-server and
+#                               aloe-worker --device on the GPU, 4 rounds); a profile of the same
+#                               model's step (scripts/gpu-profile.py: GPU time by kernel
+#                               category). All four by default, in that order (the measurements
+#                               first, for a session short of GPU time); a failed stage does not
+#                               stop the next, and the check exits 1 naming every stage that
+#                               failed.
 # Environment: ALOE_BUILD_DIR (default build-cuda), PYTHON (default python3), ALOE_TORCH_PREFIX
 # (a LibTorch CMake prefix instead of python's torch), ALOE_GPU_DEVICE (default cuda:0),
 # ALOE_PEAK_TFLOPS, ALOE_GPU_BATCH, ALOE_GPU_SWEEP, ALOE_GPU_STEPS, ALOE_GPU_ROUND_STEPS,
@@ -363,7 +365,8 @@ check_job() {
   fi
 }
 
-# check [tests|bench|profile|job]...: all four by default, on ALOE_GPU_DEVICE (default cuda:0).
+# check [bench|tests|job|profile]...: all four by default, in that order, on ALOE_GPU_DEVICE
+# (default cuda:0).
 # Each stage runs in a process of its own (gpu.sh stage NAME) and a failed one does not stop the
 # next: one session on a GPU reports every stage. Exits 1 naming the stages that failed.
 check() {
@@ -372,7 +375,7 @@ check() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   fi
   local stages=("$@") stage failed=()
-  [ ${#stages[@]} -gt 0 ] || stages=(tests bench profile job)
+  [ ${#stages[@]} -gt 0 ] || stages=(bench tests job profile)
   for stage in "${stages[@]}"; do
     case "$stage" in
       tests|bench|profile|job) ;;
