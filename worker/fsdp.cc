@@ -552,8 +552,7 @@ absl::StatusOr<std::unique_ptr<FsdpTrainer>> FsdpTrainer::Create(
   ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
   impl->params = impl->model->parameters();
   impl->device = TrainingDevice();
-  ALOE_RETURN_IF_ERROR(CheckAttentionKernelRuns(
-      model, impl->device, TrainerAutocastBf16() ? torch::kBFloat16 : torch::kFloat32));
+  ALOE_RETURN_IF_ERROR(CheckAttentionKernelRuns(model, impl->device));
   ALOE_RETURN_IF_ERROR(impl->Init(InitializeParameters(spec, seed)));
   return std::unique_ptr<FsdpTrainer>(new FsdpTrainer(std::move(impl)));
 }

@@ -249,8 +249,7 @@ absl::StatusOr<std::unique_ptr<LocalTrainer>> LocalTrainer::Create(
   ALOE_RETURN_IF_ERROR(CheckParametersMatchSpec(*impl->model, spec));
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *impl->model));
   impl->device = TrainingDevice();
-  ALOE_RETURN_IF_ERROR(CheckAttentionKernelRuns(
-      model, impl->device, TrainerAutocastBf16() ? torch::kBFloat16 : torch::kFloat32));
+  ALOE_RETURN_IF_ERROR(CheckAttentionKernelRuns(model, impl->device));
   try {
     impl->model->to(impl->device);
   } catch (const std::exception& e) {

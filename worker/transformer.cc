@@ -105,10 +105,11 @@ absl::Status SetAttentionKernel(AttentionKernel kernel) {
 AttentionKernel CurrentAttentionKernel() { return g_attention.load(std::memory_order_relaxed); }
 
 absl::Status CheckAttentionKernelRuns(const v1::TransformerConfig& config,
-                                      const torch::Device& device, torch::ScalarType dtype) {
+                                      const torch::Device& device) {
   const AttentionKernel kernel = CurrentAttentionKernel();
   if (!ALOE_FUSED_ATTENTION || kernel == AttentionKernel::kAuto) return absl::OkStatus();
 #if ALOE_FUSED_ATTENTION
+  const torch::ScalarType dtype = TrainerAutocastBf16() ? torch::kBFloat16 : torch::kFloat32;
   const int64_t heads = config.num_heads();
   const int64_t head_dim = config.d_model() / heads;
   try {

@@ -105,13 +105,13 @@ class TransformerLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TransformerLM);
 
-// Whether the kernel set by SetAttentionKernel takes a model of `config` on `device` with
-// attention inputs of `dtype` (bf16 under autocast, else float32): runs causal attention of the
-// model's head count and size forward and backward once on a few tokens. kFailedPrecondition
-// naming the kernel and LibTorch's reason when it cannot (FlashAttention and cuDNN take only
-// 16-bit inputs, say); OK at once for kAuto and on LibTorch 1.13.
+// Whether the kernel set by SetAttentionKernel takes a model of `config` on `device` with the
+// training steps' attention inputs (bf16 under TrainerAutocastBf16, else float32): runs causal
+// attention of the model's head count and size forward and backward once on a few tokens.
+// kFailedPrecondition naming the kernel and LibTorch's reason when it cannot (FlashAttention and
+// cuDNN take only 16-bit inputs, say); OK at once for kAuto and on LibTorch 1.13.
 absl::Status CheckAttentionKernelRuns(const v1::TransformerConfig& config,
-                                      const torch::Device& device, torch::ScalarType dtype);
+                                      const torch::Device& device);
 
 // Returns OK when module.named_parameters() lists exactly the tensors of `spec` in order (names
 // and shapes), else kFailedPrecondition naming the first mismatch. Does not throw.

@@ -237,8 +237,7 @@ absl::Status Run() {
   // Flush-to-zero and denormals-are-zero on this thread and its intra-op threads, as every
   // trainer sets them: like with like.
   FlushDenormals();
-  ALOE_RETURN_IF_ERROR(CheckAttentionKernelRuns(
-      config, device, TrainerAutocastBf16() ? torch::kBFloat16 : torch::kFloat32));
+  ALOE_RETURN_IF_ERROR(CheckAttentionKernelRuns(config, device));
   TransformerLM model(config);
   ALOE_RETURN_IF_ERROR(LoadParameters(InitializeParameters(spec, seed), spec, *model));
   model->to(device);
@@ -313,14 +312,19 @@ absl::Status Run() {
       params[i].mutable_grad() = torch::zeros_like(params[i]);
     }
   }
-  // A step's loss and the masters' gradients; after the AdamW step, copy_back() makes the bf16
-  // copy the masters' values again (--bare_precision=bf16).
+  // A step's loss and the gradients of `params` (the masters with --bare_precision=bf16); after
+  // the AdamW step, copy_back() makes the bf16 copy the masters' values again (a no-op without
+  // one).
   auto loss_and_gradients = [&](const torch::Tensor& batch) {
     torch::Tensor loss;
     if (!pure_bf16) {
-      inner_adamw->ZeroGrad();
+      if (inner_adamw) {
+        inner_adamw->ZeroGrad();
+      } else {
+        libtorch_adamw->zero_grad();
+      }
       {
-        TrainingAutocast bf16;
+        TrainingAutocast bf16;  // --autocast bf16: the forward pass, as the trainer does
         loss = model->Loss(batch);
       }
       loss.backward();
@@ -388,24 +392,7 @@ absl::Status Run() {
         continue;
       }
       batch = sync_each_step ? batch.to(device) : BatchOnDevice(batch, device);
-      if (pure_bf16) {
-        const torch::Tensor loss = loss_and_gradients(batch);
-        inner_adamw->Step(inner.lr(), GradClipFactor(params, inner.grad_clip()));
-        copy_back();
-        take_loss(loss);
-        continue;
-      }
-      if (inner_adamw) {
-        inner_adamw->ZeroGrad();
-      } else {
-        libtorch_adamw->zero_grad();
-      }
-      torch::Tensor loss;
-      {
-        TrainingAutocast bf16;  // --autocast bf16: the forward pass, as the trainer does
-        loss = model->Loss(batch);
-      }
-      loss.backward();
+      const torch::Tensor loss = loss_and_gradients(batch);
       torch::Tensor clip;
       if (one_pass_clip) {
         clip = GradClipFactor(params, inner.grad_clip());
@@ -423,6 +410,7 @@ absl::Status Run() {
         }
         libtorch_adamw->step();
       }
+      copy_back();
       take_loss(loss);
     }
     if (queued_loss.defined()) block_loss += queued_loss.item<double>();
